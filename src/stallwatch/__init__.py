@@ -1,0 +1,60 @@
+"""stallwatch: an async server never freezes silently and never wedges unseen.
+
+Import it first thing at startup (or ``import stallwatch.auto``). The import alone makes forks
+safe: at-fork handlers are skipped in children created only to exec, the OpenTelemetry SDK starts
+no thread in a fork child's handlers (workers restart on first use in a child that lives on), and
+``GRPC_ENABLE_FORK_SUPPORT=false`` is set before gRPC loads. Then:
+
+- ``setup(**overrides)`` builds and installs the telemetry pipeline from ``OTEL_*``/``STALLWATCH_*``
+  variables (keyword overrides win) and returns the running ``Session``;
+- ``shutdown(timeout=None)`` flushes and stops it within a bounded time;
+- ``doctor()`` reports the fork hazards that remain in this process;
+- ``uvicorn_loop()`` is the ``loop=`` value that makes uvicorn spawn without fork.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import forksafe as _forksafe
+from . import session as _session
+from ._version import __version__
+from .config import ConfigError, Settings
+from .doctor import Report, doctor
+from .forksafe.loop import uvicorn_loop
+from .session import Session, shutdown
+
+FORK_SAFETY = _forksafe.install()
+
+
+def setup(**overrides: Any) -> Session:
+    """Start stallwatch: build the telemetry pipeline and register its instruments.
+
+    Settings come from the environment (``OTEL_*`` and ``STALLWATCH_*``, see the README) and from
+    keyword overrides named like ``Settings`` fields, e.g. ``setup(traces_exporter="console",
+    file_dir="/var/lib/app/telemetry")``. Idempotent: a second call returns the running session.
+
+    A bad setting is logged at ERROR naming the variable, and telemetry stays off while the host
+    keeps running; with ``strict=True`` (or ``STALLWATCH_STRICT=true``) it raises ``ConfigError``.
+    """
+    return _session.setup(FORK_SAFETY, **overrides)
+
+
+def audit() -> Report:
+    """Same as `doctor()`: the structured fork-hazard report of this process."""
+    return doctor()
+
+
+__all__ = [
+    "FORK_SAFETY",
+    "ConfigError",
+    "Report",
+    "Session",
+    "Settings",
+    "__version__",
+    "audit",
+    "doctor",
+    "setup",
+    "shutdown",
+    "uvicorn_loop",
+]

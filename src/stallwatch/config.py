@@ -1,0 +1,397 @@
+"""One settings object: every `STALLWATCH_*` and `OTEL_*` variable stallwatch reads, parsed here.
+
+`Settings.load(**overrides)` reads the environment, applies keyword overrides (keyword names are
+the field names below) and validates everything; a bad value raises `ConfigError` whose message
+names the variable or keyword and what it accepts. `OPTIONS` documents each knob; the README's
+configuration table is checked against it by a test.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+TRACE_EXPORTERS = ("otlp", "console", "file", "none")
+METRIC_EXPORTERS = ("otlp", "console", "file", "prometheus", "none")
+LOG_EXPORTERS = ("otlp", "console", "file", "none")
+PROTOCOLS = ("http/protobuf", "grpc")
+PROVIDER_OWNERS = ("stallwatch", "host")
+SAMPLERS = (
+    "always_on",
+    "always_off",
+    "traceidratio",
+    "parentbased_always_on",
+    "parentbased_always_off",
+    "parentbased_traceidratio",
+)
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+class ConfigError(ValueError):
+    """A setting has a value stallwatch cannot use; the message names the setting."""
+
+
+@dataclass(frozen=True)
+class Option:
+    """Documentation of one setting: environment variable, keyword, default and meaning."""
+
+    env: str
+    keyword: str | None
+    default: str
+    description: str
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option(
+        "OTEL_SDK_DISABLED",
+        "disabled",
+        "false",
+        "`true` turns all telemetry off; the fork guard still protects the process.",
+    ),
+    Option("OTEL_SERVICE_NAME", "service_name", "`unknown_service`", "`service.name` resource attribute."),
+    Option(
+        "OTEL_RESOURCE_ATTRIBUTES",
+        "resource_attributes",
+        "(none)",
+        "Extra resource attributes, `key=value,key2=value2`.",
+    ),
+    Option(
+        "OTEL_TRACES_EXPORTER",
+        "traces_exporter",
+        "`file`, or `otlp` when an OTLP endpoint is set",
+        "Where spans go: `otlp`, `console`, `file`, `none` (comma-separated for several).",
+    ),
+    Option(
+        "OTEL_METRICS_EXPORTER",
+        "metrics_exporter",
+        "`file`, or `otlp` when an OTLP endpoint is set",
+        "Where metrics go: `otlp`, `console`, `file`, `prometheus`, `none`.",
+    ),
+    Option(
+        "OTEL_LOGS_EXPORTER",
+        "logs_exporter",
+        "`file`, or `otlp` when an OTLP endpoint is set",
+        "Where log records go: `otlp`, `console`, `file`, `none`.",
+    ),
+    Option(
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "otlp_endpoint",
+        "`http://localhost:4318` (HTTP)",
+        "OTLP base URL; per-signal `OTEL_EXPORTER_OTLP_{TRACES,METRICS,LOGS}_ENDPOINT` override it.",
+    ),
+    Option(
+        "OTEL_EXPORTER_OTLP_PROTOCOL",
+        "otlp_protocol",
+        "`http/protobuf`",
+        "`http/protobuf` or `grpc` (needs the `grpc` extra; only then is grpc imported). "
+        "Per-signal `OTEL_EXPORTER_OTLP_{TRACES,METRICS,LOGS}_PROTOCOL` override it.",
+    ),
+    Option("OTEL_TRACES_SAMPLER", "sampler", "`parentbased_always_on`", "Sampler name (OTel spec values)."),
+    Option("OTEL_TRACES_SAMPLER_ARG", "sampler_arg", "`1.0`", "Ratio for the `traceidratio` samplers, 0..1."),
+    Option(
+        "OTEL_METRIC_EXPORT_INTERVAL",
+        "metric_export_interval_ms",
+        "`60000`",
+        "Milliseconds between metric exports (positive).",
+    ),
+    Option(
+        "OTEL_EXPORTER_PROMETHEUS_HOST",
+        "prometheus_host",
+        "`localhost`",
+        "Bind address of the Prometheus scrape endpoint (`prometheus` metrics exporter).",
+    ),
+    Option(
+        "OTEL_EXPORTER_PROMETHEUS_PORT",
+        "prometheus_port",
+        "`9464`",
+        "Port of the Prometheus scrape endpoint (0 picks a free port).",
+    ),
+    Option(
+        "STALLWATCH_PROVIDERS",
+        "providers",
+        "`stallwatch`",
+        "`stallwatch` builds and installs the tracer/meter/logger providers; `host` leaves that to "
+        "the host (stallwatch reports through whatever the host installs; the host's providers "
+        "are still made fork-aware).",
+    ),
+    Option(
+        "STALLWATCH_FILE_DIR",
+        "file_dir",
+        "`$XDG_STATE_HOME/stallwatch/telemetry` (`~/.local/state/stallwatch/telemetry`)",
+        "Directory of the `file` exporter: `traces.jsonl`, `metrics.jsonl`, `logs.jsonl` in OTLP/JSON.",
+    ),
+    Option(
+        "STALLWATCH_LOG_LEVEL",
+        "log_level",
+        "`WARNING`",
+        "Lowest level of Python log records exported as OpenTelemetry logs (`stallwatch` providers only).",
+    ),
+    Option(
+        "STALLWATCH_SHUTDOWN_TIMEOUT",
+        "shutdown_timeout",
+        "`1.0`",
+        "Seconds `shutdown()` and interpreter exit may spend flushing telemetry.",
+    ),
+    Option(
+        "STALLWATCH_STRICT",
+        "strict",
+        "`false`",
+        "`true` makes `setup()` raise `ConfigError` on a bad setting instead of logging it and "
+        "running with telemetry off.",
+    ),
+    Option(
+        "STALLWATCH_FORK_GUARD",
+        None,
+        "`true`",
+        "Read at `import stallwatch`. `false` turns off the at-fork handler guard and the "
+        "OpenTelemetry fork patches (for debugging stallwatch only: children then start threads).",
+    ),
+    Option(
+        "STALLWATCH_GRPC_FORK_GUARD",
+        None,
+        "`true`",
+        "Read at `import stallwatch`. `true` sets `GRPC_ENABLE_FORK_SUPPORT=false` when it is unset "
+        "and grpc is not loaded yet, so gRPC starts no threads in fork children.",
+    ),
+)
+
+
+def _default_file_dir() -> Path:
+    state_home = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state_home) / "stallwatch" / "telemetry"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Validated settings of one stallwatch session. Build with `Settings.load()`."""
+
+    disabled: bool = False
+    service_name: str | None = None
+    resource_attributes: Mapping[str, str] = field(default_factory=dict)
+    traces_exporter: tuple[str, ...] = ("file",)
+    metrics_exporter: tuple[str, ...] = ("file",)
+    logs_exporter: tuple[str, ...] = ("file",)
+    otlp_endpoint: str | None = None
+    otlp_protocol: str = "http/protobuf"
+    signal_protocols: Mapping[str, str] = field(default_factory=dict)
+    sampler: str = "parentbased_always_on"
+    sampler_arg: float = 1.0
+    metric_export_interval_ms: int = 60000
+    prometheus_host: str = "localhost"
+    prometheus_port: int = 9464
+    providers: str = "stallwatch"
+    file_dir: Path = field(default_factory=_default_file_dir)
+    log_level: int = logging.WARNING
+    shutdown_timeout: float = 1.0
+    strict: bool = False
+
+    @classmethod
+    def load(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Read settings from `environ` (default `os.environ`) and apply keyword overrides."""
+        env = os.environ if environ is None else environ
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; accepted keywords: {', '.join(sorted(known))}")
+        endpoint_set = bool(
+            overrides.get("otlp_endpoint")
+            or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+            or any(env.get(f"OTEL_EXPORTER_OTLP_{s}_ENDPOINT") for s in ("TRACES", "METRICS", "LOGS"))
+        )
+        default_exporter = "otlp" if endpoint_set else "file"
+        values: dict[str, Any] = {}
+
+        def take(keyword: str, variable: str, parse: Callable[[str, str], Any], default: str | None) -> None:
+            if keyword in overrides:
+                raw = overrides[keyword]
+                values[keyword] = parse(raw, keyword) if isinstance(raw, str) else _check_type(raw, keyword, parse)
+            elif (text := env.get(variable)) not in (None, ""):
+                values[keyword] = parse(text, variable)
+            elif default is not None:
+                values[keyword] = parse(default, variable)
+
+        take("disabled", "OTEL_SDK_DISABLED", _bool, None)
+        take("service_name", "OTEL_SERVICE_NAME", _nonempty, None)
+        take("resource_attributes", "OTEL_RESOURCE_ATTRIBUTES", _resource_attributes, None)
+        take("traces_exporter", "OTEL_TRACES_EXPORTER", _choices(TRACE_EXPORTERS), default_exporter)
+        take("metrics_exporter", "OTEL_METRICS_EXPORTER", _choices(METRIC_EXPORTERS), default_exporter)
+        take("logs_exporter", "OTEL_LOGS_EXPORTER", _choices(LOG_EXPORTERS), default_exporter)
+        take("otlp_endpoint", "OTEL_EXPORTER_OTLP_ENDPOINT", _url, None)
+        for signal in ("TRACES", "METRICS", "LOGS"):
+            if text := env.get(f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT"):
+                _url(text, f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT")
+        take("otlp_protocol", "OTEL_EXPORTER_OTLP_PROTOCOL", _one_of(PROTOCOLS), None)
+        protocols = dict(overrides.get("signal_protocols") or {})
+        for signal in ("traces", "metrics", "logs"):
+            variable = f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL"
+            if signal not in protocols and (text := env.get(variable)):
+                protocols[signal] = text
+            if signal in protocols:
+                protocols[signal] = _one_of(PROTOCOLS)(protocols[signal], variable)
+        values["signal_protocols"] = protocols
+        take("sampler", "OTEL_TRACES_SAMPLER", _one_of(SAMPLERS), None)
+        take("sampler_arg", "OTEL_TRACES_SAMPLER_ARG", _ratio, None)
+        take("metric_export_interval_ms", "OTEL_METRIC_EXPORT_INTERVAL", _positive_int, None)
+        take("prometheus_host", "OTEL_EXPORTER_PROMETHEUS_HOST", _nonempty, None)
+        take("prometheus_port", "OTEL_EXPORTER_PROMETHEUS_PORT", _port, None)
+        take("providers", "STALLWATCH_PROVIDERS", _one_of(PROVIDER_OWNERS), None)
+        take("file_dir", "STALLWATCH_FILE_DIR", _path, None)
+        take("log_level", "STALLWATCH_LOG_LEVEL", _log_level, None)
+        take("shutdown_timeout", "STALLWATCH_SHUTDOWN_TIMEOUT", _positive_float, None)
+        take("strict", "STALLWATCH_STRICT", _bool, None)
+        return cls(**values)
+
+    def protocol_for(self, signal: str) -> str:
+        """OTLP protocol of one signal (`traces`, `metrics`, `logs`)."""
+        return self.signal_protocols.get(signal, self.otlp_protocol)
+
+    def with_changes(self, **changes: Any) -> Settings:
+        """A copy with some fields changed (no re-validation; for internal use)."""
+        return replace(self, **changes)
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """Read a boolean `STALLWATCH_*` import-time flag; a bad value raises `ConfigError`."""
+    text = os.environ.get(name)
+    return default if text in (None, "") else _bool(text, name)
+
+
+# ---- parsers: each takes (raw text, setting name) and raises ConfigError naming the setting ----
+
+
+def _fail(name: str, value: object, expected: str) -> ConfigError:
+    return ConfigError(f"{name}={value!r} is invalid: expected {expected}")
+
+
+def _check_type(value: Any, name: str, parse: Callable[[str, str], Any]) -> Any:
+    """Validate a non-string keyword override by round-tripping it through the parser."""
+    if isinstance(value, bool) and parse is _bool:
+        return value
+    if isinstance(value, (tuple, list)) and all(isinstance(v, str) for v in value):
+        return parse(",".join(value), name)
+    if isinstance(value, Mapping) and parse is _resource_attributes:
+        return {str(k): str(v) for k, v in value.items()}
+    if isinstance(value, Path) and parse is _path:
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return parse(str(value), name)
+    raise _fail(name, value, f"a value like the environment variable takes, not {type(value).__name__}")
+
+
+def _bool(text: str, name: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise _fail(name, text, "true or false")
+
+
+def _nonempty(text: str, name: str) -> str:
+    if not text.strip():
+        raise _fail(name, text, "a non-empty string")
+    return text.strip()
+
+
+def _one_of(allowed: tuple[str, ...]) -> Callable[[str, str], str]:
+    def parse(text: str, name: str) -> str:
+        value = text.strip().lower()
+        if value not in allowed:
+            raise _fail(name, text, "one of " + ", ".join(allowed))
+        return value
+
+    return parse
+
+
+def _choices(allowed: tuple[str, ...]) -> Callable[[str, str], tuple[str, ...]]:
+    def parse(text: str, name: str) -> tuple[str, ...]:
+        chosen = tuple(dict.fromkeys(part.strip().lower() for part in text.split(",") if part.strip()))
+        if not chosen or any(c not in allowed for c in chosen):
+            raise _fail(name, text, "a comma-separated list of " + ", ".join(allowed))
+        if "none" in chosen and len(chosen) > 1:
+            raise _fail(name, text, "`none` alone, or a list without `none`")
+        return () if chosen == ("none",) else chosen
+
+    return parse
+
+
+def _url(text: str, name: str) -> str:
+    parts = urlsplit(text.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise _fail(name, text, "an http:// or https:// URL with a host, e.g. http://localhost:4318")
+    try:
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError:
+        raise _fail(name, text, "a URL whose port is a number in 0..65535") from None
+    return text.strip()
+
+
+def _ratio(text: str, name: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise _fail(name, text, "a number between 0 and 1") from None
+    if not 0.0 <= value <= 1.0:
+        raise _fail(name, text, "a number between 0 and 1")
+    return value
+
+
+def _positive_int(text: str, name: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise _fail(name, text, "a positive whole number") from None
+    if value <= 0:
+        raise _fail(name, text, "a positive whole number")
+    return value
+
+
+def _positive_float(text: str, name: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise _fail(name, text, "a positive number of seconds") from None
+    if not value > 0 or value == float("inf"):
+        raise _fail(name, text, "a positive, finite number of seconds")
+    return value
+
+
+def _port(text: str, name: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise _fail(name, text, "a port number in 0..65535") from None
+    if not 0 <= value <= 65535:
+        raise _fail(name, text, "a port number in 0..65535")
+    return value
+
+
+def _path(text: str, name: str) -> Path:
+    if "\x00" in text or not text.strip():
+        raise _fail(name, text, "a directory path")
+    return Path(text).expanduser()
+
+
+def _log_level(text: str, name: str) -> int:
+    level = logging.getLevelName(text.strip().upper())
+    if not isinstance(level, int):
+        raise _fail(name, text, "a logging level name: DEBUG, INFO, WARNING, ERROR or CRITICAL")
+    return level
+
+
+def _resource_attributes(text: str, name: str) -> dict[str, str]:
+    result: dict[str, str] = {}
+    for item in text.split(","):
+        if not item.strip():
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise _fail(name, text, "comma-separated key=value pairs")
+        result[key.strip()] = value.strip()
+    return result

@@ -1,0 +1,315 @@
+"""`stallwatch doctor`: what would happen in this process's fork children, measured in a real one.
+
+The report lists versions, the event loop uvicorn would pick, gRPC state, and every at-fork
+handler registered after `import stallwatch` with the threads it starts when run in a real fork
+child (a throw-away child runs them one at a time, counts thread starts and OS tasks, reports
+over a pipe and `_exit`s). Handlers registered earlier cannot be told apart, so the threads they
+start are one unattributed figure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import select
+import signal
+import sys
+import threading
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .forksafe import grpc_guard, guard
+from .forksafe.loop import loop_report, package_version
+
+_PROBE_TIMEOUT = 10.0
+
+
+@dataclass
+class HandlerProbe:
+    """Threads one after_in_child handler started in a real fork child."""
+
+    name: str
+    thread_starts: int
+    threads: list[str] = field(default_factory=list)
+    os_tasks_added: int = 0
+    error: str | None = None
+
+
+@dataclass
+class Report:
+    """Structured result of `doctor()`; `ok` is False while a fork hazard remains."""
+
+    versions: dict[str, str | None]
+    loop: dict[str, str | None]
+    grpc: dict[str, Any]
+    fork_guard: dict[str, Any]
+    handlers: list[HandlerProbe]
+    unattributed_thread_starts: int
+    unattributed_threads: list[str]
+    sentry: dict[str, Any]
+    hazards: list[str]
+    advice: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.hazards
+
+    @property
+    def verdict(self) -> str:
+        if self.hazards:
+            return f"FORK HAZARD ({len(self.hazards)}): " + self.hazards[0]
+        return "OK: no thread starts in fork children; exec-bound children skip at-fork handlers."
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["ok"] = self.ok
+        data["verdict"] = self.verdict
+        return data
+
+    def format_text(self) -> str:
+        lines = ["stallwatch doctor", ""]
+        lines += [f"  {k:<22} {v or '-'}" for k, v in self.versions.items()]
+        lines += [
+            f"  {'event loop':<22} running: {self.loop['running']}; uvicorn loop=auto picks: "
+            f"{self.loop['uvicorn_auto_picks'] or '-'}",
+            f"  {'gRPC':<22} loaded: {self.grpc['loaded']}; threads: {self.grpc['threads'] or 'none'}; "
+            + ", ".join(f"{k}={v}" for k, v in self.grpc["env"].items()),
+            f"  {'fork guard':<22} {'on' if self.fork_guard['enabled'] else 'OFF'}; patched: "
+            f"{len(self.fork_guard['patched'])} SDK methods",
+            f"  {'sentry-sdk':<22} {self.sentry['version'] or 'not installed'}"
+            + (f" ({self.sentry['fork_safety']})" if self.sentry["version"] else ""),
+            "",
+            "  at-fork handlers registered after import stallwatch (threads started in a real fork child):",
+        ]
+        if not self.handlers:
+            lines.append("    (none)")
+        for probe in self.handlers:
+            extra = f" {probe.threads}" if probe.threads else ""
+            error = f" error: {probe.error}" if probe.error else ""
+            lines.append(f"    {probe.thread_starts} thread(s)  {probe.name}{extra}{error}")
+        lines.append(
+            f"  registered before import (unattributed): {self.unattributed_thread_starts} thread start(s)"
+            + (f" {self.unattributed_threads}" if self.unattributed_threads else "")
+        )
+        lines.append("")
+        lines += [f"  hazard: {h}" for h in self.hazards]
+        lines += [f"  advice: {a}" for a in self.advice]
+        lines += ["", self.verdict]
+        return "\n".join(lines)
+
+
+def doctor(probe: bool = True) -> Report:
+    """Report the fork hazards left in this process; `probe=False` skips the test fork."""
+    from . import FORK_SAFETY
+
+    hazards: list[str] = []
+    advice: list[str] = []
+    versions = {
+        "python": platform.python_version(),
+        "opentelemetry-sdk": package_version("opentelemetry-sdk"),
+        "grpcio": package_version("grpcio"),
+        "uvloop": package_version("uvloop"),
+        "stallwatch": package_version("stallwatch"),
+    }
+    loops = loop_report()
+    versions["libuv"] = loops.libuv_version
+    versions["uvicorn"] = loops.uvicorn_version
+
+    grpc_env = {k: v for k, v in os.environ.items() if k.startswith("GRPC_")}
+    grpc_info: dict[str, Any] = {
+        "loaded": "grpc" in sys.modules,
+        "threads": sorted(set(grpc_guard.grpc_threads())),
+        "env": grpc_env,
+    }
+    if FORK_SAFETY.grpc.hazard:
+        hazards.append(FORK_SAFETY.grpc.hazard)
+
+    if not FORK_SAFETY.guard_enabled:
+        hazards.append("the fork guard is off (STALLWATCH_FORK_GUARD=false); unset it")
+    if FORK_SAFETY.preexisting:
+        built = ", ".join(f"{n} {cls}" for cls, n in sorted(FORK_SAFETY.preexisting.items()))
+        hazards.append(
+            f"OpenTelemetry objects built before `import stallwatch` ({built}) still start threads in "
+            "fork children; import stallwatch (or stallwatch.auto) first"
+        )
+
+    handlers: list[HandlerProbe] = []
+    unattributed_starts, unattributed = 0, []
+    if probe and guard.installed():
+        result = probe_fork_handlers()
+        handlers = [HandlerProbe(**h) for h in result["handlers"]]
+        unattributed_starts = result["unattributed_thread_starts"]
+        unattributed = result["unattributed_threads"]
+        for h in handlers:
+            if h.thread_starts or h.os_tasks_added or h.error:
+                hazards.append(f"after-fork handler {h.name} started {h.thread_starts} thread(s) in a fork child")
+        if unattributed_starts or unattributed:
+            hazards.append(
+                f"handlers registered before `import stallwatch` started {unattributed_starts} Python "
+                f"thread(s) and left OS threads {unattributed} in a fork child; import stallwatch first"
+            )
+
+    if loops.uvicorn_auto_picks == "uvloop" or loops.running == "uvloop":
+        advice.append(
+            "uvloop forks for every subprocess and holds the GIL until exec; run uvicorn with "
+            'loop=stallwatch.uvicorn_loop() ("asyncio") or --loop asyncio'
+        )
+    sentry = _sentry_report()
+    if sentry["version"] and not sentry["safe"]:
+        advice.append(f"upgrade sentry-sdk to 2.59 or newer: {sentry['fork_safety']}")
+
+    return Report(
+        versions=versions,
+        loop=asdict(loops),
+        grpc=grpc_info,
+        fork_guard={
+            "enabled": FORK_SAFETY.guard_enabled,
+            "patched": list(FORK_SAFETY.patched),
+            "preexisting_objects": FORK_SAFETY.preexisting,
+            "sdk_loaded_before_stallwatch": FORK_SAFETY.sdk_loaded_before,
+        },
+        handlers=handlers,
+        unattributed_thread_starts=unattributed_starts,
+        unattributed_threads=unattributed,
+        sentry=sentry,
+        hazards=hazards,
+        advice=advice,
+    )
+
+
+def _sentry_report() -> dict[str, Any]:
+    version = package_version("sentry-sdk")
+    if version is None:
+        return {"version": None, "safe": True, "fork_safety": "not installed"}
+    major_minor = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
+    safe = major_minor >= (2, 59)
+    text = (
+        "workers start lazily by pid; its fork handlers only reset state"
+        if safe
+        else "workers start lazily, but an inherited held lock can deadlock a fork child (sentry #6148)"
+    )
+    return {"version": version, "safe": safe, "fork_safety": text}
+
+
+# ---- the probe child ----------------------------------------------------------------------------
+
+
+def probe_fork_handlers(stock: bool = False) -> dict[str, Any]:
+    """Fork a throw-away child that runs each guarded after_in_child handler and counts threads.
+
+    With `stock=True` the handlers run as the unpatched SDK would (outside the guard), which is
+    what the stock pipeline does in every fork child.
+    """
+    read_fd, write_fd = os.pipe()
+    parent = os.getpid()
+    starts: list[str] = []
+    original_start = threading.Thread.start
+
+    def counting_start(self: threading.Thread) -> None:
+        if os.getpid() != parent:
+            starts.append(self.name)
+        original_start(self)
+
+    threading.Thread.start = counting_start  # type: ignore[method-assign]
+    guard.STATE.probe = True
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # "process is multi-threaded"
+            pid = os.fork()
+    finally:
+        if os.getpid() == parent:
+            guard.STATE.probe = False
+            threading.Thread.start = original_start  # type: ignore[method-assign]
+    if pid == 0:
+        try:
+            os.close(read_fd)
+            payload = _measure_in_child(starts, stock)
+            os.write(write_fd, json.dumps(payload).encode())
+        finally:
+            os._exit(0)
+    os.close(write_fd)
+    return _collect(pid, read_fd)
+
+
+def _other_tasks() -> list[str]:
+    """Names of the OS threads of this process other than the calling (main) one."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        if int(tid) == threading.get_native_id():
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as comm:
+                names.append(comm.read().strip())
+        except OSError:
+            continue
+    return names
+
+
+def _measure_in_child(starts: list[str], stock: bool) -> dict[str, Any]:
+    early_starts = list(starts)
+    unattributed = _other_tasks()
+    guard.STATE.probe = False
+    results = []
+    for registration in list(guard.REGISTRATIONS):
+        handler = registration.after_in_child
+        if handler is None:
+            continue
+        del starts[:]
+        tasks_before = len(_other_tasks())
+        error = None
+        try:
+            handler() if stock else guard.run_child_handler(handler)
+        except Exception as exc:  # a failing handler is a finding, not a doctor crash
+            error = f"{type(exc).__name__}: {exc}"
+        results.append(
+            {
+                "name": registration.description,
+                "thread_starts": len(starts),
+                "threads": list(starts),
+                "os_tasks_added": max(0, len(_other_tasks()) - tasks_before - len(starts)),
+                "error": error,
+            }
+        )
+    return {
+        "handlers": results,
+        "unattributed_thread_starts": len(early_starts),
+        "unattributed_threads": unattributed,
+    }
+
+
+def _collect(pid: int, read_fd: int) -> dict[str, Any]:
+    chunks = []
+    deadline = time.monotonic() + _PROBE_TIMEOUT
+    try:
+        while (remaining := deadline - time.monotonic()) > 0:
+            ready, _, _ = select.select([read_fd], [], [], remaining)
+            if not ready:
+                break
+            chunk = os.read(read_fd, 65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(read_fd)
+    done, _status = os.waitpid(pid, os.WNOHANG)
+    if done == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    if not chunks:
+        return {
+            "handlers": [
+                {
+                    "name": "(probe child hung or crashed while running at-fork handlers)",
+                    "thread_starts": 0,
+                    "threads": [],
+                    "os_tasks_added": 0,
+                    "error": f"no report within {_PROBE_TIMEOUT:.0f}s",
+                }
+            ],
+            "unattributed_thread_starts": 0,
+            "unattributed_threads": [],
+        }
+    return json.loads(b"".join(chunks))

@@ -1,0 +1,1 @@
+"""Exporters stallwatch adds to the OpenTelemetry SDK."""

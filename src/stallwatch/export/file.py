@@ -1,0 +1,142 @@
+"""File exporters: OTLP/JSON lines, one file per signal, readable with no collector.
+
+Each export call appends one line holding one OTLP `Export*ServiceRequest` in the OTLP/JSON
+encoding (lowerCamelCase fields, hex trace/span ids), the same shape the OpenTelemetry
+Collector's file exporter writes, so `jq`, the Collector's `otlpjsonfile` receiver and
+`stallwatch postmortem` can all read it. The SDK has no file exporter; we reuse its OTLP protobuf
+encoders and protobuf's JSON printer and only fix the id encoding (protobuf prints bytes as
+base64, OTLP/JSON wants hex). Each line is a single `write()` on an `O_APPEND` descriptor, so a
+forked child that lives on appends whole lines to the same file as its parent.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import Message
+from opentelemetry.exporter.otlp.proto.common._log_encoder import encode_logs
+from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.sdk._logs import export as _log_export
+from opentelemetry.sdk._logs.export import LogExportResult
+from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+_log = logging.getLogger("stallwatch.export")
+_ID_FIELDS = frozenset({"traceId", "spanId", "parentSpanId"})
+
+FILE_NAMES = {"traces": "traces.jsonl", "metrics": "metrics.jsonl", "logs": "logs.jsonl"}
+
+
+def _hex_ids(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {
+            key: base64.b64decode(value).hex() if key in _ID_FIELDS else _hex_ids(value) for key, value in node.items()
+        }
+    if isinstance(node, list):
+        return [_hex_ids(item) for item in node]
+    return node
+
+
+def to_otlp_json(message: Message) -> str:
+    """One OTLP/JSON line for an export request message."""
+    as_dict = MessageToDict(message, use_integers_for_enums=True)
+    return json.dumps(_hex_ids(as_dict), separators=(",", ":"))
+
+
+class _AppendFile:
+    def __init__(self, directory: Path, signal: str) -> None:
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.path = directory / FILE_NAMES[signal]
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+    def append(self, line: str) -> bool:
+        if self._fd is None:
+            return False
+        data = (line + "\n").encode()
+        try:
+            written = os.write(self._fd, data)
+        except OSError:
+            _log.warning("stallwatch: cannot write %s; check STALLWATCH_FILE_DIR", self.path, exc_info=True)
+            return False
+        return written == len(data)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+class FileSpanExporter(SpanExporter):
+    """Appends spans to `<directory>/traces.jsonl` as OTLP/JSON lines."""
+
+    def __init__(self, directory: Path) -> None:
+        self._file = _AppendFile(directory, "traces")
+
+    @property
+    def path(self) -> Path:
+        return self._file.path
+
+    def export(self, spans: Sequence[Any]) -> SpanExportResult:
+        ok = self._file.append(to_otlp_json(encode_spans(spans)))
+        return SpanExportResult.SUCCESS if ok else SpanExportResult.FAILURE
+
+    def shutdown(self) -> None:
+        self._file.close()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
+
+
+# The SDK renamed LogExporter to LogRecordExporter in 1.39; the old name warns there.
+_LogExporterBase: Any = getattr(_log_export, "LogRecordExporter", None) or _log_export.LogExporter
+
+
+class FileLogExporter(_LogExporterBase):
+    """Appends log records to `<directory>/logs.jsonl` as OTLP/JSON lines."""
+
+    def __init__(self, directory: Path) -> None:
+        self._file = _AppendFile(directory, "logs")
+
+    @property
+    def path(self) -> Path:
+        return self._file.path
+
+    def export(self, batch: Sequence[Any]) -> LogExportResult:
+        ok = self._file.append(to_otlp_json(encode_logs(batch)))
+        return LogExportResult.SUCCESS if ok else LogExportResult.FAILURE
+
+    def shutdown(self) -> None:
+        self._file.close()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
+
+
+class FileMetricExporter(MetricExporter):
+    """Appends metric batches to `<directory>/metrics.jsonl` as OTLP/JSON lines (cumulative)."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__()
+        self._file = _AppendFile(directory, "metrics")
+
+    @property
+    def path(self) -> Path:
+        return self._file.path
+
+    def export(self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any) -> MetricExportResult:
+        ok = self._file.append(to_otlp_json(encode_metrics(metrics_data)))
+        return MetricExportResult.SUCCESS if ok else MetricExportResult.FAILURE
+
+    def force_flush(self, timeout_millis: float = 10_000) -> bool:
+        return True
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+        self._file.close()

@@ -1,0 +1,58 @@
+"""Fork safety, installed at `import stallwatch`: the at-fork handler guard, fork-aware
+OpenTelemetry SDK classes and the gRPC fork guard. See `guard`, `otel_compat`, `grpc_guard`."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass, field
+
+from ..config import ConfigError, env_flag
+from . import grpc_guard, guard, otel_compat
+
+_log = logging.getLogger("stallwatch.forksafe")
+# Taken when this package is first imported, before stallwatch itself loads any SDK module.
+_SDK_LOADED_BEFORE = any(name.startswith("opentelemetry.sdk") for name in sys.modules)
+
+
+@dataclass(frozen=True)
+class ForkSafety:
+    """What `import stallwatch` did to make forks safe, for `doctor` and `setup()`."""
+
+    guard_enabled: bool
+    grpc: grpc_guard.GrpcGuardState
+    sdk_loaded_before: bool
+    patched: tuple[str, ...] = ()
+    preexisting: dict[str, int] = field(default_factory=dict)
+    error: str | None = None
+
+
+def install() -> ForkSafety:
+    """Install every fork protection that the environment allows; never raises."""
+    sdk_loaded_before = _SDK_LOADED_BEFORE
+    error = None
+    try:
+        guard_enabled = env_flag("STALLWATCH_FORK_GUARD", True)
+        grpc_enabled = env_flag("STALLWATCH_GRPC_FORK_GUARD", True)
+    except ConfigError as exc:
+        error = str(exc)
+        _log.error("stallwatch: %s; fork guards stay on.", exc)
+        guard_enabled, grpc_enabled = True, True
+    grpc_state = grpc_guard.install(grpc_enabled)
+    if not guard_enabled:
+        _log.warning(
+            "stallwatch: STALLWATCH_FORK_GUARD=false: at-fork handlers run in every child and the "
+            "OpenTelemetry SDK starts threads there."
+        )
+        return ForkSafety(False, grpc_state, sdk_loaded_before, error=error)
+    guard.install()
+    patched = tuple(otel_compat.install())
+    preexisting = otel_compat.preexisting_objects(sdk_loaded_before)
+    if preexisting:
+        names = ", ".join(f"{count} {name}" for name, count in sorted(preexisting.items()))
+        _log.warning(
+            "stallwatch: %s were built before `import stallwatch`; their fork handlers still start "
+            "threads in fork children. Import stallwatch (or stallwatch.auto) first.",
+            names,
+        )
+    return ForkSafety(True, grpc_state, sdk_loaded_before, patched, preexisting, error)

@@ -1,0 +1,264 @@
+"""Exec-bound child guard and fork accounting.
+
+A real `fork()` runs every Python `os.register_at_fork` handler in the child. uvloop forks for
+every subprocess and runs them although the child only execs (incidents/000_…; uvloop#749), and so
+does `Popen(preexec_fn=...)`. This module wraps `os.register_at_fork` at `import stallwatch`, so
+each handler registered afterwards is skipped when the fork is *exec-bound*: the fork happens
+inside a uvloop `subprocess_exec`/`subprocess_shell` call or a `Popen` with `preexec_fn`, which
+this module marks with a context variable. Children of a plain `os.fork()` keep every handler.
+
+It also counts each fork (`stallwatch.fork.count`) with plain integers in the `before` handler:
+no lock and no SDK call happens inside the fork window, where the parent may hold the GIL.
+No library offers this guard (CPython has no way to unregister or filter at-fork handlers), hence
+the hand-written wrapper.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+import subprocess
+import threading
+import weakref
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import wrapt
+
+from .grpc_guard import GrpcActivity
+from .loop import running_loop_kind
+
+Handler = Callable[[], object]
+
+_exec_bound: contextvars.ContextVar[bool] = contextvars.ContextVar("stallwatch_exec_bound", default=False)
+
+
+class _ForkState:
+    """Process-wide fork facts. A child inherits a copy of the parent's values at fork time."""
+
+    def __init__(self) -> None:
+        self.forking_exec_bound = False  # set by our `before` handler, read in the child
+        self.child_exec_bound = False  # this process is a child that is about to exec
+        self.in_child_handler = False  # a guarded after_in_child handler is running now
+        self.probe = False  # doctor's test child: guarded handlers do not run by themselves
+        self.fork_counts: dict[tuple[str, bool, str], int] = {}
+        self.handlers_skipped = 0
+        self.workers_deferred = 0
+        self.pending: list[tuple[weakref.ReferenceType[Any], Callable[[Any], object]]] = []
+        self.restart_lock = threading.Lock()
+
+
+STATE = _ForkState()
+_grpc_activity = GrpcActivity()
+
+
+@dataclass
+class Registration:
+    """One `os.register_at_fork` call made after `import stallwatch`."""
+
+    before: Handler | None
+    after_in_parent: Handler | None
+    after_in_child: Handler | None
+
+    @property
+    def description(self) -> str:
+        """Qualified name of what the handler calls, e.g. `BatchProcessor._at_fork_reinit`."""
+        fn = self.after_in_child or self.before or self.after_in_parent
+        return describe_handler(fn) if fn is not None else "?"
+
+
+REGISTRATIONS: list[Registration] = []
+_original_register_at_fork = os.register_at_fork
+
+
+def describe_handler(fn: Callable[..., object]) -> str:
+    """Best human name for a fork handler, resolving the SDK's WeakMethod closures."""
+    target = _weak_target(fn)
+    if target is not None:
+        return target
+    owner = getattr(fn, "__self__", None)
+    if owner is not None:
+        return f"{type(owner).__qualname__}.{getattr(fn, '__name__', '?')}"
+    module = getattr(fn, "__module__", None) or "?"
+    return f"{module}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def _weak_target(fn: Callable[..., object]) -> str | None:
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            continue
+        if isinstance(value, weakref.WeakMethod):
+            method = value()
+            if method is None:
+                return "(collected object)"
+            return f"{type(method.__self__).__qualname__}.{method.__func__.__name__}"
+    return None
+
+
+# ---- the guard ----------------------------------------------------------------------------------
+
+
+def _guard_parent_side(fn: Handler) -> Handler:
+    def guarded() -> object:
+        if _exec_bound.get() or STATE.probe:
+            return None
+        return fn()
+
+    guarded.__wrapped__ = fn  # type: ignore[attr-defined]
+    return guarded
+
+
+def _guard_child(fn: Handler) -> Handler:
+    def guarded() -> object:
+        if STATE.child_exec_bound or STATE.probe:
+            return None
+        return run_child_handler(fn)
+
+    guarded.__wrapped__ = fn  # type: ignore[attr-defined]
+    return guarded
+
+
+def run_child_handler(fn: Handler) -> object:
+    """Run one after_in_child handler the way the guard does (patched OTel code defers work)."""
+    STATE.in_child_handler = True
+    try:
+        return fn()
+    finally:
+        STATE.in_child_handler = False
+
+
+def _register_at_fork(
+    wrapped: Callable[..., None], instance: object, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    before = kwargs.get("before")
+    parent = kwargs.get("after_in_parent")
+    child = kwargs.get("after_in_child")
+    if (
+        args
+        or set(kwargs) - {"before", "after_in_parent", "after_in_child"}
+        or not all(f is None or callable(f) for f in (before, parent, child))
+    ):
+        return wrapped(*args, **kwargs)  # let CPython raise its own TypeError
+    guarded = {
+        key: guard(fn)
+        for key, fn, guard in (
+            ("before", before, _guard_parent_side),
+            ("after_in_parent", parent, _guard_parent_side),
+            ("after_in_child", child, _guard_child),
+        )
+        if fn is not None
+    }
+    result = wrapped(**guarded)
+    REGISTRATIONS.append(Registration(before, parent, child))
+    return result
+
+
+# ---- our own handlers (registered unguarded, before anything else after import) ----------------
+
+
+def _before_fork() -> None:
+    exec_bound = _exec_bound.get()
+    STATE.forking_exec_bound = exec_bound
+    key = ("exec_bound" if exec_bound else "fork", _grpc_activity.active(), running_loop_kind())
+    STATE.fork_counts[key] = STATE.fork_counts.get(key, 0) + 1
+    if exec_bound:
+        STATE.handlers_skipped += sum(
+            (r.before is not None) + (r.after_in_parent is not None) + (r.after_in_child is not None)
+            for r in REGISTRATIONS
+        )
+
+
+def _after_in_parent() -> None:
+    STATE.forking_exec_bound = False
+
+
+def _after_in_child() -> None:
+    STATE.child_exec_bound = STATE.forking_exec_bound
+    if STATE.child_exec_bound:
+        return  # a child about to exec does no work at all
+    STATE.restart_lock = threading.Lock()
+    STATE.pending = []
+    STATE.fork_counts = {}
+    STATE.handlers_skipped = 0
+    STATE.workers_deferred = 0
+
+
+# ---- deferred worker restarts ------------------------------------------------------------------
+
+
+def defer(obj: object, restart: Callable[[Any], object]) -> None:
+    """Remember to run `restart(obj)` on first telemetry use in this (forked) process."""
+    STATE.pending.append((weakref.ref(obj), restart))
+    STATE.workers_deferred += 1
+
+
+def restart_pending() -> None:
+    """Run every deferred restart once; called on first use of telemetry in a fork child."""
+    if STATE.child_exec_bound or STATE.in_child_handler:
+        return
+    with STATE.restart_lock:
+        pending, STATE.pending = STATE.pending, []
+    for ref, restart in pending:
+        obj = ref()
+        if obj is not None:
+            restart(obj)
+
+
+# ---- marking exec-bound forks -------------------------------------------------------------------
+
+
+async def _mark_uvloop_spawn(
+    wrapped: Callable[..., Awaitable[Any]], instance: object, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    token = _exec_bound.set(True)
+    try:
+        return await wrapped(*args, **kwargs)
+    finally:
+        _exec_bound.reset(token)
+
+
+def _mark_preexec_popen(
+    wrapped: Callable[..., Any], instance: object, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    # Popen._execute_child(args, executable, preexec_fn, ...): positional in every CPython 3.10+.
+    preexec_fn = args[2] if len(args) > 2 else kwargs.get("preexec_fn")
+    if preexec_fn is None:
+        return wrapped(*args, **kwargs)
+    token = _exec_bound.set(True)
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        _exec_bound.reset(token)
+
+
+def _patch_uvloop(module: Any) -> None:
+    for name in ("subprocess_exec", "subprocess_shell"):
+        wrapt.wrap_function_wrapper(module, f"Loop.{name}", _mark_uvloop_spawn)
+
+
+_installed = False
+
+
+def install() -> None:
+    """Wrap `os.register_at_fork`, register our own handlers, and mark exec-bound spawns."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    _original_register_at_fork(before=_before_fork, after_in_parent=_after_in_parent, after_in_child=_after_in_child)
+    wrapt.wrap_function_wrapper(os, "register_at_fork", _register_at_fork)
+    wrapt.wrap_function_wrapper(subprocess.Popen, "_execute_child", _mark_preexec_popen)
+    wrapt.register_post_import_hook(_patch_uvloop, "uvloop")
+
+
+def installed() -> bool:
+    """True once `install()` ran in this process."""
+    return _installed
+
+
+def fork_counts() -> Iterator[tuple[tuple[str, bool, str], int]]:
+    """Snapshot of fork counts by (kind, gRPC active, loop)."""
+    return iter(list(STATE.fork_counts.items()))

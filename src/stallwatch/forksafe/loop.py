@@ -1,0 +1,74 @@
+"""Which event loop spawns our subprocesses, and what uvicorn would pick.
+
+uvloop starts every subprocess with a real `fork()` and holds the GIL until the child execs; the
+standard asyncio loop uses vfork/posix_spawn and runs no at-fork handlers (incidents/000_…).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import importlib.util
+from dataclasses import dataclass
+
+
+def loop_kind(loop: asyncio.AbstractEventLoop | None) -> str:
+    """`uvloop`, `asyncio` or `none` for a loop object (or no loop)."""
+    if loop is None:
+        return "none"
+    if any(cls.__module__.startswith("uvloop") for cls in type(loop).__mro__):
+        return "uvloop"
+    return "asyncio"
+
+
+def running_loop_kind() -> str:
+    """Kind of the loop running in the calling thread (cheap: no loop is created)."""
+    return loop_kind(asyncio._get_running_loop())
+
+
+def package_version(name: str) -> str | None:
+    """Installed version of a distribution, without importing it."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@dataclass(frozen=True)
+class LoopReport:
+    """Event-loop facts for `doctor`."""
+
+    uvloop_version: str | None
+    libuv_version: str | None
+    uvicorn_version: str | None
+    uvicorn_auto_picks: str | None
+    running: str
+
+
+def loop_report() -> LoopReport:
+    """Versions and the loop uvicorn's `loop="auto"` would choose (uvloop whenever importable)."""
+    uvloop_version = package_version("uvloop")
+    libuv = None
+    if uvloop_version is not None:
+        try:
+            import uvloop.loop
+
+            major, minor, patch = uvloop.loop.libuv_get_version().to_bytes(3, "big")  # type: ignore[attr-defined]
+            libuv = f"{major}.{minor}.{patch}"
+        except (ImportError, AttributeError, OverflowError):
+            libuv = None
+    uvicorn_version = package_version("uvicorn")
+    auto = None
+    if uvicorn_version is not None:
+        auto = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
+    return LoopReport(uvloop_version, libuv, uvicorn_version, auto, running_loop_kind())
+
+
+def uvicorn_loop() -> str:
+    """The `loop=` value to pass to `uvicorn.run()` (or `--loop`) so subprocess spawns never fork.
+
+    Returns ``"asyncio"``: the standard loop spawns with vfork/posix_spawn, which runs no at-fork
+    handlers and does not hold the GIL while the child execs (incidents/000_…). Use it as
+    ``uvicorn.run(app, loop=stallwatch.uvicorn_loop())``.
+    """
+    return "asyncio"

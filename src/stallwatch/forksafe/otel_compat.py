@@ -1,0 +1,270 @@
+"""Fork-aware OpenTelemetry SDK: no thread starts in an after-fork handler, lazy restart on first use.
+
+This is the one place that knows how each opentelemetry-sdk version (1.27 → newest) handles fork.
+The SDK registers its handlers with `os.register_at_fork` when each object is built, through
+`WeakMethod(self._at_fork_reinit)` (or a bound method before 1.28/1.32), which binds the function
+found on the class *at construction time*; a wrapt wrapper would be bypassed (WeakMethod keeps
+`__func__`). So we replace the methods on the classes themselves, at `import stallwatch`, before
+the host or `setup()` builds anything. Objects built earlier keep the stock behaviour; `doctor`
+names them (`preexisting_objects()`).
+
+Inside an after-fork handler (the guard sets `STATE.in_child_handler`), a patched method only
+resets what the child inherited (locks, queues) and defers the thread start; outside one (the
+SDK's own pid check on the first span/log, or our check on the first metric measurement) it
+restarts every deferred worker, the sentry-sdk model. Version differences:
+
+- 1.34+: `_shared_internal.BatchProcessor` backs both batch processors (`_export_lock`,
+  `_worker_awaken`, `_queue`, per-object `_bsp_reset_once`).
+- up to 1.33: `BatchSpanProcessor` (`condition`, `queue`) and `BatchLogRecordProcessor`
+  (`_condition`, `_queue`) each with a module-level `_BSP_RESET_ONCE`.
+- every version: `PeriodicExportingMetricReader._at_fork_reinit` starts the ticker.
+- 1.44+: `TracerProvider`/`MeterProvider`/`LoggerProvider._handle_fork` reset locks and rerun
+  process-dependent resource detection on a thread pool; we reset the locks in the handler and
+  run the detectors later, in the calling thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from .guard import STATE, defer, restart_pending
+
+_log = logging.getLogger("stallwatch.forksafe")
+
+Method = Callable[..., Any]
+
+
+@dataclass
+class _Patch:
+    cls: type
+    name: str
+    original: Method
+
+
+_PATCHES: list[_Patch] = []
+
+
+def _patch(cls: type, name: str, make: Callable[[Method], Method]) -> None:
+    original = cls.__dict__[name]
+    replacement = make(original)
+    replacement.__wrapped__ = original  # type: ignore[attr-defined]
+    replacement.__qualname__ = f"{cls.__qualname__}.{name}"
+    replacement.__name__ = name
+    setattr(cls, name, replacement)
+    _PATCHES.append(_Patch(cls, name, original))
+
+
+def _reinit_patch(reset: Callable[[Any], None]) -> Callable[[Method], Method]:
+    """A replacement `_at_fork_reinit`: defer in a handler, restart everything on first use."""
+
+    def make(original: Method) -> Method:
+        def _at_fork_reinit(self: Any) -> None:
+            if STATE.child_exec_bound:
+                return
+            if STATE.in_child_handler:
+                reset(self)
+                defer(self, original)
+                return
+            deferred_here = any(ref() is self for ref, _ in STATE.pending)
+            restart_pending()
+            if not deferred_here:
+                original(self)  # a fork whose handlers never ran (C-level fork): the stock restart
+
+        return _at_fork_reinit
+
+    return make
+
+
+def _reset_batch_processor(self: Any) -> None:
+    from opentelemetry.util._once import Once
+
+    self._export_lock = threading.Lock()
+    self._worker_awaken = threading.Event()
+    self._queue.clear()
+    self._bsp_reset_once = Once()  # so the SDK's pid check triggers our lazy restart in grandchildren
+
+
+def _reset_legacy_span_processor(self: Any) -> None:
+    from opentelemetry.sdk.trace import export
+    from opentelemetry.util._once import Once
+
+    self.condition = threading.Condition(threading.Lock())
+    self.queue.clear()
+    export._BSP_RESET_ONCE = Once()  # type: ignore[attr-defined]
+
+
+def _reset_legacy_log_processor(self: Any) -> None:
+    from opentelemetry.sdk._logs._internal import export
+    from opentelemetry.util._once import Once
+
+    self._condition = threading.Condition(threading.Lock())
+    self._queue.clear()
+    export._BSP_RESET_ONCE = Once()  # type: ignore[attr-defined]
+
+
+def _reset_metric_reader(self: Any) -> None:
+    if hasattr(self, "_export_lock"):
+        self._export_lock = threading.Lock()
+
+
+def _handle_fork_patch(original: Method) -> Method:
+    """Replacement provider `_handle_fork`: reset locks now, refresh the resource on first use."""
+
+    def _handle_fork(self: Any) -> None:
+        if STATE.child_exec_bound:
+            return
+        if not STATE.in_child_handler:
+            original(self)
+            return
+        with _no_process_resource(original):
+            original(self)  # resets the provider's locks; merges an empty resource
+        defer(self, _refresh_process_resource)
+
+    return _handle_fork
+
+
+@contextlib.contextmanager
+def _no_process_resource(original: Method) -> Iterator[None]:
+    from opentelemetry.sdk.resources import Resource
+
+    namespace = original.__globals__
+    detect = namespace["_get_process_dependent_resource"]
+    namespace["_get_process_dependent_resource"] = Resource.get_empty  # the child is single-threaded here
+    try:
+        yield
+    finally:
+        namespace["_get_process_dependent_resource"] = detect
+
+
+def _refresh_process_resource(provider: Any) -> None:
+    """What the SDK's `_handle_fork` detects, without its thread pool."""
+    from opentelemetry.sdk import resources
+
+    resource = resources.Resource.get_empty()
+    for detector in resources._build_resource_detectors():  # type: ignore[attr-defined]
+        if detector.is_process_dependent():
+            try:
+                resource = resource.merge(detector.detect())
+            except Exception:  # a detector failing must not break the host's first span
+                _log.debug("stallwatch: resource detector %r failed after fork", detector, exc_info=True)
+    provider._update_resource(resource)
+
+
+def _first_measurement_patch(original: Method) -> Method:
+    def consume_measurement(self: Any, measurement: Any) -> None:
+        if STATE.pending:
+            restart_pending()
+        original(self, measurement)
+
+    return consume_measurement
+
+
+def _targets() -> list[tuple[str, str, str, Callable[[Method], Method]]]:
+    """(module, class, method, patch maker) for the installed SDK version."""
+    targets: list[tuple[str, str, str, Callable[[Method], Method]]] = []
+    try:
+        shared = hasattr(importlib.import_module("opentelemetry.sdk._shared_internal"), "BatchProcessor")
+    except ImportError:
+        shared = False
+    if shared:
+        targets.append(
+            (
+                "opentelemetry.sdk._shared_internal",
+                "BatchProcessor",
+                "_at_fork_reinit",
+                _reinit_patch(_reset_batch_processor),
+            )
+        )
+    else:
+        targets.append(
+            (
+                "opentelemetry.sdk.trace.export",
+                "BatchSpanProcessor",
+                "_at_fork_reinit",
+                _reinit_patch(_reset_legacy_span_processor),
+            )
+        )
+        targets.append(
+            (
+                "opentelemetry.sdk._logs._internal.export",
+                "BatchLogRecordProcessor",
+                "_at_fork_reinit",
+                _reinit_patch(_reset_legacy_log_processor),
+            )
+        )
+    targets.append(
+        (
+            "opentelemetry.sdk.metrics._internal.export",
+            "PeriodicExportingMetricReader",
+            "_at_fork_reinit",
+            _reinit_patch(_reset_metric_reader),
+        )
+    )
+    targets.append(
+        (
+            "opentelemetry.sdk.metrics._internal.measurement_consumer",
+            "SynchronousMeasurementConsumer",
+            "consume_measurement",
+            _first_measurement_patch,
+        )
+    )
+    for module, cls in (
+        ("opentelemetry.sdk.trace", "TracerProvider"),
+        ("opentelemetry.sdk.metrics._internal", "MeterProvider"),
+        ("opentelemetry.sdk._logs._internal", "LoggerProvider"),
+    ):
+        if "_handle_fork" in vars(getattr(importlib.import_module(module), cls)):
+            targets.append((module, cls, "_handle_fork", _handle_fork_patch))
+    return targets
+
+
+_HOOKED_CLASSES: list[type] = []
+
+
+def install() -> list[str]:
+    """Patch the installed SDK; return the patched `Class.method` names."""
+    if _PATCHES:
+        return patched_names()
+    for module_name, class_name, method, make in _targets():
+        cls = getattr(importlib.import_module(module_name), class_name)
+        _patch(cls, method, make)
+        if method != "consume_measurement":
+            _HOOKED_CLASSES.append(cls)
+    return patched_names()
+
+
+def uninstall() -> None:
+    """Restore the SDK's own methods (tests only; objects built meanwhile keep the patch)."""
+    while _PATCHES:
+        patch = _PATCHES.pop()
+        setattr(patch.cls, patch.name, patch.original)
+    _HOOKED_CLASSES.clear()
+
+
+def patched_names() -> list[str]:
+    """`Class.method` names currently replaced."""
+    return [f"{p.cls.__qualname__}.{p.name}" for p in _PATCHES]
+
+
+def preexisting_objects(sdk_loaded_before: bool) -> dict[str, int]:
+    """SDK objects with fork handlers that were built before `import stallwatch`, by class.
+
+    Their handlers captured the stock methods and still start threads in fork children. Scanning
+    the heap costs time, so it runs only when the SDK was imported before stallwatch.
+    """
+    if not sdk_loaded_before or not _HOOKED_CLASSES:
+        return {}
+    hooked = tuple(_HOOKED_CLASSES)
+    counts: dict[str, int] = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, hooked):
+            name = type(obj).__qualname__
+            counts[name] = counts.get(name, 0) + 1
+    return counts

@@ -1,0 +1,153 @@
+"""`setup()` and `shutdown()`: one stallwatch session per process."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from opentelemetry import metrics
+from opentelemetry.metrics import CallbackOptions, Observation
+
+from . import telemetry
+from ._version import __version__
+from .config import _TRUE, ConfigError, Settings
+from .forksafe import ForkSafety, guard
+
+_log = logging.getLogger("stallwatch")
+
+
+@dataclass
+class Session:
+    """The running stallwatch session, returned by `setup()`.
+
+    Attributes:
+        settings: the validated settings in force (None when they were invalid).
+        fork_safety: what `import stallwatch` did to make forks safe.
+        files: where the `file` exporter writes each signal (`traces`, `metrics`, `logs`).
+        error: why telemetry is off, when setup failed without `strict`.
+    """
+
+    settings: Settings | None
+    fork_safety: ForkSafety
+    files: dict[str, Path] = field(default_factory=dict)
+    error: str | None = None
+    _pipeline: Any = None
+
+    @property
+    def telemetry_enabled(self) -> bool:
+        """True when stallwatch exports telemetry (its own providers or the host's)."""
+        return self.settings is not None and not self.settings.disabled and self.error is None
+
+    def shutdown(self, timeout: float | None = None) -> bool:
+        """Same as `stallwatch.shutdown()`."""
+        return shutdown(timeout)
+
+
+_lock = threading.Lock()
+_session: Session | None = None
+
+
+def current() -> Session | None:
+    """The running session, or None before `setup()`."""
+    return _session
+
+
+def setup(fork_safety: ForkSafety, **overrides: Any) -> Session:
+    global _session
+    with _lock:
+        if _session is not None:
+            if overrides:
+                _log.warning("stallwatch: setup() already ran; ignoring the new settings %s", sorted(overrides))
+            return _session
+        _session = _start(fork_safety, overrides)
+        return _session
+
+
+def _start(fork_safety: ForkSafety, overrides: dict[str, Any]) -> Session:
+    try:
+        settings = Settings.load(**overrides)
+    except ConfigError as exc:
+        if overrides.get("strict") is True or os.environ.get("STALLWATCH_STRICT", "").lower() in _TRUE:
+            raise
+        _log.error("stallwatch: %s. Telemetry is off; the fork guard stays on.", exc)
+        return Session(None, fork_safety, error=str(exc))
+    if settings.disabled:
+        return Session(settings, fork_safety)
+    pipeline = None
+    if settings.providers == "stallwatch":
+        from . import pipeline as pipeline_module
+
+        try:
+            pipeline = pipeline_module.build(settings)
+        except ConfigError as exc:
+            if settings.strict:
+                raise
+            _log.error("stallwatch: %s. Telemetry is off; the fork guard stays on.", exc)
+            return Session(settings, fork_safety, error=str(exc))
+    _register_instruments()
+    atexit.register(_shutdown_at_exit)
+    return Session(settings, fork_safety, dict(pipeline.files) if pipeline else {}, None, pipeline)
+
+
+def _register_instruments() -> None:
+    """Fork metrics, read from plain counters at collection time (never inside a fork)."""
+    meter = metrics.get_meter(telemetry.INSTRUMENTATION_SCOPE, __version__)
+
+    def observe_forks(options: CallbackOptions) -> Iterable[Observation]:
+        return [
+            Observation(
+                count,
+                {
+                    telemetry.FORK_KIND.name: kind,
+                    telemetry.GRPC_ACTIVE.name: grpc_active,
+                    telemetry.SPAWN_LOOP.name: loop,
+                },
+            )
+            for (kind, grpc_active, loop), count in guard.fork_counts()
+        ]
+
+    def observe(value: Any) -> Any:
+        return lambda options: [Observation(value())]
+
+    for metric, callback in (
+        (telemetry.FORK_COUNT, observe_forks),
+        (telemetry.FORK_HANDLERS_SKIPPED, observe(lambda: guard.STATE.handlers_skipped)),
+        (telemetry.FORK_WORKERS_DEFERRED, observe(lambda: guard.STATE.workers_deferred)),
+    ):
+        meter.create_observable_counter(
+            metric.name, callbacks=[callback], unit=metric.unit, description=metric.description
+        )
+
+
+def shutdown(timeout: float | None = None) -> bool:
+    """Flush and stop stallwatch's providers within `timeout` seconds.
+
+    Defaults to `STALLWATCH_SHUTDOWN_TIMEOUT` (1 s). Returns True when everything finished in
+    time; telemetry still queued after the timeout is dropped, the host is never held up.
+    """
+    global _session
+    with _lock:
+        session, _session = _session, None
+    if session is None or session._pipeline is None:
+        return True
+    if timeout is None:
+        timeout = session.settings.shutdown_timeout if session.settings else 1.0
+    finished = session._pipeline.shutdown(timeout)
+    if not finished:
+        _log.warning(
+            "stallwatch: telemetry shutdown did not finish within %.1fs (STALLWATCH_SHUTDOWN_TIMEOUT); "
+            "the rest is dropped.",
+            timeout,
+        )
+    return finished
+
+
+def _shutdown_at_exit() -> None:
+    # Also runs in a forked child that lives on and exits normally: it flushes its own telemetry.
+    shutdown()
