@@ -1,0 +1,66 @@
+"""Shared helpers: every scenario runs in a fresh interpreter, because stallwatch's import-time
+fork guard and the global OpenTelemetry providers are process-wide state."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+SCENARIOS = Path(__file__).parent / "scenarios"
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The test process's environment without OTEL_/STALLWATCH_/GRPC_ variables, plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "STALLWATCH_", "GRPC_"))}
+    env.update(extra)
+    return env
+
+
+def run_python(code: str, *, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run `code` (dedented) in a fresh interpreter; never raises on a non-zero exit."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=clean_env() if env is None else env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def run_scenario(name: str, *args: str, env: dict[str, str] | None = None, timeout: float = 120) -> dict:
+    """Run tests/scenarios/<name> and parse the JSON object on its last stdout line."""
+    proc = subprocess.run(
+        [sys.executable, str(SCENARIOS / name), *args],
+        env=clean_env() if env is None else env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, f"{name} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Every OTLP/JSON line the file exporter wrote."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def span_names(path: Path) -> list[str]:
+    return [
+        span["name"]
+        for request in read_jsonl(path)
+        for resource_spans in request.get("resourceSpans", [])
+        for scope_spans in resource_spans.get("scopeSpans", [])
+        for span in scope_spans.get("spans", [])
+    ]
+
+
+@pytest.fixture
+def telemetry_dir(tmp_path: Path) -> Path:
+    return tmp_path / "telemetry"
