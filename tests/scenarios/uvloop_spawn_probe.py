@@ -21,18 +21,20 @@ from opentelemetry import _logs, metrics, trace
 from opentelemetry.sdk._logs import LoggerProvider
 from opentelemetry.sdk._logs.export import BatchLogRecordProcessor, InMemoryLogExporter
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader, PeriodicExportingMetricReader
+from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, InMemoryMetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
 
 # Stock-style providers, built by the host after import (as dstack does).
 tracer_provider = TracerProvider()
 tracer_provider.add_span_processor(BatchSpanProcessor(InMemorySpanExporter()))
 trace.set_tracer_provider(tracer_provider)
 meter_provider = MeterProvider(
-    metric_readers=[PeriodicExportingMetricReader(ConsoleMetricExporter(out=open(os.devnull, "w"))), InMemoryMetricReader()]
+    metric_readers=[
+        PeriodicExportingMetricReader(ConsoleMetricExporter(out=open(os.devnull, "w"))),
+        InMemoryMetricReader(),
+    ]
 )
 metrics.set_meter_provider(meter_provider)
 logger_provider = LoggerProvider()
@@ -69,8 +71,8 @@ while chunk := os.read(read_fd, 65536):
     data += chunk
 lines = data.decode().splitlines()
 result = {
-    "thread_starts": [l.split(" ", 1)[1] for l in lines if l.startswith("thread ")],
-    "handler_runs": sum(1 for l in lines if l == "handler probe"),
+    "thread_starts": [line.split(" ", 1)[1] for line in lines if line.startswith("thread ")],
+    "handler_runs": sum(1 for line in lines if line == "handler probe"),
 }
 if mode == "stallwatch":
     from stallwatch.forksafe import guard

@@ -1,0 +1,31 @@
+"""Entry points for `opentelemetry-instrument`: a distro and a configurator.
+
+`opentelemetry-instrument python app.py` loads the distro first (which imports stallwatch, so
+the fork guard is in place before any provider, instrumentor or grpc loads), then the
+configurator, which calls `stallwatch.setup()` instead of the SDK's own pipeline. If other
+distros or configurators are installed, select ours with `OTEL_PYTHON_DISTRO=stallwatch` and
+`OTEL_PYTHON_CONFIGURATOR=stallwatch`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from opentelemetry.instrumentation.distro import BaseDistro
+from opentelemetry.sdk._configuration import _BaseConfigurator
+
+import stallwatch
+
+
+class StallwatchDistro(BaseDistro):
+    """Installs the fork guard (by importing stallwatch) before anything else is configured."""
+
+    def _configure(self, **kwargs: Any) -> None:
+        return None
+
+
+class StallwatchConfigurator(_BaseConfigurator):
+    """Builds the fork-aware pipeline from the environment: `stallwatch.setup()`."""
+
+    def _configure(self, **kwargs: Any) -> None:
+        stallwatch.setup()

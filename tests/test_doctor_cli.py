@@ -1,0 +1,163 @@
+"""`stallwatch doctor`, `stallwatch demo` and the `opentelemetry-instrument` entry points, run as
+an operator would run them: real commands in fresh processes, real test forks."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import clean_env, run_python, span_names
+
+pytestmark = pytest.mark.matrix
+
+BIN = Path(sys.executable).parent
+
+HOST_PROVIDERS = """
+from opentelemetry import trace, metrics
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader, ConsoleMetricExporter
+tracer_provider = TracerProvider()
+tracer_provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
+meter_provider = MeterProvider(metric_readers=[PeriodicExportingMetricReader(ConsoleMetricExporter())])
+"""
+
+
+def stallwatch_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None):
+    return subprocess.run(
+        [str(BIN / "stallwatch"), *args],
+        env=clean_env() if env is None else env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+    )
+
+
+def test_doctor_passes_when_providers_are_built_after_import(tmp_path):
+    (tmp_path / "hostapp.py").write_text(HOST_PROVIDERS)
+    env = clean_env(PYTHONPATH=str(tmp_path))
+
+    proc = stallwatch_cli("doctor", "--json", "--import", "hostapp", env=env)
+
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(proc.stdout)
+    names = [h["name"] for h in report["handlers"]]
+    assert "BatchProcessor._at_fork_reinit" in names or "BatchSpanProcessor._at_fork_reinit" in names
+    assert "PeriodicExportingMetricReader._at_fork_reinit" in names
+    assert all(h["thread_starts"] == 0 for h in report["handlers"])
+    assert report["unattributed_thread_starts"] == 0
+    assert report["ok"] is True
+
+
+def test_doctor_fails_and_names_objects_built_before_import():
+    proc = run_python(
+        HOST_PROVIDERS
+        + """
+import json, stallwatch
+report = stallwatch.doctor()
+print(json.dumps(report.to_dict()))
+"""
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["ok"] is False
+    assert report["unattributed_thread_starts"] >= 2  # the span worker and the metric ticker
+    assert any("built before `import stallwatch`" in h for h in report["hazards"])
+    assert "PeriodicExportingMetricReader" in json.dumps(report["fork_guard"]["preexisting_objects"])
+    assert "built before" in proc.stderr  # the import-time warning
+
+
+def test_doctor_names_a_handler_that_starts_a_thread(tmp_path):
+    (tmp_path / "badlib.py").write_text(
+        "import os, threading, time\n"
+        "def restart_worker():\n"
+        "    threading.Thread(target=time.sleep, args=(0.01,), name='badlib-worker').start()\n"
+        "os.register_at_fork(after_in_child=restart_worker)\n"
+    )
+    env = clean_env(PYTHONPATH=str(tmp_path))
+
+    proc = stallwatch_cli("doctor", "--import", "badlib", env=env)
+
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "1 thread(s)  badlib.restart_worker ['badlib-worker']" in proc.stdout
+    assert proc.stdout.strip().splitlines()[-1].startswith("FORK HAZARD")
+
+
+def test_doctor_reports_grpc_imported_first():
+    proc = run_python(
+        """
+        import grpc, json, stallwatch
+        print(json.dumps(stallwatch.doctor(probe=False).to_dict()))
+        """
+    )
+
+    report = json.loads(proc.stdout)
+    assert report["ok"] is False
+    assert any("GRPC_ENABLE_FORK_SUPPORT" in h for h in report["hazards"])
+    assert report["grpc"]["env"]["GRPC_ENABLE_FORK_SUPPORT"] == "false"
+
+
+def test_demo_runs_on_local_files_and_shows_zero_thread_starts(tmp_path):
+    proc = stallwatch_cli("demo", "--out", str(tmp_path / "demo"), "--probes", "5", "--json")
+
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["probes_answered"] == 5
+    assert result["stallwatch_thread_starts_per_child"] == 0
+    assert result["stock_thread_starts_per_child"] >= 3
+    assert result["forked_worker_span_exported"] is True
+    if shutil.which("true") and result["loop"] == "uvloop":
+        assert result["forks"]["exec_bound"] == 5
+    names = span_names(tmp_path / "demo" / "traces.jsonl")
+    assert names.count("probe /healthcheck") == 5
+    assert "forked worker" in names
+    assert "stallwatch.fork.count" in (tmp_path / "demo" / "metrics.jsonl").read_text()
+
+
+def test_demo_rejects_bad_input(tmp_path):
+    proc = stallwatch_cli("demo", "--probes", "0", cwd=tmp_path)
+
+    assert proc.returncode == 2
+    assert "--probes must be at least 1" in proc.stderr
+
+
+def test_opentelemetry_instrument_gets_the_fork_aware_pipeline(tmp_path):
+    app = tmp_path / "app.py"
+    app.write_text(
+        "import os, threading\n"
+        "from opentelemetry import trace\n"
+        "with trace.get_tracer('app').start_as_current_span('app-span'):\n"
+        "    pass\n"
+        "r, w = os.pipe()\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    os.write(w, str(threading.active_count()).encode())\n"
+        "    os._exit(0)\n"
+        "os.waitpid(pid, 0)\n"
+        "print('child threads', os.read(r, 10).decode())\n"
+    )
+    env = clean_env(
+        OTEL_PYTHON_DISTRO="stallwatch",
+        OTEL_PYTHON_CONFIGURATOR="stallwatch",
+        STALLWATCH_FILE_DIR=str(tmp_path / "out"),
+    )
+
+    proc = subprocess.run(
+        [str(BIN / "opentelemetry-instrument"), sys.executable, str(app)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    assert "child threads 1" in proc.stdout
+    assert span_names(tmp_path / "out" / "traces.jsonl") == ["app-span"]

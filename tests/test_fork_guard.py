@@ -1,0 +1,149 @@
+"""The freeze of incidents/000_…: what runs inside fork children, with and without stallwatch.
+
+Every scenario is a fresh interpreter doing real forks: real `os.fork()`, real uvloop
+`asyncio.create_subprocess_exec`, real `Popen(preexec_fn=...)`, a real gRPC server and grpc.aio
+client on loopback. The children report what they saw over a pipe before they exec.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import clean_env, run_python, run_scenario, span_names
+
+pytestmark = pytest.mark.matrix
+
+
+def test_uvloop_children_start_no_thread_and_run_no_handler():
+    seen = run_scenario("uvloop_spawn_probe.py", "stallwatch", "20")
+
+    assert seen["thread_starts"] == []
+    assert seen["handler_runs"] == 0
+    assert seen["fork_counts"] == [[["exec_bound", False, "uvloop"], 20]]
+    assert seen["handlers_skipped"] >= 20 * 6  # the SDK's six hooks, skipped in every child
+
+
+def test_without_stallwatch_the_same_children_start_otel_threads():
+    # The control that proves the probe sees thread starts when they happen.
+    seen = run_scenario("uvloop_spawn_probe.py", "stock", "5")
+
+    assert seen["handler_runs"] == 5
+    assert "OtelBatchSpanRecordProcessor" in seen["thread_starts"]
+    assert "OtelPeriodicExportingMetricReader" in seen["thread_starts"]
+
+
+@pytest.mark.parametrize("mode", ["setup", "host"])
+def test_forked_child_starts_no_thread_until_it_uses_telemetry_then_exports(mode, telemetry_dir):
+    child = run_scenario("fork_child_probe.py", mode, str(telemetry_dir))
+
+    assert child["python_threads_after_fork"] == ["MainThread"]
+    assert child["os_tasks_after_fork"] == 1
+    assert {"OtelBatchSpanRecordProcessor", "OtelBatchLogRecordProcessor", "OtelPeriodicExportingMetricReader"} <= set(
+        child["python_threads_after_use"]
+    )
+    assert child["exit_status"] == 0
+    assert "child-work" in span_names(telemetry_dir / "traces.jsonl")
+    assert "child says hello" in (telemetry_dir / "logs.jsonl").read_text()
+    assert '"child"' in (telemetry_dir / "metrics.jsonl").read_text()
+
+
+def test_stock_sdk_starts_threads_in_forked_child(telemetry_dir):
+    child = run_scenario("fork_child_probe.py", "stock", str(telemetry_dir))
+
+    assert not child["stallwatch_loaded"]
+    assert child["os_tasks_after_fork"] > 1
+    assert "OtelBatchSpanRecordProcessor" in child["python_threads_after_fork"]
+
+
+def test_grpc_threads_never_start_in_uvloop_children():
+    seen = run_scenario("grpc_spawn_probe.py", "stallwatch", "10")
+
+    assert seen["env"] == "false"
+    assert seen["rpc_calls"] > 0
+    assert seen["children"] == 10
+    assert seen["grpc_threads_in_children"] == 0
+    assert all(tasks == ["python"] for tasks in seen["child_tasks"])
+    kinds = dict((tuple(key), count) for key, count in seen["fork_counts"])
+    assert kinds == {("exec_bound", True, "uvloop"): 10}
+
+
+def test_grpc_fork_support_chosen_by_user_is_kept_and_reported():
+    proc_env = clean_env(GRPC_ENABLE_FORK_SUPPORT="true")
+    seen = run_scenario("grpc_spawn_probe.py", "stallwatch", "5", env=proc_env)
+
+    assert seen["env"] == "true"
+    assert seen["grpc_threads_in_children"] > 0  # the probe does see gRPC threads when they start
+
+
+def test_warning_when_grpc_was_imported_before_stallwatch():
+    proc = run_python(
+        """
+        import grpc
+        import stallwatch
+        print(stallwatch.FORK_SAFETY.grpc.hazard is not None)
+        """
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "True"
+    assert "GRPC_ENABLE_FORK_SUPPORT" in proc.stderr
+    assert "imported before stallwatch" in proc.stderr
+
+
+def test_popen_with_preexec_fn_is_exec_bound_and_plain_popen_does_not_fork():
+    proc = run_python(
+        """
+        import os, subprocess, json
+        import stallwatch
+        from stallwatch.forksafe import guard
+        r, w = os.pipe()
+        os.register_at_fork(after_in_child=lambda: os.write(w, b"handler ran\\n"))
+        subprocess.run(["/bin/true"], preexec_fn=lambda: None, check=True)
+        subprocess.run(["/bin/true"], check=True)  # vfork: no fork, no handler, not counted
+        os.close(w)
+        print(json.dumps({"probe": os.read(r, 100).decode(),
+                          "forks": [[list(k), v] for k, v in guard.fork_counts()]}))
+        """
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    result = __import__("json").loads(proc.stdout)
+    assert result["probe"] == ""
+    assert result["forks"] == [[["exec_bound", False, "none"], 1]]
+
+
+def test_os_fork_children_keep_handlers_registered_after_import():
+    proc = run_python(
+        """
+        import os
+        import stallwatch
+        r, w = os.pipe()
+        os.register_at_fork(after_in_child=lambda: os.write(w, b"handler ran"))
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+        os.close(w)
+        print(os.read(r, 100).decode())
+        """
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "handler ran"
+
+
+def test_register_at_fork_keeps_its_errors():
+    proc = run_python(
+        """
+        import os
+        import stallwatch
+        for kwargs in ({}, {"before": 42}):
+            try:
+                os.register_at_fork(**kwargs)
+            except TypeError as exc:
+                print("TypeError", exc)
+        """
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("TypeError") == 2
