@@ -28,7 +28,7 @@ def test_without_stallwatch_the_same_children_start_otel_threads():
     seen = run_scenario("uvloop_spawn_probe.py", "stock", "5")
 
     assert seen["handler_runs"] == 5
-    assert "OtelBatchSpanRecordProcessor" in seen["thread_starts"]
+    assert any(name.startswith("OtelBatchSpan") for name in seen["thread_starts"])  # name varies by SDK
     assert "OtelPeriodicExportingMetricReader" in seen["thread_starts"]
 
 
@@ -38,9 +38,10 @@ def test_forked_child_starts_no_thread_until_it_uses_telemetry_then_exports(mode
 
     assert child["python_threads_after_fork"] == ["MainThread"]
     assert child["os_tasks_after_fork"] == 1
-    assert {"OtelBatchSpanRecordProcessor", "OtelBatchLogRecordProcessor", "OtelPeriodicExportingMetricReader"} <= set(
-        child["python_threads_after_use"]
-    )
+    started = child["python_threads_after_use"]
+    assert any(name.startswith("OtelBatchSpan") for name in started)  # the name changed in SDK 1.34
+    assert any(name.startswith("OtelBatchLog") for name in started)
+    assert "OtelPeriodicExportingMetricReader" in started
     assert child["exit_status"] == 0
     assert "child-work" in span_names(telemetry_dir / "traces.jsonl")
     assert "child says hello" in (telemetry_dir / "logs.jsonl").read_text()
@@ -52,7 +53,7 @@ def test_stock_sdk_starts_threads_in_forked_child(telemetry_dir):
 
     assert not child["stallwatch_loaded"]
     assert child["os_tasks_after_fork"] > 1
-    assert "OtelBatchSpanRecordProcessor" in child["python_threads_after_fork"]
+    assert any(name.startswith("OtelBatchSpan") for name in child["python_threads_after_fork"])
 
 
 def test_grpc_threads_never_start_in_uvloop_children():

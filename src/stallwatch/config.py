@@ -395,3 +395,12 @@ def _resource_attributes(text: str, name: str) -> dict[str, str]:
             raise _fail(name, text, "comma-separated key=value pairs")
         result[key.strip()] = value.strip()
     return result
+
+
+def reference_markdown() -> str:
+    """Render the configuration table that the README embeds."""
+    lines = ["| Variable | `setup()` keyword | Default | Meaning |", "|---|---|---|---|"]
+    for option in OPTIONS:
+        keyword = f"`{option.keyword}`" if option.keyword else "(environment only)"
+        lines.append(f"| `{option.env}` | {keyword} | {option.default} | {option.description} |")
+    return "\n".join(lines) + "\n"

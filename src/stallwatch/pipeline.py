@@ -69,7 +69,13 @@ class Pipeline:
 
         # Shutdown may block on a slow backend; the host's exit must not (STALLWATCH_SHUTDOWN_TIMEOUT).
         worker = threading.Thread(target=run, name="stallwatch-shutdown", daemon=True)
-        worker.start()
+        try:
+            worker.start()
+        except RuntimeError:
+            # Python 3.12+ refuses new threads once the interpreter is finalizing (atexit): flush
+            # inline, bounded only by the exporters' own timeouts.
+            run()
+            return True
         worker.join(timeout)
         return not worker.is_alive()
 

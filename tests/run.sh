@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh machine: installs what the tests need, then runs them.
+#   bash tests/run.sh            # everything: lint, tests, OTel SDK / Python version matrix
+#   MATRIX=0 bash tests/run.sh   # skip the version matrix (quicker local runs)
+# Virtual environments go under $VENVS (default: .venvs/ in the repository; git-ignored).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENVS=${VENVS:-$PWD/.venvs}
+PYENV_ROOT=${PYENV_ROOT:-$HOME/.pyenv}
+mkdir -p "$VENVS"
+
+log() { printf '\n== %s\n' "$*"; }
+
+python_for() {  # python_for 3.12 -> path of a CPython 3.12 interpreter
+  local found
+  found=$(ls -d "$PYENV_ROOT"/versions/"$1".*/bin/python 2>/dev/null | sort -V | tail -n 1 || true)
+  if [ -n "$found" ]; then echo "$found"; else command -v "python$1"; fi
+}
+
+make_venv() {  # make_venv NAME PYTHON PIP-ARGS...
+  local name=$1 python=$2; shift 2
+  if [ ! -x "$VENVS/$name/bin/python" ]; then "$python" -m venv "$VENVS/$name"; fi
+  "$VENVS/$name/bin/python" -m pip install -q --disable-pip-version-check "$@"
+}
+
+log "main: Python 3.11, newest dependencies"
+make_venv main "$(python_for 3.11)" -e '.[test]'
+MAIN="$VENVS/main/bin"
+log "ruff"
+"$MAIN/ruff" check src tests
+"$MAIN/ruff" format --check src tests
+log "pytest"
+"$MAIN/python" -m pytest -q
+
+if [ "${MATRIX:-1}" != "0" ]; then
+  # Fork handling changed across SDK releases (1.28 WeakMethod, 1.32, 1.34 shared BatchProcessor,
+  # 1.40, 1.44 provider hooks): run the fork tests on older SDKs, each on another CPython.
+  for combo in "3.10 1.27.0 0.48b0" "3.12 1.33.1 0.54b1" "3.13 1.39.1 0.60b1"; do
+    set -- $combo
+    log "matrix: Python $1, opentelemetry-sdk $2"
+    make_venv "py$1-otel$2" "$(python_for "$1")" -e . pytest uvloop grpcio \
+      "opentelemetry-api==$2" "opentelemetry-sdk==$2" "opentelemetry-exporter-otlp-proto-http==$2" \
+      "opentelemetry-instrumentation==$3"
+    "$VENVS/py$1-otel$2/bin/python" -m pytest -q -m matrix
+  done
+fi
+log "all tests passed"
