@@ -227,13 +227,16 @@ class Settings:
             if text := env.get(f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT"):
                 _url(text, f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT")
         take("otlp_protocol", "OTEL_EXPORTER_OTLP_PROTOCOL", _one_of(PROTOCOLS), None)
-        protocols = dict(overrides.get("signal_protocols") or {})
+        given = overrides.get("signal_protocols") or {}
+        if not isinstance(given, Mapping) or set(given) - {"traces", "metrics", "logs"}:
+            raise _fail("signal_protocols", given, "a mapping of traces/metrics/logs to " + " or ".join(PROTOCOLS))
+        protocols: dict[str, str] = {}
         for signal in ("traces", "metrics", "logs"):
             variable = f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL"
-            if signal not in protocols and (text := env.get(variable)):
-                protocols[signal] = text
-            if signal in protocols:
-                protocols[signal] = _one_of(PROTOCOLS)(protocols[signal], variable)
+            if signal in given:
+                protocols[signal] = _one_of(PROTOCOLS)(str(given[signal]), f"signal_protocols[{signal!r}]")
+            elif text := env.get(variable):
+                protocols[signal] = _one_of(PROTOCOLS)(text, variable)
         values["signal_protocols"] = protocols
         take("sampler", "OTEL_TRACES_SAMPLER", _one_of(SAMPLERS), None)
         take("sampler_arg", "OTEL_TRACES_SAMPLER_ARG", _ratio, None)
@@ -254,6 +257,15 @@ class Settings:
     def with_changes(self, **changes: Any) -> Settings:
         """A copy with some fields changed (no re-validation; for internal use)."""
         return replace(self, **changes)
+
+
+def strict_requested(overrides: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> bool:
+    """Whether `strict` is on, read leniently: used when the settings themselves failed to parse."""
+    env = os.environ if environ is None else environ
+    value = overrides["strict"] if "strict" in overrides else env.get("STALLWATCH_STRICT", "")
+    if not isinstance(value, str):
+        return bool(value)
+    return value.strip().lower() in _TRUE
 
 
 def env_flag(name: str, default: bool) -> bool:
@@ -379,6 +391,8 @@ def _path(text: str, name: str) -> Path:
 
 
 def _log_level(text: str, name: str) -> int:
+    if text.strip().isdigit():
+        return int(text)
     level = logging.getLevelName(text.strip().upper())
     if not isinstance(level, int):
         raise _fail(name, text, "a logging level name: DEBUG, INFO, WARNING, ERROR or CRITICAL")

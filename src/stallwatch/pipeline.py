@@ -95,27 +95,40 @@ def build_resource(settings: Settings) -> Resource:
 
 
 def build(settings: Settings) -> Pipeline:
-    """Build and install providers for every signal whose global provider is still unset."""
+    """Build providers for every signal whose global provider is still unset, then install them.
+
+    Everything is built before anything is installed, so a failure (a bad exporter, a busy
+    Prometheus port) leaves no half-installed pipeline behind.
+    """
     pipeline = Pipeline()
     resource = build_resource(settings)
-    if _unset(trace.get_tracer_provider(), trace.ProxyTracerProvider):
-        pipeline.tracer_provider = _build_traces(settings, resource, pipeline)
+    owners = {
+        "TracerProvider": _unset(trace.get_tracer_provider(), trace.ProxyTracerProvider),
+        "MeterProvider": _unset(metrics.get_meter_provider(), metrics._internal._ProxyMeterProvider),
+        "LoggerProvider": _unset(_logs.get_logger_provider(), _logs._internal.ProxyLoggerProvider),
+    }
+    try:
+        if owners["TracerProvider"]:
+            pipeline.tracer_provider = _build_traces(settings, resource, pipeline)
+        if owners["MeterProvider"]:
+            pipeline.meter_provider = _build_metrics(settings, resource, pipeline)
+        if owners["LoggerProvider"]:
+            pipeline.logger_provider = _build_logs(settings, resource, pipeline)
+    except BaseException:
+        pipeline.shutdown(settings.shutdown_timeout)
+        raise
+    for name, ours in owners.items():
+        if not ours:
+            _log.warning("stallwatch: a %s was already installed; using it (STALLWATCH_PROVIDERS=host).", name)
+    if pipeline.tracer_provider:
         trace.set_tracer_provider(pipeline.tracer_provider)
-    else:
-        _log.warning("stallwatch: a TracerProvider was already installed; using it (STALLWATCH_PROVIDERS=host).")
-    if _unset(metrics.get_meter_provider(), metrics._internal._ProxyMeterProvider):
-        pipeline.meter_provider = _build_metrics(settings, resource, pipeline)
+    if pipeline.meter_provider:
         metrics.set_meter_provider(pipeline.meter_provider)
-    else:
-        _log.warning("stallwatch: a MeterProvider was already installed; using it (STALLWATCH_PROVIDERS=host).")
-    if _unset(_logs.get_logger_provider(), _logs._internal.ProxyLoggerProvider):
-        pipeline.logger_provider = _build_logs(settings, resource, pipeline)
+    if pipeline.logger_provider:
         _logs.set_logger_provider(pipeline.logger_provider)
         if settings.logs_exporter:
             pipeline.log_handler = LoggingHandler(level=settings.log_level, logger_provider=pipeline.logger_provider)
             logging.getLogger().addHandler(pipeline.log_handler)
-    else:
-        _log.warning("stallwatch: a LoggerProvider was already installed; using it (STALLWATCH_PROVIDERS=host).")
     return pipeline
 
 
@@ -194,11 +207,16 @@ def _prometheus_reader(settings: Settings, pipeline: Pipeline) -> MetricReader:
         raise ConfigError(
             "OTEL_METRICS_EXPORTER=prometheus needs the prometheus extra: pip install 'stallwatch[prometheus]'"
         ) from exc
-    reader = PrometheusMetricReader()
-    server, _thread = start_http_server(settings.prometheus_port, addr=settings.prometheus_host)
+    try:
+        server, _thread = start_http_server(settings.prometheus_port, addr=settings.prometheus_host)
+    except OSError as exc:
+        raise ConfigError(
+            f"OTEL_EXPORTER_PROMETHEUS_PORT={settings.prometheus_port}: cannot listen on "
+            f"{settings.prometheus_host}:{settings.prometheus_port} ({exc.strerror}); choose a free port, or 0"
+        ) from exc
     pipeline.prometheus_address = server.server_address[:2]
-    pipeline._closers.append(server.shutdown)
-    return reader
+    pipeline._closers += [server.shutdown, server.server_close]
+    return PrometheusMetricReader()
 
 
 def _otlp_endpoint(settings: Settings, signal: str, http: bool) -> str | None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -16,7 +15,7 @@ from opentelemetry.metrics import CallbackOptions, Observation
 
 from . import telemetry
 from ._version import __version__
-from .config import _TRUE, ConfigError, Settings
+from .config import ConfigError, Settings, strict_requested
 from .forksafe import ForkSafety, guard
 
 _log = logging.getLogger("stallwatch")
@@ -40,6 +39,11 @@ class Session:
     _pipeline: Any = None
 
     @property
+    def prometheus_address(self) -> tuple[str, int] | None:
+        """(host, port) of the Prometheus scrape endpoint, when the `prometheus` exporter is on."""
+        return self._pipeline.prometheus_address if self._pipeline is not None else None
+
+    @property
     def telemetry_enabled(self) -> bool:
         """True when stallwatch exports telemetry (its own providers or the host's)."""
         return self.settings is not None and not self.settings.disabled and self.error is None
@@ -51,6 +55,7 @@ class Session:
 
 _lock = threading.Lock()
 _session: Session | None = None
+_shut_down = False
 
 
 def current() -> Session | None:
@@ -65,6 +70,11 @@ def setup(fork_safety: ForkSafety, **overrides: Any) -> Session:
             if overrides:
                 _log.warning("stallwatch: setup() already ran; ignoring the new settings %s", sorted(overrides))
             return _session
+        if _shut_down:
+            # OpenTelemetry lets a global provider be set once per process; the old ones are shut down.
+            message = "setup() after shutdown() cannot restart telemetry in this process; telemetry is off"
+            _log.error("stallwatch: %s.", message)
+            return Session(None, fork_safety, error=message)
         _session = _start(fork_safety, overrides)
         return _session
 
@@ -73,7 +83,7 @@ def _start(fork_safety: ForkSafety, overrides: dict[str, Any]) -> Session:
     try:
         settings = Settings.load(**overrides)
     except ConfigError as exc:
-        if overrides.get("strict") is True or os.environ.get("STALLWATCH_STRICT", "").lower() in _TRUE:
+        if strict_requested(overrides):
             raise
         _log.error("stallwatch: %s. Telemetry is off; the fork guard stays on.", exc)
         return Session(None, fork_safety, error=str(exc))
@@ -131,9 +141,10 @@ def shutdown(timeout: float | None = None) -> bool:
     Defaults to `STALLWATCH_SHUTDOWN_TIMEOUT` (1 s). Returns True when everything finished in
     time; telemetry still queued after the timeout is dropped, the host is never held up.
     """
-    global _session
+    global _session, _shut_down
     with _lock:
         session, _session = _session, None
+        _shut_down = _shut_down or session is not None
     if session is None or session._pipeline is None:
         return True
     if timeout is None:

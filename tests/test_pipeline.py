@@ -1,0 +1,430 @@
+"""Exporters: telemetry reaches files, a real OTLP/HTTP receiver, stdout or a Prometheus scrape;
+grpc is imported only when the user chose it; and shutdown never holds the host up."""
+
+from __future__ import annotations
+
+import json
+import socket
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from conftest import clean_env, read_jsonl, run_python, span_names
+
+# A host doing one unit of work: a span, a WARNING through `logging`, a counter measurement.
+_CHARGE_CARD = """
+    import stallwatch  # first thing, as a server does
+
+    import logging
+    from opentelemetry import metrics, trace
+
+    def charge_card():
+        with trace.get_tracer("shop").start_as_current_span("charge-card"):
+            logging.getLogger("shop").warning("card declined")
+            metrics.get_meter("shop").create_counter("shop.orders").add(3)
+"""
+
+# A child that lives on after os.fork() and leaves without running atexit handlers.
+_FORK_AND_EXIT = """
+    import os
+
+    def fork_a_child():
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+"""
+
+
+def run_host(body: str, **env: str) -> dict:
+    """Run a host script in a fresh interpreter; return the JSON object on its last stdout line."""
+    script = "".join(textwrap.dedent(part) for part in (_CHARGE_CARD, _FORK_AND_EXIT, body))
+    proc = run_python(script, env=clean_env(NO_PROXY="127.0.0.1", **env), timeout=60)
+    assert proc.returncode == 0, f"host failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    report = json.loads(proc.stdout.splitlines()[-1])
+    report["stdout"], report["stderr"] = proc.stdout, proc.stderr
+    return report
+
+
+def _attributes(attributes: list[dict]) -> dict[str, object]:
+    return {a["key"]: next(iter(a["value"].values())) for a in attributes}
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+# ---- file exporter (the default) ----------------------------------------------------------------
+
+
+def test_file_exporter_writes_otlp_json_for_every_signal(telemetry_dir: Path):
+    report = run_host(
+        f"""
+        import json
+        import stallwatch
+
+        session = stallwatch.setup(file_dir={str(telemetry_dir)!r})
+        charge_card()
+        fork_a_child()
+        print(json.dumps({{"shutdown": stallwatch.shutdown(), "version": stallwatch.__version__}}))
+        """,
+        OTEL_SERVICE_NAME="checkout",
+    )
+
+    assert report["shutdown"] is True
+    traces, logs, metrics = (telemetry_dir / name for name in ("traces.jsonl", "logs.jsonl", "metrics.jsonl"))
+    for path in (traces, logs, metrics):
+        assert path.stat().st_mode & 0o777 == 0o600, path
+    assert telemetry_dir.stat().st_mode & 0o777 == 0o700
+
+    assert span_names(traces) == ["charge-card"]
+    span_request = read_jsonl(traces)[0]
+    resource_spans = span_request["resourceSpans"][0]
+    span = resource_spans["scopeSpans"][0]["spans"][0]
+    assert len(span["traceId"]) == 32 and int(span["traceId"], 16)
+    assert len(span["spanId"]) == 16 and int(span["spanId"], 16)
+    resource = _attributes(resource_spans["resource"]["attributes"])
+    assert resource["service.name"] == "checkout"
+    assert resource["stallwatch.version"] == report["version"]
+
+    records = [
+        record
+        for request in read_jsonl(logs)
+        for resource_logs in request["resourceLogs"]
+        for scope_logs in resource_logs["scopeLogs"]
+        for record in scope_logs["logRecords"]
+    ]
+    assert [r["body"]["stringValue"] for r in records] == ["card declined"]
+    assert records[0]["severityNumber"] == 13  # SEVERITY_NUMBER_WARN: logging.WARNING
+    assert records[0]["traceId"] == span["traceId"]  # the log joins its span
+
+    points = {}
+    for request in read_jsonl(metrics):
+        for resource_metrics in request["resourceMetrics"]:
+            for scope_metrics in resource_metrics["scopeMetrics"]:
+                for metric in scope_metrics["metrics"]:
+                    for point in metric["sum"]["dataPoints"]:
+                        points.setdefault(metric["name"], []).append(point)
+    assert [int(p["asInt"]) for p in points["shop.orders"]] == [3]
+    forks_by_kind = {
+        _attributes(p["attributes"])["stallwatch.fork.kind"]: int(p["asInt"]) for p in points["stallwatch.fork.count"]
+    }
+    assert forks_by_kind == {"fork": 1}
+
+
+# ---- OTLP over HTTP/protobuf to a real receiver -------------------------------------------------
+
+
+class _Receiver(ThreadingHTTPServer):
+    """An OTLP/HTTP endpoint on 127.0.0.1 that records every request it answers."""
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _ReceiverHandler)
+        self.requests: list[tuple[str, bytes]] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def bodies(self, path: str) -> list[bytes]:
+        return [body for request_path, body in self.requests if request_path == path]
+
+
+class _ReceiverHandler(BaseHTTPRequestHandler):
+    server: _Receiver
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        self.server.requests.append((self.path, body))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def receiver() -> Iterator[_Receiver]:
+    server = _Receiver()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def _otlp_span_names(bodies: list[bytes]) -> list[str]:
+    names = []
+    for body in bodies:
+        request = ExportTraceServiceRequest.FromString(body)
+        names += [span.name for rs in request.resource_spans for ss in rs.scope_spans for span in ss.spans]
+    return names
+
+
+_SETUP_CHARGE_SHUTDOWN = """
+    import json
+    import stallwatch
+
+    stallwatch.setup()
+    charge_card()
+    fork_a_child()
+    print(json.dumps({"shutdown": stallwatch.shutdown()}))
+"""
+
+
+def test_otlp_http_sends_each_signal_to_its_path_under_the_endpoint(receiver: _Receiver):
+    report = run_host(_SETUP_CHARGE_SHUTDOWN, OTEL_EXPORTER_OTLP_ENDPOINT=receiver.url, OTEL_SERVICE_NAME="checkout")
+
+    assert report["shutdown"] is True
+    assert _otlp_span_names(receiver.bodies("/v1/traces")) == ["charge-card"]
+    trace_request = ExportTraceServiceRequest.FromString(receiver.bodies("/v1/traces")[0])
+    resource = {a.key: a.value.string_value for a in trace_request.resource_spans[0].resource.attributes}
+    assert resource["service.name"] == "checkout"
+    logs = [ExportLogsServiceRequest.FromString(body) for body in receiver.bodies("/v1/logs")]
+    assert [
+        r.body.string_value for req in logs for rl in req.resource_logs for sl in rl.scope_logs for r in sl.log_records
+    ] == ["card declined"]
+    metrics = [ExportMetricsServiceRequest.FromString(body) for body in receiver.bodies("/v1/metrics")]
+    metric_names = {
+        m.name for req in metrics for rm in req.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+    }
+    assert {"shop.orders", "stallwatch.fork.count"} <= metric_names
+
+
+def test_otlp_per_signal_endpoint_is_used_as_is(receiver: _Receiver):
+    report = run_host(
+        _SETUP_CHARGE_SHUTDOWN,
+        OTEL_EXPORTER_OTLP_ENDPOINT=f"{receiver.url}/base",
+        OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=f"{receiver.url}/custom/spans",
+    )
+
+    assert report["shutdown"] is True
+    assert _otlp_span_names(receiver.bodies("/custom/spans")) == ["charge-card"]
+    assert {path for path, _ in receiver.requests} == {"/custom/spans", "/base/v1/metrics", "/base/v1/logs"}
+
+
+# ---- grpc stays out of the process unless the user chose it ------------------------------------
+
+_REPORT_GRPC_MODULES = """
+    import json, sys
+    import stallwatch
+
+    stallwatch.setup({overrides})
+    charge_card()
+    shutdown = stallwatch.shutdown()
+    grpc_modules = sorted(m for m in sys.modules if m == "grpc" or m.startswith("grpc."))
+    print(json.dumps({{"shutdown": shutdown, "grpc_modules": grpc_modules}}))
+"""
+
+
+@pytest.mark.parametrize("exporter", ["otlp", "file", "console"])
+def test_default_exporters_never_import_grpc(exporter: str, receiver: _Receiver, telemetry_dir: Path):
+    overrides = f"traces_exporter={exporter!r}, metrics_exporter={exporter!r}, logs_exporter={exporter!r}"
+    report = run_host(
+        _REPORT_GRPC_MODULES.format(overrides=overrides),
+        OTEL_EXPORTER_OTLP_ENDPOINT=receiver.url,
+        STALLWATCH_FILE_DIR=str(telemetry_dir),
+    )
+
+    assert report["shutdown"] is True
+    assert report["grpc_modules"] == []
+
+
+def test_otlp_grpc_protocol_imports_grpc_because_the_user_chose_it():
+    closed_port = _free_port()
+    report = run_host(
+        _REPORT_GRPC_MODULES.format(overrides=""),
+        OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
+        OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{closed_port}",
+        STALLWATCH_SHUTDOWN_TIMEOUT="0.3",
+    )
+
+    assert "grpc" in report["grpc_modules"]
+    assert "grpc._cython.cygrpc" in report["grpc_modules"]
+
+
+# ---- console and none ---------------------------------------------------------------------------
+
+
+def test_console_exporter_prints_the_span_to_stdout():
+    report = run_host(
+        _SETUP_CHARGE_SHUTDOWN, OTEL_TRACES_EXPORTER="console", OTEL_METRICS_EXPORTER="none", OTEL_LOGS_EXPORTER="none"
+    )
+
+    assert report["shutdown"] is True
+    assert '"name": "charge-card"' in report["stdout"]
+
+
+def test_none_exporter_writes_nothing_and_builds_no_processor(telemetry_dir: Path):
+    report = run_host(
+        """
+        import json, logging
+        import stallwatch
+
+        session = stallwatch.setup()
+        charge_card()
+        pipeline = session._pipeline
+        print(json.dumps({
+            "span_processors": len(pipeline.tracer_provider._active_span_processor._span_processors),
+            "metric_readers": len(pipeline.meter_provider._metric_readers),
+            "log_processors": len(pipeline.logger_provider._multi_log_record_processor._log_record_processors),
+            "log_handler": repr(pipeline.log_handler),
+            "root_handlers": [type(h).__name__ for h in logging.getLogger().handlers],
+            "files": {k: str(v) for k, v in session.files.items()},
+            "shutdown": stallwatch.shutdown(),
+        }))
+        """,
+        OTEL_TRACES_EXPORTER="none",
+        OTEL_METRICS_EXPORTER="none",
+        OTEL_LOGS_EXPORTER="none",
+        STALLWATCH_FILE_DIR=str(telemetry_dir),
+    )
+
+    assert report["stdout"].count("\n") == 1  # only the report line
+    assert not telemetry_dir.exists()
+    del report["stdout"], report["stderr"]
+    assert report == {
+        "span_processors": 0,
+        "metric_readers": 0,
+        "log_processors": 0,
+        "log_handler": "None",
+        "root_handlers": [],
+        "files": {},
+        "shutdown": True,
+    }
+
+
+# ---- Prometheus scrape endpoint -----------------------------------------------------------------
+
+
+def test_prometheus_endpoint_on_a_free_port_shows_forks_and_closes_at_shutdown():
+    report = run_host(
+        """
+        import json, urllib.error, urllib.request
+        import stallwatch
+
+        session = stallwatch.setup()
+        host, port = session.prometheus_address
+        fork_a_child()
+        scrape = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        shutdown = stallwatch.shutdown()
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+            after_shutdown = "still serving"
+        except urllib.error.URLError as exc:
+            after_shutdown = type(exc.reason).__name__
+        except OSError as exc:
+            after_shutdown = type(exc).__name__
+        print(json.dumps({"port": port, "scrape": scrape, "shutdown": shutdown, "after_shutdown": after_shutdown}))
+        """,
+        OTEL_METRICS_EXPORTER="prometheus",
+        OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
+        OTEL_EXPORTER_PROMETHEUS_PORT="0",
+        OTEL_TRACES_EXPORTER="none",
+        OTEL_LOGS_EXPORTER="none",
+    )
+
+    assert report["port"] not in (0, 9464)
+    fork_series = [
+        line
+        for line in report["scrape"].splitlines()
+        if line.startswith("stallwatch_fork_count_total{") and 'stallwatch_fork_kind="fork"' in line
+    ]
+    assert len(fork_series) == 1 and fork_series[0].endswith(" 1.0"), report["scrape"]
+    assert report["shutdown"] is True
+    # The scrape port is released, so a restarted pipeline can bind it and scrapers fail fast.
+    assert report["after_shutdown"] == "ConnectionRefusedError"
+
+
+def test_prometheus_port_in_use_turns_telemetry_off_naming_the_port_variable():
+    with socket.socket() as occupant:
+        occupant.bind(("127.0.0.1", 0))
+        occupant.listen()
+        port = occupant.getsockname()[1]
+        report = run_host(
+            """
+            import json
+            import stallwatch
+
+            from opentelemetry import trace
+
+            session = stallwatch.setup()
+            print(json.dumps({
+                "telemetry_enabled": session.telemetry_enabled,
+                "error": session.error,
+                "tracer_provider": type(trace.get_tracer_provider()).__name__,
+            }))
+            """,
+            OTEL_METRICS_EXPORTER="prometheus",
+            OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
+            OTEL_EXPORTER_PROMETHEUS_PORT=str(port),
+        )
+
+    assert report["telemetry_enabled"] is False
+    assert "OTEL_EXPORTER_PROMETHEUS_PORT" in report["error"]
+    assert "OTEL_EXPORTER_PROMETHEUS_PORT" in report["stderr"]
+    # Off means off: no half-built pipeline keeps exporting spans behind the session's back.
+    assert report["tracer_provider"] == "ProxyTracerProvider"
+
+
+# ---- shutdown is bounded ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def silent_endpoint() -> Iterator[str]:
+    """An OTLP endpoint that accepts connections and never answers."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    held: list[socket.socket] = []
+
+    def accept_and_hold() -> None:
+        while True:
+            try:
+                connection, _ = listener.accept()
+            except OSError:
+                return
+            held.append(connection)
+
+    threading.Thread(target=accept_and_hold, daemon=True).start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    listener.close()
+    for connection in held:
+        connection.close()
+
+
+def test_shutdown_returns_within_the_timeout_when_the_collector_hangs(silent_endpoint: str):
+    started = time.monotonic()
+    report = run_host(
+        """
+        import json, time
+        import stallwatch
+
+        stallwatch.setup()
+        charge_card()
+        started = time.monotonic()
+        finished = stallwatch.shutdown()
+        print(json.dumps({"finished": finished, "seconds": time.monotonic() - started}))
+        """,
+        OTEL_EXPORTER_OTLP_ENDPOINT=silent_endpoint,
+        STALLWATCH_SHUTDOWN_TIMEOUT="1",
+    )
+    host_seconds = time.monotonic() - started
+
+    assert report["finished"] is False
+    assert 0.9 <= report["seconds"] < 3
+    assert "STALLWATCH_SHUTDOWN_TIMEOUT" in report["stderr"]
+    # Interpreter exit is not held up by the export still stuck on the socket either.
+    assert host_seconds < 8
