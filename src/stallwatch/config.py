@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -254,10 +254,6 @@ class Settings:
         """OTLP protocol of one signal (`traces`, `metrics`, `logs`)."""
         return self.signal_protocols.get(signal, self.otlp_protocol)
 
-    def with_changes(self, **changes: Any) -> Settings:
-        """A copy with some fields changed (no re-validation; for internal use)."""
-        return replace(self, **changes)
-
 
 def strict_requested(overrides: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> bool:
     """Whether `strict` is on, read leniently: used when the settings themselves failed to parse."""
@@ -344,44 +340,27 @@ def _url(text: str, name: str) -> str:
     return text.strip()
 
 
-def _ratio(text: str, name: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise _fail(name, text, "a number between 0 and 1") from None
-    if not 0.0 <= value <= 1.0:
-        raise _fail(name, text, "a number between 0 and 1")
-    return value
+def _number(
+    cast: Callable[[str], float], low: float, high: float, expected: str, *, open_low: bool = False
+) -> Callable[[str, str], Any]:
+    """A parser for a number in [low, high] (or (low, high] with `open_low`)."""
+
+    def parse(text: str, name: str) -> Any:
+        try:
+            value = cast(text)
+        except ValueError:
+            raise _fail(name, text, expected) from None
+        if not (low < value if open_low else low <= value) or not value <= high:
+            raise _fail(name, text, expected)
+        return value
+
+    return parse
 
 
-def _positive_int(text: str, name: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise _fail(name, text, "a positive whole number") from None
-    if value <= 0:
-        raise _fail(name, text, "a positive whole number")
-    return value
-
-
-def _positive_float(text: str, name: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise _fail(name, text, "a positive number of seconds") from None
-    if not value > 0 or value == float("inf"):
-        raise _fail(name, text, "a positive, finite number of seconds")
-    return value
-
-
-def _port(text: str, name: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise _fail(name, text, "a port number in 0..65535") from None
-    if not 0 <= value <= 65535:
-        raise _fail(name, text, "a port number in 0..65535")
-    return value
+_ratio = _number(float, 0.0, 1.0, "a number between 0 and 1")
+_positive_int = _number(int, 0, float("inf"), "a positive whole number", open_low=True)
+_positive_float = _number(float, 0.0, 1e9, "a positive, finite number of seconds", open_low=True)
+_port = _number(int, 0, 65535, "a port number in 0..65535")
 
 
 def _path(text: str, name: str) -> Path:

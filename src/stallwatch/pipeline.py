@@ -148,54 +148,43 @@ def _sampler(settings: Settings) -> sampling.Sampler:
     }[settings.sampler]()
 
 
+def _exporter(settings: Settings, signal: str, name: str, pipeline: Pipeline) -> Any:
+    """One `file`, `console` or `otlp` exporter for a signal."""
+    if name == "file":
+        file_exporter = {"traces": FileSpanExporter, "metrics": FileMetricExporter, "logs": FileLogExporter}[signal]
+        exporter = file_exporter(settings.file_dir)
+        pipeline.files[signal] = exporter.path
+        return exporter
+    if name == "console":
+        # The log exporter was renamed ConsoleLogRecordExporter in SDK 1.39; the old name warns there.
+        console_log = getattr(_log_export, "ConsoleLogRecordExporter", None) or _log_export.ConsoleLogExporter
+        return {"traces": ConsoleSpanExporter, "metrics": ConsoleMetricExporter, "logs": console_log}[signal]()
+    return _otlp_exporter(settings, signal)
+
+
 def _build_traces(settings: Settings, resource: Resource, pipeline: Pipeline) -> TracerProvider:
     provider = TracerProvider(resource=resource, sampler=_sampler(settings), shutdown_on_exit=False)
     for name in settings.traces_exporter:
-        exporter: Any
-        if name == "file":
-            exporter = FileSpanExporter(settings.file_dir)
-            pipeline.files["traces"] = exporter.path
-        elif name == "console":
-            exporter = ConsoleSpanExporter()
-        else:
-            exporter = _otlp_exporter(settings, "traces")
-        provider.add_span_processor(BatchSpanProcessor(exporter))
+        provider.add_span_processor(BatchSpanProcessor(_exporter(settings, "traces", name, pipeline)))
     return provider
 
 
 def _build_metrics(settings: Settings, resource: Resource, pipeline: Pipeline) -> MeterProvider:
-    readers: list[MetricReader] = []
-    interval = settings.metric_export_interval_ms
-    for name in settings.metrics_exporter:
-        if name == "prometheus":
-            readers.append(_prometheus_reader(settings, pipeline))
-            continue
-        exporter: Any
-        if name == "file":
-            exporter = FileMetricExporter(settings.file_dir)
-            pipeline.files["metrics"] = exporter.path
-        elif name == "console":
-            exporter = ConsoleMetricExporter()
-        else:
-            exporter = _otlp_exporter(settings, "metrics")
-        readers.append(PeriodicExportingMetricReader(exporter, export_interval_millis=interval))
+    readers: list[MetricReader] = [
+        _prometheus_reader(settings, pipeline)
+        if name == "prometheus"
+        else PeriodicExportingMetricReader(
+            _exporter(settings, "metrics", name, pipeline), export_interval_millis=settings.metric_export_interval_ms
+        )
+        for name in settings.metrics_exporter
+    ]
     return MeterProvider(resource=resource, metric_readers=readers, shutdown_on_exit=False)
 
 
 def _build_logs(settings: Settings, resource: Resource, pipeline: Pipeline) -> LoggerProvider:
     provider = LoggerProvider(resource=resource, shutdown_on_exit=False)
     for name in settings.logs_exporter:
-        exporter: Any
-        if name == "file":
-            exporter = FileLogExporter(settings.file_dir)
-            pipeline.files["logs"] = exporter.path
-        elif name == "console":
-            # Renamed ConsoleLogRecordExporter in SDK 1.39; the old name warns there.
-            exporter = getattr(_log_export, "ConsoleLogRecordExporter", None) or _log_export.ConsoleLogExporter
-            exporter = exporter()
-        else:
-            exporter = _otlp_exporter(settings, "logs")
-        provider.add_log_record_processor(BatchLogRecordProcessor(exporter))
+        provider.add_log_record_processor(BatchLogRecordProcessor(_exporter(settings, "logs", name, pipeline)))
     return provider
 
 

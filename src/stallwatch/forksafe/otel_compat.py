@@ -240,14 +240,6 @@ def install() -> list[str]:
     return patched_names()
 
 
-def uninstall() -> None:
-    """Restore the SDK's own methods (tests only; objects built meanwhile keep the patch)."""
-    while _PATCHES:
-        patch = _PATCHES.pop()
-        setattr(patch.cls, patch.name, patch.original)
-    _HOOKED_CLASSES.clear()
-
-
 def patched_names() -> list[str]:
     """`Class.method` names currently replaced."""
     return [f"{p.cls.__qualname__}.{p.name}" for p in _PATCHES]
