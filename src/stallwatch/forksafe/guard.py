@@ -41,7 +41,7 @@ class _ForkState:
         self.forking_exec_bound = False  # set by our `before` handler, read in the child
         self.child_exec_bound = False  # this process is a child that is about to exec
         self.in_child_handler = False  # a guarded after_in_child handler is running now
-        self.probe = False  # doctor's test child: guarded handlers do not run by themselves
+        self.probe = False  # doctor's test fork: the child runs guarded handlers one at a time itself
         self.fork_counts: dict[tuple[str, bool, str], int] = {}
         self.handlers_skipped = 0
         self.workers_deferred = 0
@@ -103,7 +103,7 @@ def _weak_target(fn: Callable[..., object]) -> str | None:
 
 def _guard_parent_side(fn: Handler) -> Handler:
     def guarded() -> object:
-        if _exec_bound.get() or STATE.probe:
+        if _exec_bound.get():
             return None
         return fn()
 

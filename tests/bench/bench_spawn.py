@@ -1,0 +1,352 @@
+"""Spawn-freeze benchmark: how long one subprocess spawn blocks the calling thread.
+
+Run from the repository root (a full run takes a few minutes)::
+
+    .venv/bin/python tests/bench/bench_spawn.py            # or: python tests/bench/bench_spawn.py
+    .venv/bin/python tests/bench/bench_spawn.py --quick    # smoke test, < 30 s, writes to a temp dir
+
+Options: ``--spawns N`` measured spawns per run (default 200, after 10 warm-ups), ``--rounds R``
+(default 3), ``--quick`` (20 spawns, 1 round, ``rss0`` only), ``--out DIR`` (default
+``tests/bench/results``; with ``--quick``, a fresh temporary directory). Writes ``spawn.json``
+(raw numbers and machine info) and ``spawn.md`` (the table) to the output directory.
+
+"Frozen time" is the wall time of ``await asyncio.create_subprocess_exec("/bin/true", ...)`` with
+stdin/stdout/stderr on DEVNULL: the call itself, not the wait for exit. uvloop forks there and
+holds the GIL until the child execs (incidents/000_…), so a ticker thread that sleeps 1 ms in a
+loop also records its largest gap. Configurations, each run in its own fresh interpreter:
+
+- ``no_otel``: uvloop, no OpenTelemetry.
+- ``stock_otel``: uvloop; the host builds a stock SDK pipeline (TracerProvider + BatchSpanProcessor,
+  MeterProvider + PeriodicExportingMetricReader, LoggerProvider + BatchLogRecordProcessor, console
+  exporters writing to os.devnull), installs it globally and opens a span around each spawn.
+- ``stallwatch``: as ``stock_otel``, but ``import stallwatch`` comes first (the worker imports only
+  the standard library before it; OpenTelemetry and uvloop come after), which makes the host's
+  pipeline fork-aware; after the host installs its providers it calls
+  ``stallwatch.setup(providers="host", file_dir=<tmp>)``. We chose ``providers="host"`` so that the
+  exporters, processors and span are identical to ``stock_otel``: the only difference is stallwatch.
+- ``otel_no_fork_hooks``: as ``stock_otel``, but the SDK registers no at-fork handler at all
+  (``os.register_at_fork`` is a no-op while the host builds its pipeline): the floor any fork-aware
+  OpenTelemetry setup can reach, since a loaded SDK alone makes the process bigger to fork.
+- ``asyncio``: the standard asyncio loop (vfork, no at-fork handlers) with the ``stock_otel``
+  pipeline: the baseline of what spawning without fork costs.
+
+Each in two memory variants: ``rss0`` and ``rss1g`` (1 GiB allocated and one byte written per
+4096-byte page, so it is resident; fork cost grows with RSS). The runs are interleaved: every
+round runs all configurations, in an order rotated by one each round, and samples are pooled per
+configuration across rounds, so background noise on a shared machine hits all of them alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+CONFIGS = ("no_otel", "otel_no_fork_hooks", "stock_otel", "stallwatch", "asyncio")
+RSS_BYTES = {"rss0": 0, "rss1g": 1 << 30}
+PAGE = 4096
+WARMUPS = 10
+BASELINE = "no_otel"
+FLOOR = "otel_no_fork_hooks"
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+VERSIONED = ("uvloop", "grpcio", "opentelemetry-api", "opentelemetry-sdk", "stallwatch")
+
+
+# ---- worker: one configuration in a fresh interpreter ----------------------------------------
+
+
+class Ticker(threading.Thread):
+    """Sleeps 1 ms in a loop and keeps the largest gap between wake-ups (GIL held = big gap)."""
+
+    def __init__(self) -> None:
+        super().__init__(name="ticker", daemon=True)
+        self.max_gap = 0.0
+
+    def run(self) -> None:
+        last = time.perf_counter()
+        while True:
+            time.sleep(0.001)
+            now = time.perf_counter()
+            self.max_gap = max(self.max_gap, now - last)
+            last = now
+
+
+def build_host_pipeline() -> Any:
+    """The stock SDK pipeline a host builds itself; returns a tracer from it."""
+    from opentelemetry import _logs, metrics, trace
+    from opentelemetry.sdk._logs import LoggerProvider
+    from opentelemetry.sdk._logs import export as log_export
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, PeriodicExportingMetricReader
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+
+    devnull = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the providers
+    # Named ConsoleLogRecordExporter since SDK 1.39, ConsoleLogExporter before.
+    log_exporter = getattr(log_export, "ConsoleLogRecordExporter", None) or log_export.ConsoleLogExporter
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter(out=devnull)))
+    trace.set_tracer_provider(tracer_provider)
+    reader = PeriodicExportingMetricReader(ConsoleMetricExporter(out=devnull))
+    metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
+    logger_provider = LoggerProvider()
+    logger_provider.add_log_record_processor(log_export.BatchLogRecordProcessor(log_exporter(out=devnull)))
+    _logs.set_logger_provider(logger_provider)
+    return trace.get_tracer("bench_spawn")
+
+
+def touch_memory(size: int) -> bytearray:
+    """Allocate `size` bytes and write one byte per page so every page is resident."""
+    ballast = bytearray(size)
+    ballast[::PAGE] = b"\x01" * len(range(0, size, PAGE))
+    return ballast
+
+
+async def spawn_once(tracer: Any) -> float:
+    """One spawn (inside a span when `tracer` is set); returns the seconds the call blocked."""
+    with tracer.start_as_current_span("spawn") if tracer else contextlib.nullcontext():
+        start = time.perf_counter()
+        proc = await asyncio.create_subprocess_exec(
+            "/bin/true", stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        elapsed = time.perf_counter() - start
+        returncode = await proc.wait()
+    if returncode != 0:
+        raise RuntimeError(f"/bin/true exited with {returncode}")
+    return elapsed
+
+
+async def spawn_series(tracer: Any, spawns: int, ticker: Ticker) -> dict[str, Any]:
+    for _ in range(WARMUPS):
+        await spawn_once(tracer)
+    ticker.max_gap = 0.0
+    times = [await spawn_once(tracer) for _ in range(spawns)]
+    return {
+        "loop": type(asyncio.get_running_loop()).__module__,
+        "spawn_ms": [t * 1000 for t in times],
+        "ticker_max_gap_ms": ticker.max_gap * 1000,
+    }
+
+
+def vm_rss_mb() -> float:
+    """Resident set size of this process, from /proc/self/status."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def worker(config: str, rss: str, spawns: int) -> dict[str, Any]:
+    """Run one configuration in this (fresh) interpreter and return its raw numbers."""
+    if config == "stallwatch":
+        import stallwatch  # before OpenTelemetry and uvloop, as a server's first import
+    if config == FLOOR:
+        register_at_fork = os.register_at_fork
+        os.register_at_fork = lambda **handlers: None  # type: ignore[assignment]
+        try:
+            tracer = build_host_pipeline()
+        finally:
+            os.register_at_fork = register_at_fork
+    else:
+        tracer = None if config == BASELINE else build_host_pipeline()
+    if config == "stallwatch":
+        stallwatch.setup(providers="host", file_dir=tempfile.mkdtemp(prefix="bench_spawn_"))
+    ballast = touch_memory(RSS_BYTES[rss])
+    resident_mb = vm_rss_mb()
+    ticker = Ticker()
+    ticker.start()
+    coroutine = spawn_series(tracer, spawns, ticker)
+    if config == "asyncio":
+        result = asyncio.run(coroutine)
+    else:
+        import uvloop
+
+        result = uvloop.run(coroutine)
+    return {"config": config, "rss": rss, "ballast_bytes": len(ballast), "vm_rss_mb": resident_mb, **result}
+
+
+# ---- runner: interleaved rounds of workers, aggregation, report -------------------------------
+
+
+def clean_env() -> dict[str, str]:
+    """This environment without OTEL_/STALLWATCH_/GRPC_ variables, so every worker starts alike."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "STALLWATCH_", "GRPC_"))}
+
+
+def run_worker(config: str, rss: str, spawns: int) -> dict[str, Any]:
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", config, rss, str(spawns)]
+    proc = subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=900, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"worker {config} {rss} failed ({proc.returncode}):\n{proc.stderr}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def schedule(rss_variants: list[str], rounds: int) -> Iterator[tuple[int, str, str]]:
+    """(round, config, rss) in run order: every round runs all pairs, rotated by one per round."""
+    pairs = [(config, rss) for rss in rss_variants for config in CONFIGS]
+    for number in range(rounds):
+        shift = number % len(pairs)
+        for config, rss in pairs[shift:] + pairs[:shift]:
+            yield number, config, rss
+
+
+@dataclass
+class Row:
+    config: str
+    rss: str
+    p50_ms: float
+    p99_ms: float
+    mean_ms: float
+    ticker_max_gap_ms: float
+    round_p50_ms: list[float]
+    p50_ratio: float = float("nan")
+    p99_ratio: float = float("nan")
+    p50_floor_ratio: float = float("nan")
+
+
+def p99(samples: list[float]) -> float:
+    return statistics.quantiles(samples, n=100, method="inclusive")[98]
+
+
+def summarize(runs: list[dict[str, Any]], rss_variants: list[str]) -> list[Row]:
+    """Pool the samples of every (config, rss) across rounds; ratios against no_otel, same rss."""
+    rows = []
+    for rss in rss_variants:
+        for config in CONFIGS:
+            mine = [run for run in runs if run["config"] == config and run["rss"] == rss]
+            samples = [ms for run in mine for ms in run["spawn_ms"]]
+            rows.append(
+                Row(
+                    config,
+                    rss,
+                    statistics.median(samples),
+                    p99(samples),
+                    statistics.fmean(samples),
+                    max(run["ticker_max_gap_ms"] for run in mine),
+                    [statistics.median(run["spawn_ms"]) for run in mine],
+                )
+            )
+    baselines = {row.rss: row for row in rows if row.config == BASELINE}
+    floors = {row.rss: row for row in rows if row.config == FLOOR}
+    for row in rows:
+        row.p50_ratio = row.p50_ms / baselines[row.rss].p50_ms
+        row.p99_ratio = row.p99_ms / baselines[row.rss].p99_ms
+        row.p50_floor_ratio = row.p50_ms / floors[row.rss].p50_ms
+    return rows
+
+
+def machine_info() -> dict[str, Any]:
+    versions = {}
+    for name in VERSIONED:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "nproc": len(os.sched_getaffinity(0)),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "python_executable": sys.executable,
+        "kernel": platform.release(),
+        "loadavg": Path("/proc/loadavg").read_text().split()[:3],
+        "git_commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=False,
+            cwd=Path(__file__).parent,
+        ).stdout.strip(),
+        "versions": versions,
+    }
+
+
+def render_markdown(rows: list[Row], info: dict[str, Any], settings: dict[str, Any]) -> str:
+    versions = ", ".join(f"{name} {version}" for name, version in info["versions"].items())
+    lines = [
+        '# Spawn freeze: time blocked in `await asyncio.create_subprocess_exec("/bin/true")`',
+        "",
+        "Generated by `.venv/bin/python tests/bench/bench_spawn.py` "
+        f"(spawns={settings['spawns']} after {settings['warmups']} warm-ups, rounds={settings['rounds']}). "
+        "Each configuration runs in a fresh interpreter. Runs are **interleaved**: every round runs "
+        "all configurations in an order rotated by one per round, and samples are pooled per "
+        "configuration across rounds, so background noise on this shared machine hits all of them "
+        "alike. Ratios are against `no_otel` with the same rss (target: `stallwatch` ≤ 1.05x).",
+        "",
+        f"Machine: {info['nproc']} CPUs, Linux {info['kernel']}, Python {info['python']}; {versions}; "
+        f"commit {info['git_commit']}; {info['date']}.",
+        "",
+        "| config | rss | p50 ms | p99 | mean | ticker max gap ms | p50 / no_otel | p99 / no_otel "
+        "| p50 / otel_no_fork_hooks |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r.config} | {r.rss} | {r.p50_ms:.2f} | {r.p99_ms:.2f} | {r.mean_ms:.2f} | "
+        f"{r.ticker_max_gap_ms:.1f} | {r.p50_ratio:.2f}x | {r.p99_ratio:.2f}x | {r.p50_floor_ratio:.2f}x |"
+        for r in rows
+    ]
+    lines += ["", "Median of each round's own p50 (ms), in round order, to show the run-to-run noise:", ""]
+    lines += [f"- {r.config} {r.rss}: " + ", ".join(f"{ms:.2f}" for ms in r.round_p50_ms) for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def benchmark(spawns: int, rounds: int, rss_variants: list[str], out: Path) -> str:
+    """Run every round, write spawn.json and spawn.md into `out`, return the markdown."""
+    info = machine_info()
+    runs = []
+    for number, config, rss in schedule(rss_variants, rounds):
+        run = run_worker(config, rss, spawns)
+        run["round"] = number
+        runs.append(run)
+        print(f"round {number} {config:<10} {rss:<5} p50 {statistics.median(run['spawn_ms']):6.2f} ms", file=sys.stderr)
+    rows = summarize(runs, rss_variants)
+    settings = {"spawns": spawns, "warmups": WARMUPS, "rounds": rounds, "rss": rss_variants}
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"machine": info, "settings": settings, "summary": [asdict(r) for r in rows], "runs": runs}
+    (out / "spawn.json").write_text(json.dumps(report, indent=1) + "\n")
+    markdown = render_markdown(rows, info, settings)
+    (out / "spawn.md").write_text(markdown)
+    return markdown
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--spawns", type=int, help="measured spawns per run (default 200; 20 with --quick)")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds (default 3; 1 with --quick)")
+    parser.add_argument("--quick", action="store_true", help="smoke test: few spawns, one round, rss0 only")
+    parser.add_argument("--out", type=Path, help="output directory (default tests/bench/results; temp with --quick)")
+    parser.add_argument("--worker", nargs=3, metavar=("CONFIG", "RSS", "N"), help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        config, rss, spawns = args.worker
+        print(json.dumps(worker(config, rss, int(spawns))))
+        return
+    spawns = args.spawns or (20 if args.quick else 200)
+    rounds = args.rounds or (1 if args.quick else 3)
+    rss_variants = ["rss0"] if args.quick else list(RSS_BYTES)
+    out = args.out or (Path(tempfile.mkdtemp(prefix="bench_spawn_")) if args.quick else DEFAULT_OUT)
+    print(benchmark(spawns, rounds, rss_variants, out))
+    print(f"results: {out / 'spawn.json'}, {out / 'spawn.md'}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
