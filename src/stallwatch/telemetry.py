@@ -55,7 +55,8 @@ FORK_KIND = Attribute(
 )
 GRPC_ACTIVE = Attribute(
     "stallwatch.grpc.active",
-    "gRPC core threads (`event_engine`, `lifeguard`, `grpc_global_tim`) were running at fork time.",
+    "gRPC core threads (`event_engine`, `lifeguard`, `grpc_global_tim`) were running at fork time "
+    "(read from `/proc/self/task`, at most once a second).",
     ("true", "false"),
 )
 SPAWN_LOOP = Attribute(
