@@ -40,6 +40,11 @@ BAD_VALUES: dict[str, tuple[str, ...]] = {
     "STALLWATCH_LOG_LEVEL": ("LOUD",),
     "STALLWATCH_SHUTDOWN_TIMEOUT": ("-1", "0", "inf", "nan", "abc"),
     "STALLWATCH_STRICT": ("perhaps",),
+    "STALLWATCH_INSTRUMENT_EXECUTOR": ("sometimes",),
+    "STALLWATCH_EXECUTOR_HEAL": ("2",),
+    "STALLWATCH_GUARD_ASYNC_EXC": ("enabled",),
+    "STALLWATCH_WEDGE_CHECK_INTERVAL": ("0", "-0.5", "fast"),
+    "STALLWATCH_QUEUE_STALL_SECONDS": ("nan", "inf"),
 }
 
 

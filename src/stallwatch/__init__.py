@@ -9,7 +9,9 @@ no thread in a fork child's handlers (workers restart on first use in a child th
   variables (keyword overrides win) and returns the running ``Session``;
 - ``shutdown(timeout=None)`` flushes and stops it within a bounded time;
 - ``doctor()`` reports the fork hazards that remain in this process;
-- ``uvicorn_loop()`` is the ``loop=`` value that makes uvicorn spawn without fork.
+- ``uvicorn_loop()`` is the ``loop=`` value that makes uvicorn spawn without fork;
+- ``interrupt_thread()`` interrupts the work item an executor worker runs now, and only that item
+  (``Interrupted``); ``WorkerDied`` is what a healed orphaned item's future raises.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from ._version import __version__
 from .config import ConfigError, Settings
 from .doctor import Report, doctor
 from .forksafe.loop import uvicorn_loop
+from .instrument.executor import WorkerDied
+from .interrupt import Interrupted, interrupt_thread
 from .session import Session, shutdown
 
 FORK_SAFETY = _forksafe.install()
@@ -48,12 +52,15 @@ def audit() -> Report:
 __all__ = [
     "FORK_SAFETY",
     "ConfigError",
+    "Interrupted",
     "Report",
     "Session",
     "Settings",
+    "WorkerDied",
     "__version__",
     "audit",
     "doctor",
+    "interrupt_thread",
     "setup",
     "shutdown",
     "uvicorn_loop",

@@ -146,6 +146,39 @@ OPTIONS: tuple[Option, ...] = (
         "running with telemetry off.",
     ),
     Option(
+        "STALLWATCH_INSTRUMENT_EXECUTOR",
+        "instrument_executor",
+        "`true`",
+        "Instrument every ThreadPoolExecutor (including asyncio's default): queue/run times, workers, "
+        "worker deaths, orphaned items, wedge detection.",
+    ),
+    Option(
+        "STALLWATCH_EXECUTOR_HEAL",
+        "executor_heal",
+        "`false`",
+        "Fail orphaned executor items with `stallwatch.WorkerDied` so their awaiters wake, and replace "
+        "dead workers (changes the host's behaviour, hence opt-in).",
+    ),
+    Option(
+        "STALLWATCH_GUARD_ASYNC_EXC",
+        "guard_async_exc",
+        "`true`",
+        "Scope raw `ctypes.pythonapi.PyThreadState_SetAsyncExc` calls aimed at executor workers: never "
+        "delivered to an idle worker, never left pending across work items. `false` passes them through.",
+    ),
+    Option(
+        "STALLWATCH_WEDGE_CHECK_INTERVAL",
+        "wedge_check_interval",
+        "`0.5`",
+        "Seconds between wedge checks; detection takes at most two intervals.",
+    ),
+    Option(
+        "STALLWATCH_QUEUE_STALL_SECONDS",
+        "queue_stall_seconds",
+        "`5.0`",
+        "An executor whose items wait this long while none of its workers is alive is reported stalled.",
+    ),
+    Option(
         "STALLWATCH_FORK_GUARD",
         None,
         "`true`",
@@ -190,6 +223,11 @@ class Settings:
     log_level: int = logging.WARNING
     shutdown_timeout: float = 1.0
     strict: bool = False
+    instrument_executor: bool = True
+    executor_heal: bool = False
+    guard_async_exc: bool = True
+    wedge_check_interval: float = 0.5
+    queue_stall_seconds: float = 5.0
 
     @classmethod
     def load(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
@@ -248,6 +286,11 @@ class Settings:
         take("log_level", "STALLWATCH_LOG_LEVEL", _log_level, None)
         take("shutdown_timeout", "STALLWATCH_SHUTDOWN_TIMEOUT", _positive_float, None)
         take("strict", "STALLWATCH_STRICT", _bool, None)
+        take("instrument_executor", "STALLWATCH_INSTRUMENT_EXECUTOR", _bool, None)
+        take("executor_heal", "STALLWATCH_EXECUTOR_HEAL", _bool, None)
+        take("guard_async_exc", "STALLWATCH_GUARD_ASYNC_EXC", _bool, None)
+        take("wedge_check_interval", "STALLWATCH_WEDGE_CHECK_INTERVAL", _positive_float, None)
+        take("queue_stall_seconds", "STALLWATCH_QUEUE_STALL_SECONDS", _positive_float, None)
         return cls(**values)
 
     def protocol_for(self, signal: str) -> str:

@@ -48,14 +48,16 @@ class Pipeline:
     meter_provider: MeterProvider | None = None
     logger_provider: LoggerProvider | None = None
     log_handler: logging.Handler | None = None
+    stderr_handler: logging.Handler | None = None
     files: dict[str, Path] = field(default_factory=dict)
     prometheus_address: tuple[str, int] | None = None
     _closers: list[Callable[[], Any]] = field(default_factory=list)
 
     def shutdown(self, timeout: float) -> bool:
         """Flush and stop everything within `timeout` seconds; True if it finished in time."""
-        if self.log_handler is not None:
-            logging.getLogger().removeHandler(self.log_handler)
+        for handler in (self.log_handler, self.stderr_handler):
+            if handler is not None:
+                logging.getLogger().removeHandler(handler)
         providers = [p for p in (self.tracer_provider, self.meter_provider, self.logger_provider) if p]
 
         def run() -> None:
@@ -127,8 +129,14 @@ def build(settings: Settings) -> Pipeline:
     if pipeline.logger_provider:
         _logs.set_logger_provider(pipeline.logger_provider)
         if settings.logs_exporter:
+            root = logging.getLogger()
+            if not root.handlers and logging.lastResort is not None:
+                # Without handlers, Python prints WARNING and above to stderr (logging.lastResort);
+                # our handler on the root would silence that, so keep it explicitly.
+                pipeline.stderr_handler = logging.lastResort
+                root.addHandler(logging.lastResort)
             pipeline.log_handler = LoggingHandler(level=settings.log_level, logger_provider=pipeline.logger_provider)
-            logging.getLogger().addHandler(pipeline.log_handler)
+            root.addHandler(pipeline.log_handler)
     return pipeline
 
 

@@ -101,6 +101,7 @@ def _start(fork_safety: ForkSafety, overrides: dict[str, Any]) -> Session:
             _log.error("stallwatch: %s. Telemetry is off; the fork guard stays on.", exc)
             return Session(settings, fork_safety, error=str(exc))
     _register_instruments()
+    _instrument(settings)
     atexit.register(_shutdown_at_exit)
     return Session(settings, fork_safety, dict(pipeline.files) if pipeline else {}, None, pipeline)
 
@@ -133,6 +134,19 @@ def _register_instruments() -> None:
         meter.create_observable_counter(
             metric.name, callbacks=[callback], unit=metric.unit, description=metric.description
         )
+
+
+def _instrument(settings: Settings) -> None:
+    """Install the instrumentors the settings ask for (they report through the global providers)."""
+    if settings.instrument_executor:
+        from .detect import wedge  # the detector thread starts only when asked for
+        from .instrument.executor import ExecutorInstrumentor
+
+        wedge.configure(
+            wedge.WedgeSettings(settings.wedge_check_interval, settings.queue_stall_seconds, settings.executor_heal)
+        )
+        ExecutorInstrumentor().instrument(guard_async_exc=settings.guard_async_exc)
+        wedge.ensure_running()
 
 
 def shutdown(timeout: float | None = None) -> bool:

@@ -23,6 +23,12 @@ class Attribute:
     values: tuple[str, ...] = ()
 
 
+# Explicit second-scale boundaries for every duration histogram: 1 ms to 600 s.
+DURATION_BUCKETS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Metric:
     """One metric instrument: its name, kind, UCUM unit, meaning and attribute keys."""
@@ -32,6 +38,11 @@ class Metric:
     unit: str
     description: str
     attributes: tuple[Attribute, ...] = field(default_factory=tuple)
+
+    @property
+    def buckets(self) -> tuple[float, ...] | None:
+        """Explicit bucket boundaries (seconds) for a duration histogram."""
+        return DURATION_BUCKETS if self.kind == "histogram" and self.unit == "s" else None
 
     @property
     def prometheus_name(self) -> str:
@@ -76,6 +87,22 @@ RESOURCE_GRPC_FORK_SUPPORT = Attribute(
     "Value of `GRPC_ENABLE_FORK_SUPPORT` the process runs with (`unset` when not set).",
 )
 
+EXECUTOR_NAME = Attribute(
+    "stallwatch.executor.name",
+    "Thread-name prefix of a ThreadPoolExecutor (`asyncio-default` for an event loop's default executor).",
+)
+ERROR_TYPE = Attribute("error.type", "Exception class name (semantic convention `error.type`).")
+WEDGE_KIND = Attribute(
+    "stallwatch.wedge.kind",
+    "What was found: `worker_died` (an executor thread ended abnormally), `orphaned_item` (a submitted "
+    "item whose worker died, so its future never completes), `queue_stalled` (items waiting while no "
+    "worker is alive), `execution_overdue` (guarded work still running past its deadline).",
+    ("worker_died", "orphaned_item", "queue_stalled", "execution_overdue"),
+)
+INSTRUMENTATION_COMPONENT = Attribute(
+    "stallwatch.component", "Which part of stallwatch failed (e.g. `executor`); its setting turns it off."
+)
+
 RESOURCE_ATTRIBUTES: tuple[Attribute, ...] = (RESOURCE_VERSION, RESOURCE_UVLOOP_VERSION, RESOURCE_GRPC_FORK_SUPPORT)
 
 # ---- metrics ----------------------------------------------------------------------------------
@@ -101,7 +128,84 @@ FORK_WORKERS_DEFERRED = Metric(
     "to first use in a child that lives on.",
 )
 
-METRICS: tuple[Metric, ...] = (FORK_COUNT, FORK_HANDLERS_SKIPPED, FORK_WORKERS_DEFERRED)
+EXECUTOR_QUEUE_DURATION = Metric(
+    "stallwatch.executor.queue.duration", "histogram", "s",
+    "Time a submitted item waited in the executor's queue before a worker started it.", (EXECUTOR_NAME,),
+)  # fmt: skip
+EXECUTOR_RUN_DURATION = Metric(
+    "stallwatch.executor.run.duration", "histogram", "s", "Time a worker spent running an item.", (EXECUTOR_NAME,)
+)
+EXECUTOR_PENDING = Metric(
+    "stallwatch.executor.pending", "updowncounter", "{item}", "Items submitted and not started yet.", (EXECUTOR_NAME,)
+)
+EXECUTOR_RUNNING = Metric(
+    "stallwatch.executor.running", "updowncounter", "{item}", "Items a worker is running now.", (EXECUTOR_NAME,)
+)
+EXECUTOR_WORKERS = Metric(
+    "stallwatch.executor.workers", "observable_gauge", "{thread}", "Worker threads alive.", (EXECUTOR_NAME,)
+)
+EXECUTOR_MAX_WORKERS = Metric(
+    "stallwatch.executor.max_workers", "observable_gauge", "{thread}",
+    "Configured max_workers; dead workers still count against it in CPython.", (EXECUTOR_NAME,),
+)  # fmt: skip
+EXECUTOR_WORKER_DEATHS = Metric(
+    "stallwatch.executor.worker.deaths", "counter", "{thread}",
+    "Executor worker threads that ended by an exception (e.g. a stale async SystemExit).", (EXECUTOR_NAME, ERROR_TYPE),
+)  # fmt: skip
+EXECUTOR_ORPHANED = Metric(
+    "stallwatch.executor.orphaned", "counter", "{item}",
+    "Items dequeued or run by a worker that died, whose futures would never complete.", (EXECUTOR_NAME,),
+)  # fmt: skip
+EXECUTOR_HEALED = Metric(
+    "stallwatch.executor.healed", "counter", "{item}",
+    "Orphaned items failed with stallwatch.WorkerDied (STALLWATCH_EXECUTOR_HEAL=true).", (EXECUTOR_NAME,),
+)  # fmt: skip
+WEDGE_DETECTED = Metric(
+    "stallwatch.wedge.detected", "counter", "{wedge}", "Wedges found, by kind.", (WEDGE_KIND, EXECUTOR_NAME)
+)
+ASYNC_EXC_INJECTED = Metric(
+    "stallwatch.async_exception.injected", "counter", "{exception}",
+    "Async exceptions scheduled into a running executor work item (interrupt_thread or a guarded raw call).",
+    (EXECUTOR_NAME,),
+)  # fmt: skip
+ASYNC_EXC_DELIVERED = Metric(
+    "stallwatch.async_exception.delivered", "counter", "{exception}",
+    "Scheduled async exceptions that landed inside the item they were meant for.", (EXECUTOR_NAME,),
+)  # fmt: skip
+ASYNC_EXC_REVOKED = Metric(
+    "stallwatch.async_exception.revoked", "counter", "{exception}",
+    "Scheduled async exceptions cleared because their item ended (or the wait timed out) first.", (EXECUTOR_NAME,),
+)  # fmt: skip
+ASYNC_EXC_REFUSED = Metric(
+    "stallwatch.async_exception.refused", "counter", "{exception}",
+    "Async exceptions not scheduled because the target worker was idle (it would have killed it).",
+    (EXECUTOR_NAME,),
+)  # fmt: skip
+INSTRUMENTATION_ERRORS = Metric(
+    "stallwatch.instrumentation.errors", "counter", "{error}",
+    "Failures inside stallwatch's own wrappers; the wrapped call went ahead unchanged.", (INSTRUMENTATION_COMPONENT,),
+)  # fmt: skip
+
+METRICS: tuple[Metric, ...] = (
+    FORK_COUNT,
+    FORK_HANDLERS_SKIPPED,
+    FORK_WORKERS_DEFERRED,
+    EXECUTOR_QUEUE_DURATION,
+    EXECUTOR_RUN_DURATION,
+    EXECUTOR_PENDING,
+    EXECUTOR_RUNNING,
+    EXECUTOR_WORKERS,
+    EXECUTOR_MAX_WORKERS,
+    EXECUTOR_WORKER_DEATHS,
+    EXECUTOR_ORPHANED,
+    EXECUTOR_HEALED,
+    WEDGE_DETECTED,
+    ASYNC_EXC_INJECTED,
+    ASYNC_EXC_DELIVERED,
+    ASYNC_EXC_REVOKED,
+    ASYNC_EXC_REFUSED,
+    INSTRUMENTATION_ERRORS,
+)
 
 INSTRUMENTATION_SCOPE = "stallwatch"
 

@@ -1,0 +1,1 @@
+"""Detectors: wedges in executors (freeze watchdog to come)."""

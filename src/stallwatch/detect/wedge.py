@@ -1,0 +1,225 @@
+"""Wedge detection for executors: the request that awaits forever while every counter is healthy
+(incidents/002_…).
+
+A worker's death is recorded the moment `_worker` returns abnormally (see `instrument.executor`).
+A periodic check (a daemon thread started on first need, restarted lazily in a fork child that
+lives on) then finds what the death left behind:
+
+- `orphaned_item`: an item a dead worker had dequeued but never ran (mode 1: its future stays
+  PENDING; found by queue accounting) or was running (mode 2: RUNNING, owner thread dead);
+- `queue_stalled`: items waiting longer than `STALLWATCH_QUEUE_STALL_SECONDS` while no worker of
+  the executor is alive;
+- `execution_overdue`: guarded work past its deadline (`stallwatch.execution_timeout`).
+
+Each detection is counted (`stallwatch.wedge.detected`), logged at WARNING with the submitting
+trace id and the thread name, added as an event to the item's span, and sent to Sentry when
+sentry-sdk is initialised. With `STALLWATCH_EXECUTOR_HEAL=true` an orphaned future is failed with
+`WorkerDied` (its awaiter wakes) and dead workers are replaced so the pool has capacity again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry import trace
+
+from .. import telemetry
+from ..instrument import executor as ex
+from ..instrument._common import FAULTS
+
+_log = logging.getLogger("stallwatch")
+
+
+@dataclass
+class WedgeSettings:
+    """How the detector runs; set by `setup()` from `STALLWATCH_*` settings."""
+
+    interval: float = 0.5
+    queue_stall_seconds: float = 5.0
+    heal: bool = False
+
+
+SETTINGS = WedgeSettings()
+_lock = threading.Lock()
+_thread: threading.Thread | None = None
+_thread_pid = 0
+_stalled: set[int] = set()  # id() of executors already reported stalled (once per episode)
+
+
+def configure(settings: WedgeSettings) -> None:
+    global SETTINGS
+    SETTINGS = settings
+
+
+def ensure_running() -> None:
+    """Start the check thread if this process has none (first use, or a fork child that lives on)."""
+    global _thread, _thread_pid
+    if _thread_pid == os.getpid() and _thread is not None:
+        return
+    with _lock:
+        if _thread_pid == os.getpid() and _thread is not None:
+            return
+        _thread = threading.Thread(target=_loop, name="stallwatch-wedge", daemon=True)
+        _thread.start()
+        _thread_pid = os.getpid()
+
+
+def _loop() -> None:
+    while True:
+        time.sleep(SETTINGS.interval)
+        try:
+            check()
+        except Exception:
+            FAULTS.record("wedge detector", "STALLWATCH_INSTRUMENT_EXECUTOR")
+
+
+def check() -> None:
+    """One pass over every instrumented executor."""
+    now = time.monotonic()
+    for executor in list(ex.EXECUTORS):
+        state = ex.state_of(executor)
+        if state is not None:
+            _check_executor(executor, state, now)
+
+
+def _check_executor(executor: Any, state: ex.ExecutorState, now: float) -> None:
+    work_queue = executor._work_queue
+    if isinstance(work_queue, ex._AccountingQueue):
+        for record in work_queue.take_handed_out():
+            record.dequeued_seen = now
+            state.in_flight.append(record)
+    still: list[ex.ItemRecord] = []
+    for record in state.in_flight:
+        if record.finished or record.orphaned or record.future.done():
+            continue
+        if record.started is None:
+            # Dequeued, not started: orphaned once a worker death (not already matched to an item)
+            # explains it and a live worker had time to start it.
+            if state.deaths and now - (record.dequeued_seen or now) >= SETTINGS.interval:
+                thread, cause = state.deaths.pop(0)
+                _orphan(executor, state, record, thread, cause, dequeued_only=True)
+                continue
+        elif record.thread is not None and not record.thread.is_alive():
+            _orphan(executor, state, record, record.thread, None, dequeued_only=False)
+            continue
+        still.append(record)
+    state.in_flight = still
+    _check_stall(executor, state, now)
+
+
+def _check_stall(executor: Any, state: ex.ExecutorState, now: float) -> None:
+    work_queue = executor._work_queue
+    alive = any(t.is_alive() for t in list(executor._threads))
+    if alive or work_queue.qsize() == 0:
+        _stalled.discard(id(executor))
+        return
+    waiting = list(getattr(work_queue, "log", ()))
+    oldest = min((r.submitted for r in waiting if r is not None), default=now)
+    if now - oldest >= SETTINGS.queue_stall_seconds and id(executor) not in _stalled:
+        _stalled.add(id(executor))
+        _report(
+            "queue_stalled",
+            state,
+            None,
+            f"{work_queue.qsize()} item(s) waiting up to {now - oldest:.1f}s in executor {state.name} "
+            "and none of its workers is alive",
+        )
+        if SETTINGS.heal:
+            _respawn(executor)
+
+
+def worker_died(
+    state: ex.ExecutorState, thread: threading.Thread, cause: BaseException | None, held: ex.ItemRecord | None
+) -> None:
+    """Called in the dying worker itself, the moment `_worker` returns abnormally."""
+    ensure_running()
+    cause_text = f"{type(cause).__name__}: {cause}" if cause is not None else "unknown cause"
+    _report("worker_died", state, held, f"executor worker {thread.name} died ({cause_text})")
+    executor = state.executor_ref()
+    if held is not None and not held.future.done() and executor is not None:
+        if (thread, cause) in state.deaths:
+            state.deaths.remove((thread, cause))  # matched: it cannot also have dequeued another item
+        _orphan(executor, state, held, thread, cause, dequeued_only=False)
+
+
+def _orphan(
+    executor: Any,
+    state: ex.ExecutorState,
+    record: ex.ItemRecord,
+    thread: threading.Thread | None,
+    cause: BaseException | None,
+    *,
+    dequeued_only: bool,
+) -> None:
+    name = thread.name if thread is not None else "?"
+    record.orphaned = True
+    ex._add(telemetry.EXECUTOR_ORPHANED, 1, state.attributes)
+    what = "dequeued it and died before running it" if dequeued_only else "died while running it"
+    age = time.monotonic() - record.submitted
+    _report(
+        "orphaned_item",
+        state,
+        record,
+        f"an item submitted {age:.1f}s ago to executor {state.name} will never complete: worker {name} {what}",
+    )
+    ex.end_span_orphaned(record, f"worker {name} {what}")
+    if SETTINGS.heal:
+        if not record.future.done():
+            record.future.set_exception(ex.WorkerDied(name, cause, dequeued_only))
+            ex._add(telemetry.EXECUTOR_HEALED, 1, state.attributes)
+        _respawn(executor)
+
+
+def _respawn(executor: Any) -> None:
+    """Drop dead workers from the pool's accounting and start replacements (heal only)."""
+    from concurrent.futures import thread as cf_thread
+
+    with executor._shutdown_lock, cf_thread._global_shutdown_lock:
+        if executor._shutdown:
+            return
+        executor._threads -= {t for t in executor._threads if not t.is_alive()}
+        for _ in range(executor._max_workers + 1):
+            alive = sum(1 for t in executor._threads if t.is_alive())
+            if executor._work_queue.qsize() == 0 or alive >= executor._max_workers:
+                break
+            executor._adjust_thread_count()  # may only eat a stale idle token; then try again
+
+
+def _report(kind: str, state: ex.ExecutorState, record: ex.ItemRecord | None, message: str) -> None:
+    ex._add(telemetry.WEDGE_DETECTED, 1, {**state.attributes, telemetry.WEDGE_KIND.name: kind})
+    trace_id = ""
+    if record is not None:
+        span_context = trace.get_current_span(record.context).get_span_context()
+        if span_context.is_valid:
+            trace_id = f"{span_context.trace_id:032x}"
+        if record.span is not None and record.span.is_recording():
+            record.span.add_event("stallwatch.wedge", {telemetry.WEDGE_KIND.name: kind, "message": message})
+    hint = "" if SETTINGS.heal or kind == "worker_died" else (
+        " STALLWATCH_EXECUTOR_HEAL=true fails such items with stallwatch.WorkerDied and restores the pool."
+    )  # fmt: skip
+    _log.warning(
+        "stallwatch: wedge %s: %s%s.%s",
+        kind,
+        message,
+        f" (trace {trace_id})" if trace_id else "",
+        hint,
+        extra={"stallwatch.wedge.kind": kind, "stallwatch.executor.name": state.name, "trace_id": trace_id},
+    )
+    _to_sentry(kind, message)
+
+
+def _to_sentry(kind: str, message: str) -> None:
+    sentry_sdk = sys.modules.get("sentry_sdk")
+    if sentry_sdk is None:
+        return
+    try:
+        if sentry_sdk.get_client().is_active():
+            sentry_sdk.capture_message(f"stallwatch wedge {kind}: {message}", level="warning")
+    except Exception:  # an old or odd sentry-sdk must not break detection
+        _log.debug("stallwatch: cannot send the wedge to Sentry", exc_info=True)

@@ -1,0 +1,1 @@
+"""One OpenTelemetry BaseInstrumentor per instrumented thing."""

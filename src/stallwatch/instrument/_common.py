@@ -1,0 +1,77 @@
+"""What every instrumentor shares: instruments built from the telemetry contract, and fault
+containment (a failure inside stallwatch is counted and logged once, never passed to the host)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from opentelemetry import metrics
+from opentelemetry.metrics import CallbackOptions, Meter, Observation
+
+from .. import telemetry
+from .._version import __version__
+
+_log = logging.getLogger("stallwatch")
+
+
+def meter(meter_provider: Any = None) -> Meter:
+    """stallwatch's meter, from the given provider or the global (proxy) one."""
+    return metrics.get_meter(telemetry.INSTRUMENTATION_SCOPE, __version__, meter_provider=meter_provider)
+
+
+def instrument(
+    meter_: Meter, metric: telemetry.Metric, callback: Callable[[CallbackOptions], Iterable[Observation]] | None = None
+) -> Any:
+    """Create the OTel instrument that `metric` describes."""
+    common = {"name": metric.name, "unit": metric.unit, "description": metric.description}
+    if metric.kind == "counter":
+        return meter_.create_counter(**common)
+    if metric.kind == "updowncounter":
+        return meter_.create_up_down_counter(**common)
+    if metric.kind == "histogram":
+        try:
+            return meter_.create_histogram(**common, explicit_bucket_boundaries_advisory=list(metric.buckets or ()))
+        except TypeError:  # opentelemetry-api before 1.30 has no bucket advisory
+            return meter_.create_histogram(**common)
+    callbacks = [callback] if callback else []
+    if metric.kind == "observable_counter":
+        return meter_.create_observable_counter(**common, callbacks=callbacks)
+    return meter_.create_observable_gauge(**common, callbacks=callbacks)
+
+
+class Faults:
+    """Counts stallwatch's own failures per component and logs the first of each at WARNING."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._warned: set[str] = set()
+        self._counter: Any = None
+
+    def bind(self, meter_: Meter) -> None:
+        self._counter = instrument(meter_, telemetry.INSTRUMENTATION_ERRORS)
+
+    def record(self, component: str, setting: str) -> None:
+        """Call from an `except Exception` block inside a wrapper."""
+        with self._lock:
+            first = component not in self._warned
+            self._warned.add(component)
+        if first:
+            _log.warning(
+                "stallwatch: %s instrumentation failed; the host's call went ahead unchanged. "
+                "Set %s=false to turn this part off.",
+                component,
+                setting,
+                exc_info=True,
+            )
+        counter = self._counter
+        if counter is not None:
+            try:
+                counter.add(1, {telemetry.INSTRUMENTATION_COMPONENT.name: component})
+            except Exception:  # the meter itself failing must not reach the host either
+                _log.debug("stallwatch: cannot count an instrumentation error", exc_info=True)
+
+
+FAULTS = Faults()

@@ -1,0 +1,359 @@
+"""Executor instrumentation: every `concurrent.futures.ThreadPoolExecutor`, including an event
+loop's default executor (`run_in_executor`, `asyncio.to_thread`).
+
+incidents/002_… is a worker that died between `work_queue.get()` and `_WorkItem.run()`: the item
+it had dequeued was referenced by nothing, its future stayed pending, and the awaiting request hung
+with every counter healthy. No wrapper of `_WorkItem.run` can see that item, so stallwatch counts
+the queue itself: each executor's `SimpleQueue` is replaced at construction by a subclass whose
+`put` (called by `submit`) logs the item; `get` stays the C method, so a worker's dequeue runs no
+Python code of ours. Items the queue has handed out (puts minus `qsize()`, FIFO) are "in flight";
+`detect.wedge` finds the ones whose worker died. The module-level `_worker` is wrapped to see a
+worker die the moment it happens, and `_WorkItem.run` to time each item, carry the submitter's
+OpenTelemetry context into the worker and scope interruptions to the item (see `interrupt`).
+
+CPython internals used (3.10 to 3.14, checked): `ThreadPoolExecutor._work_queue`, `_threads`,
+`_thread_name_prefix`, `_max_workers`, `_shutdown`, `_broken`, `_shutdown_lock`,
+`_adjust_thread_count`, module `_worker`, `_shutdown`, `_global_shutdown_lock`, `_WorkItem.future`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Collection, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import thread as cf_thread
+from dataclasses import dataclass, field
+from typing import Any
+
+import wrapt
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]
+from opentelemetry.instrumentation.utils import unwrap
+from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.trace import Span, Status, StatusCode
+
+from .. import interrupt, telemetry
+from ._common import FAULTS, instrument, meter
+
+SETTING = "STALLWATCH_INSTRUMENT_EXECUTOR"
+_log = logging.getLogger("stallwatch")
+_QUEUE_LOCK = threading.Lock()  # guards every accounting queue's put log; held only for a few lines
+
+
+class WorkerDied(RuntimeError):
+    """Raised into a future whose executor worker died before finishing it (STALLWATCH_EXECUTOR_HEAL).
+
+    Attributes: `thread_name` of the dead worker and `cause`, the exception that killed it.
+    """
+
+    def __init__(self, thread_name: str, cause: BaseException | None, dequeued_only: bool) -> None:
+        what = "dequeued this item and died before running it" if dequeued_only else "died while running this item"
+        reason = f" ({type(cause).__name__}: {cause})" if cause is not None else ""
+        super().__init__(f"executor worker {thread_name} {what}{reason}")
+        self.thread_name = thread_name
+        self.cause = cause
+
+
+@dataclass(eq=False)
+class ItemRecord:
+    """What stallwatch knows about one submitted work item."""
+
+    executor: ExecutorState
+    future: Future[Any]
+    submitted: float
+    context: otel_context.Context
+    span: Span | None = None
+    dequeued_seen: float | None = None  # when the wedge check first saw it handed out
+    started: float | None = None
+    thread: threading.Thread | None = None
+    finished: bool = False
+    orphaned: bool = False
+    interrupt: Any = None  # the pending scoped interruption, see `interrupt`
+
+
+@dataclass(eq=False)
+class ExecutorState:
+    """Per-executor accounting, reachable as `executor._stallwatch`."""
+
+    name: str
+    executor_ref: weakref.ReferenceType[ThreadPoolExecutor]
+    in_flight: list[ItemRecord] = field(default_factory=list)
+    deaths: list[tuple[threading.Thread, BaseException | None]] = field(default_factory=list)
+
+    @property
+    def attributes(self) -> dict[str, str]:
+        return {telemetry.EXECUTOR_NAME.name: self.name}
+
+
+class _AccountingQueue(queue.SimpleQueue):  # type: ignore[type-arg]
+    """The executor's work queue, logging what is put so that what was taken can be known."""
+
+    state: ExecutorState
+    puts: int
+    handed_out: int
+    log: deque[ItemRecord | None]
+
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+        record = _record_submission(self.state, item)
+        with _QUEUE_LOCK:
+            super().put(item, block, timeout)
+            self.puts += 1
+            self.log.append(record)
+
+    def put_nowait(self, item: Any) -> None:
+        self.put(item, block=False)
+
+    def take_handed_out(self) -> list[ItemRecord]:
+        """Records of items a worker has dequeued since the last call (FIFO accounting)."""
+        taken: list[ItemRecord] = []
+        with _QUEUE_LOCK:
+            handed_out = self.puts - self.qsize()
+            while self.handed_out < handed_out and self.log:
+                record = self.log.popleft()
+                self.handed_out += 1
+                if record is not None:
+                    taken.append(record)
+        return taken
+
+
+EXECUTORS: weakref.WeakSet[ThreadPoolExecutor] = weakref.WeakSet()
+_current_item: dict[int, ItemRecord] = {}  # worker thread ident -> the item it runs
+_death_causes: dict[int, BaseException] = {}
+_instruments: dict[str, Any] = {}
+_tracer: trace.Tracer | None = None
+
+
+def executor_name(executor: ThreadPoolExecutor) -> str:
+    prefix = getattr(executor, "_thread_name_prefix", "") or "ThreadPoolExecutor"
+    return "asyncio-default" if prefix == "asyncio" else prefix
+
+
+def state_of(executor: ThreadPoolExecutor) -> ExecutorState | None:
+    return getattr(executor, "_stallwatch", None)
+
+
+def current_item(ident: int) -> ItemRecord | None:
+    """The item a worker thread is running now, or None (idle, or not an instrumented worker)."""
+    return _current_item.get(ident)
+
+
+def _add(metric: telemetry.Metric, value: float, attributes: dict[str, str]) -> None:
+    instrument_ = _instruments.get(metric.name)
+    if instrument_ is None:
+        return
+    if metric.kind == "histogram":
+        instrument_.record(value, attributes)
+    else:
+        instrument_.add(value, attributes)
+
+
+# ---- wrappers -----------------------------------------------------------------------------------
+
+
+def _init_wrapper(wrapped: Any, executor: ThreadPoolExecutor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    wrapped(*args, **kwargs)
+    try:
+        state = ExecutorState(executor_name(executor), weakref.ref(executor))
+        accounting = _AccountingQueue()
+        accounting.state, accounting.puts, accounting.handed_out, accounting.log = state, 0, 0, deque()
+        executor._work_queue = accounting  # type: ignore[attr-defined]  # no worker holds the old one yet
+        executor._stallwatch = state  # type: ignore[attr-defined]
+        EXECUTORS.add(executor)
+    except Exception:
+        FAULTS.record("executor", SETTING)
+
+
+def _record_submission(state: ExecutorState, item: Any) -> ItemRecord | None:
+    """Runs in the submitting thread, inside `submit`: stamp the item (None: a shutdown sentinel)."""
+    if item is None:
+        return None
+    try:
+        record = ItemRecord(state, item.future, time.monotonic(), otel_context.get_current())
+        parent = trace.get_current_span().get_span_context()
+        if _tracer is not None and parent.is_valid and parent.trace_flags.sampled:
+            record.span = _tracer.start_span(f"{state.name} work item", attributes=state.attributes)
+        item._stallwatch = record
+        _add(telemetry.EXECUTOR_PENDING, 1, state.attributes)
+        return record
+    except Exception:
+        FAULTS.record("executor", SETTING)
+        return None
+
+
+def _run_wrapper(wrapped: Any, item: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    record: ItemRecord | None = getattr(item, "_stallwatch", None)
+    if record is None:
+        return wrapped(*args, **kwargs)
+    if record.orphaned:
+        return None  # already failed with WorkerDied: running it now would kill this worker too
+    token = _start(record)
+    interrupt.item_started(record)
+    try:
+        return wrapped(*args, **kwargs)
+    except BaseException as exc:
+        if not interrupt.item_raised(record, exc):  # ours landed outside the item's try: worker lives
+            raise
+        return None
+    finally:
+        interrupt.item_finished(record)
+        _finish(record, token)
+
+
+def _start(record: ItemRecord) -> object:
+    try:
+        record.started = time.monotonic()
+        record.thread = threading.current_thread()
+        _current_item[threading.get_ident()] = record
+        attributes = record.executor.attributes
+        _add(telemetry.EXECUTOR_PENDING, -1, attributes)
+        _add(telemetry.EXECUTOR_RUNNING, 1, attributes)
+        _add(telemetry.EXECUTOR_QUEUE_DURATION, record.started - record.submitted, attributes)
+        context = trace.set_span_in_context(record.span, record.context) if record.span else record.context
+        return otel_context.attach(context)
+    except Exception:
+        FAULTS.record("executor", SETTING)
+        return None
+
+
+def _finish(record: ItemRecord, token: object) -> None:
+    try:
+        if token is not None:
+            otel_context.detach(token)  # type: ignore[arg-type]
+        record.finished = True
+        _current_item.pop(threading.get_ident(), None)
+        attributes = record.executor.attributes
+        run_seconds = time.monotonic() - (record.started or record.submitted)
+        _add(telemetry.EXECUTOR_RUNNING, -1, attributes)
+        _add(telemetry.EXECUTOR_RUN_DURATION, run_seconds, attributes)
+        if record.span is not None:
+            record.span.set_attribute("stallwatch.executor.queue_seconds", (record.started or 0) - record.submitted)
+            record.span.set_attribute("stallwatch.executor.run_seconds", run_seconds)
+            record.span.end()
+    except Exception:
+        FAULTS.record("executor", SETTING)
+
+
+def _worker_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    interrupt.worker_started()
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        interrupt.worker_stopped()
+        _after_worker_exit(args[0] if args else None)
+
+
+def _after_worker_exit(executor_reference: Any) -> None:
+    """`_worker` returned: a normal exit at shutdown, or a death it logged and swallowed."""
+    try:
+        ident = threading.get_ident()
+        cause = _death_causes.pop(ident, None)
+        executor = executor_reference() if executor_reference is not None else None
+        shutting_down = executor is None or executor._shutdown or cf_thread._shutdown or executor._broken
+        if cause is None and shutting_down:
+            _current_item.pop(ident, None)
+            return
+        state = state_of(executor) if executor is not None else None
+        if state is None:
+            return
+        thread = threading.current_thread()
+        state.deaths.append((thread, cause))
+        _add(
+            telemetry.EXECUTOR_WORKER_DEATHS,
+            1,
+            {**state.attributes, telemetry.ERROR_TYPE.name: type(cause).__name__ if cause else "unknown"},
+        )
+        from ..detect import wedge
+
+        wedge.worker_died(state, thread, cause, _current_item.pop(ident, None))
+    except Exception:
+        FAULTS.record("executor", SETTING)
+
+
+class _DeathCause(logging.Filter):
+    """Keeps the exception `_worker` logs as 'Exception in worker' before its thread ends."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == "Exception in worker" and record.exc_info and record.exc_info[1] is not None:
+            _death_causes[threading.get_ident()] = record.exc_info[1]
+        return True
+
+
+_DEATH_FILTER = _DeathCause()
+
+
+# ---- observable gauges ---------------------------------------------------------------------------
+
+
+def _observe_workers(options: CallbackOptions) -> Iterable[Observation]:
+    for executor in list(EXECUTORS):
+        state = state_of(executor)
+        if state is not None:
+            alive = sum(1 for t in list(executor._threads) if t.is_alive())  # type: ignore[attr-defined]
+            yield Observation(alive, state.attributes)
+
+
+def _observe_max_workers(options: CallbackOptions) -> Iterable[Observation]:
+    for executor in list(EXECUTORS):
+        state = state_of(executor)
+        if state is not None:
+            yield Observation(executor._max_workers, state.attributes)  # type: ignore[attr-defined]
+
+
+class ExecutorInstrumentor(BaseInstrumentor):  # type: ignore[misc]
+    """Instruments every ThreadPoolExecutor built after `instrument()` (and the death hook for all).
+
+    Keyword arguments of `instrument()`: `meter_provider`, `tracer_provider` (default: the global
+    ones) and `guard_async_exc` (scope raw `PyThreadState_SetAsyncExc` calls aimed at workers;
+    default True). The wedge detector (`stallwatch.detect.wedge`) is started by `setup()`.
+    """
+
+    def instrumentation_dependencies(self) -> Collection[str]:
+        return ()
+
+    def _instrument(self, **kwargs: Any) -> None:
+        global _tracer
+        meter_ = meter(kwargs.get("meter_provider"))
+        FAULTS.bind(meter_)
+        _tracer = trace.get_tracer(telemetry.INSTRUMENTATION_SCOPE, tracer_provider=kwargs.get("tracer_provider"))
+        for metric in (
+            telemetry.EXECUTOR_QUEUE_DURATION,
+            telemetry.EXECUTOR_RUN_DURATION,
+            telemetry.EXECUTOR_PENDING,
+            telemetry.EXECUTOR_RUNNING,
+            telemetry.EXECUTOR_WORKER_DEATHS,
+            telemetry.EXECUTOR_ORPHANED,
+            telemetry.EXECUTOR_HEALED,
+            telemetry.WEDGE_DETECTED,
+        ):
+            _instruments[metric.name] = instrument(meter_, metric)
+        instrument(meter_, telemetry.EXECUTOR_WORKERS, _observe_workers)
+        instrument(meter_, telemetry.EXECUTOR_MAX_WORKERS, _observe_max_workers)
+        interrupt.install(meter_, guard_raw_calls=kwargs.get("guard_async_exc", True))
+        wrapt.wrap_function_wrapper(ThreadPoolExecutor, "__init__", _init_wrapper)
+        wrapt.wrap_function_wrapper(cf_thread._WorkItem, "run", _run_wrapper)
+        wrapt.wrap_function_wrapper(cf_thread, "_worker", _worker_wrapper)
+        logging.getLogger("concurrent.futures").addFilter(_DEATH_FILTER)
+
+    def _uninstrument(self, **kwargs: Any) -> None:
+        global _tracer
+        unwrap(ThreadPoolExecutor, "__init__")
+        unwrap(cf_thread._WorkItem, "run")
+        unwrap(cf_thread, "_worker")
+        logging.getLogger("concurrent.futures").removeFilter(_DEATH_FILTER)
+        interrupt.uninstall()
+        _instruments.clear()
+        _tracer = None
+
+
+def end_span_orphaned(record: ItemRecord, reason: str) -> None:
+    """Close an orphaned item's span with an error (its worker will never close it)."""
+    if record.span is not None:
+        record.span.add_event("stallwatch.wedge", {telemetry.WEDGE_KIND.name: "orphaned_item", "reason": reason})
+        record.span.set_status(Status(StatusCode.ERROR, reason))
+        record.span.end()

@@ -1,0 +1,193 @@
+"""Scoped interruption of executor work (incidents/002_…).
+
+`PyThreadState_SetAsyncExc` schedules an exception that fires at the target's next check point,
+which for a thread parked in a C call is whenever that call returns — by then a pooled worker may
+be running someone else's item, or sitting between `work_queue.get()` and `_WorkItem.run()`, where
+the exception kills it and strands the item it holds. An interruption here belongs to the work item
+running when it was asked for: it is delivered only while that item runs (under one lock), and the
+item's end revokes it (`SetAsyncExc(tid, NULL)`) if it has not landed. The same scoping is applied
+to raw `ctypes.pythonapi.PyThreadState_SetAsyncExc` calls aimed at executor workers
+(`STALLWATCH_GUARD_ASYNC_EXC`, default on): never delivered to an idle worker, never left pending
+across items; the caller still gets the return value it expects. Other threads pass through.
+CPython offers nothing like this, hence the hand-written code.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from . import telemetry
+
+if TYPE_CHECKING:
+    from .instrument.executor import ItemRecord
+
+_log = logging.getLogger("stallwatch")
+_real_set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
+_LOCK = threading.Lock()
+_active: dict[int, ItemRecord] = {}  # worker ident -> item it runs, while the item runs
+_worker_idents: set[int] = set()
+_counters: dict[str, Any] = {}
+
+
+class Interrupted(BaseException):
+    """Raised inside a work item by `interrupt_thread()` (a BaseException, like SystemExit, so
+    `except Exception` in the work does not swallow it; unlike SystemExit, asyncio does not re-raise it)."""
+
+
+@dataclass(eq=False)
+class _Pending:
+    exc_type: type[BaseException]
+    via: str  # "api" or "raw"
+    done: threading.Event = field(default_factory=threading.Event)
+    outcome: str | None = None
+
+
+def _count(metric: telemetry.Metric, record: ItemRecord | None) -> None:
+    counter = _counters.get(metric.name)
+    if counter is not None:
+        name = record.executor.name if record is not None else "unknown"
+        counter.add(1, {telemetry.EXECUTOR_NAME.name: name})
+
+
+def _settle(record: ItemRecord, outcome: str) -> None:
+    """Under _LOCK: decide a pending interruption's outcome once."""
+    pending = record.interrupt
+    if pending is None or pending.outcome is not None:
+        return
+    if outcome == "revoked" and record.thread is not None and record.thread.ident is not None:
+        _real_set_async_exc(ctypes.c_ulong(record.thread.ident), None)  # NULL clears; never py_object(None)
+    pending.outcome = outcome
+    pending.done.set()
+    _count(telemetry.ASYNC_EXC_DELIVERED if outcome == "delivered" else telemetry.ASYNC_EXC_REVOKED, record)
+
+
+# ---- called by the executor instrumentation, in the worker thread -----------------------------
+
+
+def worker_started() -> None:
+    _worker_idents.add(threading.get_ident())
+
+
+def worker_stopped() -> None:
+    _worker_idents.discard(threading.get_ident())
+
+
+def item_started(record: ItemRecord) -> None:
+    with _LOCK:
+        _active[threading.get_ident()] = record
+
+
+def item_raised(record: ItemRecord, exc: BaseException) -> bool:
+    """An exception escaped `_WorkItem.run`: True if it is our interruption (then it is handled)."""
+    pending = record.interrupt
+    if pending is None or not isinstance(exc, pending.exc_type):
+        return False
+    if not record.future.done():
+        record.future.set_exception(exc)  # it landed outside the item's try: complete the future
+    return True
+
+
+def item_finished(record: ItemRecord) -> None:
+    """End the item's scope; revoke an interruption that has not landed. Robust to it landing here."""
+    while True:
+        try:
+            with _LOCK:
+                _active.pop(threading.get_ident(), None)
+                future = record.future
+                pending = record.interrupt
+                if pending is not None and pending.outcome is None:
+                    landed = future.done() and isinstance(future.exception(), pending.exc_type)
+                    _settle(record, "delivered" if landed else "revoked")
+            return
+        except BaseException as exc:
+            if not item_raised(record, exc):
+                raise
+
+
+# ---- public API ---------------------------------------------------------------------------------
+
+
+def interrupt_thread(
+    thread: threading.Thread | int, exc_type: type[BaseException] = Interrupted, timeout: float | None = 1.0
+) -> str:
+    """Interrupt the work item an executor worker is running now, and say what happened.
+
+    Returns `"delivered"` (the exception was raised inside that item), `"revoked"` (the item ended,
+    or `timeout` seconds passed — e.g. it is parked in a C call — before the exception landed; it
+    was cleared and will never fire later), `"refused_idle"` (the thread runs no instrumented work
+    item: nothing was scheduled) or `"no_such_thread"`.
+    """
+    ident = thread.ident if isinstance(thread, threading.Thread) else int(thread)
+    with _LOCK:
+        record = _active.get(ident or -1)
+        if record is None:
+            alive = any(t.ident == ident for t in threading.enumerate())
+            _count(telemetry.ASYNC_EXC_REFUSED, None)
+            return "refused_idle" if alive else "no_such_thread"
+        pending = _Pending(exc_type, "api")
+        record.interrupt = pending
+        _real_set_async_exc(ctypes.c_ulong(ident), ctypes.py_object(exc_type))
+        _count(telemetry.ASYNC_EXC_INJECTED, record)
+    if not pending.done.wait(timeout):
+        with _LOCK:
+            _settle(record, "revoked")
+    return pending.outcome or "revoked"
+
+
+class _GuardedSetAsyncExc:
+    """Stands in for `ctypes.pythonapi.PyThreadState_SetAsyncExc` (STALLWATCH_GUARD_ASYNC_EXC)."""
+
+    argtypes: Any = None
+    restype: Any = None
+
+    def __call__(self, tid: Any, exc: Any) -> int:
+        ident = int(getattr(tid, "value", tid))
+        if ident not in _worker_idents:
+            return int(_real_set_async_exc(tid, exc))
+        exc_type = exc.value if isinstance(exc, ctypes.py_object) else exc
+        with _LOCK:
+            record = _active.get(ident)
+            if exc_type is None:  # a clear: pass it on, and forget our pending record
+                if record is not None and record.interrupt is not None and record.interrupt.outcome is None:
+                    record.interrupt.outcome = "revoked"
+                    record.interrupt.done.set()
+                return int(_real_set_async_exc(ctypes.c_ulong(ident), None))
+            if record is None or not isinstance(exc_type, type) or not issubclass(exc_type, BaseException):
+                _count(telemetry.ASYNC_EXC_REFUSED, None)
+                _log.warning(
+                    "stallwatch: refused PyThreadState_SetAsyncExc(%s) on idle executor worker %d: it would kill "
+                    "the worker and strand the next item (incidents/002). STALLWATCH_GUARD_ASYNC_EXC=false "
+                    "passes such calls through.",
+                    getattr(exc_type, "__name__", exc_type),
+                    ident,
+                )
+                return 1  # the thread exists: what the caller expects to see
+            record.interrupt = _Pending(exc_type, "raw")
+            _count(telemetry.ASYNC_EXC_INJECTED, record)
+            return int(_real_set_async_exc(ctypes.c_ulong(ident), ctypes.py_object(exc_type)))
+
+
+def install(meter_: Any, guard_raw_calls: bool) -> None:
+    """Create the counters; with `guard_raw_calls`, scope raw ctypes calls aimed at workers."""
+    from .instrument._common import instrument
+
+    for metric in (
+        telemetry.ASYNC_EXC_INJECTED,
+        telemetry.ASYNC_EXC_DELIVERED,
+        telemetry.ASYNC_EXC_REVOKED,
+        telemetry.ASYNC_EXC_REFUSED,
+    ):
+        _counters[metric.name] = instrument(meter_, metric)
+    if guard_raw_calls:
+        ctypes.pythonapi.PyThreadState_SetAsyncExc = _GuardedSetAsyncExc()  # type: ignore[attr-defined]
+
+
+def uninstall() -> None:
+    """Give `ctypes.pythonapi.PyThreadState_SetAsyncExc` back."""
+    if isinstance(getattr(ctypes.pythonapi, "PyThreadState_SetAsyncExc", None), _GuardedSetAsyncExc):
+        ctypes.pythonapi.PyThreadState_SetAsyncExc = _real_set_async_exc  # type: ignore[attr-defined]
+    _counters.clear()

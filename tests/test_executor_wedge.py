@@ -1,0 +1,181 @@
+"""incidents/002: a stale async SystemExit kills an idle pooled worker, and the next request's
+item is lost with it. Real threads, real sockets, real ctypes injection, fresh interpreters."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import read_jsonl, run_python, run_scenario
+
+
+def metric_points(path, name):
+    points = []
+    for request in read_jsonl(path):
+        for resource in request.get("resourceMetrics", []):
+            for scope in resource.get("scopeMetrics", []):
+                for metric in scope.get("metrics", []):
+                    if metric["name"] == name:
+                        data = metric.get("sum") or metric.get("gauge") or metric.get("histogram") or {}
+                        points.extend(data.get("dataPoints", []))
+    return points
+
+
+def attrs(point):
+    return {a["key"]: next(iter(a["value"].values())) for a in point.get("attributes", [])}
+
+
+def latest_total(path, name, **match):
+    totals = {}
+    for point in metric_points(path, name):
+        labels = attrs(point)
+        if all(labels.get(k) == v for k, v in match.items()):
+            key = tuple(sorted(labels.items()))
+            totals[key] = float(point.get("asDouble", point.get("asInt", point.get("count", 0))))
+    return sum(totals.values())
+
+
+def test_by_default_the_stale_injection_is_refused_and_the_next_request_runs(telemetry_dir):
+    result = run_scenario("executor_wedge.py", "guard", "noheal", str(telemetry_dir))
+
+    assert result["set_async_exc_returned"] == 1  # what NDIF's kill_thread expects
+    assert result["B"] == "B done"
+    assert result["C"] == "C done"
+    metrics = telemetry_dir / "metrics.jsonl"
+    assert latest_total(metrics, "stallwatch.async_exception.refused") == 1
+    assert latest_total(metrics, "stallwatch.executor.worker.deaths") == 0
+
+
+def test_without_the_guard_the_worker_death_and_the_orphaned_item_are_reported(telemetry_dir):
+    result = run_scenario("executor_wedge.py", "noguard", "noheal", str(telemetry_dir))
+
+    assert result["B"] == "hung"  # the incident: B's future never completes
+    metrics = telemetry_dir / "metrics.jsonl"
+    assert latest_total(metrics, "stallwatch.executor.worker.deaths", **{"error.type": "SystemExit"}) == 1
+    assert latest_total(metrics, "stallwatch.wedge.detected", **{"stallwatch.wedge.kind": "worker_died"}) == 1
+    assert latest_total(metrics, "stallwatch.wedge.detected", **{"stallwatch.wedge.kind": "orphaned_item"}) == 1
+    assert latest_total(metrics, "stallwatch.executor.orphaned", **{"stallwatch.executor.name": "runner"}) == 1
+    logs = (telemetry_dir / "logs.jsonl").read_text()
+    assert "wedge orphaned_item" in logs and "runner_0" in logs and "STALLWATCH_EXECUTOR_HEAL" in logs
+
+
+def test_with_heal_the_lost_request_fails_fast_and_the_pool_recovers(telemetry_dir):
+    result = run_scenario("executor_wedge.py", "noguard", "heal", str(telemetry_dir))
+
+    assert result["B"].startswith("WorkerDied: executor worker runner_0 dequeued this item and died")
+    assert result["B_seconds"] < 1.0 + 0.5  # two check intervals (0.5 s each) plus scheduling slack
+    assert result["C"] == "C done"
+    assert latest_total(telemetry_dir / "metrics.jsonl", "stallwatch.executor.healed") == 1
+
+
+def test_interrupt_thread_is_scoped_to_the_running_item():
+    proc = run_python(
+        """
+        import json, threading, time
+        import stallwatch
+        stallwatch.setup(traces_exporter="none", metrics_exporter="none", logs_exporter="none")
+        from concurrent.futures import ThreadPoolExecutor
+        pool = ThreadPoolExecutor(max_workers=1)
+        running = threading.Event()
+        idents = {}
+
+        def spin():
+            idents["spin"] = threading.get_ident()
+            running.set()
+            while True:
+                pass
+
+        def park():
+            idents["park"] = threading.get_ident()
+            running.set()
+            time.sleep(1.5)
+            return "slept"
+
+        busy = pool.submit(spin)
+        running.wait(); running.clear()
+        delivered = stallwatch.interrupt_thread(idents["spin"])
+        parked = pool.submit(park)
+        running.wait()
+        revoked = stallwatch.interrupt_thread(idents["park"], timeout=0.2)
+        park_result = parked.result(timeout=5)
+        time.sleep(0.05)
+        idle = stallwatch.interrupt_thread(idents["park"])
+        after = pool.submit(lambda: "after").result(timeout=5)
+        print(json.dumps({"delivered": delivered, "busy": type(busy.exception(timeout=5)).__name__,
+                          "revoked": revoked, "park": park_result, "idle": idle,
+                          "gone": stallwatch.interrupt_thread(2**40), "after": after}))
+        """
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result == {
+        "delivered": "delivered",
+        "busy": "Interrupted",
+        "revoked": "revoked",
+        "park": "slept",  # the C call returned after the revoke: nothing fired later
+        "idle": "refused_idle",
+        "gone": "no_such_thread",
+        "after": "after",  # the worker survived all of it
+    }
+
+
+@pytest.mark.parametrize("instrumented", [True, False])
+def test_instrumentation_keeps_results_exceptions_and_order(instrumented):
+    proc = run_python(
+        f"""
+        import asyncio, json
+        import stallwatch
+        if {instrumented}:
+            stallwatch.setup(traces_exporter="none", metrics_exporter="none", logs_exporter="none")
+        from concurrent.futures import ThreadPoolExecutor
+        pool = ThreadPoolExecutor(max_workers=2)
+        order = []
+        def work(i):
+            order.append(i)
+            if i % 3 == 0:
+                raise ValueError(i)
+            return i * i
+        futures = [pool.submit(work, i) for i in range(30)]
+        outcomes = [repr(f.exception()) if f.exception() else f.result() for f in futures]
+        async def main():
+            return await asyncio.to_thread(work, 4), await asyncio.get_running_loop().run_in_executor(None, work, 5)
+        print(json.dumps({{"outcomes": outcomes, "order": sorted(order), "asyncio": asyncio.run(main())}}))
+        """
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["outcomes"] == [repr(ValueError(i)) if i % 3 == 0 else i * i for i in range(30)]
+    assert result["order"] == list(range(30))
+    assert result["asyncio"] == [16, 25]
+
+
+def test_queue_and_run_durations_and_workers_are_recorded(telemetry_dir):
+    proc = run_python(
+        f"""
+        import asyncio, time
+        from concurrent.futures import ThreadPoolExecutor
+        import stallwatch
+        stallwatch.setup(file_dir={str(telemetry_dir)!r})
+        async def main():
+            await asyncio.gather(*(asyncio.to_thread(time.sleep, 0.05) for _ in range(3)))
+        asyncio.run(main())
+        pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="renderer")
+        list(pool.map(time.sleep, [0.01] * 3))
+        stallwatch.shutdown(timeout=5)
+        """
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    metrics = telemetry_dir / "metrics.jsonl"
+    runs = {
+        attrs(p)["stallwatch.executor.name"]: p for p in metric_points(metrics, "stallwatch.executor.run.duration")
+    }
+    assert int(runs["asyncio-default"]["count"]) == 3
+    assert float(runs["asyncio-default"]["sum"]) >= 0.15
+    assert int(runs["renderer"]["count"]) == 3
+    assert metric_points(metrics, "stallwatch.executor.queue.duration")
+    assert latest_total(metrics, "stallwatch.executor.max_workers", **{"stallwatch.executor.name": "renderer"}) == 3
+    assert 1 <= latest_total(metrics, "stallwatch.executor.workers", **{"stallwatch.executor.name": "renderer"}) <= 3
