@@ -9,6 +9,8 @@ import pytest
 
 from conftest import read_jsonl, run_python, run_scenario
 
+pytestmark = pytest.mark.matrix
+
 
 def metric_points(path, name):
     points = []
@@ -170,9 +172,7 @@ def test_queue_and_run_durations_and_workers_are_recorded(telemetry_dir):
 
     assert proc.returncode == 0, proc.stderr
     metrics = telemetry_dir / "metrics.jsonl"
-    runs = {
-        attrs(p)["stallwatch.executor.name"]: p for p in metric_points(metrics, "stallwatch.executor.run.duration")
-    }
+    runs = {attrs(p)["stallwatch.executor.name"]: p for p in metric_points(metrics, "stallwatch.executor.run.duration")}
     assert int(runs["asyncio-default"]["count"]) == 3
     assert float(runs["asyncio-default"]["sum"]) >= 0.15
     assert int(runs["renderer"]["count"]) == 3

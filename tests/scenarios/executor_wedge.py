@@ -20,6 +20,7 @@ guard, heal, out = sys.argv[1] == "guard", sys.argv[2] == "heal", sys.argv[3]
 stallwatch.setup(file_dir=out, guard_async_exc=guard, executor_heal=heal, metric_export_interval_ms=200)
 
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout  # not the builtin before 3.11
 
 from opentelemetry import trace
 
@@ -36,7 +37,7 @@ def execute() -> bytes:
 def outcome(future, timeout: float) -> str:
     try:
         return str(future.result(timeout=timeout))
-    except TimeoutError:
+    except FutureTimeout:
         return "hung"
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
