@@ -11,7 +11,9 @@ no thread in a fork child's handlers (workers restart on first use in a child th
 - ``doctor()`` reports the fork hazards that remain in this process;
 - ``uvicorn_loop()`` is the ``loop=`` value that makes uvicorn spawn without fork;
 - ``interrupt_thread()`` interrupts the work item an executor worker runs now, and only that item
-  (``Interrupted``); ``WorkerDied`` is what a healed orphaned item's future raises.
+  (``Interrupted``); ``WorkerDied`` is what a healed orphaned item's future raises;
+- ``execution_timeout(seconds, name=...)`` times a request out from its first line, and keeps
+  watching the thread work it could not stop.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from .config import ConfigError, Settings
 from .doctor import Report, doctor
 from .forksafe.loop import uvicorn_loop
 from .instrument.executor import WorkerDied
-from .interrupt import Interrupted, interrupt_thread
+from .interrupt import Interrupted, Work, current_work, interrupt_thread
 from .session import Session, shutdown
+from .timeout import execution_timeout
 
 FORK_SAFETY = _forksafe.install()
 
@@ -56,10 +59,13 @@ __all__ = [
     "Report",
     "Session",
     "Settings",
+    "Work",
     "WorkerDied",
     "__version__",
     "audit",
+    "current_work",
     "doctor",
+    "execution_timeout",
     "interrupt_thread",
     "setup",
     "shutdown",

@@ -111,19 +111,48 @@ def item_finished(record: ItemRecord) -> None:
 # ---- public API ---------------------------------------------------------------------------------
 
 
-def interrupt_thread(
-    thread: threading.Thread | int, exc_type: type[BaseException] = Interrupted, timeout: float | None = 1.0
-) -> str:
-    """Interrupt the work item an executor worker is running now, and say what happened.
+class Work:
+    """Handle of one executor work item, from `current_work()`; target of `interrupt_thread()`."""
 
-    Returns `"delivered"` (the exception was raised inside that item), `"revoked"` (the item ended,
-    or `timeout` seconds passed — e.g. it is parked in a C call — before the exception landed; it
-    was cleared and will never fire later), `"refused_idle"` (the thread runs no instrumented work
-    item: nothing was scheduled) or `"no_such_thread"`.
+    def __init__(self, record: ItemRecord) -> None:
+        self._record = record
+
+    @property
+    def thread_name(self) -> str:
+        return self._record.thread.name if self._record.thread is not None else "?"
+
+
+def current_work() -> Work | None:
+    """The work item the calling executor thread runs, to interrupt exactly it later.
+
+    Keep it per request (never in a slot shared by overlapping requests: incidents/002's second
+    bug) and pass it to `interrupt_thread()`; it then never hits another request's item.
     """
-    ident = thread.ident if isinstance(thread, threading.Thread) else int(thread)
+    record = _active.get(threading.get_ident())
+    return Work(record) if record is not None else None
+
+
+def interrupt_thread(
+    target: Work | threading.Thread | int, exc_type: type[BaseException] = Interrupted, timeout: float | None = 1.0
+) -> str:
+    """Interrupt executor work and say what happened.
+
+    `target` is a `Work` handle from `current_work()` (only that item is ever interrupted), or a
+    thread / thread ident (whatever item it runs now). Returns `"delivered"` (the exception was
+    raised inside that item), `"revoked"` (the item ended, or `timeout` seconds passed, e.g. it
+    is parked in a C call, before the exception landed; it was cleared and will never fire
+    later), `"refused_idle"` (no such item is running: nothing was scheduled) or `"no_such_thread"`.
+    """
+    if isinstance(target, Work):
+        thread = target._record.thread
+        ident = thread.ident if thread is not None else None
+    else:
+        ident = target.ident if isinstance(target, threading.Thread) else int(target)
     with _LOCK:
         record = _active.get(ident or -1)
+        if isinstance(target, Work) and record is not target._record:
+            _count(telemetry.ASYNC_EXC_REFUSED, target._record)
+            return "refused_idle"
         if record is None:
             alive = any(t.ident == ident for t in threading.enumerate())
             _count(telemetry.ASYNC_EXC_REFUSED, None)

@@ -99,6 +99,12 @@ WEDGE_KIND = Attribute(
     "worker is alive), `execution_overdue` (guarded work still running past its deadline).",
     ("worker_died", "orphaned_item", "queue_stalled", "execution_overdue"),
 )
+EXECUTION_NAME = Attribute("stallwatch.execution.name", "The `name=` given to `stallwatch.execution_timeout`.")
+CODE_FUNCTION = Attribute(
+    "code.function.name", "Which asyncio timeout expired.", ("asyncio.wait_for", "asyncio.wait", "asyncio.timeout")
+)
+CODE_FILE = Attribute("code.file.path", "Source file of the host code that set the timeout.")
+CODE_LINE = Attribute("code.line.number", "Line of the host code that set the timeout.")
 INSTRUMENTATION_COMPONENT = Attribute(
     "stallwatch.component", "Which part of stallwatch failed (e.g. `executor`); its setting turns it off."
 )
@@ -181,6 +187,24 @@ ASYNC_EXC_REFUSED = Metric(
     "Async exceptions not scheduled because the target worker was idle (it would have killed it).",
     (EXECUTOR_NAME,),
 )  # fmt: skip
+EXECUTION_TIMEOUTS = Metric(
+    "stallwatch.execution.timeouts", "counter", "{timeout}",
+    "stallwatch.execution_timeout scopes that expired.", (EXECUTION_NAME,),
+)  # fmt: skip
+EXECUTION_OVERRUN_DURATION = Metric(
+    "stallwatch.execution.overrun.duration", "histogram", "s",
+    "How long executor work guarded by an expired execution_timeout kept running past the deadline.",
+    (EXECUTION_NAME,),
+)  # fmt: skip
+EXECUTION_OVERDUE = Metric(
+    "stallwatch.execution.overdue", "observable_gauge", "{item}",
+    "Guarded executor work still running past its execution_timeout deadline now.", (EXECUTION_NAME,),
+)  # fmt: skip
+ASYNCIO_TIMEOUTS = Metric(
+    "stallwatch.asyncio.timeouts", "counter", "{timeout}",
+    "Expirations of asyncio.wait_for, asyncio.timeout and asyncio.wait(timeout=), by call site.",
+    (CODE_FUNCTION, CODE_FILE, CODE_LINE),
+)  # fmt: skip
 INSTRUMENTATION_ERRORS = Metric(
     "stallwatch.instrumentation.errors", "counter", "{error}",
     "Failures inside stallwatch's own wrappers; the wrapped call went ahead unchanged.", (INSTRUMENTATION_COMPONENT,),
@@ -204,6 +228,10 @@ METRICS: tuple[Metric, ...] = (
     ASYNC_EXC_DELIVERED,
     ASYNC_EXC_REVOKED,
     ASYNC_EXC_REFUSED,
+    EXECUTION_TIMEOUTS,
+    EXECUTION_OVERRUN_DURATION,
+    EXECUTION_OVERDUE,
+    ASYNCIO_TIMEOUTS,
     INSTRUMENTATION_ERRORS,
 )
 

@@ -30,6 +30,7 @@ from typing import Any
 from opentelemetry import trace
 
 from .. import telemetry
+from .. import timeout as execution_timeouts
 from ..instrument import executor as ex
 from ..instrument._common import FAULTS
 
@@ -50,6 +51,7 @@ _lock = threading.Lock()
 _thread: threading.Thread | None = None
 _thread_pid = 0
 _stalled: set[int] = set()  # id() of executors already reported stalled (once per episode)
+_overdue_reported: set[int] = set()  # id() of item records already reported overdue
 
 
 def configure(settings: WedgeSettings) -> None:
@@ -86,6 +88,24 @@ def check() -> None:
         state = ex.state_of(executor)
         if state is not None:
             _check_executor(executor, state, now)
+    _check_overdue(now)
+
+
+def _check_overdue(now: float) -> None:
+    """Report guarded work still running past its execution_timeout deadline, once per item."""
+    _overdue_reported.intersection_update(execution_timeouts.OVERDUE)
+    for key, (record, deadline, name) in list(execution_timeouts.OVERDUE.items()):
+        if key in _overdue_reported:
+            continue
+        _overdue_reported.add(key)
+        thread = record.thread.name if record.thread is not None else "?"
+        _report(
+            "execution_overdue",
+            record.executor,
+            record,
+            f"work guarded by execution_timeout {name!r} is still running in {thread}, "
+            f"{now - deadline:.1f}s past its deadline (a timeout cannot stop a thread)",
+        )
 
 
 def _check_executor(executor: Any, state: ex.ExecutorState, now: float) -> None:
@@ -200,7 +220,7 @@ def _report(kind: str, state: ex.ExecutorState, record: ex.ItemRecord | None, me
             trace_id = f"{span_context.trace_id:032x}"
         if record.span is not None and record.span.is_recording():
             record.span.add_event("stallwatch.wedge", {telemetry.WEDGE_KIND.name: kind, "message": message})
-    hint = "" if SETTINGS.heal or kind == "worker_died" else (
+    hint = "" if SETTINGS.heal or kind not in ("orphaned_item", "queue_stalled") else (
         " STALLWATCH_EXECUTOR_HEAL=true fails such items with stallwatch.WorkerDied and restores the pool."
     )  # fmt: skip
     _log.warning(

@@ -39,6 +39,7 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.trace import Span, Status, StatusCode
 
 from .. import interrupt, telemetry
+from .. import timeout as execution_timeouts
 from ._common import FAULTS, instrument, meter
 
 SETTING = "STALLWATCH_INSTRUMENT_EXECUTOR"
@@ -179,6 +180,7 @@ def _record_submission(state: ExecutorState, item: Any) -> ItemRecord | None:
         if _tracer is not None and parent.is_valid and parent.trace_flags.sampled:
             record.span = _tracer.start_span(f"{state.name} work item", attributes=state.attributes)
         item._stallwatch = record
+        execution_timeouts.guarded_submission(record)
         _add(telemetry.EXECUTOR_PENDING, 1, state.attributes)
         return record
     except Exception:
@@ -227,6 +229,7 @@ def _finish(record: ItemRecord, token: object) -> None:
             otel_context.detach(token)  # type: ignore[arg-type]
         record.finished = True
         _current_item.pop(threading.get_ident(), None)
+        execution_timeouts.item_finished(record)
         attributes = record.executor.attributes
         run_seconds = time.monotonic() - (record.started or record.submitted)
         _add(telemetry.EXECUTOR_RUNNING, -1, attributes)
@@ -335,6 +338,7 @@ class ExecutorInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         instrument(meter_, telemetry.EXECUTOR_WORKERS, _observe_workers)
         instrument(meter_, telemetry.EXECUTOR_MAX_WORKERS, _observe_max_workers)
         interrupt.install(meter_, guard_raw_calls=kwargs.get("guard_async_exc", True))
+        execution_timeouts.install(meter_)
         wrapt.wrap_function_wrapper(ThreadPoolExecutor, "__init__", _init_wrapper)
         wrapt.wrap_function_wrapper(cf_thread._WorkItem, "run", _run_wrapper)
         wrapt.wrap_function_wrapper(cf_thread, "_worker", _worker_wrapper)
@@ -347,6 +351,7 @@ class ExecutorInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         unwrap(cf_thread, "_worker")
         logging.getLogger("concurrent.futures").removeFilter(_DEATH_FILTER)
         interrupt.uninstall()
+        execution_timeouts.uninstall()
         _instruments.clear()
         _tracer = None
 
