@@ -179,3 +179,87 @@ def test_queue_and_run_durations_and_workers_are_recorded(telemetry_dir):
     assert metric_points(metrics, "stallwatch.executor.queue.duration")
     assert latest_total(metrics, "stallwatch.executor.max_workers", **{"stallwatch.executor.name": "renderer"}) == 3
     assert 1 <= latest_total(metrics, "stallwatch.executor.workers", **{"stallwatch.executor.name": "renderer"}) <= 3
+
+
+def test_submission_span_only_inside_a_trace_and_context_reaches_the_worker(telemetry_dir):
+    proc = run_python(
+        f"""
+        import asyncio, json
+        import stallwatch
+        stallwatch.setup(file_dir={str(telemetry_dir)!r})
+        from opentelemetry import trace
+        tracer = trace.get_tracer("app")
+
+        def seen_from_worker():
+            return format(trace.get_current_span().get_span_context().trace_id, "032x")
+
+        async def main():
+            with tracer.start_as_current_span("request") as request:
+                inside = await asyncio.to_thread(seen_from_worker)
+                trace_id = format(request.get_span_context().trace_id, "032x")
+            outside = await asyncio.to_thread(seen_from_worker)  # no trace: no span, no context
+            return {{"inside": inside, "trace_id": trace_id, "outside": outside}}
+
+        result = asyncio.run(main())
+        stallwatch.shutdown(timeout=5)
+        print(json.dumps(result))
+        """
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["inside"] == result["trace_id"]
+    assert result["outside"] == "0" * 32
+    spans = [
+        span
+        for request in read_jsonl(telemetry_dir / "traces.jsonl")
+        for resource in request["resourceSpans"]
+        for scope in resource["scopeSpans"]
+        for span in scope["spans"]
+    ]
+    work = [s for s in spans if s["name"] == "asyncio-default work item"]
+    assert len(work) == 1
+    assert work[0]["traceId"] == result["trace_id"]
+    parent = next(s for s in spans if s["name"] == "request")
+    assert work[0]["parentSpanId"] == parent["spanId"]
+    assert {"stallwatch.executor.queue_seconds", "stallwatch.executor.run_seconds"} <= set(attrs(work[0]))
+
+
+def test_a_pool_with_no_live_worker_is_reported_stalled_and_sent_to_sentry(telemetry_dir):
+    proc = run_python(
+        f"""
+        import ctypes, json, os, threading, time
+        import sentry_sdk
+        from sentry_sdk.transport import Transport
+        import stallwatch
+
+        events = []
+        class Capture(Transport):  # a transport that keeps events in memory: nothing leaves the host
+            def capture_envelope(self, envelope):
+                events.extend(item.payload.json for item in envelope.items if item.payload.json)
+
+        sentry_sdk.init(dsn="http://key@127.0.0.1:9/1", transport=Capture)
+        stallwatch.setup(file_dir={str(telemetry_dir)!r}, guard_async_exc=False, queue_stall_seconds=0.5)
+        from concurrent.futures import ThreadPoolExecutor
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="solo")
+        ident = pool.submit(threading.get_ident).result()
+        time.sleep(0.05)
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(SystemExit))
+        lost = pool.submit(lambda: "lost")  # the worker dies dequeuing it
+        time.sleep(0.3)
+        waiting = pool.submit(lambda: "waiting")  # no worker will ever start: max_workers is used up
+        time.sleep(1.6)
+        sentry_sdk.flush()
+        print(json.dumps({{"lost": lost.done(), "waiting": waiting.done(),
+                           "sentry": [e.get("message") or e.get("logentry", {{}}).get("message") for e in events]}}))
+        os._exit(0)
+        """
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result == {"lost": False, "waiting": False, "sentry": result["sentry"]}
+    assert any("queue_stalled" in (m or "") for m in result["sentry"])
+    assert any("orphaned_item" in (m or "") for m in result["sentry"])
+    logs = (telemetry_dir / "logs.jsonl").read_text() if (telemetry_dir / "logs.jsonl").exists() else ""
+    assert "wedge queue_stalled" in proc.stderr + logs
