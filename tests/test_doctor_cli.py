@@ -132,10 +132,11 @@ def test_demo_rejects_bad_input(tmp_path):
 def test_opentelemetry_instrument_gets_the_fork_aware_pipeline(tmp_path):
     app = tmp_path / "app.py"
     app.write_text(
-        "import os, threading\n"
+        "import asyncio, os, threading\n"
         "from opentelemetry import trace\n"
         "with trace.get_tracer('app').start_as_current_span('app-span'):\n"
         "    pass\n"
+        "asyncio.run(asyncio.to_thread(print, 'from a worker'))\n"
         "r, w = os.pipe()\n"
         "pid = os.fork()\n"
         "if pid == 0:\n"
@@ -161,3 +162,5 @@ def test_opentelemetry_instrument_gets_the_fork_aware_pipeline(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "child threads 1" in proc.stdout
     assert span_names(tmp_path / "out" / "traces.jsonl") == ["app-span"]
+    assert "stallwatch.executor.run.duration" in (tmp_path / "out" / "metrics.jsonl").read_text()
+    assert "already instrumented" not in proc.stderr

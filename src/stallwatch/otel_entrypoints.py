@@ -23,6 +23,12 @@ class StallwatchDistro(BaseDistro):
     def _configure(self, **kwargs: Any) -> None:
         return None
 
+    def load_instrumentor(self, entry_point: Any, **kwargs: Any) -> None:
+        """Skip instrumentors that `setup()` (our configurator) has already installed."""
+        if getattr(entry_point.load()(), "is_instrumented_by_opentelemetry", False):
+            return
+        super().load_instrumentor(entry_point, **kwargs)
+
 
 class StallwatchConfigurator(_BaseConfigurator):
     """Builds the fork-aware pipeline from the environment: `stallwatch.setup()`."""

@@ -139,14 +139,11 @@ def _register_instruments() -> None:
 def _instrument(settings: Settings) -> None:
     """Install the instrumentors the settings ask for (they report through the global providers)."""
     if settings.instrument_executor:
-        from .detect import wedge  # the detector thread starts only when asked for
         from .instrument.executor import ExecutorInstrumentor
 
-        wedge.configure(
-            wedge.WedgeSettings(settings.wedge_check_interval, settings.queue_stall_seconds, settings.executor_heal)
-        )
-        ExecutorInstrumentor().instrument(guard_async_exc=settings.guard_async_exc)
-        wedge.ensure_running()
+        instrumentor = ExecutorInstrumentor()
+        if not instrumentor.is_instrumented_by_opentelemetry:
+            instrumentor.instrument(settings=settings)
 
 
 def shutdown(timeout: float | None = None) -> bool:

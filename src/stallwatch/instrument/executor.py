@@ -312,8 +312,8 @@ class ExecutorInstrumentor(BaseInstrumentor):  # type: ignore[misc]
     """Instruments every ThreadPoolExecutor built after `instrument()` (and the death hook for all).
 
     Keyword arguments of `instrument()`: `meter_provider`, `tracer_provider` (default: the global
-    ones) and `guard_async_exc` (scope raw `PyThreadState_SetAsyncExc` calls aimed at workers;
-    default True). The wedge detector (`stallwatch.detect.wedge`) is started by `setup()`.
+    ones) and `settings` (a `stallwatch.Settings`; default: read from the environment), which set
+    the raw `SetAsyncExc` guard and the wedge detector (interval, stall threshold, heal).
     """
 
     def instrumentation_dependencies(self) -> Collection[str]:
@@ -321,6 +321,14 @@ class ExecutorInstrumentor(BaseInstrumentor):  # type: ignore[misc]
 
     def _instrument(self, **kwargs: Any) -> None:
         global _tracer
+        from ..config import ConfigError, Settings
+        from ..detect import wedge
+
+        try:
+            settings = kwargs.get("settings") or Settings.load()
+        except ConfigError as exc:
+            _log.error("stallwatch: %s; executor instrumentation stays off.", exc)
+            return
         meter_ = meter(kwargs.get("meter_provider"))
         FAULTS.bind(meter_)
         _tracer = trace.get_tracer(telemetry.INSTRUMENTATION_SCOPE, tracer_provider=kwargs.get("tracer_provider"))
@@ -337,8 +345,12 @@ class ExecutorInstrumentor(BaseInstrumentor):  # type: ignore[misc]
             _instruments[metric.name] = instrument(meter_, metric)
         instrument(meter_, telemetry.EXECUTOR_WORKERS, _observe_workers)
         instrument(meter_, telemetry.EXECUTOR_MAX_WORKERS, _observe_max_workers)
-        interrupt.install(meter_, guard_raw_calls=kwargs.get("guard_async_exc", True))
+        interrupt.install(meter_, guard_raw_calls=settings.guard_async_exc)
         execution_timeouts.install(meter_)
+        wedge.configure(
+            wedge.WedgeSettings(settings.wedge_check_interval, settings.queue_stall_seconds, settings.executor_heal)
+        )
+        wedge.ensure_running()
         wrapt.wrap_function_wrapper(ThreadPoolExecutor, "__init__", _init_wrapper)
         wrapt.wrap_function_wrapper(cf_thread._WorkItem, "run", _run_wrapper)
         wrapt.wrap_function_wrapper(cf_thread, "_worker", _worker_wrapper)
