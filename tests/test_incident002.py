@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import clean_env, read_jsonl, run_scenario
+from test_executor_wedge import latest_total
 
 pytestmark = pytest.mark.matrix
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-InstrumentKind = Literal["counter", "updowncounter", "histogram", "observable_counter", "observable_gauge"]
+InstrumentKind = Literal[
+    "counter", "updowncounter", "histogram", "observable_counter", "observable_updowncounter", "observable_gauge"
+]
 
 
 @dataclass(frozen=True)
@@ -142,11 +144,13 @@ EXECUTOR_RUN_DURATION = Metric(
     "stallwatch.executor.run.duration", "histogram", "s", "Time a worker spent running an item.", (EXECUTOR_NAME,)
 )
 EXECUTOR_PENDING = Metric(
-    "stallwatch.executor.pending", "updowncounter", "{item}", "Items submitted and not started yet.", (EXECUTOR_NAME,)
-)
+    "stallwatch.executor.pending", "observable_updowncounter", "{item}",
+    "Items submitted and not started yet (the executor's queue length).", (EXECUTOR_NAME,),
+)  # fmt: skip
 EXECUTOR_RUNNING = Metric(
-    "stallwatch.executor.running", "updowncounter", "{item}", "Items a worker is running now.", (EXECUTOR_NAME,)
-)
+    "stallwatch.executor.running", "observable_updowncounter", "{item}",
+    "Items a live worker is running now.", (EXECUTOR_NAME,),
+)  # fmt: skip
 EXECUTOR_WORKERS = Metric(
     "stallwatch.executor.workers", "observable_gauge", "{thread}", "Worker threads alive.", (EXECUTOR_NAME,)
 )

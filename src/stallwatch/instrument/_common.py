@@ -39,6 +39,8 @@ def instrument(
     callbacks = [callback] if callback else []
     if metric.kind == "observable_counter":
         return meter_.create_observable_counter(**common, callbacks=callbacks)
+    if metric.kind == "observable_updowncounter":
+        return meter_.create_observable_up_down_counter(**common, callbacks=callbacks)
     return meter_.create_observable_gauge(**common, callbacks=callbacks)
 
 

@@ -86,10 +86,10 @@ class ExecutorState:
     executor_ref: weakref.ReferenceType[ThreadPoolExecutor]
     in_flight: list[ItemRecord] = field(default_factory=list)
     deaths: list[tuple[threading.Thread, BaseException | None]] = field(default_factory=list)
+    attributes: dict[str, str] = field(default_factory=dict)  # the metric attributes, built once
 
-    @property
-    def attributes(self) -> dict[str, str]:
-        return {telemetry.EXECUTOR_NAME.name: self.name}
+    def __post_init__(self) -> None:
+        self.attributes = {telemetry.EXECUTOR_NAME.name: self.name}
 
 
 class _AccountingQueue(queue.SimpleQueue):  # type: ignore[type-arg]
@@ -181,7 +181,6 @@ def _record_submission(state: ExecutorState, item: Any) -> ItemRecord | None:
             record.span = _tracer.start_span(f"{state.name} work item", attributes=state.attributes)
         item._stallwatch = record
         execution_timeouts.guarded_submission(record)
-        _add(telemetry.EXECUTOR_PENDING, 1, state.attributes)
         return record
     except Exception:
         FAULTS.record("executor", SETTING)
@@ -212,10 +211,7 @@ def _start(record: ItemRecord) -> object:
         record.started = time.monotonic()
         record.thread = threading.current_thread()
         _current_item[threading.get_ident()] = record
-        attributes = record.executor.attributes
-        _add(telemetry.EXECUTOR_PENDING, -1, attributes)
-        _add(telemetry.EXECUTOR_RUNNING, 1, attributes)
-        _add(telemetry.EXECUTOR_QUEUE_DURATION, record.started - record.submitted, attributes)
+        _add(telemetry.EXECUTOR_QUEUE_DURATION, record.started - record.submitted, record.executor.attributes)
         context = trace.set_span_in_context(record.span, record.context) if record.span else record.context
         return otel_context.attach(context)
     except Exception:
@@ -232,7 +228,6 @@ def _finish(record: ItemRecord, token: object) -> None:
         execution_timeouts.item_finished(record)
         attributes = record.executor.attributes
         run_seconds = time.monotonic() - (record.started or record.submitted)
-        _add(telemetry.EXECUTOR_RUNNING, -1, attributes)
         _add(telemetry.EXECUTOR_RUN_DURATION, run_seconds, attributes)
         if record.span is not None:
             record.span.set_attribute("stallwatch.executor.queue_seconds", (record.started or 0) - record.submitted)
@@ -301,6 +296,24 @@ def _observe_workers(options: CallbackOptions) -> Iterable[Observation]:
             yield Observation(alive, state.attributes)
 
 
+def _observe_pending(options: CallbackOptions) -> Iterable[Observation]:
+    for executor in list(EXECUTORS):
+        state = state_of(executor)
+        if state is not None:
+            yield Observation(executor._work_queue.qsize(), state.attributes)  # type: ignore[attr-defined]
+
+
+def _observe_running(options: CallbackOptions) -> Iterable[Observation]:
+    running: dict[str, int] = {}
+    for record in list(_current_item.values()):
+        if record.thread is not None and record.thread.is_alive():
+            running[record.executor.name] = running.get(record.executor.name, 0) + 1
+    for executor in list(EXECUTORS):
+        state = state_of(executor)
+        if state is not None:
+            yield Observation(running.get(state.name, 0), state.attributes)
+
+
 def _observe_max_workers(options: CallbackOptions) -> Iterable[Observation]:
     for executor in list(EXECUTORS):
         state = state_of(executor)
@@ -335,14 +348,14 @@ class ExecutorInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         for metric in (
             telemetry.EXECUTOR_QUEUE_DURATION,
             telemetry.EXECUTOR_RUN_DURATION,
-            telemetry.EXECUTOR_PENDING,
-            telemetry.EXECUTOR_RUNNING,
             telemetry.EXECUTOR_WORKER_DEATHS,
             telemetry.EXECUTOR_ORPHANED,
             telemetry.EXECUTOR_HEALED,
             telemetry.WEDGE_DETECTED,
         ):
             _instruments[metric.name] = instrument(meter_, metric)
+        instrument(meter_, telemetry.EXECUTOR_PENDING, _observe_pending)
+        instrument(meter_, telemetry.EXECUTOR_RUNNING, _observe_running)
         instrument(meter_, telemetry.EXECUTOR_WORKERS, _observe_workers)
         instrument(meter_, telemetry.EXECUTOR_MAX_WORKERS, _observe_max_workers)
         interrupt.install(meter_, guard_raw_calls=settings.guard_async_exc)

@@ -1,0 +1,566 @@
+"""Executor overhead benchmark: what stallwatch adds to each `ThreadPoolExecutor` work item.
+
+Run from the repository root (a full run takes about two minutes)::
+
+    .venv/bin/python tests/bench/bench_executor.py            # or: python tests/bench/bench_executor.py
+    .venv/bin/python tests/bench/bench_executor.py --quick    # smoke test, < 20 s, writes to a temp dir
+
+Options: ``--items N`` work items per repeat (default 2000), ``--repeats K`` timed repeats per run
+(default 5, after one warm-up of min(N, 500) items), ``--rounds R`` (default 5), ``--quick`` (500
+items, 3 repeats, 1 round), ``--no-pin`` (see below), ``--out DIR`` (default
+``tests/bench/results``; with ``--quick``, a fresh temporary directory). Writes ``executor.json``
+(raw numbers and machine info) and ``executor.md`` (the tables) to the output directory.
+
+The cost measured is the wall time of submit + completion, divided by the number of items, of a
+no-op function (``noop()`` returns None), so the figure is the executor's own cost plus whatever
+the instrumentation adds to it. Workloads:
+
+- ``submit``: ``pool.submit(noop).result()`` one at a time on a ThreadPoolExecutor(max_workers=1):
+  the latency of one item, thread hand-off both ways included.
+- ``batch``: submit 1000 no-ops, then wait for all of them (``concurrent.futures.wait``), on a
+  ThreadPoolExecutor(max_workers=4): the throughput cost of an item.
+- ``to_thread``: ``await asyncio.to_thread(noop)`` one at a time on the standard asyncio loop (its
+  default executor, which stallwatch instruments like any other).
+
+Configurations, each run (per workload) in its own fresh interpreter:
+
+- ``bare``: no stallwatch and no OpenTelemetry imported.
+- ``stallwatch``: ``import stallwatch`` first, then ``stallwatch.setup(traces_exporter="none",
+  metrics_exporter="none", logs_exporter="none")``: stallwatch's providers exist (the metric
+  instruments record into a MeterProvider without readers), nothing is exported. No span is active,
+  so the instrumentation creates no span: the cost is the accounting queue, the `_WorkItem.run`
+  and `_worker` wrappers, the interruption scope and the metric calls.
+- ``bare_traced``: no stallwatch; the OpenTelemetry SDK set up by hand (TracerProvider +
+  BatchSpanProcessor to an OTLP/JSON-lines file exporter that is a copy of stallwatch's
+  ``FileSpanExporter``, so both traced configurations pay the same per exported span), and every
+  submission happens inside ``tracer.start_as_current_span("request")``.
+- ``stallwatch_traced``: as ``stallwatch``, but with ``traces_exporter="file"`` (to a temporary
+  directory) and the same request span around every submission, so the instrumentation also starts
+  and ends one span per item (and the batch processor exports it, in the background, in the same
+  process: that cost is in the figure, as it would be in a server).
+
+Every worker process is pinned to one CPU (the highest-numbered one this process may use) before
+it starts any thread, unless ``--no-pin``: a one-at-a-time hand-off between two threads on two
+CPUs of a VM costs 25 to 200 µs depending on where the scheduler puts the threads and how deep the
+idle CPU sleeps, noise that buries a 2 µs difference; on one CPU the hand-off is a plain context
+switch and every µs of CPU work the instrumentation adds (including its background threads: the
+wedge detector, the span exporter) shows up in the wall time.
+
+Reported: µs per item, the median of all timed repeats pooled across rounds; per workload, the
+added µs per item (``stallwatch`` minus ``bare``, target ≤ 2 µs) and the ratio
+``stallwatch_traced`` / ``bare_traced`` (target ≤ 1.5x). Also per repeat: the process CPU time
+(all threads) per item and, in the traced configurations, the CPU time the batch span processor's
+thread spent in the exporter's ``export`` per item (the "ratio without export" subtracts it) and
+the number of spans that reached the exporter, so a span dropped on a full queue shows instead of
+silently making a configuration look cheaper. The runs are interleaved: every round runs all
+(configuration, workload) pairs, in an order rotated by one each round, so background noise on a
+shared machine hits all of them alike; the per-round differences are listed to show the noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import concurrent.futures
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+CONFIGS = ("bare", "stallwatch", "bare_traced", "stallwatch_traced")
+WORKLOADS = ("submit", "batch", "to_thread")
+BASELINES = {"stallwatch": "bare", "stallwatch_traced": "bare_traced"}
+TRACED = ("bare_traced", "stallwatch_traced")
+MAX_WORKERS = {"submit": 1, "batch": 4}
+BATCH = 1000
+WARMUP_ITEMS = 500
+TARGET_ADDED_US = 2.0
+TARGET_TRACED_RATIO = 1.5
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+VERSIONED = ("opentelemetry-api", "opentelemetry-sdk", "wrapt", "stallwatch")
+
+
+# ---- worker: one configuration and workload in a fresh interpreter -----------------------------
+
+
+def noop() -> None:
+    return None
+
+
+def make_file_exporter(directory: Path) -> Any:
+    """A span exporter doing what stallwatch's `FileSpanExporter` does, without importing stallwatch:
+    OTLP protobuf encoding, protobuf's JSON printer, hex ids, one `os.write` per batch."""
+    from google.protobuf.json_format import MessageToDict
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+    id_fields = frozenset({"traceId", "spanId", "parentSpanId"})
+
+    def hex_ids(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {
+                key: base64.b64decode(value).hex() if key in id_fields else hex_ids(value)
+                for key, value in node.items()
+            }
+        if isinstance(node, list):
+            return [hex_ids(item) for item in node]
+        return node
+
+    class OtlpJsonFileExporter(SpanExporter):
+        def __init__(self) -> None:
+            self._fd = os.open(directory / "traces.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+        def export(self, spans: Sequence[Any]) -> SpanExportResult:
+            as_dict = MessageToDict(encode_spans(spans), use_integers_for_enums=True)
+            line = json.dumps(hex_ids(as_dict), separators=(",", ":")) + "\n"
+            os.write(self._fd, line.encode())
+            return SpanExportResult.SUCCESS
+
+        def shutdown(self) -> None:
+            os.close(self._fd)
+
+        def force_flush(self, timeout_millis: int = 30000) -> bool:
+            return True
+
+    return OtlpJsonFileExporter()
+
+
+class ExportTap:
+    """Counts the spans the global TracerProvider's batch processors hand to their exporters, and the
+    CPU time (of the exporting thread) spent in `export`: what exporting costs this process."""
+
+    def __init__(self) -> None:
+        self.spans = 0
+        self.cpu = 0.0
+
+    def attach(self, provider: Any) -> None:
+        for processor in provider._active_span_processor._span_processors:
+            exporter = processor.span_exporter
+            exporter.export = self._tap(exporter.export)
+
+    def _tap(self, export: Any) -> Any:
+        def tapped(spans: Sequence[Any]) -> Any:
+            start = time.thread_time()
+            try:
+                return export(spans)
+            finally:
+                self.cpu += time.thread_time() - start  # one exporting thread per processor
+                self.spans += len(spans)
+
+        return tapped
+
+
+def run_submit(pool: concurrent.futures.ThreadPoolExecutor, items: int, tracer: Any) -> None:
+    """`items` one-at-a-time submit + result()."""
+    if tracer is None:
+        for _ in range(items):
+            pool.submit(noop).result()
+        return
+    for _ in range(items):
+        with tracer.start_as_current_span("request"):
+            pool.submit(noop).result()
+
+
+def run_batch(pool: concurrent.futures.ThreadPoolExecutor, items: int, tracer: Any) -> None:
+    """`items` submissions in batches of BATCH, each batch waited for as a whole."""
+    remaining = items
+    while remaining > 0:
+        size = min(BATCH, remaining)
+        remaining -= size
+        if tracer is None:
+            futures = [pool.submit(noop) for _ in range(size)]
+        else:
+            futures = []
+            for _ in range(size):
+                with tracer.start_as_current_span("request"):
+                    futures.append(pool.submit(noop))
+        concurrent.futures.wait(futures)
+
+
+async def run_to_thread(items: int, tracer: Any) -> None:
+    """`items` one-at-a-time `await asyncio.to_thread(noop)`."""
+    if tracer is None:
+        for _ in range(items):
+            await asyncio.to_thread(noop)
+        return
+    for _ in range(items):
+        with tracer.start_as_current_span("request"):
+            await asyncio.to_thread(noop)
+
+
+class Clock:
+    """Wall time, process CPU time (all threads) and export CPU time of one timed repeat."""
+
+    def __init__(self, tap: ExportTap | None) -> None:
+        self.tap = tap
+        self.samples: list[tuple[float, float, float]] = []
+
+    def start(self) -> None:
+        self._export = self.tap.cpu if self.tap else 0.0
+        self._cpu = time.process_time()
+        self._wall = time.perf_counter()
+
+    def stop(self) -> None:
+        wall = time.perf_counter() - self._wall
+        cpu = time.process_time() - self._cpu
+        self.samples.append((wall, cpu, (self.tap.cpu if self.tap else 0.0) - self._export))
+
+
+def measure(workload: str, items: int, repeats: int, tracer: Any, tap: ExportTap | None) -> dict[str, list[float]]:
+    """One warm-up, then `repeats` timed repeats of `items` items; µs per item of each repeat."""
+    warmup = min(items, WARMUP_ITEMS)
+    clock = Clock(tap)
+    if workload == "to_thread":
+
+        async def series() -> None:
+            await run_to_thread(warmup, tracer)
+            for _ in range(repeats):
+                clock.start()
+                await run_to_thread(items, tracer)
+                clock.stop()
+
+        asyncio.run(series())
+    else:
+        run = run_submit if workload == "submit" else run_batch
+        with concurrent.futures.ThreadPoolExecutor(max_workers=MAX_WORKERS[workload]) as pool:
+            run(pool, warmup, tracer)
+            for _ in range(repeats):
+                clock.start()
+                run(pool, items, tracer)
+                clock.stop()
+    per_item = [[seconds / items * 1e6 for seconds in sample] for sample in clock.samples]
+    return {
+        "us_per_item": [wall for wall, _, _ in per_item],
+        "cpu_us_per_item": [cpu for _, cpu, _ in per_item],
+        "export_cpu_us_per_item": [export for _, _, export in per_item],
+    }
+
+
+def worker(config: str, workload: str, items: int, repeats: int, cpu: int) -> dict[str, Any]:
+    """Run one configuration and workload in this (fresh) interpreter and return its raw numbers."""
+    if cpu >= 0:
+        os.sched_setaffinity(0, {cpu})  # before any thread starts: they all inherit it
+    if config.startswith("stallwatch"):
+        import stallwatch  # first, as a server's first import
+    directory = Path(tempfile.mkdtemp(prefix="bench_executor_"))
+    try:
+        if config == "stallwatch":
+            stallwatch.setup(traces_exporter="none", metrics_exporter="none", logs_exporter="none")
+        elif config == "stallwatch_traced":
+            stallwatch.setup(traces_exporter="file", file_dir=directory, metrics_exporter="none", logs_exporter="none")
+        elif config == "bare_traced":
+            from opentelemetry import trace
+            from opentelemetry.sdk.trace import TracerProvider
+            from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+            provider = TracerProvider()
+            provider.add_span_processor(BatchSpanProcessor(make_file_exporter(directory)))
+            trace.set_tracer_provider(provider)
+        tracer = tap = None
+        if config in TRACED:
+            from opentelemetry import trace
+
+            tap = ExportTap()
+            tap.attach(trace.get_tracer_provider())
+            tracer = trace.get_tracer("bench_executor")
+        result: dict[str, Any] = {"config": config, "workload": workload, "cpu": cpu}
+        result.update(measure(workload, items, repeats, tracer, tap))
+        if tap is not None:
+            from opentelemetry import trace
+
+            trace.get_tracer_provider().force_flush()  # type: ignore[attr-defined]
+            spans_per_item = 2 if config == "stallwatch_traced" else 1  # request (+ stallwatch's work item)
+            result["spans_expected"] = (min(items, WARMUP_ITEMS) + items * repeats) * spans_per_item
+            result["spans_exported"] = tap.spans
+        if config.startswith("stallwatch"):
+            stallwatch.shutdown()
+        return result
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+# ---- runner: interleaved rounds of workers, aggregation, report -------------------------------
+
+
+def clean_env() -> dict[str, str]:
+    """This environment without OTEL_/STALLWATCH_ variables, so every worker starts alike."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "STALLWATCH_"))}
+
+
+def run_worker(config: str, workload: str, items: int, repeats: int, cpu: int) -> dict[str, Any]:
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", config, workload]
+    command += [str(items), str(repeats), str(cpu)]
+    proc = subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=900, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"worker {config} {workload} failed ({proc.returncode}):\n{proc.stderr}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["stderr"] = proc.stderr.strip()
+    return result
+
+
+def schedule(rounds: int) -> Iterator[tuple[int, str, str]]:
+    """(round, config, workload) in run order: every round runs all pairs, rotated by one per round."""
+    pairs = [(config, workload) for workload in WORKLOADS for config in CONFIGS]
+    for number in range(rounds):
+        shift = number % len(pairs)
+        for config, workload in pairs[shift:] + pairs[:shift]:
+            yield number, config, workload
+
+
+@dataclass
+class Row:
+    """One configuration on one workload: µs per item over all timed repeats of all rounds."""
+
+    config: str
+    workload: str
+    median_us: float
+    min_us: float
+    max_us: float
+    cpu_median_us: float
+    export_cpu_median_us: float
+    round_median_us: list[float]
+    spans_expected: int | None = None
+    spans_exported: int | None = None
+
+
+@dataclass
+class Comparison:
+    """One workload: stallwatch against bare, stallwatch_traced against bare_traced (medians)."""
+
+    workload: str
+    added_us: float
+    ratio: float
+    added_cpu_us: float
+    traced_added_us: float
+    traced_ratio: float
+    traced_ratio_without_export: float
+    round_added_us: list[float]
+    round_traced_ratio: list[float]
+    added_met: bool
+    traced_met: bool
+
+
+def summarize(runs: list[dict[str, Any]]) -> tuple[list[Row], list[Comparison]]:
+    """Pool the repeats of every (config, workload) across rounds; compare medians per workload."""
+    rows = {}
+    for workload in WORKLOADS:
+        for config in CONFIGS:
+            mine = sorted(
+                (run for run in runs if run["config"] == config and run["workload"] == workload),
+                key=lambda run: run["round"],
+            )
+            wall = [us for run in mine for us in run["us_per_item"]]
+            traced = config in TRACED
+            rows[config, workload] = Row(
+                config,
+                workload,
+                statistics.median(wall),
+                min(wall),
+                max(wall),
+                statistics.median(us for run in mine for us in run["cpu_us_per_item"]),
+                statistics.median(us for run in mine for us in run["export_cpu_us_per_item"]),
+                [statistics.median(run["us_per_item"]) for run in mine],
+                sum(run["spans_expected"] for run in mine) if traced else None,
+                sum(run["spans_exported"] for run in mine) if traced else None,
+            )
+    comparisons = []
+    for workload in WORKLOADS:
+        bare, ours = rows["bare", workload], rows["stallwatch", workload]
+        bare_t, ours_t = rows["bare_traced", workload], rows["stallwatch_traced", workload]
+        added = ours.median_us - bare.median_us
+        traced_ratio = ours_t.median_us / bare_t.median_us
+        comparisons.append(
+            Comparison(
+                workload,
+                added,
+                ours.median_us / bare.median_us,
+                ours.cpu_median_us - bare.cpu_median_us,
+                ours_t.median_us - bare_t.median_us,
+                traced_ratio,
+                (ours_t.median_us - ours_t.export_cpu_median_us) / (bare_t.median_us - bare_t.export_cpu_median_us),
+                [a - b for a, b in zip(ours.round_median_us, bare.round_median_us, strict=True)],
+                [a / b for a, b in zip(ours_t.round_median_us, bare_t.round_median_us, strict=True)],
+                added <= TARGET_ADDED_US,
+                traced_ratio <= TARGET_TRACED_RATIO,
+            )
+        )
+    return list(rows.values()), comparisons
+
+
+def machine_info() -> dict[str, Any]:
+    versions = {}
+    for name in VERSIONED:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "nproc": len(os.sched_getaffinity(0)),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "python_executable": sys.executable,
+        "kernel": platform.release(),
+        "loadavg": Path("/proc/loadavg").read_text().split()[:3],
+        "git_commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=False,
+            cwd=Path(__file__).parent,
+        ).stdout.strip(),
+        "git_dirty": bool(
+            subprocess.run(
+                ["git", "status", "--porcelain", "--", "src"],
+                capture_output=True,
+                text=True,
+                check=False,
+                cwd=Path(__file__).parent,
+            ).stdout.strip()
+        ),
+        "versions": versions,
+    }
+
+
+def render_markdown(
+    rows: list[Row], comparisons: list[Comparison], info: dict[str, Any], settings: dict[str, Any]
+) -> str:
+    versions = ", ".join(f"{name} {version}" for name, version in info["versions"].items())
+    dirty = " (with uncommitted changes in src/)" if info["git_dirty"] else ""
+    pinned = f"pinned to CPU {settings['cpu']}" if settings["cpu"] >= 0 else "not pinned"
+    met = {True: "met", False: "**not met**"}
+    lines = [
+        "# Executor overhead: µs per work item, submit + completion of a no-op",
+        "",
+        "Generated by `.venv/bin/python tests/bench/bench_executor.py` "
+        f"(items={settings['items']} per repeat, repeats={settings['repeats']} after a warm-up of "
+        f"{settings['warmup']} items, rounds={settings['rounds']}, every worker {pinned}). Each "
+        "configuration and workload runs in a fresh interpreter. Runs are **interleaved**: every round "
+        "runs all (configuration, workload) pairs in an order rotated by one per round, and µs/item is "
+        "the median of every timed repeat pooled across rounds. `stallwatch` is compared with `bare` "
+        f"(added µs, target ≤ {TARGET_ADDED_US:g} µs), `stallwatch_traced` with `bare_traced` (ratio, "
+        f"target ≤ {TARGET_TRACED_RATIO:g}x).",
+        "",
+        f"Machine: {info['nproc']} CPUs, Linux {info['kernel']}, Python {info['python']}; {versions}; "
+        f"commit {info['git_commit']}{dirty}; load {' '.join(info['loadavg'])}; {info['date']}.",
+        "",
+        "| workload | bare µs | stallwatch µs | added µs | ratio | ≤ 2 µs "
+        "| bare_traced µs | stallwatch_traced µs | added µs | ratio | ≤ 1.5x | ratio without export |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    by_key = {(r.config, r.workload): r for r in rows}
+    for c in comparisons:
+        lines.append(
+            f"| {c.workload} | {by_key['bare', c.workload].median_us:.2f} | "
+            f"{by_key['stallwatch', c.workload].median_us:.2f} | {c.added_us:+.2f} | {c.ratio:.2f}x | "
+            f"{met[c.added_met]} | {by_key['bare_traced', c.workload].median_us:.2f} | "
+            f"{by_key['stallwatch_traced', c.workload].median_us:.2f} | {c.traced_added_us:+.2f} | "
+            f"{c.traced_ratio:.2f}x | {met[c.traced_met]} | {c.traced_ratio_without_export:.2f}x |"
+        )
+    lines += [
+        "",
+        '"ratio without export": both traced medians minus the CPU time their batch processor spent in '
+        "the exporter's `export` (same OTLP/JSON file exporter in both), i.e. the ratio if exporting "
+        "were free.",
+        "",
+        "All configurations. µs per item over all timed repeats (wall); CPU: process CPU time of all "
+        "threads per item; export: CPU time in `export` per item; spans: exported / started (a "
+        "shortfall is spans the batch processor dropped, queue full):",
+        "",
+        "| workload | config | median µs | min | max | CPU µs | export µs | medians per round | spans |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        spans = f"{r.spans_exported}/{r.spans_expected}" if r.spans_expected is not None else ""
+        export = f"{r.export_cpu_median_us:.2f}" if r.config in TRACED else ""
+        per_round = ", ".join(f"{us:.2f}" for us in r.round_median_us)
+        lines.append(
+            f"| {r.workload} | {r.config} | {r.median_us:.2f} | {r.min_us:.2f} | {r.max_us:.2f} | "
+            f"{r.cpu_median_us:.2f} | {export} | {per_round} | {spans} |"
+        )
+    lines += ["", "Per round, in round order, to show the run-to-run noise:", ""]
+    for c in comparisons:
+        lines.append(f"- {c.workload}: added µs " + ", ".join(f"{us:+.2f}" for us in c.round_added_us))
+        lines.append(f"- {c.workload}: traced ratio " + ", ".join(f"{x:.2f}x" for x in c.round_traced_ratio))
+    return "\n".join(lines) + "\n"
+
+
+def benchmark(items: int, repeats: int, rounds: int, cpu: int, out: Path) -> str:
+    """Run every round, write executor.json and executor.md into `out`, return the markdown."""
+    info = machine_info()
+    runs = []
+    for number, config, workload in schedule(rounds):
+        run = run_worker(config, workload, items, repeats, cpu)
+        run["round"] = number
+        runs.append(run)
+        median = statistics.median(run["us_per_item"])
+        print(f"round {number} {workload:<9} {config:<17} {median:7.2f} µs/item", file=sys.stderr)
+        if run["stderr"]:
+            print(run["stderr"], file=sys.stderr)
+    rows, comparisons = summarize(runs)
+    settings = {
+        "items": items,
+        "repeats": repeats,
+        "warmup": min(items, WARMUP_ITEMS),
+        "rounds": rounds,
+        "batch": BATCH,
+        "cpu": cpu,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    report = {
+        "machine": info,
+        "settings": settings,
+        "targets": {"added_us": TARGET_ADDED_US, "traced_ratio": TARGET_TRACED_RATIO},
+        "comparison": [asdict(c) for c in comparisons],
+        "summary": [asdict(r) for r in rows],
+        "runs": runs,
+    }
+    (out / "executor.json").write_text(json.dumps(report, indent=1) + "\n")
+    markdown = render_markdown(rows, comparisons, info, settings)
+    (out / "executor.md").write_text(markdown)
+    return markdown
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--items", type=int, help="work items per timed repeat (default 2000; 500 with --quick)")
+    parser.add_argument("--repeats", type=int, help="timed repeats per run (default 5; 3 with --quick)")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds (default 5; 1 with --quick)")
+    parser.add_argument("--quick", action="store_true", help="smoke test: fewer items and repeats, one round")
+    parser.add_argument("--no-pin", action="store_true", help="do not pin each worker to one CPU")
+    parser.add_argument("--out", type=Path, help="output directory (default tests/bench/results; temp with --quick)")
+    parser.add_argument(
+        "--worker", nargs=5, metavar=("CONFIG", "WORKLOAD", "ITEMS", "REPEATS", "CPU"), help=argparse.SUPPRESS
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        config, workload, items, repeats, cpu = args.worker
+        print(json.dumps(worker(config, workload, int(items), int(repeats), int(cpu))))
+        return
+    items = args.items or (500 if args.quick else 2000)
+    repeats = args.repeats or (3 if args.quick else 5)
+    rounds = args.rounds or (1 if args.quick else 5)
+    cpu = -1 if args.no_pin else max(os.sched_getaffinity(0))
+    out = args.out or (Path(tempfile.mkdtemp(prefix="bench_executor_")) if args.quick else DEFAULT_OUT)
+    print(benchmark(items, repeats, rounds, cpu, out))
+    print(f"results: {out / 'executor.json'}, {out / 'executor.md'}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
