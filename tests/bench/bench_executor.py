@@ -63,11 +63,9 @@ import argparse
 import asyncio
 import base64
 import concurrent.futures
-import datetime
-import importlib.metadata
+import hashlib
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -79,6 +77,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from _machine import clean_env, machine_info
+
 CONFIGS = ("bare", "stallwatch", "bare_traced", "stallwatch_traced")
 WORKLOADS = ("submit", "batch", "to_thread")
 BASELINES = {"stallwatch": "bare", "stallwatch_traced": "bare_traced"}
@@ -89,6 +89,7 @@ WARMUP_ITEMS = 500
 TARGET_ADDED_US = 2.0
 TARGET_TRACED_RATIO = 1.5
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+SOURCE = Path(__file__).resolve().parents[2] / "src" / "stallwatch"
 VERSIONED = ("opentelemetry-api", "opentelemetry-sdk", "wrapt", "stallwatch")
 
 
@@ -294,11 +295,6 @@ def worker(config: str, workload: str, items: int, repeats: int, cpu: int) -> di
 # ---- runner: interleaved rounds of workers, aggregation, report -------------------------------
 
 
-def clean_env() -> dict[str, str]:
-    """This environment without OTEL_/STALLWATCH_ variables, so every worker starts alike."""
-    return {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "STALLWATCH_"))}
-
-
 def run_worker(config: str, workload: str, items: int, repeats: int, cpu: int) -> dict[str, Any]:
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", config, workload]
     command += [str(items), str(repeats), str(cpu)]
@@ -399,39 +395,12 @@ def summarize(runs: list[dict[str, Any]]) -> tuple[list[Row], list[Comparison]]:
     return list(rows.values()), comparisons
 
 
-def machine_info() -> dict[str, Any]:
-    versions = {}
-    for name in VERSIONED:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = None
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "nproc": len(os.sched_getaffinity(0)),
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "python_executable": sys.executable,
-        "kernel": platform.release(),
-        "loadavg": Path("/proc/loadavg").read_text().split()[:3],
-        "git_commit": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=False,
-            cwd=Path(__file__).parent,
-        ).stdout.strip(),
-        "git_dirty": bool(
-            subprocess.run(
-                ["git", "status", "--porcelain", "--", "src"],
-                capture_output=True,
-                text=True,
-                check=False,
-                cwd=Path(__file__).parent,
-            ).stdout.strip()
-        ),
-        "versions": versions,
-    }
+def source_digest() -> str:
+    """Digest of stallwatch's sources (editable install: every worker imports them afresh)."""
+    digest = hashlib.sha256()
+    for path in sorted(SOURCE.rglob("*.py")):
+        digest.update(str(path.relative_to(SOURCE)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def render_markdown(
@@ -439,6 +408,7 @@ def render_markdown(
 ) -> str:
     versions = ", ".join(f"{name} {version}" for name, version in info["versions"].items())
     dirty = " (with uncommitted changes in src/)" if info["git_dirty"] else ""
+    changed = info["source_digest"] != info["source_digest_end"]
     pinned = f"pinned to CPU {settings['cpu']}" if settings["cpu"] >= 0 else "not pinned"
     met = {True: "met", False: "**not met**"}
     lines = [
@@ -454,8 +424,17 @@ def render_markdown(
         f"target ≤ {TARGET_TRACED_RATIO:g}x).",
         "",
         f"Machine: {info['nproc']} CPUs, Linux {info['kernel']}, Python {info['python']}; {versions}; "
-        f"commit {info['git_commit']}{dirty}; load {' '.join(info['loadavg'])}; {info['date']}.",
+        f"commit {info['git_commit']}{dirty}, sources {info['source_digest']}; load {' '.join(info['loadavg'])}; "
+        f"{info['date']}.",
         "",
+    ]
+    if changed:
+        lines += [
+            f"**Warning: src/stallwatch changed during the run (sources {info['source_digest']} at the start, "
+            f"{info['source_digest_end']} at the end): the runs mix two versions of stallwatch.**",
+            "",
+        ]
+    lines += [
         "| workload | bare µs | stallwatch µs | added µs | ratio | ≤ 2 µs "
         "| bare_traced µs | stallwatch_traced µs | added µs | ratio | ≤ 1.5x | ratio without export |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -499,7 +478,7 @@ def render_markdown(
 
 def benchmark(items: int, repeats: int, rounds: int, cpu: int, out: Path) -> str:
     """Run every round, write executor.json and executor.md into `out`, return the markdown."""
-    info = machine_info()
+    info = {**machine_info(VERSIONED), "source_digest": source_digest()}
     runs = []
     for number, config, workload in schedule(rounds):
         run = run_worker(config, workload, items, repeats, cpu)
@@ -509,6 +488,9 @@ def benchmark(items: int, repeats: int, rounds: int, cpu: int, out: Path) -> str
         print(f"round {number} {workload:<9} {config:<17} {median:7.2f} µs/item", file=sys.stderr)
         if run["stderr"]:
             print(run["stderr"], file=sys.stderr)
+    info["source_digest_end"] = source_digest()
+    if info["source_digest_end"] != info["source_digest"]:
+        print("warning: src/stallwatch changed during the run; the results mix two versions", file=sys.stderr)
     rows, comparisons = summarize(runs)
     settings = {
         "items": items,

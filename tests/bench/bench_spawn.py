@@ -41,11 +41,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime
-import importlib.metadata
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -56,6 +53,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from _machine import clean_env, machine_info
 
 CONFIGS = ("no_otel", "otel_no_fork_hooks", "stock_otel", "stallwatch", "asyncio")
 RSS_BYTES = {"rss0": 0, "rss1g": 1 << 30}
@@ -183,11 +182,6 @@ def worker(config: str, rss: str, spawns: int) -> dict[str, Any]:
 # ---- runner: interleaved rounds of workers, aggregation, report -------------------------------
 
 
-def clean_env() -> dict[str, str]:
-    """This environment without OTEL_/STALLWATCH_/GRPC_ variables, so every worker starts alike."""
-    return {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "STALLWATCH_", "GRPC_"))}
-
-
 def run_worker(config: str, rss: str, spawns: int) -> dict[str, Any]:
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", config, rss, str(spawns)]
     proc = subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=900, check=False)
@@ -250,32 +244,6 @@ def summarize(runs: list[dict[str, Any]], rss_variants: list[str]) -> list[Row]:
     return rows
 
 
-def machine_info() -> dict[str, Any]:
-    versions = {}
-    for name in VERSIONED:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = None
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "nproc": len(os.sched_getaffinity(0)),
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "python_executable": sys.executable,
-        "kernel": platform.release(),
-        "loadavg": Path("/proc/loadavg").read_text().split()[:3],
-        "git_commit": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=False,
-            cwd=Path(__file__).parent,
-        ).stdout.strip(),
-        "versions": versions,
-    }
-
-
 def render_markdown(rows: list[Row], info: dict[str, Any], settings: dict[str, Any]) -> str:
     versions = ", ".join(f"{name} {version}" for name, version in info["versions"].items())
     lines = [
@@ -307,7 +275,7 @@ def render_markdown(rows: list[Row], info: dict[str, Any], settings: dict[str, A
 
 def benchmark(spawns: int, rounds: int, rss_variants: list[str], out: Path) -> str:
     """Run every round, write spawn.json and spawn.md into `out`, return the markdown."""
-    info = machine_info()
+    info = machine_info(VERSIONED)
     runs = []
     for number, config, rss in schedule(rss_variants, rounds):
         run = run_worker(config, rss, spawns)
