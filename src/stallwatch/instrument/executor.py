@@ -398,7 +398,6 @@ class ExecutorInstrumentor(BaseInstrumentor):  # type: ignore[misc]
 
 def end_span_orphaned(record: ItemRecord, reason: str) -> None:
     """Close an orphaned item's span with an error (its worker will never close it)."""
-    if record.span is not None:
-        record.span.add_event("stallwatch.wedge", {telemetry.WEDGE_KIND.name: "orphaned_item", "reason": reason})
+    if record.span is not None:  # the detector already added the "stallwatch.wedge" event
         record.span.set_status(Status(StatusCode.ERROR, reason))
         record.span.end()
