@@ -79,7 +79,7 @@ print(json.dumps({"main": asyncio.run(main()), "shutdown": stallwatch.shutdown(t
     overrun = metric_points(metrics, "stallwatch.execution.overrun.duration")[-1]
     assert attrs(overrun) == {"stallwatch.execution.name": "slow"}
     assert int(overrun["count"]) == 1
-    assert 0.6 <= float(overrun["sum"]) <= 1.2
+    assert 0.6 <= float(overrun["sum"]) <= 1.5  # 0.8 s, plus scheduling delay on a loaded machine
     overdue = [
         float(p.get("asInt", p.get("asDouble", 0))) for p in metric_points(metrics, "stallwatch.execution.overdue")
     ]

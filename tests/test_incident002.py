@@ -66,4 +66,4 @@ def test_with_heal_the_lost_request_fails_within_a_second_and_the_next_succeeds(
     )  # fmt: skip
 
     assert outcomes(result) == ["timeout_error", "error:WorkerDied", "ok"]
-    assert result["requests"][1]["elapsed_s"] < 1.0 + 0.3  # two 0.5 s checks, plus slack
+    assert result["requests"][1]["elapsed_s"] < 1.0 + 0.5  # two 0.5 s checks, plus slack for a loaded CI machine
