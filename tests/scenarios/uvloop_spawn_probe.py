@@ -79,4 +79,8 @@ if mode == "stallwatch":
 
     result["fork_counts"] = [[list(k), v] for k, v in guard.fork_counts()]
     result["handlers_skipped"] = guard.STATE.handlers_skipped
+    result["handlers_registered_after_import"] = sum(
+        (r.before is not None) + (r.after_in_parent is not None) + (r.after_in_child is not None)
+        for r in guard.REGISTRATIONS
+    )
 print(json.dumps(result))
