@@ -45,6 +45,8 @@ BAD_VALUES: dict[str, tuple[str, ...]] = {
     "STALLWATCH_GUARD_ASYNC_EXC": ("enabled",),
     "STALLWATCH_WEDGE_CHECK_INTERVAL": ("0", "-0.5", "fast"),
     "STALLWATCH_QUEUE_STALL_SECONDS": ("nan", "inf"),
+    "STALLWATCH_WATCHDOG": ("maybe",),
+    "STALLWATCH_FREEZE_THRESHOLD": ("0", "-1", "soon"),
 }
 
 

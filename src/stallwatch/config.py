@@ -179,6 +179,19 @@ OPTIONS: tuple[Option, ...] = (
         "An executor whose items wait this long while none of its workers is alive is reported stalled.",
     ),
     Option(
+        "STALLWATCH_WATCHDOG",
+        "watchdog",
+        "`true`",
+        "Start the freeze watchdog, a second process that reads the host's heartbeats and /proc and "
+        "exports freezes while they last.",
+    ),
+    Option(
+        "STALLWATCH_FREEZE_THRESHOLD",
+        "freeze_threshold",
+        "`1.0`",
+        "Seconds without a heartbeat after which the watchdog reports a freeze.",
+    ),
+    Option(
         "STALLWATCH_FORK_GUARD",
         None,
         "`true`",
@@ -228,6 +241,8 @@ class Settings:
     guard_async_exc: bool = True
     wedge_check_interval: float = 0.5
     queue_stall_seconds: float = 5.0
+    watchdog: bool = True
+    freeze_threshold: float = 1.0
 
     @classmethod
     def load(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
@@ -291,6 +306,8 @@ class Settings:
         take("guard_async_exc", "STALLWATCH_GUARD_ASYNC_EXC", _bool, None)
         take("wedge_check_interval", "STALLWATCH_WEDGE_CHECK_INTERVAL", _positive_float, None)
         take("queue_stall_seconds", "STALLWATCH_QUEUE_STALL_SECONDS", _positive_float, None)
+        take("watchdog", "STALLWATCH_WATCHDOG", _bool, None)
+        take("freeze_threshold", "STALLWATCH_FREEZE_THRESHOLD", _positive_float, None)
         return cls(**values)
 
     def protocol_for(self, signal: str) -> str:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -37,6 +40,12 @@ class Session:
     files: dict[str, Path] = field(default_factory=dict)
     error: str | None = None
     _pipeline: Any = None
+    _watchdog: Any = None  # (HeartbeatArea, subprocess.Popen) while the freeze watchdog runs
+
+    @property
+    def watchdog_pid(self) -> int | None:
+        """Pid of the freeze watchdog process, or None when it is off (STALLWATCH_WATCHDOG)."""
+        return self._watchdog[1].pid if self._watchdog is not None else None
 
     @property
     def prometheus_address(self) -> tuple[str, int] | None:
@@ -89,6 +98,7 @@ def _start(fork_safety: ForkSafety, overrides: dict[str, Any]) -> Session:
         return Session(None, fork_safety, error=str(exc))
     if settings.disabled:
         return Session(settings, fork_safety)
+    watchdog = _start_watchdog(settings) if settings.watchdog else None  # before any thread of ours
     pipeline = None
     if settings.providers == "stallwatch":
         from . import pipeline as pipeline_module
@@ -102,8 +112,13 @@ def _start(fork_safety: ForkSafety, overrides: dict[str, Any]) -> Session:
             return Session(settings, fork_safety, error=str(exc))
     _register_instruments()
     _instrument(settings)
+    if watchdog is not None:
+        from .detect import heartbeat
+        from .instrument._common import instrument, meter
+
+        heartbeat.start(watchdog[0], instrument(meter(), telemetry.LOOP_LAG))
     atexit.register(_shutdown_at_exit)
-    return Session(settings, fork_safety, dict(pipeline.files) if pipeline else {}, None, pipeline)
+    return Session(settings, fork_safety, dict(pipeline.files) if pipeline else {}, None, pipeline, watchdog)
 
 
 def _register_instruments() -> None:
@@ -136,6 +151,39 @@ def _register_instruments() -> None:
         )
 
 
+def _watchdog_environment(settings: Settings) -> dict[str, str]:
+    """The host's settings, as the environment the watchdog's own setup() reads."""
+    env = dict(os.environ)
+    env["STALLWATCH_FILE_DIR"] = str(settings.file_dir)
+    for signal, chosen in (("TRACES", settings.traces_exporter), ("METRICS", settings.metrics_exporter),
+                           ("LOGS", settings.logs_exporter)):  # fmt: skip
+        kept = [name for name in chosen if name != "prometheus"]  # the host owns the scrape port
+        env[f"OTEL_{signal}_EXPORTER"] = ",".join(kept) or "none"
+    if settings.otlp_endpoint:
+        env["OTEL_EXPORTER_OTLP_ENDPOINT"] = settings.otlp_endpoint
+    env["OTEL_EXPORTER_OTLP_PROTOCOL"] = settings.otlp_protocol
+    if settings.service_name:
+        env["OTEL_SERVICE_NAME"] = settings.service_name
+    if settings.resource_attributes:
+        env["OTEL_RESOURCE_ATTRIBUTES"] = ",".join(f"{k}={v}" for k, v in settings.resource_attributes.items())
+    return env
+
+
+def _start_watchdog(settings: Settings) -> tuple[Any, subprocess.Popen[bytes]] | None:
+    """Spawn the freeze watchdog (vfork/posix_spawn: never a fork of the host) and its heartbeat file."""
+    from .detect import heartbeat
+
+    try:
+        area = heartbeat.HeartbeatArea()
+        command = [sys.executable, "-m", "stallwatch.detect.watchdog", "--pid", str(os.getpid()),
+                   "--heartbeat", str(area.path), "--threshold", str(settings.freeze_threshold)]  # fmt: skip
+        process = subprocess.Popen(command, env=_watchdog_environment(settings), stdin=subprocess.DEVNULL)
+    except OSError as exc:
+        _log.warning("stallwatch: cannot start the freeze watchdog (%s); STALLWATCH_WATCHDOG=false silences this.", exc)
+        return None
+    return area, process
+
+
 def _instrument(settings: Settings) -> None:
     """Install the instrumentors the settings ask for (they report through the global providers)."""
     if settings.instrument_executor:
@@ -156,6 +204,11 @@ def shutdown(timeout: float | None = None) -> bool:
     with _lock:
         session, _session = _session, None
         _shut_down = _shut_down or session is not None
+    if session is not None and session._watchdog is not None:
+        from .detect import heartbeat
+
+        heartbeat.stop()
+        session._watchdog[1].terminate()
     if session is None or session._pipeline is None:
         return True
     if timeout is None:

@@ -107,6 +107,19 @@ CODE_FUNCTION = Attribute(
 )
 CODE_FILE = Attribute("code.file.path", "Source file of the host code that set the timeout.")
 CODE_LINE = Attribute("code.line.number", "Line of the host code that set the timeout.")
+FREEZE_KIND = Attribute(
+    "stallwatch.freeze.kind",
+    "`gil_held` (no Python thread of the host ran: e.g. uvloop waiting for a forked child to exec) or "
+    "`loop_blocked` (the event loop did not run its callbacks while other Python threads did).",
+    ("gil_held", "loop_blocked"),
+)
+FREEZE_CAUSE = Attribute(
+    "stallwatch.freeze.cause",
+    "What /proc showed the host waiting on: `child_core_dump`, `child_before_exec` (a forked copy that "
+    "has not exec'd), `vfork_child`, `blocked_syscall` or `unknown`.",
+    ("child_core_dump", "child_before_exec", "vfork_child", "blocked_syscall", "unknown"),
+)
+LOOP = Attribute("stallwatch.loop", "Event loop implementation.", ("uvloop", "asyncio"))
 INSTRUMENTATION_COMPONENT = Attribute(
     "stallwatch.component", "Which part of stallwatch failed (e.g. `executor`); its setting turns it off."
 )
@@ -209,6 +222,18 @@ ASYNCIO_TIMEOUTS = Metric(
     "Expirations of asyncio.wait_for, asyncio.timeout and asyncio.wait(timeout=), by call site.",
     (CODE_FUNCTION, CODE_FILE, CODE_LINE),
 )  # fmt: skip
+FREEZE_ACTIVE = Metric(
+    "stallwatch.freeze.active", "observable_gauge", "{freeze}",
+    "1 while the watchdog sees the host frozen (exported by the watchdog process, live).", (FREEZE_KIND, FREEZE_CAUSE),
+)  # fmt: skip
+FREEZE_DURATION = Metric(
+    "stallwatch.freeze.duration", "histogram", "s", "How long each freeze lasted, from the last fresh heartbeat.",
+    (FREEZE_KIND, FREEZE_CAUSE),
+)  # fmt: skip
+LOOP_LAG = Metric(
+    "stallwatch.loop.lag", "histogram", "s", "How late the main event loop ran a callback scheduled 100 ms ahead.",
+    (LOOP,),
+)  # fmt: skip
 INSTRUMENTATION_ERRORS = Metric(
     "stallwatch.instrumentation.errors", "counter", "{error}",
     "Failures inside stallwatch's own wrappers; the wrapped call went ahead unchanged.", (INSTRUMENTATION_COMPONENT,),
@@ -236,6 +261,9 @@ METRICS: tuple[Metric, ...] = (
     EXECUTION_OVERRUN_DURATION,
     EXECUTION_OVERDUE,
     ASYNCIO_TIMEOUTS,
+    FREEZE_ACTIVE,
+    FREEZE_DURATION,
+    LOOP_LAG,
     INSTRUMENTATION_ERRORS,
 )
 

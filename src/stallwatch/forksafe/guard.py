@@ -26,6 +26,7 @@ from typing import Any
 
 import wrapt
 
+from ..detect import heartbeat
 from .grpc_guard import GrpcActivity
 from .loop import running_loop_kind
 
@@ -214,10 +215,25 @@ async def _mark_uvloop_spawn(
     wrapped: Callable[..., Awaitable[Any]], instance: object, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     token = _exec_bound.set(True)
+    area = heartbeat.AREA
+    if area is not None:  # tell the watchdog what is being spawned, in case the spawn freezes us
+        _note_spawn(area, args)
     try:
         return await wrapped(*args, **kwargs)
     finally:
         _exec_bound.reset(token)
+        if area is not None:
+            area.spawned()
+
+
+def _note_spawn(area: heartbeat.HeartbeatArea, args: tuple[Any, ...]) -> None:
+    """Executable name and argument count only: no argument leaves the process."""
+    from opentelemetry import trace
+
+    program = str(args[1]) if len(args) > 1 else "?"
+    name = os.path.basename(program.split()[0]) if program.strip() else "?"
+    context = trace.get_current_span().get_span_context()
+    area.spawning(f"{name} ({max(0, len(args) - 2)} args)", context.trace_id, context.span_id)
 
 
 def _mark_preexec_popen(

@@ -1,0 +1,206 @@
+"""Heartbeats in shared memory, read by the watchdog process (incidents/000_…).
+
+While uvloop forks it holds the GIL until the child execs, so no Python thread of the host runs;
+the only witness is another process. The host writes two heartbeats into a small mmap'd file
+(mode 0600): an *interpreter* heartbeat from a daemon thread (stale when nothing Python runs:
+`gil_held`) and a *loop* heartbeat from a callback on the main thread's event loop (stale while
+the interpreter runs: `loop_blocked`). Before each exec-bound spawn the host also writes what it
+spawns and the current span, so the watchdog can name the frozen operation. Each field is an
+aligned 8-byte store or a fixed byte range, written without locks; the watchdog tolerates a torn
+read by re-reading. No library does this, hence the hand-written layout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+import os
+import struct
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+MAGIC = b"SWHB0001"
+# magic, host pid, flags, interpreter ns, loop ns, spawn-start ns, loop kind, spare, spawn command,
+# trace id, span id. Offsets are fixed so the watchdog can read fields one by one.
+LAYOUT = struct.Struct("<8sIIqqqiI256s16s8s")
+OFFSET_INTERP, OFFSET_LOOP, OFFSET_SPAWN = 16, 24, 32
+OFFSET_LOOP_KIND = 40
+OFFSET_COMMAND, OFFSET_TRACE, OFFSET_SPAN = 48, 304, 320
+FLAG_LOOP_TRACKED = 1
+LOOP_KINDS = {"none": 0, "asyncio": 1, "uvloop": 2}
+BEAT_SECONDS = 0.1
+
+
+def area_directory() -> Path:
+    """Where heartbeat files live: the runtime dir, /dev/shm, or the temp dir."""
+    for candidate in (os.environ.get("XDG_RUNTIME_DIR"), "/dev/shm"):
+        if candidate and os.path.isdir(candidate) and os.access(candidate, os.W_OK):
+            return Path(candidate)
+    return Path(tempfile.gettempdir())
+
+
+class HeartbeatArea:
+    """The host's side: creates the file and writes into it."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path or area_directory() / f"stallwatch-{os.getpid()}-{os.urandom(4).hex()}.hb"
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, LAYOUT.size)
+            self._map = mmap.mmap(fd, LAYOUT.size)
+        finally:
+            os.close(fd)
+        now = time.monotonic_ns()
+        self.owner = os.getpid()  # a forked child shares the mapping: it must never write to it
+        self._map[:] = LAYOUT.pack(MAGIC, self.owner, 0, now, now, 0, 0, 0, b"", b"", b"")
+
+    @property
+    def writable(self) -> bool:
+        return os.getpid() == self.owner
+
+    def _store(self, offset: int, value: int) -> None:
+        if self.writable:
+            self._map[offset : offset + 8] = value.to_bytes(8, "little", signed=True)
+
+    def beat_interpreter(self) -> None:
+        self._store(OFFSET_INTERP, time.monotonic_ns())
+
+    def beat_loop(self) -> None:
+        self._store(OFFSET_LOOP, time.monotonic_ns())
+
+    def track_loop(self, kind: str | None) -> None:
+        """Say whether a loop heartbeat is expected (`kind`) or not (None)."""
+        if not self.writable:
+            return
+        flags = FLAG_LOOP_TRACKED if kind else 0
+        self._map[OFFSET_LOOP_KIND : OFFSET_LOOP_KIND + 4] = LOOP_KINDS.get(kind or "none", 0).to_bytes(4, "little")
+        self.beat_loop()
+        self._map[12:16] = flags.to_bytes(4, "little")
+
+    def spawning(self, command: str, trace_id: int, span_id: int) -> None:
+        """Before an exec-bound spawn: what is spawned and under which span."""
+        if not self.writable:
+            return
+        self._map[OFFSET_COMMAND : OFFSET_COMMAND + 256] = command.encode(errors="replace")[:256].ljust(256, b"\0")
+        self._map[OFFSET_TRACE : OFFSET_TRACE + 16] = trace_id.to_bytes(16, "big")
+        self._map[OFFSET_SPAN : OFFSET_SPAN + 8] = span_id.to_bytes(8, "big")
+        self._store(OFFSET_SPAWN, time.monotonic_ns())
+
+    def spawned(self) -> None:
+        self._store(OFFSET_SPAWN, 0)
+
+    def close(self) -> None:
+        if self.writable:
+            self._map.close()
+            self.path.unlink(missing_ok=True)
+
+
+def read(path: Path) -> dict[str, Any] | None:
+    """The watchdog's side: one consistent snapshot (re-read once if torn), or None if unusable."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    if len(data) != LAYOUT.size:
+        return None
+    fields = LAYOUT.unpack(data)
+    if fields[0] != MAGIC:
+        return None
+    _, pid, flags, interp, loop, spawn, loop_kind, _, command, trace_id, span_id = fields
+    kinds = {v: k for k, v in LOOP_KINDS.items()}
+    return {
+        "pid": pid,
+        "loop_tracked": bool(flags & FLAG_LOOP_TRACKED),
+        "interpreter_ns": interp,
+        "loop_ns": loop,
+        "spawn_ns": spawn,
+        "loop_kind": kinds.get(loop_kind, "none"),
+        "spawn_command": command.rstrip(b"\0").decode(errors="replace"),
+        "trace_id": trace_id.hex(),
+        "span_id": span_id.hex(),
+    }
+
+
+# ---- host-side writers --------------------------------------------------------------------------
+
+AREA: HeartbeatArea | None = None
+_thread_pid = 0
+
+
+def start(area: HeartbeatArea, lag_histogram: Any) -> None:
+    """Begin the interpreter heartbeat (a daemon thread) and watch event loops as they start."""
+    global AREA, _lag_histogram
+    AREA = area
+    _lag_histogram = lag_histogram
+    ensure_thread()
+    _watch_loops()
+
+
+def ensure_thread() -> None:
+    """Start the interpreter heartbeat thread in this process if it has none (fork-aware)."""
+    global _thread_pid
+    if AREA is None or _thread_pid == os.getpid():
+        return
+    _thread_pid = os.getpid()
+    threading.Thread(target=_interpreter_beats, name="stallwatch-heartbeat", daemon=True).start()
+
+
+def _interpreter_beats() -> None:
+    area, pid = AREA, os.getpid()
+    try:
+        while area is not None and AREA is area and os.getpid() == pid:
+            area.beat_interpreter()
+            time.sleep(BEAT_SECONDS)
+    except ValueError:
+        return  # the area was closed by stop() between the check and the write
+
+
+def stop() -> None:
+    """Stop writing heartbeats and remove the file (at shutdown)."""
+    global AREA
+    area, AREA = AREA, None
+    if area is not None:
+        area.close()
+
+
+def _watch_loops() -> None:
+    import wrapt
+
+    wrapt.wrap_function_wrapper("asyncio.base_events", "BaseEventLoop.run_forever", _run_forever)
+    wrapt.register_post_import_hook(
+        lambda module: wrapt.wrap_function_wrapper(module, "Loop.run_forever", _run_forever), "uvloop"
+    )
+
+
+_lag_histogram: Any = None
+_beats: dict[int, asyncio.TimerHandle | asyncio.Handle] = {}
+
+
+def _run_forever(wrapped: Any, loop: asyncio.AbstractEventLoop, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    area = AREA
+    if area is None or not area.writable or threading.current_thread() is not threading.main_thread():
+        return wrapped(*args, **kwargs)
+    from ..forksafe.loop import loop_kind
+
+    kind = loop_kind(loop)
+    _beats[id(loop)] = loop.call_soon(_beat, loop, area, kind, time.monotonic())
+    area.track_loop(kind)
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        area.track_loop(None)
+        handle = _beats.pop(id(loop), None)
+        if handle is not None:
+            handle.cancel()
+
+
+def _beat(loop: asyncio.AbstractEventLoop, area: HeartbeatArea, kind: str, expected: float) -> None:
+    """On the loop: write the loop heartbeat and record how late this callback ran (loop lag)."""
+    now = time.monotonic()
+    area.beat_loop()
+    if _lag_histogram is not None:
+        _lag_histogram.record(max(0.0, now - expected), {"stallwatch.loop": kind})
+    _beats[id(loop)] = loop.call_later(BEAT_SECONDS, _beat, loop, area, kind, now + BEAT_SECONDS)

@@ -1,0 +1,340 @@
+"""The freeze watchdog: a second process that sees a frozen host while the freeze lasts
+(incidents/000_…).
+
+`setup()` starts it with the standard library's vfork/posix_spawn path (never `fork()` of the big
+host) as `python -m stallwatch.detect.watchdog --pid HOST --heartbeat FILE`. It reads the host's
+heartbeats (`detect.heartbeat`) every 100 ms; when the interpreter heartbeat is older than the
+threshold the freeze is `gil_held` (no Python thread runs), when only the loop heartbeat is old it
+is `loop_blocked`. It then reads `/proc` to say what the host waits on, exports a WARNING log
+record and `stallwatch.freeze.active` at once through its own pipeline (same exporter settings),
+and at the thaw a `stallwatch.freeze` span covering the freeze plus `stallwatch.freeze.duration`.
+It exits within a poll interval of the host's exit (a pidfd); a freeze still open then is recorded
+with outcome `host_killed`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import select
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import heartbeat
+
+POLL_SECONDS = 0.1
+FRESH_NS = int(3 * heartbeat.BEAT_SECONDS * 1e9)  # younger than this: the beating thread runs now
+REDIAGNOSE_SECONDS = 2.0
+SYSCALLS_X86_64 = {0: "read", 7: "poll", 56: "clone", 58: "vfork", 61: "wait4", 202: "futex", 232: "epoll_wait",
+                   281: "epoll_pwait", 435: "clone3", 441: "epoll_pwait2"}  # fmt: skip
+_log = logging.getLogger("stallwatch.watchdog")
+
+
+# ---- /proc diagnosis ------------------------------------------------------------------------------
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, errors="replace") as handle:
+            return handle.read()
+    except OSError:
+        return None
+
+
+def _link(path: str) -> str | None:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return None
+
+
+def _status_field(pid: int, name: str) -> str | None:
+    for line in (_read(f"/proc/{pid}/status") or "").splitlines():
+        if line.startswith(name + ":"):
+            return line.split(":", 1)[1].strip()
+    return None
+
+
+def _children(pid: int) -> list[int]:
+    kids: list[int] = []
+    for tid in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else []:
+        kids += [int(c) for c in (_read(f"/proc/{pid}/task/{tid}/children") or "").split()]
+    return kids
+
+
+def _thread_names(pid: int) -> list[str]:
+    names = []
+    for tid in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else []:
+        names.append((_read(f"/proc/{pid}/task/{tid}/comm") or "?").strip())
+    return sorted(names)
+
+
+@dataclass
+class Diagnosis:
+    """What `/proc` says about a frozen host; fields it could not read are None."""
+
+    state: str | None = None
+    syscall: str | None = None
+    wchan: str | None = None
+    waits_on: str | None = None
+    waits_on_child: int | None = None
+    children: list[dict[str, Any]] = field(default_factory=list)
+    cause: str = "unknown"
+    unreadable: list[str] = field(default_factory=list)
+
+    def attributes(self) -> dict[str, Any]:
+        values = {
+            "stallwatch.freeze.cause": self.cause,
+            "stallwatch.freeze.main_thread.state": self.state,
+            "stallwatch.freeze.main_thread.syscall": self.syscall,
+            "stallwatch.freeze.main_thread.wchan": self.wchan,
+            "stallwatch.freeze.waits_on": self.waits_on,
+            "stallwatch.freeze.child.pid": self.waits_on_child,
+        }
+        return {k: v for k, v in values.items() if v is not None}
+
+
+def diagnose(pid: int) -> Diagnosis:
+    """Read the host's main thread and children from `/proc` and name a cause."""
+    found = Diagnosis()
+    stat = _read(f"/proc/{pid}/stat")
+    if stat:
+        found.state = stat.rsplit(")", 1)[1].split()[0]
+    syscall = _read(f"/proc/{pid}/syscall")
+    if syscall is None:
+        found.unreadable.append("syscall")
+    wchan = _read(f"/proc/{pid}/wchan")
+    found.wchan = wchan.strip() if wchan and wchan.strip() not in ("", "0") else None
+    if wchan is None:
+        found.unreadable.append("wchan")
+    fields = (syscall or "").split()
+    if fields and fields[0].lstrip("-").isdigit():
+        number = int(fields[0])
+        found.syscall = SYSCALLS_X86_64.get(number, f"syscall {number}")
+        if number == 0 and len(fields) > 1:
+            found.waits_on = _link(f"/proc/{pid}/fd/{int(fields[1], 16)}")
+    elif fields:
+        found.syscall = fields[0]  # "running"
+    host_exe = _link(f"/proc/{pid}/exe")
+    for child in _children(pid):
+        exe = _link(f"/proc/{child}/exe")
+        info = {
+            "pid": child,
+            "comm": (_read(f"/proc/{child}/comm") or "?").strip(),
+            "exe": exe,
+            "state": (_status_field(child, "State") or "?").split()[0],
+            "core_dumping": _status_field(child, "CoreDumping") == "1",
+            "execed": exe is not None and exe != host_exe,
+            "threads": _thread_names(child),
+        }
+        if found.waits_on and found.waits_on.startswith("pipe:"):
+            fds = os.listdir(f"/proc/{child}/fd") if os.path.isdir(f"/proc/{child}/fd") else []
+            if any(_link(f"/proc/{child}/fd/{fd}") == found.waits_on for fd in fds):
+                found.waits_on_child = child
+        found.children.append(info)
+    found.cause = _cause(found)
+    return found
+
+
+def _cause(found: Diagnosis) -> str:
+    if any(c["core_dumping"] for c in found.children):
+        return "child_core_dump"
+    if found.syscall in ("vfork", "clone", "clone3") or (found.wchan or "").startswith("kernel_clone"):
+        return "vfork_child"
+    waited = [c for c in found.children if c["pid"] == found.waits_on_child]
+    if waited and not waited[0]["execed"]:
+        return "child_before_exec"
+    if found.syscall not in (None, "running"):
+        return "blocked_syscall"
+    return "unknown"
+
+
+# ---- the watch loop --------------------------------------------------------------------------------
+
+
+@dataclass
+class Freeze:
+    kind: str
+    started_mono_ns: int
+    started_wall_ns: int
+    diagnosis: Diagnosis
+    snapshot: dict[str, Any]
+    diagnosed_at: float = 0.0
+
+
+class Watchdog:
+    """Watches one host process; `run()` returns when the host is gone."""
+
+    def __init__(self, pid: int, heartbeat_path: Path, threshold: float, telemetry: Any) -> None:
+        self.pid = pid
+        self.heartbeat_path = heartbeat_path
+        self.threshold_ns = int(threshold * 1e9)
+        self.telemetry = telemetry
+        self.freeze: Freeze | None = None
+
+    def run(self) -> None:
+        pidfd = os.pidfd_open(self.pid)
+        try:
+            while not select.select([pidfd], [], [], POLL_SECONDS)[0]:
+                self.check()
+        finally:
+            os.close(pidfd)
+        if self.freeze is not None:
+            self.thaw(outcome="host_killed")
+
+    def check(self) -> None:
+        snapshot = heartbeat.read(self.heartbeat_path)
+        if snapshot is None:
+            return
+        now = time.monotonic_ns()
+        interpreter_age = now - snapshot["interpreter_ns"]
+        kind = None
+        if interpreter_age > self.threshold_ns:
+            kind = "gil_held"
+        elif snapshot["loop_tracked"] and now - snapshot["loop_ns"] > self.threshold_ns:
+            # Only a *fresh* interpreter heartbeat proves other Python threads still run; one that
+            # is merely under the threshold may be going stale too (GIL held): decide next poll.
+            if interpreter_age > FRESH_NS:
+                return
+            kind = "loop_blocked"
+        if kind is None:
+            if self.freeze is not None:
+                self.thaw(outcome="thawed")
+            return
+        if self.freeze is not None and self.freeze.kind != kind and kind == "gil_held":
+            self.freeze.kind = kind  # a blocked loop that turned into a held GIL
+            self.freeze.diagnosed_at = 0.0  # report the new kind at once
+        if self.freeze is None:
+            last = snapshot["interpreter_ns"] if kind == "gil_held" else snapshot["loop_ns"]
+            wall = time.time_ns() - (now - last)
+            self.freeze = Freeze(kind, last, wall, diagnose(self.pid), snapshot, time.monotonic())
+            self.telemetry.frozen(self.freeze, now)
+        elif time.monotonic() - self.freeze.diagnosed_at >= REDIAGNOSE_SECONDS:
+            self.freeze.diagnosis = diagnose(self.pid)
+            self.freeze.diagnosed_at = time.monotonic()
+            self.telemetry.still_frozen(self.freeze, now)
+
+    def thaw(self, outcome: str) -> None:
+        freeze, self.freeze = self.freeze, None
+        if freeze is not None:
+            self.telemetry.thawed(freeze, outcome)
+
+
+class FreezeTelemetry:
+    """What the watchdog exports, immediately (each record is flushed as it is made)."""
+
+    def __init__(self, pid: int) -> None:
+        from opentelemetry import metrics, trace
+
+        from .. import telemetry
+        from ..instrument._common import instrument
+
+        self._pid = pid
+        self._active: dict[tuple[str, str], int] = {}
+        meter = metrics.get_meter(telemetry.INSTRUMENTATION_SCOPE)
+        self._duration = instrument(meter, telemetry.FREEZE_DURATION)
+        instrument(meter, telemetry.FREEZE_ACTIVE, self._observe)
+        self._tracer = trace.get_tracer(telemetry.INSTRUMENTATION_SCOPE)
+
+    def _observe(self, options: Any) -> list[Any]:
+        from opentelemetry.metrics import Observation
+
+        return [
+            Observation(value, {"stallwatch.freeze.kind": kind, "stallwatch.freeze.cause": cause})
+            for (kind, cause), value in self._active.items()
+        ]
+
+    def _describe(self, freeze: Freeze, now_ns: int) -> str:
+        d = freeze.diagnosis
+        child = next((c for c in d.children if c["pid"] == d.waits_on_child), None)
+        parts = [
+            f"host {self._pid} frozen ({freeze.kind}) for {(now_ns - freeze.started_mono_ns) / 1e9:.1f}s",
+            f"cause {d.cause}",
+            f"main thread {d.state or '?'} in {d.syscall or '?'} (wchan {d.wchan or '?'})",
+        ]
+        if d.waits_on:
+            parts.append(f"waiting on {d.waits_on}")
+        if child is not None:
+            parts.append(
+                f"child {child['pid']} {child['comm']} state {child['state']} core_dumping {child['core_dumping']} "
+                f"exec'd {child['execed']} threads {child['threads']}"
+            )
+        if freeze.snapshot.get("spawn_ns"):
+            parts.append(f"spawning {freeze.snapshot['spawn_command']!r} (span {freeze.snapshot['span_id']})")
+        if d.unreadable:
+            parts.append(f"unreadable without ptrace rights: {', '.join(d.unreadable)}")
+        return "; ".join(parts)
+
+    def frozen(self, freeze: Freeze, now_ns: int) -> None:
+        self._active[(freeze.kind, freeze.diagnosis.cause)] = 1
+        _log.warning("stallwatch: freeze detected: %s", self._describe(freeze, now_ns),
+                     extra=freeze.diagnosis.attributes() | {"stallwatch.freeze.kind": freeze.kind})  # fmt: skip
+        self.flush()
+
+    def still_frozen(self, freeze: Freeze, now_ns: int) -> None:
+        self._active = {(freeze.kind, freeze.diagnosis.cause): 1}
+        _log.warning("stallwatch: still frozen: %s", self._describe(freeze, now_ns),
+                     extra=freeze.diagnosis.attributes() | {"stallwatch.freeze.kind": freeze.kind})  # fmt: skip
+        self.flush()
+
+    def thawed(self, freeze: Freeze, outcome: str) -> None:
+        from opentelemetry.trace import Link, SpanContext, TraceFlags
+
+        self._active.clear()
+        seconds = (time.time_ns() - freeze.started_wall_ns) / 1e9
+        attributes = freeze.diagnosis.attributes() | {
+            "stallwatch.freeze.kind": freeze.kind,
+            "stallwatch.freeze.outcome": outcome,
+            "stallwatch.freeze.host.pid": self._pid,
+        }
+        self._duration.record(seconds, {"stallwatch.freeze.kind": freeze.kind,
+                                        "stallwatch.freeze.cause": freeze.diagnosis.cause})  # fmt: skip
+        links = []
+        trace_id, span_id = int(freeze.snapshot["trace_id"] or "0", 16), int(freeze.snapshot["span_id"] or "0", 16)
+        if freeze.snapshot.get("spawn_ns") and trace_id and span_id:
+            links.append(Link(SpanContext(trace_id, span_id, is_remote=True, trace_flags=TraceFlags(1))))
+        span = self._tracer.start_span("stallwatch.freeze", start_time=freeze.started_wall_ns, links=links,
+                                       attributes=attributes)  # fmt: skip
+        span.end()
+        log = _log.warning if outcome == "host_killed" else _log.info
+        log("stallwatch: freeze over after %.1fs (%s, outcome %s)", seconds, freeze.kind, outcome, extra=attributes)
+        self.flush()
+
+    def flush(self) -> None:
+        from opentelemetry import _logs, metrics, trace
+
+        for provider in (trace.get_tracer_provider(), metrics.get_meter_provider(), _logs.get_logger_provider()):
+            flush = getattr(provider, "force_flush", None)
+            if flush is not None:
+                flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="stallwatch watchdog", description=__doc__.splitlines()[0])
+    parser.add_argument("--pid", type=int, required=True, help="the host process to watch")
+    parser.add_argument("--heartbeat", type=Path, required=True, help="the host's heartbeat file")
+    parser.add_argument("--threshold", type=float, default=1.0, help="seconds without a heartbeat = frozen")
+    args = parser.parse_args(argv)
+    if args.threshold <= 0:
+        parser.error("--threshold must be positive (STALLWATCH_FREEZE_THRESHOLD)")
+    os.environ["STALLWATCH_WATCHDOG"] = "false"  # the watchdog never watches itself
+    os.environ["STALLWATCH_INSTRUMENT_EXECUTOR"] = "false"
+    import stallwatch
+
+    stallwatch.setup(resource_attributes={"stallwatch.process.role": "watchdog",
+                                          "stallwatch.watched.pid": str(args.pid)})  # fmt: skip
+    try:
+        Watchdog(args.pid, args.heartbeat, args.threshold, FreezeTelemetry(args.pid)).run()
+    except ProcessLookupError:
+        return 0
+    finally:
+        stallwatch.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

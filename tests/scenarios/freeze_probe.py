@@ -1,0 +1,68 @@
+"""Scenario: a GIL-held freeze as in incidents/000, made on purpose.
+
+Usage: python freeze_probe.py DIR [SECONDS] [--block-loop]
+A library registered an after-fork handler before stallwatch was imported (so the exec-bound guard
+cannot skip it); in the child of one uvloop spawn it sleeps SECONDS (default 3) before exec, so the
+host's main thread waits in read() on libuv's pipe holding the GIL. Prints one JSON line: the
+spawn's wall-clock start and end, the child's pid and the probe span's ids. With --block-loop
+the loop thread sleeps SECONDS in plain sync code instead (other threads keep running). The first
+line printed is the watchdog's pid, so a test can watch it.
+"""
+
+import os
+import sys
+import time
+
+HANG = {"seconds": 0.0}
+
+
+def slow_library_child_handler() -> None:
+    if HANG["seconds"]:
+        time.sleep(HANG["seconds"])  # a copy of the host, before exec: the host is frozen meanwhile
+
+
+os.register_at_fork(after_in_child=slow_library_child_handler)
+
+import json
+
+import stallwatch
+
+out, seconds = sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else 3.0
+session = stallwatch.setup(file_dir=out, freeze_threshold=1.0)
+print(json.dumps({"watchdog_pid": session.watchdog_pid}), flush=True)
+
+import asyncio
+
+import uvloop
+from opentelemetry import trace
+
+
+async def main() -> dict:
+    await asyncio.sleep(0.5)  # the watchdog is up and the loop heartbeat flows
+    with trace.get_tracer("probe").start_as_current_span("probe /healthcheck") as span:
+        if "--block-loop" in sys.argv:
+            started = time.time_ns()
+            time.sleep(seconds)  # sync code on the loop thread: the loop stalls, the GIL does not
+            ended = time.time_ns()
+        else:
+            HANG["seconds"] = seconds
+            started = time.time_ns()
+            child = await asyncio.create_subprocess_exec("/bin/true")
+            ended = time.time_ns()
+            HANG["seconds"] = 0.0
+            await child.wait()
+    await asyncio.sleep(1.0)  # let the watchdog see the thaw
+    context = span.get_span_context()
+    return {
+        "spawn_started_ns": started,
+        "spawn_ended_ns": ended,
+        "child_pid": None if "--block-loop" in sys.argv else child.pid,
+        "trace_id": format(context.trace_id, "032x"),
+        "span_id": format(context.span_id, "016x"),
+        "watchdog_pid": session.watchdog_pid,
+    }
+
+
+result = uvloop.run(main())
+stallwatch.shutdown(timeout=5)
+print(json.dumps(result))

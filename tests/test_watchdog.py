@@ -1,0 +1,114 @@
+"""The freeze of incidents/000, seen from outside while it lasts: real uvloop spawns whose child
+hangs before exec, a real watchdog process reading real /proc (tests/scenarios/freeze_probe.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import SCENARIOS, clean_env, read_jsonl, run_scenario
+from test_executor_wedge import attrs
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="the watchdog needs pidfd_open (Linux 5.3+)")
+
+
+def log_records(path: Path) -> list[dict]:
+    return [
+        record
+        for request in read_jsonl(path)
+        for resource in request["resourceLogs"]
+        for scope in resource["scopeLogs"]
+        for record in scope["logRecords"]
+    ]
+
+
+def freeze_spans(path: Path) -> list[dict]:
+    return [
+        span
+        for request in read_jsonl(path)
+        for resource in request["resourceSpans"]
+        for scope in resource["scopeSpans"]
+        for span in scope["spans"]
+        if span["name"] == "stallwatch.freeze"
+    ]
+
+
+def test_gil_held_freeze_is_reported_while_the_host_is_still_frozen(telemetry_dir):
+    result = run_scenario("freeze_probe.py", str(telemetry_dir), "3")
+
+    detected = [r for r in log_records(telemetry_dir / "logs.jsonl") if "freeze detected" in r["body"]["stringValue"]]
+    assert len(detected) == 1
+    record = attrs(detected[0])
+    assert record["stallwatch.freeze.kind"] == "gil_held"
+    assert record["stallwatch.freeze.cause"] == "child_before_exec"
+    assert int(record["stallwatch.freeze.child.pid"]) == result["child_pid"]
+    assert record["stallwatch.freeze.main_thread.syscall"] == "read"
+    assert "true (0 args)" in detected[0]["body"]["stringValue"]
+    seen_at = int(detected[0]["timeUnixNano"])
+    assert seen_at < result["spawn_ended_ns"]  # exported during the freeze, not after
+    assert seen_at - result["spawn_started_ns"] <= (1.0 + 0.5) * 1e9  # threshold + 0.5 s
+    (span,) = freeze_spans(telemetry_dir / "traces.jsonl")
+    assert attrs(span)["stallwatch.freeze.outcome"] == "thawed"
+    assert span["links"][0]["spanId"] == result["span_id"]  # joined to the frozen probe's span
+    assert 2.5e9 <= int(span["endTimeUnixNano"]) - int(span["startTimeUnixNano"]) <= 4.5e9
+
+
+def test_a_loop_blocked_by_sync_code_is_not_a_held_gil(telemetry_dir):
+    run_scenario("freeze_probe.py", str(telemetry_dir), "2", "--block-loop")
+
+    detected = [r for r in log_records(telemetry_dir / "logs.jsonl") if "freeze detected" in r["body"]["stringValue"]]
+    assert [attrs(r)["stallwatch.freeze.kind"] for r in detected] == ["loop_blocked"]
+
+
+def test_host_killed_during_a_freeze_is_recorded_and_the_watchdog_leaves(telemetry_dir):
+    host = subprocess.Popen(
+        [sys.executable, str(SCENARIOS / "freeze_probe.py"), str(telemetry_dir), "20"],
+        env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    watchdog_pid = json.loads(host.stdout.readline())["watchdog_pid"]
+    time.sleep(2.5)  # frozen for ~2 s by now, as a load balancer's health check would find it
+    host.send_signal(signal.SIGKILL)
+    host.wait(5)
+    killed_at = time.monotonic()
+    while _running(watchdog_pid) and time.monotonic() - killed_at < 3:
+        time.sleep(0.02)
+    gone_after = time.monotonic() - killed_at
+
+    assert gone_after < 1.0
+    (span,) = freeze_spans(telemetry_dir / "traces.jsonl")
+    assert attrs(span)["stallwatch.freeze.outcome"] == "host_killed"
+    assert attrs(span)["stallwatch.freeze.kind"] == "gil_held"
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (the orphaned watchdog is reaped by init, which may take its time)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_killed_watchdog_leaves_the_host_unaffected():
+    proc = subprocess.run(
+        [sys.executable, "-c", (
+            "import asyncio, json, os, signal, stallwatch, time\n"
+            "session = stallwatch.setup(traces_exporter='none', metrics_exporter='none', logs_exporter='none')\n"
+            "os.kill(session.watchdog_pid, signal.SIGKILL)\n"
+            "async def main():\n"
+            "    child = await asyncio.create_subprocess_exec('/bin/true')\n"
+            "    return await child.wait()\n"
+            "print(json.dumps({'exit': asyncio.run(main()), 'shutdown': stallwatch.shutdown()}))\n"
+        )],
+        env=clean_env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == {"exit": 0, "shutdown": True}
