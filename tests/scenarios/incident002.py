@@ -181,6 +181,9 @@ class Pool:
 # -- the actor: NDIF's BaseModelDeployment.run / SandboxModelDeployment, reduced to the mechanics ----
 
 
+SETTLE_SECONDS = 0.05
+
+
 def kill_thread(ident: int | None, exc_type: type[BaseException] = SystemExit) -> int:
     """NDIF's util.kill_thread: schedule `exc_type` in thread `ident`; returns SetAsyncExc's count.
 
@@ -244,6 +247,10 @@ class Actor:
         """SandboxModelDeployment.interrupt(): stop the runner, then kill_thread the executor thread."""
         if self.execution_sandbox is not None:
             self.execution_sandbox.stop()
+        # The order the incident's root-cause analysis observed: by the time kill_thread runs, the
+        # worker has seen EOF, finished item 1 and gone idle. On a loaded machine the worker can
+        # lag behind the loop thread here; a short pause keeps the replay on the incident's path.
+        time.sleep(SETTLE_SECONDS)
         ident = self.execution_ident
         name = thread_name(ident)
         return {"thread": name, "set_async_exc": kill_thread(ident)}
