@@ -51,14 +51,27 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def span_names(path: Path) -> list[str]:
+_OTLP_LEVELS = {
+    "spans": ("resourceSpans", "scopeSpans", "spans"),
+    "logs": ("resourceLogs", "scopeLogs", "logRecords"),
+    "metrics": ("resourceMetrics", "scopeMetrics", "metrics"),
+}
+
+
+def otlp_items(path: Path, kind: str) -> list[dict]:
+    """Every span, log record or metric (`kind`) in a file exporter's OTLP/JSON lines."""
+    resources, scopes, items = _OTLP_LEVELS[kind]
     return [
-        span["name"]
+        item
         for request in read_jsonl(path)
-        for resource_spans in request.get("resourceSpans", [])
-        for scope_spans in resource_spans.get("scopeSpans", [])
-        for span in scope_spans.get("spans", [])
+        for resource in request.get(resources, [])
+        for scope in resource.get(scopes, [])
+        for item in scope.get(items, [])
     ]
+
+
+def span_names(path: Path) -> list[str]:
+    return [span["name"] for span in otlp_items(path, "spans")]
 
 
 @pytest.fixture

@@ -7,20 +7,17 @@ import json
 
 import pytest
 
-from conftest import read_jsonl, run_python, run_scenario
+from conftest import otlp_items, run_python, run_scenario
 
 pytestmark = pytest.mark.matrix
 
 
 def metric_points(path, name):
     points = []
-    for request in read_jsonl(path):
-        for resource in request.get("resourceMetrics", []):
-            for scope in resource.get("scopeMetrics", []):
-                for metric in scope.get("metrics", []):
-                    if metric["name"] == name:
-                        data = metric.get("sum") or metric.get("gauge") or metric.get("histogram") or {}
-                        points.extend(data.get("dataPoints", []))
+    for metric in otlp_items(path, "metrics"):
+        if metric["name"] == name:
+            data = metric.get("sum") or metric.get("gauge") or metric.get("histogram") or {}
+            points.extend(data.get("dataPoints", []))
     return points
 
 
@@ -210,13 +207,7 @@ def test_submission_span_only_inside_a_trace_and_context_reaches_the_worker(tele
     result = json.loads(proc.stdout)
     assert result["inside"] == result["trace_id"]
     assert result["outside"] == "0" * 32
-    spans = [
-        span
-        for request in read_jsonl(telemetry_dir / "traces.jsonl")
-        for resource in request["resourceSpans"]
-        for scope in resource["scopeSpans"]
-        for span in scope["spans"]
-    ]
+    spans = otlp_items(telemetry_dir / "traces.jsonl", "spans")
     work = [s for s in spans if s["name"] == "asyncio-default work item"]
     assert len(work) == 1
     assert work[0]["traceId"] == result["trace_id"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import clean_env, read_jsonl, run_scenario
+from conftest import clean_env, otlp_items, run_scenario
 from test_executor_wedge import latest_total
 
 pytestmark = pytest.mark.matrix
@@ -48,13 +48,7 @@ def test_with_the_guard_off_the_wedge_is_detected_with_thread_and_kind(tmp_path)
     result = replay("--import-stallwatch", "--telemetry-dir", str(tmp_path), STALLWATCH_GUARD_ASYNC_EXC="false")
 
     assert outcomes(result) == ["timeout_error", "hung"]
-    records = [
-        record["body"]["stringValue"]
-        for request in read_jsonl(tmp_path / "logs.jsonl")
-        for resource in request["resourceLogs"]
-        for scope in resource["scopeLogs"]
-        for record in scope["logRecords"]
-    ]
+    records = [record["body"]["stringValue"] for record in otlp_items(tmp_path / "logs.jsonl", "logs")]
     assert any("wedge worker_died: executor worker asyncio_0 died (SystemExit" in r for r in records)
     assert any("wedge orphaned_item" in r and "asyncio-default" in r and "asyncio_0" in r for r in records)
 

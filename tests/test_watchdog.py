@@ -13,31 +13,18 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SCENARIOS, clean_env, read_jsonl, run_scenario
+from conftest import SCENARIOS, clean_env, otlp_items, run_scenario
 from test_executor_wedge import attrs
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="the watchdog needs pidfd_open (Linux 5.3+)")
 
 
 def log_records(path: Path) -> list[dict]:
-    return [
-        record
-        for request in read_jsonl(path)
-        for resource in request["resourceLogs"]
-        for scope in resource["scopeLogs"]
-        for record in scope["logRecords"]
-    ]
+    return otlp_items(path, "logs")
 
 
 def freeze_spans(path: Path) -> list[dict]:
-    return [
-        span
-        for request in read_jsonl(path)
-        for resource in request["resourceSpans"]
-        for scope in resource["scopeSpans"]
-        for span in scope["spans"]
-        if span["name"] == "stallwatch.freeze"
-    ]
+    return [span for span in otlp_items(path, "spans") if span["name"] == "stallwatch.freeze"]
 
 
 def test_gil_held_freeze_is_reported_while_the_host_is_still_frozen(telemetry_dir):
