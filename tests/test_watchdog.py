@@ -89,13 +89,65 @@ def test_a_killed_watchdog_leaves_the_host_unaffected():
             "import asyncio, json, os, signal, stallwatch, time\n"
             "session = stallwatch.setup(traces_exporter='none', metrics_exporter='none', logs_exporter='none')\n"
             "os.kill(session.watchdog_pid, signal.SIGKILL)\n"
+            "time.sleep(0.3)\n"
+            "report = stallwatch.doctor(probe=False)\n"
             "async def main():\n"
             "    child = await asyncio.create_subprocess_exec('/bin/true')\n"
             "    return await child.wait()\n"
-            "print(json.dumps({'exit': asyncio.run(main()), 'shutdown': stallwatch.shutdown()}))\n"
+            "print(json.dumps({'exit': asyncio.run(main()), 'watchdog': report.watchdog['alive'],\n"
+            "                  'advice': report.advice, 'shutdown': stallwatch.shutdown()}))\n"
         )],
         env=clean_env(), capture_output=True, text=True, timeout=60,
     )  # fmt: skip
 
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout) == {"exit": 0, "shutdown": True}
+    result = json.loads(proc.stdout)
+    assert (result["exit"], result["shutdown"], result["watchdog"]) == (0, True, False)
+    assert any("freeze watchdog" in a and "not running (exit status -9)" in a for a in result["advice"])
+
+
+def _core_files_land_in_cwd() -> bool:
+    try:
+        pattern = Path("/proc/sys/kernel/core_pattern").read_text().strip()
+        hard = __import__("resource").getrlimit(__import__("resource").RLIMIT_CORE)[1]
+    except OSError:
+        return False
+    return not pattern.startswith("|") and "/" not in pattern and hard != 0
+
+
+@pytest.mark.skipif(
+    not _core_files_land_in_cwd(),
+    reason="core dumps need kernel.core_pattern as a plain file name and a raisable RLIMIT_CORE on this machine",
+)
+def test_child_dumping_core_before_exec_is_named(tmp_path):
+    result = run_scenario("freeze_kinds.py", "core_dump", str(tmp_path), "512", timeout=120)
+    for core in tmp_path.glob("core*"):
+        core.unlink()  # hundreds of MB: do not leave it to pytest's retention
+
+    assert result["returncode"] == -11  # SIGSEGV before exec, as in the incident
+    records = [r for r in log_records(tmp_path / "telemetry" / "logs.jsonl") if "froze" in r["body"]["stringValue"]
+               or "frozen" in r["body"]["stringValue"]]  # fmt: skip
+    during = [r for r in records if int(r["timeUnixNano"]) < result["spawn_ended_ns"]]
+    assert any(attrs(r)["stallwatch.freeze.cause"] == "child_core_dump" for r in during)
+    # (touching the ballast at start-up holds the GIL too: that is a freeze of its own)
+    (span,) = [
+        s
+        for s in freeze_spans(tmp_path / "telemetry" / "traces.jsonl")
+        if int(s["startTimeUnixNano"]) <= result["spawn_ended_ns"]
+        and int(s["endTimeUnixNano"]) >= result["spawn_started_ns"]
+    ]
+    assert attrs(span)["stallwatch.freeze.cause"] == "child_core_dump"
+    assert attrs(span)["stallwatch.freeze.kind"] == "gil_held"
+
+
+def test_standard_loop_child_hanging_in_preexec_fn_blocks_the_loop_not_the_gil(tmp_path):
+    result = run_scenario("freeze_kinds.py", "preexec", str(tmp_path))
+
+    assert result["returncode"] == 0
+    detected = [
+        r for r in log_records(tmp_path / "telemetry" / "logs.jsonl") if "freeze detected" in r["body"]["stringValue"]
+    ]
+    assert len(detected) == 1
+    assert attrs(detected[0])["stallwatch.freeze.kind"] == "loop_blocked"  # os.read released the GIL
+    assert attrs(detected[0])["stallwatch.freeze.cause"] == "child_before_exec"
+    assert int(attrs(detected[0])["stallwatch.freeze.child.pid"]) == result["child_pid"]

@@ -50,6 +50,7 @@ class Report:
     unattributed_thread_starts: int
     unattributed_threads: list[str]
     sentry: dict[str, Any]
+    watchdog: dict[str, Any]
     hazards: list[str]
     advice: list[str]
 
@@ -81,6 +82,12 @@ class Report:
             f"{len(self.fork_guard['patched'])} SDK methods",
             f"  {'sentry-sdk':<22} {self.sentry['version'] or 'not installed'}"
             + (f" ({self.sentry['fork_safety']})" if self.sentry["version"] else ""),
+            f"  {'freeze watchdog':<22} "
+            + (
+                "off (setup() not run, or STALLWATCH_WATCHDOG=false)"
+                if self.watchdog["pid"] is None
+                else f"pid {self.watchdog['pid']}, {'running' if self.watchdog['alive'] else 'NOT RUNNING'}"
+            ),
             "",
             "  at-fork handlers registered after import stallwatch (threads started in a real fork child):",
         ]
@@ -160,6 +167,12 @@ def doctor(probe: bool = True) -> Report:
     sentry = _sentry_report()
     if sentry["version"] and not sentry["safe"]:
         advice.append(f"upgrade sentry-sdk to 2.59 or newer: {sentry['fork_safety']}")
+    watchdog = _watchdog_report()
+    if watchdog["pid"] is not None and not watchdog["alive"]:
+        advice.append(
+            f"the freeze watchdog (pid {watchdog['pid']}) is not running (exit status {watchdog['exit_status']}): "
+            "freezes go unseen until setup() runs in a new process; check its stderr, or set STALLWATCH_WATCHDOG=false"
+        )
 
     return Report(
         versions=versions,
@@ -175,9 +188,21 @@ def doctor(probe: bool = True) -> Report:
         unattributed_thread_starts=unattributed_starts,
         unattributed_threads=unattributed,
         sentry=sentry,
+        watchdog=watchdog,
         hazards=hazards,
         advice=advice,
     )
+
+
+def _watchdog_report() -> dict[str, Any]:
+    from .session import current
+
+    session = current()
+    process = session._watchdog[1] if session is not None and session._watchdog is not None else None
+    if process is None:
+        return {"pid": None, "alive": False, "exit_status": None}
+    status = process.poll()
+    return {"pid": process.pid, "alive": status is None, "exit_status": status}
 
 
 def _sentry_report() -> dict[str, Any]:

@@ -1,0 +1,65 @@
+"""Scenario: the other freezes of incidents/000: a child that dumps core before exec, and a
+standard-loop spawn whose preexec_fn hangs.
+
+Usage: python freeze_kinds.py {core_dump|preexec} DIR [BALLAST_MB]
+core_dump: uvloop; the child of one spawn segfaults before exec while the host holds BALLAST_MB
+(default 512) of touched memory, and the kernel writes its core to DIR (core_pattern must be a
+file name; the caller has checked). preexec: the standard asyncio loop; one spawn's preexec_fn
+sleeps 2 s, so the loop thread waits for the forked child to exec (the GIL is released).
+Prints one JSON line: spawn start/end wall times and the spawn's return code.
+"""
+
+import ctypes
+import os
+import resource
+import sys
+import time
+
+mode, out = sys.argv[1], sys.argv[2]
+CRASH = {"now": False}
+
+
+def crash_before_exec() -> None:
+    if CRASH["now"]:
+        ctypes.string_at(0)  # SIGSEGV in the forked copy, before exec
+
+
+if mode == "core_dump":
+    resource.setrlimit(resource.RLIMIT_CORE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    os.register_at_fork(after_in_child=crash_before_exec)  # a library's handler, registered first
+
+import stallwatch
+
+os.chdir(out)  # core_pattern "core": the dump lands here
+session = stallwatch.setup(file_dir=os.path.join(out, "telemetry"), freeze_threshold=0.5)
+
+import asyncio
+import json
+
+ballast = bytearray((int(sys.argv[3]) if len(sys.argv) > 3 else 512) << 20 if mode == "core_dump" else 0)
+ballast[::4096] = b"\1" * len(range(0, len(ballast), 4096))
+
+
+async def main() -> dict:
+    await asyncio.sleep(0.8)  # the watchdog is up and the heartbeats flow
+    started = time.time_ns()
+    if mode == "core_dump":
+        CRASH["now"] = True
+        child = await asyncio.create_subprocess_exec("/bin/true")
+        CRASH["now"] = False
+    else:
+        child = await asyncio.create_subprocess_exec("/bin/true", preexec_fn=lambda: time.sleep(2))
+    ended = time.time_ns()
+    code = await child.wait()
+    await asyncio.sleep(1.0)  # let the watchdog see the thaw
+    return {"spawn_started_ns": started, "spawn_ended_ns": ended, "returncode": code, "child_pid": child.pid}
+
+
+if mode == "core_dump":
+    import uvloop
+
+    result = uvloop.run(main())
+else:
+    result = asyncio.run(main())
+stallwatch.shutdown(timeout=5)
+print(json.dumps(result))
