@@ -47,6 +47,7 @@ BAD_VALUES: dict[str, tuple[str, ...]] = {
     "STALLWATCH_QUEUE_STALL_SECONDS": ("nan", "inf"),
     "STALLWATCH_WATCHDOG": ("maybe",),
     "STALLWATCH_FREEZE_THRESHOLD": ("0", "-1", "soon"),
+    "STALLWATCH_FAULTHANDLER": ("stacks",),
 }
 
 

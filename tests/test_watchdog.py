@@ -151,3 +151,14 @@ def test_standard_loop_child_hanging_in_preexec_fn_blocks_the_loop_not_the_gil(t
     assert attrs(detected[0])["stallwatch.freeze.kind"] == "loop_blocked"  # os.read released the GIL
     assert attrs(detected[0])["stallwatch.freeze.cause"] == "child_before_exec"
     assert int(attrs(detected[0])["stallwatch.freeze.child.pid"]) == result["child_pid"]
+
+
+def test_stacks_from_faulthandler_and_a_sentry_event_after_the_thaw(telemetry_dir):
+    env = clean_env(STALLWATCH_FAULTHANDLER="true")
+    result = run_scenario("freeze_probe.py", str(telemetry_dir), "2", "--sentry", env=env)
+
+    detected = [r for r in log_records(telemetry_dir / "logs.jsonl") if "freeze detected" in r["body"]["stringValue"]]
+    stacks = attrs(detected[0])["stallwatch.freeze.stacks"]
+    assert stacks.startswith("Timeout (")  # written by faulthandler's C timer while the GIL was held
+    assert "freeze_probe.py" in stacks and "in main" in stacks  # the frozen coroutine, by name
+    assert [m for m in result["sentry"] if m and m.startswith("stallwatch freeze gil_held (child_before_exec)")]

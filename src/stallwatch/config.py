@@ -192,6 +192,14 @@ OPTIONS: tuple[Option, ...] = (
         "Seconds without a heartbeat after which the watchdog reports a freeze.",
     ),
     Option(
+        "STALLWATCH_FAULTHANDLER",
+        "faulthandler",
+        "`false`",
+        "Arm `faulthandler.dump_traceback_later` from the loop heartbeat so that a freeze's Python stacks "
+        "are written (by a C timer, without the GIL) and attached to the watchdog's report. Replaces any "
+        "faulthandler timer of the host's.",
+    ),
+    Option(
         "STALLWATCH_FORK_GUARD",
         None,
         "`true`",
@@ -243,6 +251,7 @@ class Settings:
     queue_stall_seconds: float = 5.0
     watchdog: bool = True
     freeze_threshold: float = 1.0
+    faulthandler: bool = False
 
     @classmethod
     def load(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
@@ -308,6 +317,7 @@ class Settings:
         take("queue_stall_seconds", "STALLWATCH_QUEUE_STALL_SECONDS", _positive_float, None)
         take("watchdog", "STALLWATCH_WATCHDOG", _bool, None)
         take("freeze_threshold", "STALLWATCH_FREEZE_THRESHOLD", _positive_float, None)
+        take("faulthandler", "STALLWATCH_FAULTHANDLER", _bool, None)
         return cls(**values)
 
     def protocol_for(self, signal: str) -> str:

@@ -116,7 +116,9 @@ def _start(fork_safety: ForkSafety, overrides: dict[str, Any]) -> Session:
         from .detect import heartbeat
         from .instrument._common import instrument, meter
 
-        heartbeat.start(watchdog[0], instrument(meter(), telemetry.LOOP_LAG))
+        heartbeat.start(
+            watchdog[0], instrument(meter(), telemetry.LOOP_LAG), settings.freeze_threshold, settings.faulthandler
+        )
     atexit.register(_shutdown_at_exit)
     return Session(settings, fork_safety, dict(pipeline.files) if pipeline else {}, None, pipeline, watchdog)
 

@@ -13,9 +13,12 @@ read by re-reading. No library does this, hence the hand-written layout.
 from __future__ import annotations
 
 import asyncio
+import faulthandler
+import json
 import mmap
 import os
 import struct
+import sys
 import tempfile
 import threading
 import time
@@ -98,6 +101,28 @@ class HeartbeatArea:
             self.path.unlink(missing_ok=True)
 
 
+def report_path(path: Path) -> Path:
+    """Where the watchdog appends a summary of each thawed freeze, for the host (Sentry)."""
+    return path.with_suffix(".freezes")
+
+
+def stacks_path(path: Path) -> Path:
+    """Where faulthandler writes the host's stacks when the loop stops re-arming it."""
+    return path.with_suffix(".stacks")
+
+
+def last_stacks(path: Path, since_wall_ns: int, limit: int = 8192) -> str | None:
+    """The last faulthandler dump in `path` if written after `since_wall_ns`, truncated."""
+    try:
+        if path.stat().st_mtime_ns < since_wall_ns:
+            return None
+        text = path.read_text(errors="replace")
+    except OSError:
+        return None
+    start = text.rfind("Timeout (")
+    return text[start:][:limit] if start >= 0 else None
+
+
 def read(path: Path) -> dict[str, Any] | None:
     """The watchdog's side: one consistent snapshot (re-read once if torn), or None if unusable."""
     try:
@@ -128,13 +153,22 @@ def read(path: Path) -> dict[str, Any] | None:
 
 AREA: HeartbeatArea | None = None
 _thread_pid = 0
+_stacks_file: Any = None  # open file faulthandler dumps into (STALLWATCH_FAULTHANDLER)
+_threshold = 1.0
 
 
-def start(area: HeartbeatArea, lag_histogram: Any) -> None:
-    """Begin the interpreter heartbeat (a daemon thread) and watch event loops as they start."""
-    global AREA, _lag_histogram
+def start(area: HeartbeatArea, lag_histogram: Any, threshold: float, stacks: bool) -> None:
+    """Begin the interpreter heartbeat (a daemon thread) and watch event loops as they start.
+
+    With `stacks`, each loop heartbeat re-arms `faulthandler.dump_traceback_later(threshold)`: a C
+    timer that, when the loop stops beating, writes every thread's stack without needing the GIL.
+    """
+    global AREA, _lag_histogram, _stacks_file, _threshold
     AREA = area
     _lag_histogram = lag_histogram
+    _threshold = threshold
+    if stacks:
+        _stacks_file = open(stacks_path(area.path), "w")  # noqa: SIM115 - lives as long as the heartbeats
     ensure_thread()
     _watch_loops()
 
@@ -150,20 +184,51 @@ def ensure_thread() -> None:
 
 def _interpreter_beats() -> None:
     area, pid = AREA, os.getpid()
+    reports = report_path(area.path) if area is not None else None
+    reported = 0
     try:
         while area is not None and AREA is area and os.getpid() == pid:
             area.beat_interpreter()
             time.sleep(BEAT_SECONDS)
+            reported = _forward_freezes(reports, reported)
     except ValueError:
         return  # the area was closed by stop() between the check and the write
 
 
+def _forward_freezes(reports: Path | None, done: int) -> int:
+    """Send each freeze the watchdog reported to Sentry, when the host uses Sentry."""
+    try:
+        if reports is None or reports.stat().st_size <= done:
+            return done
+        with open(reports) as handle:
+            handle.seek(done)
+            lines = handle.read()
+    except OSError:
+        return done
+    sentry_sdk = sys.modules.get("sentry_sdk")
+    for line in lines.splitlines():
+        freeze = json.loads(line)
+        if sentry_sdk is not None and sentry_sdk.get_client().is_active():
+            sentry_sdk.capture_message(
+                f"stallwatch freeze {freeze['kind']} ({freeze['cause']}) for {freeze['seconds']:.1f}s: "
+                f"{freeze['description']}",
+                level="warning",
+            )
+    return done + len(lines.encode())
+
+
 def stop() -> None:
-    """Stop writing heartbeats and remove the file (at shutdown)."""
-    global AREA
+    """Stop writing heartbeats and remove the files (at shutdown)."""
+    global AREA, _stacks_file
     area, AREA = AREA, None
+    if _stacks_file is not None:
+        faulthandler.cancel_dump_traceback_later()
+        _stacks_file.close()
+        _stacks_file = None
     if area is not None:
         area.close()
+        for extra in (report_path(area.path), stacks_path(area.path)):
+            extra.unlink(missing_ok=True)
 
 
 def _watch_loops() -> None:
@@ -201,6 +266,8 @@ def _beat(loop: asyncio.AbstractEventLoop, area: HeartbeatArea, kind: str, expec
     """On the loop: write the loop heartbeat and record how late this callback ran (loop lag)."""
     now = time.monotonic()
     area.beat_loop()
+    if _stacks_file is not None:
+        faulthandler.dump_traceback_later(_threshold, file=_stacks_file)  # replaces the previous timer
     if _lag_histogram is not None:
         _lag_histogram.record(max(0.0, now - expected), {"stallwatch.loop": kind})
     _beats[id(loop)] = loop.call_later(BEAT_SECONDS, _beat, loop, area, kind, now + BEAT_SECONDS)

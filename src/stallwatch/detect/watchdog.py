@@ -15,6 +15,7 @@ with outcome `host_killed`.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import select
@@ -227,13 +228,15 @@ class Watchdog:
 class FreezeTelemetry:
     """What the watchdog exports, immediately (each record is flushed as it is made)."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, heartbeat_path: Path) -> None:
         from opentelemetry import metrics, trace
 
         from .. import telemetry
         from ..instrument._common import instrument
 
         self._pid = pid
+        self._reports = heartbeat.report_path(heartbeat_path)
+        self._stacks = heartbeat.stacks_path(heartbeat_path)
         self._active: dict[tuple[str, str], int] = {}
         meter = metrics.get_meter(telemetry.INSTRUMENTATION_SCOPE)
         self._duration = instrument(meter, telemetry.FREEZE_DURATION)
@@ -269,16 +272,23 @@ class FreezeTelemetry:
             parts.append(f"unreadable without ptrace rights: {', '.join(d.unreadable)}")
         return "; ".join(parts)
 
+    def _record_attributes(self, freeze: Freeze) -> dict[str, Any]:
+        attributes = freeze.diagnosis.attributes() | {"stallwatch.freeze.kind": freeze.kind}
+        stacks = heartbeat.last_stacks(self._stacks, since_wall_ns=freeze.started_wall_ns)
+        if stacks:
+            attributes["stallwatch.freeze.stacks"] = stacks
+        return attributes
+
     def frozen(self, freeze: Freeze, now_ns: int) -> None:
         self._active[(freeze.kind, freeze.diagnosis.cause)] = 1
         _log.warning("stallwatch: freeze detected: %s", self._describe(freeze, now_ns),
-                     extra=freeze.diagnosis.attributes() | {"stallwatch.freeze.kind": freeze.kind})  # fmt: skip
+                     extra=self._record_attributes(freeze))  # fmt: skip
         self.flush()
 
     def still_frozen(self, freeze: Freeze, now_ns: int) -> None:
         self._active = {(freeze.kind, freeze.diagnosis.cause): 1}
         _log.warning("stallwatch: still frozen: %s", self._describe(freeze, now_ns),
-                     extra=freeze.diagnosis.attributes() | {"stallwatch.freeze.kind": freeze.kind})  # fmt: skip
+                     extra=self._record_attributes(freeze))  # fmt: skip
         self.flush()
 
     def thawed(self, freeze: Freeze, outcome: str) -> None:
@@ -303,6 +313,11 @@ class FreezeTelemetry:
         log = _log.warning if outcome == "host_killed" else _log.info
         log("stallwatch: freeze over after %.1fs (%s, outcome %s)", seconds, freeze.kind, outcome, extra=attributes)
         self.flush()
+        if outcome == "thawed":  # the host reads this and tells Sentry, if it uses Sentry
+            summary = {"kind": freeze.kind, "cause": freeze.diagnosis.cause, "seconds": round(seconds, 3),
+                       "description": self._describe(freeze, time.monotonic_ns())}  # fmt: skip
+            with open(self._reports, "a") as reports:
+                reports.write(json.dumps(summary) + "\n")
 
     def flush(self) -> None:
         from opentelemetry import _logs, metrics, trace
@@ -328,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     stallwatch.setup(resource_attributes={"stallwatch.process.role": "watchdog",
                                           "stallwatch.watched.pid": str(args.pid)})  # fmt: skip
     try:
-        Watchdog(args.pid, args.heartbeat, args.threshold, FreezeTelemetry(args.pid)).run()
+        Watchdog(args.pid, args.heartbeat, args.threshold, FreezeTelemetry(args.pid, args.heartbeat)).run()
     except ProcessLookupError:
         return 0
     finally:
