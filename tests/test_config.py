@@ -48,6 +48,7 @@ BAD_VALUES: dict[str, tuple[str, ...]] = {
     "STALLWATCH_WATCHDOG": ("maybe",),
     "STALLWATCH_FREEZE_THRESHOLD": ("0", "-1", "soon"),
     "STALLWATCH_FAULTHANDLER": ("stacks",),
+    "STALLWATCH_WATCHDOG_PROMETHEUS_PORT": ("99999", "http"),
 }
 
 

@@ -162,3 +162,45 @@ def test_stacks_from_faulthandler_and_a_sentry_event_after_the_thaw(telemetry_di
     assert stacks.startswith("Timeout (")  # written by faulthandler's C timer while the GIL was held
     assert "freeze_probe.py" in stacks and "in main" in stacks  # the frozen coroutine, by name
     assert [m for m in result["sentry"] if m and m.startswith("stallwatch freeze gil_held (child_before_exec)")]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _scrape(port: int, timeout: float) -> str:
+    import urllib.request
+
+    try:
+        return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout).read().decode()
+    except OSError as exc:  # URLError and socket timeouts
+        return f"no answer: {exc}"
+
+
+def test_the_watchdog_answers_a_prometheus_scrape_while_the_frozen_host_cannot(telemetry_dir):
+    host_port, watchdog_port = _free_port(), _free_port()
+    env = clean_env(
+        OTEL_METRICS_EXPORTER="prometheus",
+        OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
+        OTEL_EXPORTER_PROMETHEUS_PORT=str(host_port),
+        STALLWATCH_WATCHDOG_PROMETHEUS_PORT=str(watchdog_port),
+    )
+    host = subprocess.Popen(
+        [sys.executable, str(SCENARIOS / "freeze_probe.py"), str(telemetry_dir), "4"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    json.loads(host.stdout.readline())  # set up; the freeze starts 0.5 s later and lasts 4 s
+    time.sleep(0.5 + 2.0)
+    from_host = _scrape(host_port, timeout=1.0)
+    from_watchdog = _scrape(watchdog_port, timeout=2.0)
+    host.communicate(timeout=60)
+
+    assert from_host.startswith("no answer")  # up == 0 for the host while it is frozen
+    active = [line for line in from_watchdog.splitlines() if line.startswith("stallwatch_freeze_active{")]
+    assert len(active) == 1 and active[0].endswith(" 1.0"), from_watchdog[-2000:]
+    assert 'stallwatch_freeze_kind="gil_held"' in active[0]
+    assert 'stallwatch_freeze_cause="child_before_exec"' in active[0]

@@ -192,6 +192,13 @@ OPTIONS: tuple[Option, ...] = (
         "Seconds without a heartbeat after which the watchdog reports a freeze.",
     ),
     Option(
+        "STALLWATCH_WATCHDOG_PROMETHEUS_PORT",
+        "watchdog_prometheus_port",
+        "`9465`",
+        "Port of the watchdog's own Prometheus scrape endpoint (with the `prometheus` metrics exporter): "
+        "it answers while the host, frozen, cannot.",
+    ),
+    Option(
         "STALLWATCH_FAULTHANDLER",
         "faulthandler",
         "`false`",
@@ -252,6 +259,7 @@ class Settings:
     watchdog: bool = True
     freeze_threshold: float = 1.0
     faulthandler: bool = False
+    watchdog_prometheus_port: int = 9465
 
     @classmethod
     def load(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
@@ -318,6 +326,7 @@ class Settings:
         take("watchdog", "STALLWATCH_WATCHDOG", _bool, None)
         take("freeze_threshold", "STALLWATCH_FREEZE_THRESHOLD", _positive_float, None)
         take("faulthandler", "STALLWATCH_FAULTHANDLER", _bool, None)
+        take("watchdog_prometheus_port", "STALLWATCH_WATCHDOG_PROMETHEUS_PORT", _port, None)
         return cls(**values)
 
     def protocol_for(self, signal: str) -> str:

@@ -159,8 +159,10 @@ def _watchdog_environment(settings: Settings) -> dict[str, str]:
     env["STALLWATCH_FILE_DIR"] = str(settings.file_dir)
     for signal, chosen in (("TRACES", settings.traces_exporter), ("METRICS", settings.metrics_exporter),
                            ("LOGS", settings.logs_exporter)):  # fmt: skip
-        kept = [name for name in chosen if name != "prometheus"]  # the host owns the scrape port
-        env[f"OTEL_{signal}_EXPORTER"] = ",".join(kept) or "none"
+        env[f"OTEL_{signal}_EXPORTER"] = ",".join(chosen) or "none"
+    if "prometheus" in settings.metrics_exporter:
+        # Its own scrape endpoint: the host's hangs while the host is frozen.
+        env["OTEL_EXPORTER_PROMETHEUS_PORT"] = str(settings.watchdog_prometheus_port)
     if settings.otlp_endpoint:
         env["OTEL_EXPORTER_OTLP_ENDPOINT"] = settings.otlp_endpoint
     env["OTEL_EXPORTER_OTLP_PROTOCOL"] = settings.otlp_protocol

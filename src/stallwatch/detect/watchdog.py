@@ -167,6 +167,13 @@ class Freeze:
     diagnosed_at: float = 0.0
 
 
+def _spawn(freeze: Freeze) -> dict[str, Any]:
+    """The operation the host was spawning when it froze (executable name and argument count)."""
+    if not freeze.snapshot.get("spawn_ns"):
+        return {}
+    return {"stallwatch.freeze.spawn": freeze.snapshot["spawn_command"]}
+
+
 class Watchdog:
     """Watches one host process; `run()` returns when the host is gone."""
 
@@ -273,7 +280,7 @@ class FreezeTelemetry:
         return "; ".join(parts)
 
     def _record_attributes(self, freeze: Freeze) -> dict[str, Any]:
-        attributes = freeze.diagnosis.attributes() | {"stallwatch.freeze.kind": freeze.kind}
+        attributes = freeze.diagnosis.attributes() | {"stallwatch.freeze.kind": freeze.kind} | _spawn(freeze)
         stacks = heartbeat.last_stacks(self._stacks, since_wall_ns=freeze.started_wall_ns)
         if stacks:
             attributes["stallwatch.freeze.stacks"] = stacks
@@ -296,11 +303,15 @@ class FreezeTelemetry:
 
         self._active.clear()
         seconds = (time.time_ns() - freeze.started_wall_ns) / 1e9
-        attributes = freeze.diagnosis.attributes() | {
-            "stallwatch.freeze.kind": freeze.kind,
-            "stallwatch.freeze.outcome": outcome,
-            "stallwatch.freeze.host.pid": self._pid,
-        }
+        attributes = (
+            freeze.diagnosis.attributes()
+            | _spawn(freeze)
+            | {
+                "stallwatch.freeze.kind": freeze.kind,
+                "stallwatch.freeze.outcome": outcome,
+                "stallwatch.freeze.host.pid": self._pid,
+            }
+        )
         self._duration.record(seconds, {"stallwatch.freeze.kind": freeze.kind,
                                         "stallwatch.freeze.cause": freeze.diagnosis.cause})  # fmt: skip
         links = []
@@ -320,12 +331,19 @@ class FreezeTelemetry:
                 reports.write(json.dumps(summary) + "\n")
 
     def flush(self) -> None:
+        """Export now. Push readers only: a collect on a pull (Prometheus) reader would queue a
+        second copy of every series for the next scrape."""
         from opentelemetry import _logs, metrics, trace
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
-        for provider in (trace.get_tracer_provider(), metrics.get_meter_provider(), _logs.get_logger_provider()):
+        for provider in (trace.get_tracer_provider(), _logs.get_logger_provider()):
             flush = getattr(provider, "force_flush", None)
             if flush is not None:
                 flush()
+        sdk_config = getattr(metrics.get_meter_provider(), "_sdk_config", None)
+        for reader in getattr(sdk_config, "metric_readers", ()):
+            if isinstance(reader, PeriodicExportingMetricReader):
+                reader.force_flush()
 
 
 def main(argv: list[str] | None = None) -> int:
