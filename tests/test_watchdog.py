@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SCENARIOS, clean_env, otlp_items, run_scenario
-from test_executor_wedge import attrs
+from test_executor_wedge import attrs, metric_points
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="the watchdog needs pidfd_open (Linux 5.3+)")
 
@@ -52,6 +52,9 @@ def test_a_loop_blocked_by_sync_code_is_not_a_held_gil(telemetry_dir):
 
     detected = [r for r in log_records(telemetry_dir / "logs.jsonl") if "freeze detected" in r["body"]["stringValue"]]
     assert [attrs(r)["stallwatch.freeze.kind"] for r in detected] == ["loop_blocked"]
+    lag = metric_points(telemetry_dir / "metrics.jsonl", "stallwatch.loop.lag")[-1]
+    assert attrs(lag) == {"stallwatch.loop": "uvloop"}
+    assert float(lag["max"]) >= 1.9  # the loop ran its heartbeat ~2 s late
 
 
 def test_host_killed_during_a_freeze_is_recorded_and_the_watchdog_leaves(telemetry_dir):
