@@ -181,7 +181,9 @@ def _start_watchdog(settings: Settings) -> tuple[Any, subprocess.Popen[bytes]] |
         area = heartbeat.HeartbeatArea()
         command = [sys.executable, "-m", "stallwatch.detect.watchdog", "--pid", str(os.getpid()),
                    "--heartbeat", str(area.path), "--threshold", str(settings.freeze_threshold)]  # fmt: skip
-        process = subprocess.Popen(command, env=_watchdog_environment(settings), stdin=subprocess.DEVNULL)
+        process = subprocess.Popen(  # stderr is shared so its WARNINGs reach the host's log
+            command, env=_watchdog_environment(settings), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL
+        )
     except OSError as exc:
         _log.warning("stallwatch: cannot start the freeze watchdog (%s); STALLWATCH_WATCHDOG=false silences this.", exc)
         return None
