@@ -38,7 +38,7 @@ if [ "${MATRIX:-1}" != "0" ]; then
   for combo in "3.10 1.27.0 0.48b0" "3.12 1.33.1 0.54b1" "3.13 1.39.1 0.60b1"; do
     set -- $combo
     log "matrix: Python $1, opentelemetry-sdk $2"
-    make_venv "py$1-otel$2" "$(python_for "$1")" -e . pytest uvloop grpcio sentry-sdk \
+    make_venv "py$1-otel$2" "$(python_for "$1")" -e . pytest uvloop grpcio sentry-sdk opentelemetry-exporter-prometheus \
       "opentelemetry-api==$2" "opentelemetry-sdk==$2" "opentelemetry-exporter-otlp-proto-http==$2" \
       "opentelemetry-instrumentation==$3"
     "$VENVS/py$1-otel$2/bin/python" -m pytest -q -m matrix

@@ -16,7 +16,10 @@ import pytest
 from conftest import SCENARIOS, clean_env, otlp_items, run_scenario
 from test_executor_wedge import attrs, metric_points
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="the watchdog needs pidfd_open (Linux 5.3+)")
+pytestmark = [
+    pytest.mark.matrix,
+    pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="the watchdog needs pidfd_open (Linux 5.3+)"),
+]
 
 
 def log_records(path: Path) -> list[dict]:
