@@ -45,6 +45,7 @@ class _ForkState:
         self.probe = False  # doctor's test fork: the child runs guarded handlers one at a time itself
         self.fork_counts: dict[tuple[str, bool, str], int] = {}
         self.handlers_skipped = 0
+        self.guarded_handlers = 0  # callables registered through the guard (skipped per exec-bound fork)
         self.workers_deferred = 0
         self.pending: list[tuple[weakref.ReferenceType[Any], Callable[[Any], object]]] = []
         self.restart_lock = threading.Lock()
@@ -154,6 +155,7 @@ def _register_at_fork(
     }
     result = wrapped(**guarded)
     REGISTRATIONS.append(Registration(before, parent, child))
+    STATE.guarded_handlers += len(guarded)  # counted once here, not on every fork
     return result
 
 
@@ -166,10 +168,7 @@ def _before_fork() -> None:
     key = ("exec_bound" if exec_bound else "fork", _grpc_activity.active(), running_loop_kind())
     STATE.fork_counts[key] = STATE.fork_counts.get(key, 0) + 1
     if exec_bound:
-        STATE.handlers_skipped += sum(
-            (r.before is not None) + (r.after_in_parent is not None) + (r.after_in_child is not None)
-            for r in REGISTRATIONS
-        )
+        STATE.handlers_skipped += STATE.guarded_handlers
 
 
 def _after_in_parent() -> None:
