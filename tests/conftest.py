@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from otlp_receiver import receiver  # noqa: F401 - fixtures for every test module
+from sshd_fixture import http_server, sshd  # noqa: F401
+
 SCENARIOS = Path(__file__).parent / "scenarios"
 
 
@@ -72,6 +75,32 @@ def otlp_items(path: Path, kind: str) -> list[dict]:
 
 def span_names(path: Path) -> list[str]:
     return [span["name"] for span in otlp_items(path, "spans")]
+
+
+def metric_points(path: Path, name: str) -> list[dict]:
+    """Every data point of metric `name` in a metrics file."""
+    points = []
+    for metric in otlp_items(path, "metrics"):
+        if metric["name"] == name:
+            data = metric.get("sum") or metric.get("gauge") or metric.get("histogram") or {}
+            points.extend(data.get("dataPoints", []))
+    return points
+
+
+def attrs(point: dict) -> dict:
+    """A data point's (or span's) attributes as a plain dict."""
+    return {a["key"]: next(iter(a["value"].values())) for a in point.get("attributes", [])}
+
+
+def latest_total(path: Path, name: str, **match: object) -> float:
+    """Sum over label sets of the latest cumulative value of `name` whose labels include `match`."""
+    totals = {}
+    for point in metric_points(path, name):
+        labels = attrs(point)
+        if all(labels.get(k) == v for k, v in match.items()):
+            key = tuple(sorted(labels.items()))
+            totals[key] = float(point.get("asDouble", point.get("asInt", point.get("count", 0))))
+    return sum(totals.values())
 
 
 @pytest.fixture

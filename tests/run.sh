@@ -23,6 +23,20 @@ make_venv() {  # make_venv NAME PYTHON PIP-ARGS...
   "$VENVS/$name/bin/python" -m pip install -q --disable-pip-version-check "$@"
 }
 
+# Debian packages the tests run for real: sshd (SSH tunnel tests). Installed when missing and
+# possible (root with apt-get); otherwise those tests skip and say which package to install.
+need=()
+[ -x /usr/sbin/sshd ] || need+=(openssh-server)
+command -v ssh >/dev/null || need+=(openssh-client)
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    log "apt-get install ${need[*]}"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+  else
+    log "missing ${need[*]} (not root or no apt-get): the tests that need them will skip"
+  fi
+fi
+
 log "main: Python 3.11, newest dependencies"
 make_venv main "$(python_for 3.11)" -e '.[test]'
 MAIN="$VENVS/main/bin"

@@ -7,32 +7,9 @@ import json
 
 import pytest
 
-from conftest import otlp_items, run_python, run_scenario
+from conftest import attrs, latest_total, metric_points, otlp_items, run_python, run_scenario
 
 pytestmark = pytest.mark.matrix
-
-
-def metric_points(path, name):
-    points = []
-    for metric in otlp_items(path, "metrics"):
-        if metric["name"] == name:
-            data = metric.get("sum") or metric.get("gauge") or metric.get("histogram") or {}
-            points.extend(data.get("dataPoints", []))
-    return points
-
-
-def attrs(point):
-    return {a["key"]: next(iter(a["value"].values())) for a in point.get("attributes", [])}
-
-
-def latest_total(path, name, **match):
-    totals = {}
-    for point in metric_points(path, name):
-        labels = attrs(point)
-        if all(labels.get(k) == v for k, v in match.items()):
-            key = tuple(sorted(labels.items()))
-            totals[key] = float(point.get("asDouble", point.get("asInt", point.get("count", 0))))
-    return sum(totals.values())
 
 
 def test_by_default_the_stale_injection_is_refused_and_the_next_request_runs(telemetry_dir):

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import clean_env, otlp_items, run_scenario
-from test_executor_wedge import latest_total
+from conftest import clean_env, latest_total, otlp_items, run_scenario
 
 pytestmark = pytest.mark.matrix
 

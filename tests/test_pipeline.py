@@ -9,7 +9,6 @@ import textwrap
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportM
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from conftest import clean_env, read_jsonl, run_python, span_names
+from otlp_receiver import Receiver
 
 # A host doing one unit of work: a span, a WARNING through `logging`, a counter measurement.
 _CHARGE_CARD = """
@@ -125,46 +125,6 @@ def test_file_exporter_writes_otlp_json_for_every_signal(telemetry_dir: Path):
 # ---- OTLP over HTTP/protobuf to a real receiver -------------------------------------------------
 
 
-class _Receiver(ThreadingHTTPServer):
-    """An OTLP/HTTP endpoint on 127.0.0.1 that records every request it answers."""
-
-    def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), _ReceiverHandler)
-        self.requests: list[tuple[str, bytes]] = []
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
-
-    def bodies(self, path: str) -> list[bytes]:
-        return [body for request_path, body in self.requests if request_path == path]
-
-
-class _ReceiverHandler(BaseHTTPRequestHandler):
-    server: _Receiver
-
-    def do_POST(self) -> None:
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        self.server.requests.append((self.path, body))
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-protobuf")
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def log_message(self, format: str, *args: object) -> None:
-        pass
-
-
-@pytest.fixture
-def receiver() -> Iterator[_Receiver]:
-    server = _Receiver()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
-
-
 def _otlp_span_names(bodies: list[bytes]) -> list[str]:
     names = []
     for body in bodies:
@@ -184,7 +144,7 @@ _SETUP_CHARGE_SHUTDOWN = """
 """
 
 
-def test_otlp_http_sends_each_signal_to_its_path_under_the_endpoint(receiver: _Receiver):
+def test_otlp_http_sends_each_signal_to_its_path_under_the_endpoint(receiver: Receiver):
     report = run_host(_SETUP_CHARGE_SHUTDOWN, OTEL_EXPORTER_OTLP_ENDPOINT=receiver.url, OTEL_SERVICE_NAME="checkout")
 
     assert report["shutdown"] is True
@@ -203,7 +163,7 @@ def test_otlp_http_sends_each_signal_to_its_path_under_the_endpoint(receiver: _R
     assert {"shop.orders", "stallwatch.fork.count"} <= metric_names
 
 
-def test_otlp_per_signal_endpoint_is_used_as_is(receiver: _Receiver):
+def test_otlp_per_signal_endpoint_is_used_as_is(receiver: Receiver):
     report = run_host(
         _SETUP_CHARGE_SHUTDOWN,
         OTEL_EXPORTER_OTLP_ENDPOINT=f"{receiver.url}/base",
@@ -230,7 +190,7 @@ _REPORT_GRPC_MODULES = """
 
 
 @pytest.mark.parametrize("exporter", ["otlp", "file", "console"])
-def test_default_exporters_never_import_grpc(exporter: str, receiver: _Receiver, telemetry_dir: Path):
+def test_default_exporters_never_import_grpc(exporter: str, receiver: Receiver, telemetry_dir: Path):
     overrides = f"traces_exporter={exporter!r}, metrics_exporter={exporter!r}, logs_exporter={exporter!r}"
     report = run_host(
         _REPORT_GRPC_MODULES.format(overrides=overrides),

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SCENARIOS, clean_env, otlp_items, run_scenario
-from test_executor_wedge import attrs, metric_points
+from conftest import SCENARIOS, attrs, clean_env, metric_points, otlp_items, run_scenario
 
 pytestmark = [
     pytest.mark.matrix,
