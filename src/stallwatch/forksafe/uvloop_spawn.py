@@ -1,0 +1,338 @@
+"""Opt-in ``STALLWATCH_UVLOOP_SPAWN=vfork``: uvloop stays the event loop, but spawns like the stdlib.
+
+uvloop's ``Loop.subprocess_exec``/``subprocess_shell`` start every child with libuv's ``uv_spawn``,
+a real ``fork()``: every ``pthread_atfork`` handler (gRPC's) and every ``os.register_at_fork``
+handler runs in the child, and the loop thread holds the GIL until the child execs
+(incidents/000_…). ``subprocess.Popen`` uses ``vfork()`` (CPython 3.10+ on Linux) or
+``posix_spawn()``, where no fork handler runs and no page table is copied. `install()` wraps both
+uvloop methods (``wrapt``, on uvloop's ``Loop`` class, whether uvloop is imported before or after)
+so that they spawn through ``Popen`` instead.
+
+Design. The transport is the standard library's own ``asyncio.unix_events._UnixSubprocessTransport``
+(a ``base_subprocess.BaseSubprocessTransport``): it takes the loop, runs ``Popen`` and connects the
+pipes with ``loop.connect_read_pipe``/``connect_write_pipe``, which uvloop implements, so pipes,
+``StreamReader`` objects, ``communicate``, flow control and the ``connection_made``-before-waiter order
+that ``asyncio.subprocess.create_subprocess_exec`` relies on are the stdlib's, unchanged. The
+argument checks copy ``BaseEventLoop.subprocess_exec``/``subprocess_shell`` (same exceptions, same
+messages; identical in CPython 3.10 to 3.13), and so does the await-or-kill around the waiter.
+
+Only the exit watch is hand-written: asyncio's child watchers belong to the stdlib loop and its
+policy (deprecated in 3.12, gone in 3.14), uvloop refuses asyncio's SIGCHLD watcher, and
+``PidfdChildWatcher`` calls the loop's private ``_add_reader``, which uvloop does not expose. So each
+child gets a pidfd (``os.pidfd_open``) watched with ``loop.add_reader``; when it turns readable the
+child is reaped with ``os.waitpid(pid, WNOHANG)`` and the transport hears ``_process_exited``. If
+someone else reaped the child first, the code ``Popen.poll()`` recorded is used (the stdlib
+transport's ``close()`` polls), else 255 with a warning, as asyncio does. Signals go through
+``signal.pidfd_send_signal``, so a recycled pid is never hit, and raise ``ProcessLookupError`` once
+the child is known to have exited, as uvloop's transport does (the stdlib's ``Popen.send_signal``
+would silently reap the child first on 3.10-3.12).
+
+Falls back to uvloop's own spawn, with `FALLBACK` set to the reason and one INFO log per reason:
+``preexec_fn``, ``user``, ``group`` and ``extra_groups`` (each makes ``Popen`` ``fork()``: uvloop's
+own spawn then does what it always did, including its ``ValueError`` for the last three), keywords
+``Popen`` does not take on this Python (``process_group`` on 3.10, uvloop's own test keywords), a
+kernel without pidfds (``pidfd``) and a stdlib whose private transport API changed
+(``stdlib-internals``: names and signatures are checked at import).
+
+Differences from uvloop's native spawn that remain, all of them the stdlib asyncio loop's
+behaviour: ``executable=`` is the program run with ``argv[0]`` left as given (uvloop puts the
+executable in ``argv[0]``); ``close_fds`` defaults to True and is honoured (uvloop ignores it);
+``pipesize``, ``umask`` and (3.11+) ``process_group`` work (uvloop raises ``ValueError``); an
+argument or variable with a NUL byte raises ``ValueError`` (uvloop silently truncates it); a spawn
+error leaks no pipe (uvloop leaks three on a bad ``pass_fds``) and carries the stdlib's message,
+with the file name (``[Errno 2] No such file or directory: 'name'``), but the same exception type
+as uvloop's (FileNotFoundError, PermissionError, NotADirectoryError, OSError). Per CPython version,
+``Process.wait()`` returns at exit on 3.10 and once the pipes are closed too on 3.11+, as the
+stdlib loop of that version does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import inspect
+import logging
+import os
+import signal as _signal
+import subprocess
+import weakref
+from asyncio import base_subprocess, unix_events
+from collections.abc import Awaitable, Callable, Mapping
+from types import ModuleType
+from typing import Any
+
+import wrapt
+
+SETTING = "STALLWATCH_UVLOOP_SPAWN"
+
+FALLBACK: contextvars.ContextVar[str | None] = contextvars.ContextVar("stallwatch_uvloop_spawn_fallback", default=None)
+"""Set by every wrapped spawn: the reason it used uvloop's own fork, or None when it went through Popen."""
+
+_log = logging.getLogger("stallwatch.forksafe")
+
+# Arguments that asyncio's subprocess_exec/subprocess_shell check themselves before Popen sees them.
+_ASYNCIO_ARGUMENTS = frozenset(
+    {"stdin", "stdout", "stderr", "universal_newlines", "shell", "bufsize", "encoding", "errors", "text"}
+)
+# Popen arguments with which CPython's _posixsubprocess uses fork() instead of vfork().
+_FORCE_FORK = ("preexec_fn", "user", "group", "extra_groups")
+_POPEN_ARGUMENTS = frozenset(inspect.signature(subprocess.Popen.__init__).parameters) - {"self", "args"}
+_ROUTABLE = _ASYNCIO_ARGUMENTS | _POPEN_ARGUMENTS
+
+_EXPECTED_SIGNATURES = {
+    "__init__": (
+        "self",
+        "loop",
+        "protocol",
+        "args",
+        "shell",
+        "stdin",
+        "stdout",
+        "stderr",
+        "bufsize",
+        "waiter",
+        "extra",
+    ),
+    "_start": ("self", "args", "shell", "stdin", "stdout", "stderr", "bufsize"),
+    "_process_exited": ("self", "returncode"),
+    "_wait": ("self",),
+    "_check_proc": ("self",),
+}
+
+
+def _stdlib_transport() -> type[base_subprocess.BaseSubprocessTransport] | None:
+    """The stdlib's Unix subprocess transport if its private API is the one this module was written
+    against (the same in CPython 3.10 to 3.13), else None."""
+    cls = getattr(unix_events, "_UnixSubprocessTransport", None)
+    if not (isinstance(cls, type) and issubclass(cls, base_subprocess.BaseSubprocessTransport)):
+        return None
+    for name, expected in _EXPECTED_SIGNATURES.items():
+        method = getattr(cls, name, None)
+        try:
+            params = inspect.signature(method).parameters.values()  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            return None
+        named = tuple(p.name for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD)
+        if named != expected:
+            return None
+    if not inspect.iscoroutinefunction(cls._wait):
+        return None
+    return cls
+
+
+_STDLIB_TRANSPORT = _stdlib_transport()
+
+
+@functools.cache
+def _pidfd_unavailable() -> bool:
+    """True when this kernel (or a seccomp filter) refuses pidfd_open or pidfd_send_signal."""
+    try:
+        pidfd = os.pidfd_open(os.getpid())
+    except (AttributeError, OSError):
+        return True
+    try:
+        _signal.pidfd_send_signal(pidfd, 0)
+    except (AttributeError, OSError):
+        return True
+    finally:
+        os.close(pidfd)
+    return False
+
+
+def unsupported_reason(kwargs: Mapping[str, Any]) -> str | None:
+    """Why a spawn with these keyword arguments cannot go through Popen's vfork, or None if it can."""
+    if _STDLIB_TRANSPORT is None:
+        return "stdlib-internals"
+    if _pidfd_unavailable():
+        return "pidfd"
+    for name in _FORCE_FORK:
+        if kwargs.get(name) is not None:
+            return name
+    unknown = sorted(set(kwargs) - _ROUTABLE)
+    if unknown:
+        return "unknown keyword: " + ", ".join(unknown)
+    return None
+
+
+class _PidfdSubprocessTransport(_STDLIB_TRANSPORT or base_subprocess.BaseSubprocessTransport):  # type: ignore[misc]
+    """The stdlib transport, told of the child's exit by a pidfd on the loop instead of a child watcher."""
+
+    _pidfd: int
+    _release_pidfd: weakref.finalize
+
+    def _start(self, args: Any, shell: bool, stdin: Any, stdout: Any, stderr: Any, bufsize: int, **kwargs: Any) -> None:
+        super()._start(args=args, shell=shell, stdin=stdin, stdout=stdout, stderr=stderr, bufsize=bufsize, **kwargs)
+        # On failure from here, BaseSubprocessTransport.__init__ closes us, which kills the child.
+        self._pidfd = os.pidfd_open(self._proc.pid)
+        # Closes the pidfd once: on exit, or when a loop closed without running us drops the transport.
+        self._release_pidfd = weakref.finalize(self, os.close, self._pidfd)
+        self._loop.add_reader(self._pidfd, self._child_exited)
+
+    def _child_exited(self) -> None:
+        try:
+            pid, status = os.waitpid(self._proc.pid, os.WNOHANG)
+        except ChildProcessError:
+            returncode = self._proc.returncode  # reaped by Popen.poll() (our own close() calls it)
+            if returncode is None:
+                _log.warning("child process pid %d exit status already read: will report returncode 255", self._pid)
+                returncode = 255
+        else:
+            if pid == 0:
+                return  # not exited yet: keep watching
+            returncode = os.waitstatus_to_exitcode(status)
+        self._loop.remove_reader(self._pidfd)
+        self._release_pidfd()
+        self._process_exited(returncode)
+
+    def send_signal(self, signal: int) -> None:
+        self._check_proc()
+        if self._returncode is not None:
+            raise ProcessLookupError
+        _signal.pidfd_send_signal(self._pidfd, signal)
+
+    def terminate(self) -> None:
+        self.send_signal(_signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(_signal.SIGKILL)
+
+
+def _check_text_arguments(bufsize: int, text: bool | None, encoding: str | None, errors: str | None) -> None:
+    if bufsize != 0:
+        raise ValueError("bufsize must be 0")
+    if text:
+        raise ValueError("text must be False")
+    if encoding is not None:
+        raise ValueError("encoding must be None")
+    if errors is not None:
+        raise ValueError("errors must be None")
+
+
+async def _spawn(
+    loop: asyncio.AbstractEventLoop,
+    protocol_factory: Callable[[], asyncio.SubprocessProtocol],
+    args: Any,
+    shell: bool,
+    stdin: Any,
+    stdout: Any,
+    stderr: Any,
+    bufsize: int,
+    kwargs: dict[str, Any],
+) -> tuple[asyncio.SubprocessTransport, asyncio.SubprocessProtocol]:
+    """BaseEventLoop's protocol creation plus _UnixSelectorEventLoop._make_subprocess_transport."""
+    protocol = protocol_factory()
+    waiter = loop.create_future()
+    transport = _PidfdSubprocessTransport(
+        loop, protocol, args, shell, stdin, stdout, stderr, bufsize, waiter=waiter, **kwargs
+    )
+    try:
+        await waiter
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException:
+        transport.close()
+        await transport._wait()
+        raise
+    return transport, protocol
+
+
+async def _subprocess_exec(
+    loop: asyncio.AbstractEventLoop,
+    protocol_factory: Callable[[], asyncio.SubprocessProtocol],
+    program: Any,
+    *args: Any,
+    stdin: Any = subprocess.PIPE,
+    stdout: Any = subprocess.PIPE,
+    stderr: Any = subprocess.PIPE,
+    universal_newlines: bool = False,
+    shell: bool = False,
+    bufsize: int = 0,
+    encoding: str | None = None,
+    errors: str | None = None,
+    text: bool | None = None,
+    **kwargs: Any,
+) -> tuple[asyncio.SubprocessTransport, asyncio.SubprocessProtocol]:
+    if universal_newlines:
+        raise ValueError("universal_newlines must be False")
+    if shell:
+        raise ValueError("shell must be False")
+    _check_text_arguments(bufsize, text, encoding, errors)
+    return await _spawn(loop, protocol_factory, (program, *args), False, stdin, stdout, stderr, bufsize, kwargs)
+
+
+async def _subprocess_shell(
+    loop: asyncio.AbstractEventLoop,
+    protocol_factory: Callable[[], asyncio.SubprocessProtocol],
+    cmd: Any,
+    *,
+    stdin: Any = subprocess.PIPE,
+    stdout: Any = subprocess.PIPE,
+    stderr: Any = subprocess.PIPE,
+    universal_newlines: bool = False,
+    shell: bool = True,
+    bufsize: int = 0,
+    encoding: str | None = None,
+    errors: str | None = None,
+    text: bool | None = None,
+    **kwargs: Any,
+) -> tuple[asyncio.SubprocessTransport, asyncio.SubprocessProtocol]:
+    if not isinstance(cmd, (bytes, str)):
+        raise ValueError("cmd must be a string")
+    if universal_newlines:
+        raise ValueError("universal_newlines must be False")
+    if not shell:
+        raise ValueError("shell must be True")
+    _check_text_arguments(bufsize, text, encoding, errors)
+    return await _spawn(loop, protocol_factory, cmd, True, stdin, stdout, stderr, bufsize, kwargs)
+
+
+_logged_reasons: set[str] = set()
+
+
+def _route(
+    spawn: Callable[..., Awaitable[tuple[asyncio.SubprocessTransport, asyncio.SubprocessProtocol]]],
+) -> Callable[..., Awaitable[Any]]:
+    async def wrapper(
+        wrapped: Callable[..., Awaitable[Any]],
+        instance: asyncio.AbstractEventLoop,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        reason = unsupported_reason(kwargs)
+        FALLBACK.set(reason)
+        if reason is None:
+            return await spawn(instance, *args, **kwargs)
+        if reason not in _logged_reasons:
+            _logged_reasons.add(reason)
+            _log.info(
+                "stallwatch: %s=vfork: a uvloop spawn uses uvloop's own fork() because of %s, so at-fork "
+                "handlers run in its child (logged once per reason).",
+                SETTING,
+                reason,
+            )
+        return await wrapped(*args, **kwargs)
+
+    return wrapper
+
+
+def _patch_uvloop(module: ModuleType) -> None:
+    wrapt.wrap_function_wrapper(module, "Loop.subprocess_exec", _route(_subprocess_exec))
+    wrapt.wrap_function_wrapper(module, "Loop.subprocess_shell", _route(_subprocess_shell))
+
+
+_installed = False
+
+
+def install() -> None:
+    """Route uvloop's subprocess_exec/subprocess_shell through Popen from now on (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    wrapt.register_post_import_hook(_patch_uvloop, "uvloop")
+
+
+def installed() -> bool:
+    """True once `install()` ran in this process."""
+    return _installed
