@@ -13,7 +13,9 @@ no thread in a fork child's handlers (workers restart on first use in a child th
 - ``interrupt_thread()`` interrupts the work item an executor worker runs now, and only that item
   (``Interrupted``); ``WorkerDied`` is what a healed orphaned item's future raises;
 - ``execution_timeout(seconds, name=...)`` times a request out from its first line, and keeps
-  watching the thread work it could not stop.
+  watching the thread work it could not stop;
+- ``instrument_tunnel(cls, ...)`` records SSH tunnel open/close spans for a tunnel class of your own
+  (dstack's ``SSHTunnel`` is instrumented by ``setup()`` without it).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from .config import ConfigError, Settings
 from .doctor import Report, doctor
 from .forksafe.loop import uvicorn_loop
 from .instrument.executor import WorkerDied
+from .instrument.ssh import instrument_tunnel
 from .interrupt import Interrupted, Work, current_work, interrupt_thread
 from .session import Session, shutdown
 from .timeout import execution_timeout
@@ -66,6 +69,7 @@ __all__ = [
     "current_work",
     "doctor",
     "execution_timeout",
+    "instrument_tunnel",
     "interrupt_thread",
     "setup",
     "shutdown",

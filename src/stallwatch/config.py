@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -21,6 +22,7 @@ METRIC_EXPORTERS = ("otlp", "console", "file", "prometheus", "none")
 LOG_EXPORTERS = ("otlp", "console", "file", "none")
 PROTOCOLS = ("http/protobuf", "grpc")
 PROVIDER_OWNERS = ("stallwatch", "host")
+UVLOOP_SPAWN_METHODS = ("fork", "vfork")
 SAMPLERS = (
     "always_on",
     "always_off",
@@ -179,6 +181,49 @@ OPTIONS: tuple[Option, ...] = (
         "An executor whose items wait this long while none of its workers is alive is reported stalled.",
     ),
     Option(
+        "STALLWATCH_INSTRUMENT_SUBPROCESS",
+        "instrument_subprocess",
+        "`true`",
+        "A span and metrics per child process: `subprocess.Popen` (`run`, `call`, `check_output`), a loop's "
+        "`subprocess_exec`/`subprocess_shell` (asyncio and uvloop), `os.posix_spawn`/`posix_spawnp`.",
+    ),
+    Option(
+        "STALLWATCH_RECORD_ARGS",
+        "record_args",
+        "`false`",
+        "Record child command lines (`process.command_args`) after scrubbing secrets; by default only the "
+        "executable name and the argument count are recorded. Environment values are never recorded.",
+    ),
+    Option(
+        "STALLWATCH_SCRUB_PATTERNS",
+        "scrub_patterns",
+        "empty",
+        "Extra comma-separated regular expressions for option/`KEY=` names whose values are secret "
+        "(matched case-insensitively), on top of password/token/secret/key/credential/auth/....",
+    ),
+    Option(
+        "STALLWATCH_PROPAGATE_TO_CHILDREN",
+        "propagate_to_children",
+        "`false`",
+        "Put `TRACEPARENT`/`TRACESTATE` of the child's span into the child's environment (the host's "
+        "`os.environ` is never changed).",
+    ),
+    Option(
+        "STALLWATCH_UVLOOP_SPAWN",
+        "uvloop_spawn",
+        "`fork`",
+        "`vfork` keeps uvloop as the loop but spawns its subprocesses through the standard library's "
+        "vfork/posix_spawn path: no fork handler runs in the child and the loop never waits on a forked "
+        "copy of the host. Calls it cannot honour (e.g. `preexec_fn`) use uvloop's own fork, recorded on the span.",
+    ),
+    Option(
+        "STALLWATCH_INSTRUMENT_SSH",
+        "instrument_ssh",
+        "`true`",
+        "Spans and metrics for SSH tunnel open/close (dstack's `SSHTunnel`, instrumented when it is imported; "
+        "other classes through `stallwatch.instrument_tunnel`).",
+    ),
+    Option(
         "STALLWATCH_WATCHDOG",
         "watchdog",
         "`true`",
@@ -256,6 +301,12 @@ class Settings:
     guard_async_exc: bool = True
     wedge_check_interval: float = 0.5
     queue_stall_seconds: float = 5.0
+    instrument_subprocess: bool = True
+    record_args: bool = False
+    scrub_patterns: tuple[re.Pattern[str], ...] = ()
+    propagate_to_children: bool = False
+    uvloop_spawn: str = "fork"
+    instrument_ssh: bool = True
     watchdog: bool = True
     freeze_threshold: float = 1.0
     faulthandler: bool = False
@@ -323,6 +374,12 @@ class Settings:
         take("guard_async_exc", "STALLWATCH_GUARD_ASYNC_EXC", _bool, None)
         take("wedge_check_interval", "STALLWATCH_WEDGE_CHECK_INTERVAL", _positive_float, None)
         take("queue_stall_seconds", "STALLWATCH_QUEUE_STALL_SECONDS", _positive_float, None)
+        take("instrument_subprocess", "STALLWATCH_INSTRUMENT_SUBPROCESS", _bool, None)
+        take("record_args", "STALLWATCH_RECORD_ARGS", _bool, None)
+        take("scrub_patterns", "STALLWATCH_SCRUB_PATTERNS", _patterns, None)
+        take("propagate_to_children", "STALLWATCH_PROPAGATE_TO_CHILDREN", _bool, None)
+        take("uvloop_spawn", "STALLWATCH_UVLOOP_SPAWN", _one_of(UVLOOP_SPAWN_METHODS), None)
+        take("instrument_ssh", "STALLWATCH_INSTRUMENT_SSH", _bool, None)
         take("watchdog", "STALLWATCH_WATCHDOG", _bool, None)
         take("freeze_threshold", "STALLWATCH_FREEZE_THRESHOLD", _positive_float, None)
         take("faulthandler", "STALLWATCH_FAULTHANDLER", _bool, None)
@@ -366,9 +423,21 @@ def _check_type(value: Any, name: str, parse: Callable[[str, str], Any]) -> Any:
         return {str(k): str(v) for k, v in value.items()}
     if isinstance(value, Path) and parse is _path:
         return value
+    if isinstance(value, (tuple, list)) and parse is _patterns and all(isinstance(v, re.Pattern) for v in value):
+        return tuple(value)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return parse(str(value), name)
     raise _fail(name, value, f"a value like the environment variable takes, not {type(value).__name__}")
+
+
+def _patterns(text: str, name: str) -> tuple[re.Pattern[str], ...]:
+    from .instrument.scrub import compile_patterns
+
+    try:
+        return compile_patterns(text, name)
+    except ValueError as exc:
+        reason = str(exc).removeprefix(f"{name}: ")
+        raise _fail(name, text, f"comma-separated regular expressions, but {reason}") from None
 
 
 def _bool(text: str, name: str) -> bool:

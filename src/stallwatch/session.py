@@ -192,6 +192,20 @@ def _start_watchdog(settings: Settings) -> tuple[Any, subprocess.Popen[bytes]] |
 
 def _instrument(settings: Settings) -> None:
     """Install the instrumentors the settings ask for (they report through the global providers)."""
+    if settings.uvloop_spawn == "vfork":  # before the subprocess wrappers, so that they sit outside it
+        from .forksafe import uvloop_spawn
+
+        uvloop_spawn.install()
+    if settings.instrument_subprocess:
+        from .instrument.subprocess import SubprocessInstrumentor
+
+        spawns = SubprocessInstrumentor()
+        if not spawns.is_instrumented_by_opentelemetry:
+            spawns.instrument(settings=settings)
+    if settings.instrument_ssh:
+        from .instrument import ssh
+
+        ssh.install_presets()
     if settings.instrument_executor:
         from .instrument.executor import ExecutorInstrumentor
 
@@ -215,6 +229,10 @@ def shutdown(timeout: float | None = None) -> bool:
 
         heartbeat.stop()
         session._watchdog[1].terminate()
+    if session is not None and session.settings is not None and session.settings.instrument_subprocess:
+        from .instrument import subprocess as subprocess_instrumentation
+
+        subprocess_instrumentation.end_open_spans()
     if session is None or session._pipeline is None:
         return True
     if timeout is None:

@@ -23,6 +23,7 @@ class Attribute:
     name: str
     description: str
     values: tuple[str, ...] = ()
+    type: Literal["string", "int", "double", "boolean", "string[]"] = "string"
 
 
 # Explicit second-scale boundaries for every duration histogram: 1 ms to 600 s.
@@ -74,7 +75,8 @@ GRPC_ACTIVE = Attribute(
 )
 SPAWN_LOOP = Attribute(
     "stallwatch.spawn.loop",
-    "Event loop running in the forking thread: `uvloop`, `asyncio` or `none`.",
+    "Event loop of the forking or spawning thread (for a loop's `subprocess_exec`, that loop): `uvloop`, "
+    "`asyncio` or `none`.",
     ("uvloop", "asyncio", "none"),
 )
 
@@ -123,6 +125,27 @@ LOOP = Attribute("stallwatch.loop", "Event loop implementation.", ("uvloop", "as
 INSTRUMENTATION_COMPONENT = Attribute(
     "stallwatch.component", "Which part of stallwatch failed (e.g. `executor`); its setting turns it off."
 )
+
+PROCESS_EXECUTABLE_NAME = Attribute(
+    "process.executable.name",
+    "Basename of the spawned program (for a shell command, its first word after `NAME=value` assignments).",
+)
+SPAWN_METHOD = Attribute(
+    "stallwatch.spawn.method",
+    "How the child was created: `fork` (a full copy of the host: uvloop's spawn, `Popen(preexec_fn=...)`), "
+    "`vfork` (the host is suspended until the child execs; no fork handler runs) or `posix_spawn`.",
+    ("fork", "vfork", "posix_spawn"),
+)
+EXIT_KIND = Attribute(
+    "stallwatch.exit.kind",
+    "How a child ended: `code` (it exited) or `signal` (a signal killed it).",
+    ("code", "signal"),
+)
+EXIT_SIGNAL = Attribute(
+    "stallwatch.exit.signal",
+    "Name of the signal that killed a child (`SIGSEGV`, `SIGABRT`, `SIGKILL`, ...); absent when it exited.",
+)
+SSH_PHASE = Attribute("stallwatch.ssh.phase", "Which tunnel operation failed.", ("open", "close"))
 
 RESOURCE_ATTRIBUTES: tuple[Attribute, ...] = (RESOURCE_VERSION, RESOURCE_UVLOOP_VERSION, RESOURCE_GRPC_FORK_SUPPORT)
 
@@ -239,6 +262,34 @@ INSTRUMENTATION_ERRORS = Metric(
     "Failures inside stallwatch's own wrappers; the wrapped call went ahead unchanged.", (INSTRUMENTATION_COMPONENT,),
 )  # fmt: skip
 
+SUBPROCESS_SPAWN_DURATION = Metric(
+    "stallwatch.subprocess.spawn.duration", "histogram", "s",
+    "How long the calling thread was blocked inside the spawn call (under uvloop: the whole loop, holding the GIL).",
+    (PROCESS_EXECUTABLE_NAME, SPAWN_LOOP, SPAWN_METHOD),
+)  # fmt: skip
+SUBPROCESS_EXITS = Metric(
+    "stallwatch.subprocess.exits", "counter", "{process}", "Children reaped, by how they ended.",
+    (PROCESS_EXECUTABLE_NAME, EXIT_KIND, EXIT_SIGNAL),
+)  # fmt: skip
+SUBPROCESS_ACTIVE = Metric(
+    "stallwatch.subprocess.active", "updowncounter", "{process}", "Children spawned and not reaped yet.",
+    (PROCESS_EXECUTABLE_NAME,),
+)  # fmt: skip
+SSH_TUNNEL_OPEN_DURATION = Metric(
+    "stallwatch.ssh.tunnel.open.duration", "histogram", "s", "Time to open an SSH tunnel (successful or not)."
+)
+SSH_TUNNEL_CLOSE_DURATION = Metric(
+    "stallwatch.ssh.tunnel.close.duration", "histogram", "s", "Time to close an SSH tunnel (successful or not)."
+)
+SSH_TUNNEL_ACTIVE = Metric(
+    "stallwatch.ssh.tunnel.active", "updowncounter", "{tunnel}", "SSH tunnels opened and not closed yet."
+)
+SSH_TUNNEL_FAILURES = Metric(
+    "stallwatch.ssh.tunnel.failures", "counter", "{failure}",
+    "Tunnel opens or closes that raised or whose ssh child failed (non-zero exit status or killed by a signal).",
+    (SSH_PHASE, EXIT_SIGNAL, ERROR_TYPE),
+)  # fmt: skip
+
 METRICS: tuple[Metric, ...] = (
     FORK_COUNT,
     FORK_HANDLERS_SKIPPED,
@@ -264,8 +315,104 @@ METRICS: tuple[Metric, ...] = (
     FREEZE_ACTIVE,
     FREEZE_DURATION,
     LOOP_LAG,
+    SUBPROCESS_SPAWN_DURATION,
+    SUBPROCESS_EXITS,
+    SUBPROCESS_ACTIVE,
+    SSH_TUNNEL_OPEN_DURATION,
+    SSH_TUNNEL_CLOSE_DURATION,
+    SSH_TUNNEL_ACTIVE,
+    SSH_TUNNEL_FAILURES,
     INSTRUMENTATION_ERRORS,
 )
+
+# ---- spans ------------------------------------------------------------------------------------
+
+PROCESS_PID = Attribute("process.pid", "Pid of the child.", type="int")
+PROCESS_EXIT_CODE = Attribute(
+    "process.exit.code",
+    "The child's return code as Python reports it: negative `-N` when signal N killed it.",
+    type="int",
+)
+PROCESS_ARGS_COUNT = Attribute("process.args_count", "Number of arguments, the program included.", type="int")
+PROCESS_COMMAND_ARGS = Attribute(
+    "process.command_args", "Scrubbed arguments; recorded only with `STALLWATCH_RECORD_ARGS=true`.", type="string[]"
+)
+SPAWN_BLOCKED = Attribute(
+    "stallwatch.spawn.blocked_seconds", "How long the calling thread was blocked inside the spawn call.", type="double"
+)
+SPAWN_FALLBACK = Attribute(
+    "stallwatch.spawn.fallback",
+    "Why a uvloop spawn used uvloop's own fork although `STALLWATCH_UVLOOP_SPAWN=vfork` (e.g. `preexec_fn`).",
+)
+RUNNING_AT_SHUTDOWN = Attribute(
+    "stallwatch.subprocess.running_at_shutdown",
+    "The child was still running when stallwatch shut down.",
+    type="boolean",
+)
+SERVER_ADDRESS = Attribute("server.address", "SSH destination host (never the user name).")
+SERVER_PORT = Attribute("server.port", "SSH destination port (absent when ssh's default applies).", type="int")
+SSH_FORWARDS_LOCAL = Attribute("stallwatch.ssh.forwards.local", "Number of local (`-L`) forwards.", type="int")
+SSH_FORWARDS_REMOTE = Attribute("stallwatch.ssh.forwards.remote", "Number of remote (`-R`) forwards.", type="int")
+SSH_SOCKET_KINDS = Attribute(
+    "stallwatch.ssh.socket.kinds", "Kinds of the forwarded sockets, sorted and comma-separated.", ("unix", "tcp")
+)
+SSH_CONTROL_SOCKET = Attribute(
+    "stallwatch.ssh.control_socket", "A control socket (ControlMaster) is in use.", type="boolean"
+)
+SSH_BACKGROUND = Attribute(
+    "stallwatch.ssh.background", "ssh runs in the background (`-f`) after authentication.", type="boolean"
+)
+SSH_EXIT_STATUS = Attribute(
+    "stallwatch.ssh.exit.status",
+    "Return code of the last ssh child of the operation (negative: killed by a signal).",
+    type="int",
+)
+
+
+@dataclass(frozen=True)
+class Span:
+    """One span stallwatch starts: its name, kind, meaning, attributes and events."""
+
+    name: str
+    kind: Literal["INTERNAL", "CLIENT"]
+    description: str
+    attributes: tuple[Attribute, ...] = ()
+    events: tuple[str, ...] = ()
+
+
+SUBPROCESS_SPAN = Span(
+    "{process.executable.name}", "CLIENT",
+    "One child process, from the spawn call until it is reaped (or stallwatch shuts down). Status ERROR when "
+    "the spawn raised, the child exited non-zero or a signal killed it; `error.type` is then the exception "
+    "class, the exit code, or the signal name.",
+    (PROCESS_EXECUTABLE_NAME, PROCESS_PID, PROCESS_EXIT_CODE, PROCESS_ARGS_COUNT, PROCESS_COMMAND_ARGS, ERROR_TYPE,
+     SPAWN_LOOP, SPAWN_METHOD, SPAWN_BLOCKED, SPAWN_FALLBACK, GRPC_ACTIVE, EXIT_SIGNAL, RUNNING_AT_SHUTDOWN),
+    ("`stallwatch.subprocess.early_signal`: a signal killed the child within 1 s of the spawn (likely before "
+     "exec, as in incident 000); attributes `stallwatch.exit.signal`, `seconds`.",),
+)  # fmt: skip
+_TUNNEL_ATTRIBUTES = (
+    SERVER_ADDRESS, SERVER_PORT, SSH_FORWARDS_LOCAL, SSH_FORWARDS_REMOTE, SSH_SOCKET_KINDS, SSH_CONTROL_SOCKET,
+    SSH_BACKGROUND,
+)  # fmt: skip
+SSH_OPEN_SPAN = Span(
+    "ssh.tunnel.open", "CLIENT", "Opening an SSH tunnel; the `ssh` child spans nest under it.",
+    (*_TUNNEL_ATTRIBUTES, SSH_EXIT_STATUS, EXIT_SIGNAL, ERROR_TYPE),
+)  # fmt: skip
+SSH_CLOSE_SPAN = Span(
+    "ssh.tunnel.close", "CLIENT",
+    "Closing an SSH tunnel. Status ERROR when close raised or its ssh child failed, even where the tunnel "
+    "class only logs it (dstack logs `Failed to close SSH tunnel, exit status: -11`).",
+    (*_TUNNEL_ATTRIBUTES, SSH_EXIT_STATUS, EXIT_SIGNAL, ERROR_TYPE),
+)  # fmt: skip
+SSH_CHECK_SPAN = Span(
+    "ssh.tunnel.check", "CLIENT", "A tunnel health check (`ssh -O check`).", (*_TUNNEL_ATTRIBUTES, SSH_EXIT_STATUS)
+)
+SSH_EXEC_SPAN = Span(
+    "ssh.tunnel.exec", "CLIENT", "A command run over the tunnel's master connection.",
+    (*_TUNNEL_ATTRIBUTES, SSH_EXIT_STATUS, ERROR_TYPE),
+)  # fmt: skip
+
+SPANS: tuple[Span, ...] = (SUBPROCESS_SPAN, SSH_OPEN_SPAN, SSH_CLOSE_SPAN, SSH_CHECK_SPAN, SSH_EXEC_SPAN)
 
 INSTRUMENTATION_SCOPE = "stallwatch"
 
@@ -282,10 +429,15 @@ def reference_markdown() -> str:
             f"| `{metric.name}` | `{metric.prometheus_name}` | {metric.kind} | `{metric.unit}` "
             f"| {attrs} | {metric.description} |"
         )
-    attributes = {a.name: a for m in METRICS for a in m.attributes}
+    lines += ["", "| Span | Kind | Attributes | Meaning |", "|---|---|---|---|"]
+    for span in SPANS:
+        events = "".join(f" Event {event}" for event in span.events)
+        attrs = ", ".join(f"`{a.name}`" for a in span.attributes)
+        lines.append(f"| `{span.name}` | {span.kind} | {attrs} | {span.description}{events} |")
+    attributes = {a.name: a for group in (*METRICS, *SPANS) for a in group.attributes}
     lines += ["", "| Attribute | Values | Meaning |", "|---|---|---|"]
     for attr in [*attributes.values(), *RESOURCE_ATTRIBUTES]:
-        values = ", ".join(f"`{v}`" for v in attr.values) or "string"
+        values = ", ".join(f"`{v}`" for v in attr.values) or attr.type
         kind = " (resource)" if attr in RESOURCE_ATTRIBUTES else ""
         lines.append(f"| `{attr.name}`{kind} | {values} | {attr.description} |")
     return "\n".join(lines) + "\n"

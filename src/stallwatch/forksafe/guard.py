@@ -274,6 +274,11 @@ def installed() -> bool:
     return _installed
 
 
+def grpc_active() -> bool:
+    """Whether gRPC core threads run in this process now (cached for a second; never imports grpc)."""
+    return _grpc_activity.active()
+
+
 def fork_counts() -> Iterator[tuple[tuple[str, bool, str], int]]:
     """Snapshot of fork counts by (kind, gRPC active, loop)."""
     return iter(list(STATE.fork_counts.items()))

@@ -3,7 +3,9 @@ containment (a failure inside stallwatch is counted and logged once, never passe
 
 from __future__ import annotations
 
+import contextvars
 import logging
+import signal
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -77,3 +79,18 @@ class Faults:
 
 
 FAULTS = Faults()
+
+
+SPAWN_OBSERVER: contextvars.ContextVar[Callable[[int], None] | None] = contextvars.ContextVar(
+    "stallwatch_spawn_observer", default=None
+)
+"""Set by an enclosing operation (e.g. an SSH tunnel close) to learn its children's return codes:
+the subprocess instrumentation calls it with each child's return code when the child is reaped."""
+
+
+def signal_name(number: int) -> str:
+    """`SIGSEGV` for 11; `SIG<n>` for a number Python has no name for."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"SIG{number}"

@@ -1,0 +1,292 @@
+"""SSH tunnel instrumentation: `ssh.tunnel.open`/`close` spans and metrics, with the ssh children nested.
+
+`instrument_tunnel(cls, ...)` wraps the open/close methods of any tunnel class, sync or async.
+The dstack preset (`SSHTunnel` in `dstack._internal.core.services.ssh.tunnel`, 0.22.x) is installed
+by `install_presets()` through a wrapt post-import hook, so the order of imports does not matter.
+
+A tunnel class often reports a failed close only in its log. dstack logs
+`Failed to close SSH tunnel, exit status: -11` and returns. So each operation also takes the return
+code of the last ssh child it spawned: the subprocess instrumentation reports every reaped child to
+the operation that was current when the child was spawned (`_common.SPAWN_OBSERVER`). A close
+whose ssh child failed is a failure (span status ERROR, `stallwatch.ssh.tunnel.failures`), even if
+nothing was raised. That part needs `STALLWATCH_INSTRUMENT_SUBPROCESS` (on by default).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import inspect
+import logging
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from time import perf_counter
+from typing import Any
+
+import wrapt
+from opentelemetry import context as context_api
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.util.types import AttributeValue
+
+from .. import telemetry
+from .._version import __version__
+from ._common import FAULTS, SPAWN_OBSERVER, instrument, meter, signal_name
+
+_log = logging.getLogger("stallwatch")
+COMPONENT = "ssh"
+SETTING = "STALLWATCH_INSTRUMENT_SSH"
+DSTACK_TUNNEL_MODULE = "dstack._internal.core.services.ssh.tunnel"
+
+Describe = Callable[[Any], Mapping[str, AttributeValue]]
+
+
+@dataclass
+class _Instruments:
+    tracer: trace.Tracer
+    durations: dict[str, Any]
+    active: Any
+    failures: Any
+
+
+_instruments: _Instruments | None = None
+_instruments_meter_provider: Any = None
+_open_tunnels: weakref.WeakSet[Any] = weakref.WeakSet()
+_current: contextvars.ContextVar[_Operation | None] = contextvars.ContextVar("stallwatch_ssh_op", default=None)
+
+
+def _get_instruments() -> _Instruments:
+    global _instruments
+    if _instruments is None:
+        meter_ = meter(_instruments_meter_provider)
+        _instruments = _Instruments(
+            tracer=trace.get_tracer(telemetry.INSTRUMENTATION_SCOPE, __version__),
+            durations={
+                "open": instrument(meter_, telemetry.SSH_TUNNEL_OPEN_DURATION),
+                "close": instrument(meter_, telemetry.SSH_TUNNEL_CLOSE_DURATION),
+            },
+            active=instrument(meter_, telemetry.SSH_TUNNEL_ACTIVE),
+            failures=instrument(meter_, telemetry.SSH_TUNNEL_FAILURES),
+        )
+    return _instruments
+
+
+class _Operation:
+    """One open/close/check/exec call on a tunnel, with the return code of its last ssh child."""
+
+    __slots__ = ("ended", "instruments", "phase", "returncode", "span", "started")
+
+    def __init__(self, phase: str, span_name: str, attributes: Mapping[str, AttributeValue]) -> None:
+        self.instruments = _get_instruments()
+        self.phase = phase
+        self.started = perf_counter()
+        self.returncode: int | None = None
+        self.ended = False
+        self.span = self.instruments.tracer.start_span(span_name, kind=SpanKind.CLIENT, attributes=attributes)
+
+    def child_exited(self, returncode: int) -> None:
+        if not self.ended:
+            self.returncode = returncode
+
+    def end(self, instance: Any, error: BaseException | None) -> None:
+        self.ended = True
+        span = self.span
+        labels: dict[str, str] = {telemetry.SSH_PHASE.name: self.phase}
+        failed = error is not None
+        if self.returncode is not None:
+            span.set_attribute(telemetry.SSH_EXIT_STATUS.name, self.returncode)
+            if self.returncode < 0:
+                name = signal_name(-self.returncode)
+                span.set_attribute(telemetry.EXIT_SIGNAL.name, name)
+                labels[telemetry.EXIT_SIGNAL.name] = name
+        if error is not None:
+            labels[telemetry.ERROR_TYPE.name] = type(error).__qualname__
+            span.record_exception(error)
+        elif self.returncode and self.phase in ("open", "close"):
+            failed = True
+            labels[telemetry.ERROR_TYPE.name] = labels.get(telemetry.EXIT_SIGNAL.name) or str(self.returncode)
+        if failed:
+            span.set_attribute(telemetry.ERROR_TYPE.name, labels[telemetry.ERROR_TYPE.name])
+            span.set_status(Status(StatusCode.ERROR, f"ssh tunnel {self.phase} failed"))
+        span.end()
+        if self.phase not in ("open", "close"):
+            return
+        self.instruments.durations[self.phase].record(perf_counter() - self.started)
+        if failed:
+            self.instruments.failures.add(1, labels)
+        if self.phase == "open" and not failed and instance not in _open_tunnels:
+            _open_tunnels.add(instance)
+            self.instruments.active.add(1)
+        elif self.phase == "close" and instance in _open_tunnels:
+            _open_tunnels.discard(instance)
+            self.instruments.active.add(-1)
+
+
+def _begin(phase: str, span_name: str, instance: Any, describe: Describe) -> tuple[_Operation, object, object]:
+    attributes = dict(describe(instance))
+    operation = _Operation(phase, span_name, attributes)
+    context_token = context_api.attach(trace.set_span_in_context(operation.span))
+    observer_token = SPAWN_OBSERVER.set(operation.child_exited)
+    return operation, context_token, observer_token
+
+
+def _finish(
+    operation: _Operation | None, tokens: tuple[object, object], instance: Any, error: BaseException | None
+) -> None:
+    if operation is None:
+        return
+    try:
+        SPAWN_OBSERVER.reset(tokens[1])  # type: ignore[arg-type]
+        context_api.detach(tokens[0])  # type: ignore[arg-type]
+        operation.end(instance, error)
+    except Exception:
+        FAULTS.record(COMPONENT, SETTING)
+
+
+def _wrapper(phase: str, span_name: str, describe: Describe, is_async: bool) -> Callable[..., Any]:
+    def start(instance: Any) -> tuple[_Operation | None, tuple[object, object]]:
+        try:
+            operation, context_token, observer_token = _begin(phase, span_name, instance, describe)
+        except Exception:
+            FAULTS.record(COMPONENT, SETTING)
+            return None, (None, None)
+        return operation, (context_token, observer_token)
+
+    if is_async:
+
+        async def async_wrapper(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+            operation, tokens = start(instance)
+            try:
+                result = await wrapped(*args, **kwargs)
+            except BaseException as error:
+                _finish(operation, tokens, instance, error)
+                raise
+            _finish(operation, tokens, instance, None)
+            return result
+
+        return async_wrapper
+
+    def sync_wrapper(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+        operation, tokens = start(instance)
+        try:
+            result = wrapped(*args, **kwargs)
+        except BaseException as error:
+            _finish(operation, tokens, instance, error)
+            raise
+        _finish(operation, tokens, instance, None)
+        return result
+
+    return sync_wrapper
+
+
+def describe_generic(tunnel: Any) -> dict[str, AttributeValue]:
+    """Destination host and port from `destination` ("user@host"), `hostname` or `host`, and `port`."""
+    attributes: dict[str, AttributeValue] = {}
+    host = getattr(tunnel, "destination", None) or getattr(tunnel, "hostname", None) or getattr(tunnel, "host", None)
+    if isinstance(host, str) and host:
+        attributes[telemetry.SERVER_ADDRESS.name] = host.rpartition("@")[2]
+    port = getattr(tunnel, "port", None)
+    if isinstance(port, int) and not isinstance(port, bool):
+        attributes[telemetry.SERVER_PORT.name] = port
+    return attributes
+
+
+def _socket_kind(socket: Any) -> str:
+    return "unix" if "unix" in type(socket).__name__.lower() else "tcp"
+
+
+def describe_dstack(tunnel: Any) -> dict[str, AttributeValue]:
+    """Attributes of a dstack `SSHTunnel`: destination without user, forwards, control socket, mode."""
+    attributes = describe_generic(tunnel)
+    local = list(getattr(tunnel, "forwarded_sockets", ()) or ())
+    remote = list(getattr(tunnel, "reverse_forwarded_sockets", ()) or ())
+    kinds = {_socket_kind(side) for pair in (*local, *remote) for side in (pair.local, pair.remote)}
+    attributes.update(
+        {
+            telemetry.SSH_FORWARDS_LOCAL.name: len(local),
+            telemetry.SSH_FORWARDS_REMOTE.name: len(remote),
+            telemetry.SSH_SOCKET_KINDS.name: ",".join(sorted(kinds)),
+            telemetry.SSH_CONTROL_SOCKET.name: getattr(tunnel, "control_sock_path", None) is not None,
+            telemetry.SSH_BACKGROUND.name: bool(getattr(tunnel, "background", True)),
+        }
+    )
+    return attributes
+
+
+_SPANS = {
+    "open": ("open", telemetry.SSH_OPEN_SPAN.name),
+    "close": ("close", telemetry.SSH_CLOSE_SPAN.name),
+    "check": ("check", telemetry.SSH_CHECK_SPAN.name),
+    "exec": ("exec", telemetry.SSH_EXEC_SPAN.name),
+}
+
+
+def instrument_tunnel(
+    cls: type,
+    *,
+    open: str | None = "open",
+    close: str | None = "close",
+    aopen: str | None = "aopen",
+    aclose: str | None = "aclose",
+    check: str | None = None,
+    acheck: str | None = None,
+    aexec: str | None = None,
+    describe: Describe | None = None,
+) -> None:
+    """Record `ssh.tunnel.open`/`ssh.tunnel.close` spans and tunnel metrics for a tunnel class.
+
+    Each keyword names the method of `cls` to wrap (None: do not wrap it). `open`/`close` are
+    sync, `aopen`/`aclose` coroutines; `check`/`acheck` become `ssh.tunnel.check` spans and `aexec`
+    `ssh.tunnel.exec`. `describe(tunnel)` returns span attributes; the default takes the host (never
+    the user name) from `destination`/`hostname`/`host` and `port`. ssh children spawned inside
+    each call nest under its span, and the return code of the last one decides whether a close
+    that raised nothing failed. Calling it twice for the same class does nothing the second time.
+    """
+    if getattr(cls, "_stallwatch_tunnel", False):
+        return
+    describe = describe or describe_generic
+    methods = {
+        open: ("open", False), close: ("close", False), aopen: ("open", True), aclose: ("close", True),
+        check: ("check", False), acheck: ("check", True), aexec: ("exec", True),
+    }  # fmt: skip
+    for method, (operation, is_async) in methods.items():
+        if method is None:
+            continue
+        target = getattr(cls, method, None)
+        if target is None:
+            raise AttributeError(f"stallwatch.instrument_tunnel: {cls.__qualname__} has no method {method!r}")
+        if is_async != inspect.iscoroutinefunction(target):
+            kind = "a coroutine function" if is_async else "a plain function"
+            raise TypeError(f"stallwatch.instrument_tunnel: {cls.__qualname__}.{method} is not {kind}")
+        phase, span_name = _SPANS[operation]
+        wrapt.wrap_function_wrapper(cls, method, _wrapper(phase, span_name, describe, is_async))
+    cls._stallwatch_tunnel = True  # type: ignore[attr-defined]
+
+
+def _instrument_dstack(module: Any) -> None:
+    try:
+        instrument_tunnel(
+            module.SSHTunnel,
+            open="open", close="close", aopen="aopen", aclose="aclose",
+            check="check", acheck="acheck", aexec="aexec", describe=describe_dstack,
+        )  # fmt: skip
+    except (AttributeError, TypeError) as error:
+        _log.warning(
+            "stallwatch: dstack's SSHTunnel does not look like 0.22.x (%s); its tunnels are not instrumented. "
+            "%s=false silences this.",
+            error,
+            SETTING,
+        )
+
+
+_presets_installed = False
+
+
+def install_presets(meter_provider: Any = None) -> None:
+    """Instrument dstack's `SSHTunnel` when its module is imported (now, if it already is)."""
+    global _presets_installed, _instruments_meter_provider
+    _instruments_meter_provider = meter_provider
+    if _presets_installed:
+        return
+    _presets_installed = True
+    wrapt.register_post_import_hook(_instrument_dstack, DSTACK_TUNNEL_MODULE)

@@ -1,0 +1,558 @@
+"""Subprocess instrumentation: one CLIENT span and three metrics per child process.
+
+Every path a server spawns through is covered once:
+
+- `subprocess.Popen.__init__` (so `run`, `call`, `check_output`); the child's span ends in
+  `Popen._handle_exitstatus`, where `wait()`/`poll()` reap it;
+- a loop's `subprocess_exec`/`subprocess_shell`, on the standard loop (`BaseEventLoop`) and on
+  uvloop (`uvloop.Loop`, which never calls `Popen`). `asyncio.create_subprocess_exec` and
+  `asyncio.subprocess.create_subprocess_exec` are separate bindings, and both call these loop
+  methods. The span ends when the loop calls the protocol's `process_exited`. On the standard
+  loop the `Popen` underneath only tells the outer span how it spawned;
+- `os.posix_spawn`/`os.posix_spawnp` called directly; their children are reaped through
+  `os.waitpid`/`wait`/`wait3`/`wait4`, which the instrumentor checks against its own pids.
+
+`os.fork()` is counted by the fork guard (`stallwatch.fork.count`), not spanned.
+
+`stallwatch.spawn.blocked_seconds` is the time the calling thread spent inside the spawn call. For
+a loop's coroutine it is the sum of the synchronous steps, not the time spent awaiting. Under
+uvloop the fork and the wait for the child's exec happen in the first step, while uvloop holds
+the GIL: this is the frozen time of incident 000.
+
+No OpenTelemetry contrib package instruments subprocesses, so this one is written here. Every
+wrapper hands the host the same result, exception, pid and pipes as the bare call. A failure
+inside stallwatch is counted (`stallwatch.instrumentation.errors{stallwatch.component=subprocess}`)
+and logged once, naming `STALLWATCH_INSTRUMENT_SUBPROCESS`.
+"""
+
+from __future__ import annotations
+
+import asyncio.base_events
+import contextvars
+import logging
+import os
+import subprocess
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Collection, Coroutine, Generator, Mapping, Sequence
+from dataclasses import dataclass
+from time import perf_counter
+from typing import Any
+
+import wrapt
+from opentelemetry import propagate, trace
+from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]
+from opentelemetry.instrumentation.utils import unwrap
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from .. import telemetry
+from .._version import __version__
+from ..forksafe import guard
+from ..forksafe.loop import running_loop_kind
+from . import scrub
+from ._common import FAULTS, SPAWN_OBSERVER, instrument, meter, signal_name
+
+_log = logging.getLogger("stallwatch")
+COMPONENT = "subprocess"
+SETTING = "STALLWATCH_INSTRUMENT_SUBPROCESS"
+EARLY_SIGNAL_SECONDS = 1.0
+"""A child killed by a signal this soon after the spawn call most likely died before exec."""
+
+_WAIT_FUNCTIONS = ("waitpid", "wait", "wait3", "wait4")
+_POSIX_SPAWN_FUNCTIONS = ("posix_spawn", "posix_spawnp")
+_LOOP_METHODS = ("subprocess_exec", "subprocess_shell")
+
+
+class _Child:
+    """One spawned child and its span, from the spawn call until it is reaped."""
+
+    __slots__ = ("blocked", "done", "exit_before_spawned", "method", "name", "observer", "span", "spawned", "started")
+
+    def __init__(self, span: trace.Span, name: str, method: str) -> None:
+        self.span = span
+        self.name = name
+        self.method = method
+        self.started = perf_counter()
+        self.blocked = 0.0
+        self.spawned = False
+        self.done = False
+        self.exit_before_spawned: int | None = None
+        self.observer = SPAWN_OBSERVER.get()
+
+
+@dataclass
+class _State:
+    tracer: trace.Tracer
+    spawn_duration: Any
+    exits: Any
+    active: Any
+    record_args: bool
+    patterns: tuple[Any, ...]
+    propagate: bool
+
+
+_state: _State | None = None
+_open: dict[int, _Child] = {}  # id(child) -> child, to end the spans of children still running at shutdown
+_open_lock = threading.Lock()
+_by_popen: weakref.WeakKeyDictionary[subprocess.Popen[Any], _Child] = weakref.WeakKeyDictionary()
+_by_pid: dict[int, _Child] = {}  # children of direct os.posix_spawn calls, until a wait function reaps them
+_in_loop_spawn: contextvars.ContextVar[_Child | None] = contextvars.ContextVar("stallwatch_loop_spawn", default=None)
+_in_popen: contextvars.ContextVar[_Child | None] = contextvars.ContextVar("stallwatch_popen", default=None)
+
+
+def _fault() -> None:
+    FAULTS.record(COMPONENT, SETTING)
+
+
+# ---- the child's life: begin, spawned, exited ----------------------------------------------------
+
+
+def _begin(state: _State, program: object, argv: Sequence[object], loop: str, method: str) -> _Child:
+    name = scrub.executable_name(program)
+    attributes: dict[str, Any] = {
+        telemetry.PROCESS_EXECUTABLE_NAME.name: name,
+        telemetry.PROCESS_ARGS_COUNT.name: len(argv),
+        telemetry.SPAWN_LOOP.name: loop,
+        telemetry.GRPC_ACTIVE.name: guard.grpc_active(),
+    }
+    if state.record_args:
+        attributes[telemetry.PROCESS_COMMAND_ARGS.name] = scrub.scrub_args(argv, state.patterns)
+    child = _Child(state.tracer.start_span(name, kind=SpanKind.CLIENT, attributes=attributes), name, method)
+    with _open_lock:
+        _open[id(child)] = child
+    return child
+
+
+def _labels(child: _Child) -> dict[str, str]:
+    return {telemetry.PROCESS_EXECUTABLE_NAME.name: child.name}
+
+
+def _record_blocked(state: _State, child: _Child, blocked: float) -> None:
+    child.blocked = blocked
+    child.span.set_attributes({telemetry.SPAWN_BLOCKED.name: blocked, telemetry.SPAWN_METHOD.name: child.method})
+    state.spawn_duration.record(
+        blocked,
+        {**_labels(child), telemetry.SPAWN_LOOP.name: _loop_of(child), telemetry.SPAWN_METHOD.name: child.method},
+    )
+
+
+def _loop_of(child: _Child) -> str:
+    attributes = getattr(child.span, "attributes", None) or {}
+    return str(attributes.get(telemetry.SPAWN_LOOP.name, "none"))
+
+
+def _spawned(child: _Child, pid: int, blocked: float) -> None:
+    state = _state
+    if state is None:
+        return
+    _record_blocked(state, child, blocked)
+    child.span.set_attribute(telemetry.PROCESS_PID.name, pid)
+    state.active.add(1, _labels(child))
+    child.spawned = True
+    if child.exit_before_spawned is not None:
+        _exited(child, child.exit_before_spawned)
+
+
+def _spawn_failed(child: _Child, error: BaseException, blocked: float) -> None:
+    _forget(child)
+    state = _state
+    if state is not None:
+        _record_blocked(state, child, blocked)
+    child.span.set_attribute(telemetry.ERROR_TYPE.name, type(error).__qualname__)
+    child.span.record_exception(error)
+    child.span.set_status(Status(StatusCode.ERROR, f"spawn failed: {type(error).__qualname__}"))
+    child.span.end()
+
+
+def _exited(child: _Child, returncode: int) -> None:
+    if not child.spawned:  # the loop reported the exit before the spawn call returned
+        child.exit_before_spawned = returncode
+        return
+    if child.done:
+        return
+    _forget(child)
+    state = _state
+    span = child.span
+    span.set_attribute(telemetry.PROCESS_EXIT_CODE.name, returncode)
+    labels = _labels(child)
+    if returncode < 0:
+        name = signal_name(-returncode)
+        span.set_attributes({telemetry.EXIT_SIGNAL.name: name, telemetry.ERROR_TYPE.name: name})
+        span.set_status(Status(StatusCode.ERROR, f"killed by {name}"))
+        lived = perf_counter() - child.started
+        if lived < EARLY_SIGNAL_SECONDS:
+            span.add_event("stallwatch.subprocess.early_signal", {telemetry.EXIT_SIGNAL.name: name, "seconds": lived})
+        exit_labels = {**labels, telemetry.EXIT_KIND.name: "signal", telemetry.EXIT_SIGNAL.name: name}
+    else:
+        if returncode:
+            span.set_attribute(telemetry.ERROR_TYPE.name, str(returncode))
+            span.set_status(Status(StatusCode.ERROR, f"exit code {returncode}"))
+        exit_labels = {**labels, telemetry.EXIT_KIND.name: "code"}
+    if state is not None:
+        state.exits.add(1, exit_labels)
+        state.active.add(-1, labels)
+    span.end()
+    if child.observer is not None:
+        child.observer(returncode)
+
+
+def _forget(child: _Child) -> None:
+    child.done = True
+    with _open_lock:
+        _open.pop(id(child), None)
+
+
+def end_open_spans() -> int:
+    """End the spans of children still running (called at shutdown); returns how many."""
+    with _open_lock:
+        children = list(_open.values())
+        _open.clear()
+    for child in children:
+        try:
+            child.done = True
+            child.span.set_attribute(telemetry.RUNNING_AT_SHUTDOWN.name, True)
+            child.span.end()
+        except Exception:
+            _fault()
+    return len(children)
+
+
+def _environment_with_context(env: Mapping[Any, Any] | None, child: _Child) -> dict[Any, Any]:
+    """A copy of `env` (default `os.environ`) with the child span's W3C context as `TRACEPARENT`..."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=trace.set_span_in_context(child.span))
+    base = dict(os.environ if env is None else env)
+    as_bytes = bool(base) and all(isinstance(key, bytes) for key in base)
+    for key, value in carrier.items():
+        name = key.upper().replace("-", "_")
+        if as_bytes:
+            base[os.fsencode(name)] = os.fsencode(value)
+        else:
+            base[name] = value
+    return base
+
+
+# ---- subprocess.Popen -----------------------------------------------------------------------------
+
+# Popen.__init__(args, bufsize, executable, stdin, stdout, stderr, preexec_fn, close_fds, shell, cwd, env, ...)
+_POPEN_POSITIONS = {"args": 0, "executable": 2, "preexec_fn": 6, "shell": 8, "env": 10}
+
+
+def _popen_arg(args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
+    position = _POPEN_POSITIONS[name]
+    return args[position] if len(args) > position else kwargs.get(name)
+
+
+def popen_method(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """`vfork` or `fork`: what `_posixsubprocess` does for these Popen arguments (CPython 3.10+, Linux).
+
+    `os.posix_spawn`, which Popen uses for a few argument combinations, is seen when it happens.
+    """
+    forks = (
+        _popen_arg(args, kwargs, "preexec_fn") is not None
+        or any(kwargs.get(name) is not None for name in ("user", "group", "extra_groups"))
+        or not getattr(subprocess, "_USE_VFORK", True)
+    )
+    return "fork" if forks else "vfork"
+
+
+def _popen_command(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[object, list[object]]:
+    command = _popen_arg(args, kwargs, "args")
+    shell = bool(_popen_arg(args, kwargs, "shell"))
+    if isinstance(command, (str, bytes, os.PathLike)):
+        argv: list[object] = [command]
+    else:
+        argv = list(command)
+    if shell:
+        text = argv[0] if argv else ""
+        return text, argv
+    executable = _popen_arg(args, kwargs, "executable")
+    return (executable if executable is not None else (argv[0] if argv else "?")), argv
+
+
+def _popen_init(wrapped: Callable[..., None], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    outer = _in_loop_spawn.get()
+    if outer is not None:  # a loop's spawn (standard loop, or uvloop's vfork route): the loop's span counts
+        outer.method = popen_method(args, kwargs)
+        token = _in_popen.set(outer)
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            _in_popen.reset(token)
+    state = _state
+    child = None
+    if state is not None:
+        try:
+            program, argv = _popen_command(args, kwargs)
+            child = _begin(state, program, argv, running_loop_kind(), popen_method(args, kwargs))
+            if state.propagate and len(args) <= _POPEN_POSITIONS["env"]:
+                kwargs = {**kwargs, "env": _environment_with_context(kwargs.get("env"), child)}
+        except Exception:
+            _fault()
+    if child is None:
+        return wrapped(*args, **kwargs)
+    token = _in_popen.set(child)
+    start = perf_counter()
+    try:
+        wrapped(*args, **kwargs)
+    except BaseException as error:
+        blocked = perf_counter() - start
+        _in_popen.reset(token)
+        _safely(_spawn_failed, child, error, blocked)
+        raise
+    blocked = perf_counter() - start
+    _in_popen.reset(token)
+    try:
+        _by_popen[instance] = child
+        _spawned(child, instance.pid, blocked)
+    except Exception:
+        _fault()
+    return None
+
+
+def _popen_reaped(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    result = wrapped(*args, **kwargs)
+    if _by_popen:
+        try:
+            child = _by_popen.pop(instance, None)
+            if child is not None and instance.returncode is not None:
+                _exited(child, instance.returncode)
+        except Exception:
+            _fault()
+    return result
+
+
+def _safely(function: Callable[..., object], *args: Any) -> None:
+    try:
+        function(*args)
+    except Exception:
+        _fault()
+
+
+# ---- os.posix_spawn and the wait functions --------------------------------------------------------
+
+
+def _posix_spawn(wrapped: Callable[..., int], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    outer = _in_popen.get()
+    if outer is not None:  # Popen chose posix_spawn: its own span records the method
+        outer.method = "posix_spawn"
+        return wrapped(*args, **kwargs)
+    state = _state
+    child = None
+    if state is not None:
+        try:
+            child = _begin(state, args[0], list(args[1]), running_loop_kind(), "posix_spawn")
+            if state.propagate and len(args) > 2:
+                args = (args[0], args[1], _environment_with_context(args[2], child), *args[3:])
+        except Exception:
+            _fault()
+    if child is None:
+        return wrapped(*args, **kwargs)
+    start = perf_counter()
+    try:
+        pid = wrapped(*args, **kwargs)
+    except BaseException as error:
+        _safely(_spawn_failed, child, error, perf_counter() - start)
+        raise
+    blocked = perf_counter() - start
+    try:
+        _by_pid[pid] = child
+        _spawned(child, pid, blocked)
+    except Exception:
+        _fault()
+    return pid
+
+
+def _waited(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    result = wrapped(*args, **kwargs)
+    if _by_pid:
+        try:
+            pid, status = result[0], result[1]
+            child = _by_pid.get(pid) if pid else None
+            if child is not None and (os.WIFEXITED(status) or os.WIFSIGNALED(status)):
+                del _by_pid[pid]
+                _exited(child, os.waitstatus_to_exitcode(status))
+        except Exception:
+            _fault()
+    return result
+
+
+# ---- a loop's subprocess_exec / subprocess_shell --------------------------------------------------
+
+
+class _TimedSteps:
+    """Awaits a coroutine and adds up the time spent inside its synchronous steps."""
+
+    __slots__ = ("_coroutine", "blocked")
+
+    def __init__(self, coroutine: Coroutine[Any, Any, Any]) -> None:
+        self._coroutine = coroutine
+        self.blocked = 0.0
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        steps = self._coroutine.__await__()
+        value: Any = None
+        error: BaseException | None = None
+        while True:
+            start = perf_counter()
+            try:
+                yielded = steps.throw(error) if error is not None else steps.send(value)
+            except StopIteration as stop:
+                self.blocked += perf_counter() - start
+                return stop.value
+            except BaseException:
+                self.blocked += perf_counter() - start
+                raise
+            self.blocked += perf_counter() - start
+            try:
+                value, error = (yield yielded), None
+            except GeneratorExit:
+                self._coroutine.close()
+                raise
+            except BaseException as thrown:
+                value, error = None, thrown
+
+
+def _watch_protocol(protocol: Any, child: _Child, transports: list[Any]) -> None:
+    """Learn the exit from the protocol's `process_exited`, which both loops call after reaping."""
+    made = protocol.connection_made
+    exited = protocol.process_exited
+
+    def connection_made(transport: Any) -> Any:
+        transports.append(transport)
+        return made(transport)
+
+    def process_exited() -> Any:
+        try:
+            return exited()
+        finally:
+            try:
+                returncode = transports[0].get_returncode() if transports else None
+                if returncode is not None:
+                    _exited(child, returncode)
+            except Exception:
+                _fault()
+
+    protocol.connection_made = connection_made
+    protocol.process_exited = process_exited
+
+
+def _watching_factory(protocol_factory: Callable[[], Any], child: _Child) -> Callable[[], Any]:
+    def make() -> Any:
+        protocol = protocol_factory()
+        try:
+            _watch_protocol(protocol, child, [])
+        except AttributeError:  # a protocol with __slots__: the span then ends at shutdown
+            _log.debug("stallwatch: cannot watch the exit of %r", protocol)
+        except Exception:
+            _fault()
+        return protocol
+
+    return make
+
+
+def _fallback_reason() -> str | None:
+    module = sys.modules.get("stallwatch.forksafe.uvloop_spawn")
+    return module.FALLBACK.get() if module is not None else None  # type: ignore[attr-defined]
+
+
+def _loop_wrapper(loop: str, shell: bool) -> Callable[..., Coroutine[Any, Any, Any]]:
+    async def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        state = _state
+        child = None
+        if state is not None and len(args) >= 2:
+            try:
+                program, argv = (args[1], [args[1]]) if shell else (args[1], list(args[1:]))
+                child = _begin(state, program, argv, loop, "fork" if loop == "uvloop" else "vfork")
+                args = (_watching_factory(args[0], child), *args[1:])
+                if state.propagate:
+                    kwargs = {**kwargs, "env": _environment_with_context(kwargs.get("env"), child)}
+            except Exception:
+                _fault()
+        if child is None:
+            return await wrapped(*args, **kwargs)
+        token = _in_loop_spawn.set(child)
+        timed = None
+        try:
+            timed = _TimedSteps(wrapped(*args, **kwargs))
+            result = await timed
+        except BaseException as error:
+            _in_loop_spawn.reset(token)
+            _safely(_spawn_failed, child, error, timed.blocked if timed is not None else 0.0)
+            raise
+        _in_loop_spawn.reset(token)
+        try:
+            if loop == "uvloop" and (reason := _fallback_reason()) is not None:
+                child.span.set_attribute(telemetry.SPAWN_FALLBACK.name, reason)
+            _spawned(child, result[0].get_pid(), timed.blocked)
+        except Exception:
+            _fault()
+        return result
+
+    return wrapper
+
+
+def _patch_uvloop(module: Any) -> None:
+    if _state is None:
+        return
+    for name in _LOOP_METHODS:
+        wrapt.wrap_function_wrapper(module, f"Loop.{name}", _loop_wrapper("uvloop", name == "subprocess_shell"))
+
+
+class SubprocessInstrumentor(BaseInstrumentor):  # type: ignore[misc]
+    """Spans and metrics for every child process (see the module docstring for the paths).
+
+    Keyword arguments of `instrument()`: `tracer_provider`, `meter_provider` (default: the global
+    ones) and `settings` (a `stallwatch.Settings`: argument recording, scrub patterns, propagation
+    to children; default: read from the environment).
+    """
+
+    def instrumentation_dependencies(self) -> Collection[str]:
+        return ()
+
+    def _instrument(self, **kwargs: Any) -> None:
+        global _state
+        from ..config import ConfigError, Settings
+
+        try:
+            settings = kwargs.get("settings") or Settings.load()
+        except ConfigError as error:
+            _log.error("stallwatch: %s; subprocess instrumentation stays off.", error)
+            return
+        meter_ = meter(kwargs.get("meter_provider"))
+        FAULTS.bind(meter_)
+        _state = _State(
+            tracer=trace.get_tracer(telemetry.INSTRUMENTATION_SCOPE, __version__, kwargs.get("tracer_provider")),
+            spawn_duration=instrument(meter_, telemetry.SUBPROCESS_SPAWN_DURATION),
+            exits=instrument(meter_, telemetry.SUBPROCESS_EXITS),
+            active=instrument(meter_, telemetry.SUBPROCESS_ACTIVE),
+            record_args=settings.record_args,
+            patterns=settings.scrub_patterns,
+            propagate=settings.propagate_to_children,
+        )
+        wrapt.wrap_function_wrapper(subprocess.Popen, "__init__", _popen_init)
+        wrapt.wrap_function_wrapper(subprocess.Popen, "_handle_exitstatus", _popen_reaped)
+        for name in _POSIX_SPAWN_FUNCTIONS:
+            if hasattr(os, name):
+                wrapt.wrap_function_wrapper(os, name, _posix_spawn)
+        for name in _WAIT_FUNCTIONS:
+            wrapt.wrap_function_wrapper(os, name, _waited)
+        for name in _LOOP_METHODS:
+            wrapper = _loop_wrapper("asyncio", name == "subprocess_shell")
+            wrapt.wrap_function_wrapper(asyncio.base_events.BaseEventLoop, name, wrapper)
+        wrapt.register_post_import_hook(_patch_uvloop, "uvloop")
+
+    def _uninstrument(self, **kwargs: Any) -> None:
+        global _state
+        _state = None
+        unwrap(subprocess.Popen, "__init__")
+        unwrap(subprocess.Popen, "_handle_exitstatus")
+        for name in (*_POSIX_SPAWN_FUNCTIONS, *_WAIT_FUNCTIONS):
+            if hasattr(os, name):
+                unwrap(os, name)
+        for name in _LOOP_METHODS:
+            unwrap(asyncio.base_events.BaseEventLoop, name)
+            uvloop = sys.modules.get("uvloop")
+            if uvloop is not None and isinstance(getattr(uvloop.Loop, name, None), wrapt.FunctionWrapper):
+                unwrap(uvloop.Loop, name)
