@@ -52,6 +52,7 @@ BAD_VALUES: dict[str, tuple[str, ...]] = {
     "STALLWATCH_PROPAGATE_TO_CHILDREN": ("2",),
     "STALLWATCH_UVLOOP_SPAWN": ("posix_spawn", "VFORK!"),
     "STALLWATCH_INSTRUMENT_SSH": ("sshh",),
+    "STALLWATCH_INSTRUMENT_NEBIUS": ("cloud",),
     "STALLWATCH_FREEZE_THRESHOLD": ("0", "-1", "soon"),
     "STALLWATCH_FAULTHANDLER": ("stacks",),
     "STALLWATCH_WATCHDOG_PROMETHEUS_PORT": ("99999", "http"),

@@ -224,6 +224,14 @@ OPTIONS: tuple[Option, ...] = (
         "other classes through `stallwatch.instrument_tunnel`).",
     ),
     Option(
+        "STALLWATCH_INSTRUMENT_NEBIUS",
+        "instrument_nebius",
+        "`true`",
+        "A span per Nebius API call (auth and retries included) with status, attempts, request/operation/"
+        "resource ids, and the cloud resource ledger for create/delete; installed when `nebius.aio.request` "
+        "is imported.",
+    ),
+    Option(
         "STALLWATCH_WATCHDOG",
         "watchdog",
         "`true`",
@@ -307,6 +315,7 @@ class Settings:
     propagate_to_children: bool = False
     uvloop_spawn: str = "fork"
     instrument_ssh: bool = True
+    instrument_nebius: bool = True
     watchdog: bool = True
     freeze_threshold: float = 1.0
     faulthandler: bool = False
@@ -380,6 +389,7 @@ class Settings:
         take("propagate_to_children", "STALLWATCH_PROPAGATE_TO_CHILDREN", _bool, None)
         take("uvloop_spawn", "STALLWATCH_UVLOOP_SPAWN", _one_of(UVLOOP_SPAWN_METHODS), None)
         take("instrument_ssh", "STALLWATCH_INSTRUMENT_SSH", _bool, None)
+        take("instrument_nebius", "STALLWATCH_INSTRUMENT_NEBIUS", _bool, None)
         take("watchdog", "STALLWATCH_WATCHDOG", _bool, None)
         take("freeze_threshold", "STALLWATCH_FREEZE_THRESHOLD", _positive_float, None)
         take("faulthandler", "STALLWATCH_FAULTHANDLER", _bool, None)

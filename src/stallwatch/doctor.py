@@ -51,6 +51,7 @@ class Report:
     unattributed_threads: list[str]
     sentry: dict[str, Any]
     watchdog: dict[str, Any]
+    nebius: str
     hazards: list[str]
     advice: list[str]
 
@@ -88,6 +89,7 @@ class Report:
                 if self.watchdog["pid"] is None
                 else f"pid {self.watchdog['pid']}, {'running' if self.watchdog['alive'] else 'NOT RUNNING'}"
             ),
+            f"  {'nebius calls':<22} {self.nebius}",
             "",
             "  at-fork handlers registered after import stallwatch (threads started in a real fork child):",
         ]
@@ -174,6 +176,14 @@ def doctor(probe: bool = True) -> Report:
             "freezes go unseen until setup() runs in a new process; check its stderr, or set STALLWATCH_WATCHDOG=false"
         )
 
+    from .instrument import nebius
+
+    nebius_status = nebius.status()
+    if nebius_status.startswith("UNSUPPORTED"):
+        advice.append(
+            f"{nebius_status}: Nebius calls are not traced; pin nebius to 0.6.13-0.6.29, "
+            "or set STALLWATCH_INSTRUMENT_NEBIUS=false"
+        )
     return Report(
         versions=versions,
         loop=asdict(loops),
@@ -189,6 +199,7 @@ def doctor(probe: bool = True) -> Report:
         unattributed_threads=unattributed,
         sentry=sentry,
         watchdog=watchdog,
+        nebius=nebius_status,
         hazards=hazards,
         advice=advice,
     )

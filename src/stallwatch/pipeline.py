@@ -35,6 +35,7 @@ from .config import ConfigError, Settings
 from .export.file import FileLogExporter, FileMetricExporter, FileSpanExporter
 from .forksafe import grpc_guard
 from .forksafe.loop import package_version
+from .ledger import LOGGER_NAME as LEDGER_LOGGER
 
 _log = logging.getLogger("stallwatch")
 _HTTP_PATHS = {"traces": "v1/traces", "metrics": "v1/metrics", "logs": "v1/logs"}
@@ -135,9 +136,23 @@ def build(settings: Settings) -> Pipeline:
                 # our handler on the root would silence that, so keep it explicitly.
                 pipeline.stderr_handler = logging.lastResort
                 root.addHandler(logging.lastResort)
-            pipeline.log_handler = LoggingHandler(level=settings.log_level, logger_provider=pipeline.logger_provider)
-            root.addHandler(pipeline.log_handler)
+            level = min(settings.log_level, logging.INFO)  # ledger records are INFO
+            handler = LoggingHandler(level=level, logger_provider=pipeline.logger_provider)
+            handler.addFilter(_LevelOrLedger(settings.log_level))
+            pipeline.log_handler = handler
+            root.addHandler(handler)
     return pipeline
+
+
+class _LevelOrLedger(logging.Filter):
+    """Records at STALLWATCH_LOG_LEVEL or above, and every cloud resource ledger record."""
+
+    def __init__(self, level: int) -> None:
+        super().__init__()
+        self.level = level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= self.level or record.name == LEDGER_LOGGER
 
 
 def _unset(provider: object, proxy_type: type) -> bool:

@@ -206,6 +206,12 @@ def _instrument(settings: Settings) -> None:
         from .instrument import ssh
 
         ssh.install_presets()
+    if settings.instrument_nebius:
+        from .instrument.nebius import NebiusInstrumentor
+
+        calls = NebiusInstrumentor()
+        if not calls.is_instrumented_by_opentelemetry:
+            calls.instrument()
     if settings.instrument_executor:
         from .instrument.executor import ExecutorInstrumentor
 
