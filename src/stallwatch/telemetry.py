@@ -147,6 +147,18 @@ EXIT_SIGNAL = Attribute(
 )
 SSH_PHASE = Attribute("stallwatch.ssh.phase", "Which tunnel operation failed.", ("open", "close"))
 
+RPC_SERVICE = Attribute("rpc.service", "Full gRPC service name, e.g. `nebius.compute.v1.InstanceService`.")
+RPC_METHOD = Attribute("rpc.method", "gRPC method name, e.g. `Create`.")
+RPC_GRPC_STATUS_CODE = Attribute(
+    "rpc.grpc.status_code",
+    "Numeric gRPC status of the logical call (0 OK, 5 NOT_FOUND, ...); a caller-side timeout counts as 4 "
+    "(DEADLINE_EXCEEDED) and a caller cancellation as 1 (CANCELLED).",
+    type="int",
+)
+CLOUD_RESOURCE_TYPE = Attribute(
+    "stallwatch.cloud.resource.type", "Kind of cloud resource, from the service name: `compute.instance`, ..."
+)
+
 RESOURCE_ATTRIBUTES: tuple[Attribute, ...] = (RESOURCE_VERSION, RESOURCE_UVLOOP_VERSION, RESOURCE_GRPC_FORK_SUPPORT)
 
 # ---- metrics ----------------------------------------------------------------------------------
@@ -268,11 +280,11 @@ SUBPROCESS_SPAWN_DURATION = Metric(
     (PROCESS_EXECUTABLE_NAME, SPAWN_LOOP, SPAWN_METHOD),
 )  # fmt: skip
 SUBPROCESS_EXITS = Metric(
-    "stallwatch.subprocess.exits", "counter", "{process}", "Children reaped, by how they ended.",
+    "stallwatch.subprocess.exits", "observable_counter", "{process}", "Children reaped, by how they ended.",
     (PROCESS_EXECUTABLE_NAME, EXIT_KIND, EXIT_SIGNAL),
 )  # fmt: skip
 SUBPROCESS_ACTIVE = Metric(
-    "stallwatch.subprocess.active", "updowncounter", "{process}", "Children spawned and not reaped yet.",
+    "stallwatch.subprocess.active", "observable_updowncounter", "{process}", "Children spawned and not reaped yet.",
     (PROCESS_EXECUTABLE_NAME,),
 )  # fmt: skip
 SSH_TUNNEL_OPEN_DURATION = Metric(
@@ -288,6 +300,27 @@ SSH_TUNNEL_FAILURES = Metric(
     "stallwatch.ssh.tunnel.failures", "counter", "{failure}",
     "Tunnel opens or closes that raised or whose ssh child failed (non-zero exit status or killed by a signal).",
     (SSH_PHASE, EXIT_SIGNAL, ERROR_TYPE),
+)  # fmt: skip
+
+NEBIUS_CALL_DURATION = Metric(
+    "stallwatch.nebius.call.duration", "histogram", "s",
+    "Nebius API logical calls (authentication and every retry included), by outcome.",
+    (RPC_SERVICE, RPC_METHOD, RPC_GRPC_STATUS_CODE),
+)  # fmt: skip
+NEBIUS_CALLS_ACTIVE = Metric(
+    "stallwatch.nebius.calls.active",
+    "updowncounter",
+    "{call}",
+    "Nebius API calls in flight.",
+    (RPC_SERVICE, RPC_METHOD),
+)
+CLOUD_RESOURCES_CREATED = Metric(
+    "stallwatch.cloud.resources.created", "counter", "{resource}",
+    "Create calls the cloud accepted (it returned an operation for a new resource).", (CLOUD_RESOURCE_TYPE,),
+)  # fmt: skip
+CLOUD_RESOURCES_DELETED = Metric(
+    "stallwatch.cloud.resources.deleted", "counter", "{resource}", "Delete calls the cloud accepted.",
+    (CLOUD_RESOURCE_TYPE,),
 )  # fmt: skip
 
 METRICS: tuple[Metric, ...] = (
@@ -322,6 +355,10 @@ METRICS: tuple[Metric, ...] = (
     SSH_TUNNEL_CLOSE_DURATION,
     SSH_TUNNEL_ACTIVE,
     SSH_TUNNEL_FAILURES,
+    NEBIUS_CALL_DURATION,
+    NEBIUS_CALLS_ACTIVE,
+    CLOUD_RESOURCES_CREATED,
+    CLOUD_RESOURCES_DELETED,
     INSTRUMENTATION_ERRORS,
 )
 
@@ -369,6 +406,20 @@ SSH_EXIT_STATUS = Attribute(
 )
 
 
+RPC_SYSTEM = Attribute("rpc.system", "Always `grpc` (and `rpc.system.name`, the newer name).", ("grpc",))
+RPC_RESPONSE_STATUS_CODE = Attribute(
+    "rpc.response.status_code", "gRPC status name of the logical call (`OK`, `NOT_FOUND`, ...), newer conventions."
+)
+NEBIUS_ATTEMPTS = Attribute("stallwatch.nebius.attempts", "RPC attempts the SDK made (1 + retries).", type="int")
+NEBIUS_REQUEST_ID = Attribute("stallwatch.nebius.request_id", "`x-request-id` the Nebius API returned.")
+NEBIUS_TRACE_ID = Attribute("stallwatch.nebius.trace_id", "`x-trace-id` the Nebius API returned.")
+CLOUD_OPERATION_ID = Attribute("stallwatch.cloud.operation.id", "Id of the operation a create/delete/update started.")
+CLOUD_RESOURCE_ID = Attribute("stallwatch.cloud.resource.id", "Id of the resource the operation acts on.")
+CLOUD_ACTION = Attribute("stallwatch.cloud.action", "What the ledger record is about.", ("create", "delete"))
+CLOUD_STATUS = Attribute("stallwatch.cloud.status", "Outcome of a ledger call: gRPC status name, `timeout`, ...")
+CLOUD_RPC = Attribute("stallwatch.cloud.rpc", "`{rpc.service}/{rpc.method}` of a ledger record.")
+
+
 @dataclass(frozen=True)
 class Span:
     """One span stallwatch starts: its name, kind, meaning, attributes and events."""
@@ -412,7 +463,18 @@ SSH_EXEC_SPAN = Span(
     (*_TUNNEL_ATTRIBUTES, SSH_EXIT_STATUS, ERROR_TYPE),
 )  # fmt: skip
 
-SPANS: tuple[Span, ...] = (SUBPROCESS_SPAN, SSH_OPEN_SPAN, SSH_CLOSE_SPAN, SSH_CHECK_SPAN, SSH_EXEC_SPAN)
+NEBIUS_SPAN = Span(
+    "{rpc.service}/{rpc.method}", "CLIENT",
+    "One Nebius API logical call, from the first await to the result: authentication and every retry. "
+    "`error.type` is `timeout` or `cancelled` for the caller's deadline or cancellation, else the gRPC status "
+    "name or the exception class. Payloads are never recorded.",
+    (RPC_SYSTEM, RPC_SERVICE, RPC_METHOD, RPC_GRPC_STATUS_CODE, RPC_RESPONSE_STATUS_CODE, NEBIUS_ATTEMPTS,
+     NEBIUS_REQUEST_ID, NEBIUS_TRACE_ID, CLOUD_OPERATION_ID, CLOUD_RESOURCE_ID, ERROR_TYPE),
+    ("`stallwatch.nebius.attempt` per RPC attempt: `attempt`, `rpc.grpc.status_code`, `duration_seconds`, "
+     "`backoff_seconds` (wait before it).",),
+)  # fmt: skip
+
+SPANS: tuple[Span, ...] = (SUBPROCESS_SPAN, SSH_OPEN_SPAN, SSH_CLOSE_SPAN, SSH_CHECK_SPAN, SSH_EXEC_SPAN, NEBIUS_SPAN)
 
 INSTRUMENTATION_SCOPE = "stallwatch"
 

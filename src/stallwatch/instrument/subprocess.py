@@ -51,7 +51,7 @@ from .._version import __version__
 from ..forksafe import guard
 from ..forksafe.loop import running_loop_kind
 from . import scrub
-from ._common import FAULTS, SPAWN_OBSERVER, instrument, meter, signal_name
+from ._common import FAULTS, SPAWN_OBSERVER, Counts, Deferred, meter, signal_name
 
 _log = logging.getLogger("stallwatch")
 COMPONENT = "subprocess"
@@ -67,11 +67,14 @@ _LOOP_METHODS = ("subprocess_exec", "subprocess_shell")
 class _Child:
     """One spawned child and its span, from the spawn call until it is reaped."""
 
-    __slots__ = ("blocked", "done", "exit_before_spawned", "method", "name", "observer", "span", "spawned", "started")
+    __slots__ = (
+        "blocked", "done", "exit_before_spawned", "loop", "method", "name", "observer", "span", "spawned", "started",
+    )  # fmt: skip
 
-    def __init__(self, span: trace.Span, name: str, method: str) -> None:
+    def __init__(self, span: trace.Span, name: str, loop: str, method: str) -> None:
         self.span = span
         self.name = name
+        self.loop = loop
         self.method = method
         self.started = perf_counter()
         self.blocked = 0.0
@@ -84,9 +87,9 @@ class _Child:
 @dataclass
 class _State:
     tracer: trace.Tracer
-    spawn_duration: Any
-    exits: Any
-    active: Any
+    spawn_duration: Deferred
+    exits: Counts
+    active: Counts
     record_args: bool
     patterns: tuple[Any, ...]
     propagate: bool
@@ -118,37 +121,34 @@ def _begin(state: _State, program: object, argv: Sequence[object], loop: str, me
     }
     if state.record_args:
         attributes[telemetry.PROCESS_COMMAND_ARGS.name] = scrub.scrub_args(argv, state.patterns)
-    child = _Child(state.tracer.start_span(name, kind=SpanKind.CLIENT, attributes=attributes), name, method)
+    child = _Child(state.tracer.start_span(name, kind=SpanKind.CLIENT, attributes=attributes), name, loop, method)
     with _open_lock:
         _open[id(child)] = child
     return child
 
 
-def _labels(child: _Child) -> dict[str, str]:
-    return {telemetry.PROCESS_EXECUTABLE_NAME.name: child.name}
-
-
-def _record_blocked(state: _State, child: _Child, blocked: float) -> None:
+def _record_blocked(state: _State, child: _Child, blocked: float, pid: int | None) -> None:
     child.blocked = blocked
-    child.span.set_attributes({telemetry.SPAWN_BLOCKED.name: blocked, telemetry.SPAWN_METHOD.name: child.method})
+    attributes: dict[str, Any] = {telemetry.SPAWN_BLOCKED.name: blocked, telemetry.SPAWN_METHOD.name: child.method}
+    if pid is not None:
+        attributes[telemetry.PROCESS_PID.name] = pid
+    child.span.set_attributes(attributes)
     state.spawn_duration.record(
         blocked,
-        {**_labels(child), telemetry.SPAWN_LOOP.name: _loop_of(child), telemetry.SPAWN_METHOD.name: child.method},
+        {
+            telemetry.PROCESS_EXECUTABLE_NAME.name: child.name,
+            telemetry.SPAWN_LOOP.name: child.loop,
+            telemetry.SPAWN_METHOD.name: child.method,
+        },
     )
-
-
-def _loop_of(child: _Child) -> str:
-    attributes = getattr(child.span, "attributes", None) or {}
-    return str(attributes.get(telemetry.SPAWN_LOOP.name, "none"))
 
 
 def _spawned(child: _Child, pid: int, blocked: float) -> None:
     state = _state
     if state is None:
         return
-    _record_blocked(state, child, blocked)
-    child.span.set_attribute(telemetry.PROCESS_PID.name, pid)
-    state.active.add(1, _labels(child))
+    _record_blocked(state, child, blocked, pid)
+    state.active.add(1, child.name)
     child.spawned = True
     if child.exit_before_spawned is not None:
         _exited(child, child.exit_before_spawned)
@@ -158,7 +158,7 @@ def _spawn_failed(child: _Child, error: BaseException, blocked: float) -> None:
     _forget(child)
     state = _state
     if state is not None:
-        _record_blocked(state, child, blocked)
+        _record_blocked(state, child, blocked, None)
     child.span.set_attribute(telemetry.ERROR_TYPE.name, type(error).__qualname__)
     child.span.record_exception(error)
     child.span.set_status(Status(StatusCode.ERROR, f"spawn failed: {type(error).__qualname__}"))
@@ -174,24 +174,22 @@ def _exited(child: _Child, returncode: int) -> None:
     _forget(child)
     state = _state
     span = child.span
-    span.set_attribute(telemetry.PROCESS_EXIT_CODE.name, returncode)
-    labels = _labels(child)
+    attributes: dict[str, Any] = {telemetry.PROCESS_EXIT_CODE.name: returncode}
+    signal = None
     if returncode < 0:
-        name = signal_name(-returncode)
-        span.set_attributes({telemetry.EXIT_SIGNAL.name: name, telemetry.ERROR_TYPE.name: name})
-        span.set_status(Status(StatusCode.ERROR, f"killed by {name}"))
+        signal = signal_name(-returncode)
+        attributes[telemetry.EXIT_SIGNAL.name] = attributes[telemetry.ERROR_TYPE.name] = signal
+        span.set_status(Status(StatusCode.ERROR, f"killed by {signal}"))
         lived = perf_counter() - child.started
         if lived < EARLY_SIGNAL_SECONDS:
-            span.add_event("stallwatch.subprocess.early_signal", {telemetry.EXIT_SIGNAL.name: name, "seconds": lived})
-        exit_labels = {**labels, telemetry.EXIT_KIND.name: "signal", telemetry.EXIT_SIGNAL.name: name}
-    else:
-        if returncode:
-            span.set_attribute(telemetry.ERROR_TYPE.name, str(returncode))
-            span.set_status(Status(StatusCode.ERROR, f"exit code {returncode}"))
-        exit_labels = {**labels, telemetry.EXIT_KIND.name: "code"}
+            span.add_event("stallwatch.subprocess.early_signal", {telemetry.EXIT_SIGNAL.name: signal, "seconds": lived})
+    elif returncode:
+        attributes[telemetry.ERROR_TYPE.name] = str(returncode)
+        span.set_status(Status(StatusCode.ERROR, f"exit code {returncode}"))
+    span.set_attributes(attributes)
     if state is not None:
-        state.exits.add(1, exit_labels)
-        state.active.add(-1, labels)
+        state.exits.add(1, child.name, "signal" if signal else "code", signal)
+        state.active.add(-1, child.name)
     span.end()
     if child.observer is not None:
         child.observer(returncode)
@@ -522,11 +520,12 @@ class SubprocessInstrumentor(BaseInstrumentor):  # type: ignore[misc]
             return
         meter_ = meter(kwargs.get("meter_provider"))
         FAULTS.bind(meter_)
+        spawn_duration = Deferred(meter_, telemetry.SUBPROCESS_SPAWN_DURATION)
         _state = _State(
             tracer=trace.get_tracer(telemetry.INSTRUMENTATION_SCOPE, __version__, kwargs.get("tracer_provider")),
-            spawn_duration=instrument(meter_, telemetry.SUBPROCESS_SPAWN_DURATION),
-            exits=instrument(meter_, telemetry.SUBPROCESS_EXITS),
-            active=instrument(meter_, telemetry.SUBPROCESS_ACTIVE),
+            spawn_duration=spawn_duration,
+            exits=Counts(meter_, telemetry.SUBPROCESS_EXITS),
+            active=Counts(meter_, telemetry.SUBPROCESS_ACTIVE, before=spawn_duration.drain),
             record_args=settings.record_args,
             patterns=settings.scrub_patterns,
             propagate=settings.propagate_to_children,
