@@ -15,8 +15,9 @@ Layers, each meant to catch what another misses (the policy is to leak nothing, 
 sometimes hiding a harmless value):
 
 1. Shapes anywhere in an argument: URL user-info, `user:pass@host`, `Bearer`/`Basic` credentials,
-   JWTs, AWS access key ids, GitHub/GitLab/Slack/... tokens, PEM private keys, long high-entropy
-   hex/base64 runs, and `name=value` / `name: value` pairs whose name is secret.
+   SQL `PASSWORD '...'` literals, JWTs, AWS access key ids, GitHub/GitLab/Slack/... tokens, PEM
+   private keys, long high-entropy hex/base64 runs, and `name=value` / `name: value` pairs whose
+   name is secret.
 2. Structure, word by word (shell quoting understood, so a shell command string is scrubbed like an
    argv): `--name=value`, `--name value`, `KEY=VALUE`, `Header: value`, ssh identity files, and
    per-program short options (`sshpass -p`, `docker login -p`, `curl -u`, `mysql -p...`, ...).
@@ -24,6 +25,7 @@ sometimes hiding a harmless value):
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import math
@@ -40,7 +42,7 @@ REDACTED = "[REDACTED]"
 TRUNCATED = "...[truncated]"
 UNSCRUBBABLE = "[arguments could not be scrubbed]"  # the whole result if scrubbing itself failed
 
-_SCAN_CHARS = 4096  # an argument is cut to this many characters (at a word boundary) before scrubbing
+_SCAN_CHARS = 2 * MAX_ARG_CHARS  # an argument is cut to this many characters (at a word boundary) first
 _MAX_DEPTH = 8  # nesting of quoted words / KEY=VALUE values; deeper text is redacted whole
 
 # Actions for the value of a secret-named option or key.
@@ -125,13 +127,11 @@ _SSH_FLAGS_WITH_VALUE = "BbcDEeFIiJLlmOoPpQRSWw"
 
 # ---- layer 1: shapes anywhere in an argument ----------------------------------------------------
 
-_SCHEME = r"[A-Za-z][A-Za-z0-9+.\-]*://"
-_URL_USERINFO = re.compile(rf"({_SCHEME})[^\s/?#]*@")
-# A password holding an unencoded / ? or #: the URL is broken, but the password must still go.
-_URL_BROKEN_USERINFO = re.compile(rf"({_SCHEME})[^\s/?#@:]*:[^\s@]*?[/?#][^\s@]*@")
+_SCHEME = re.compile(r"(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]*://")
 _BARE_USERINFO = re.compile(r"(?<![\w.%+\-/:@\[])[\w.%+\-~]+:[^\s@/]+@(?!sha\d+:)(?=[\w\[])")
 _PEM = re.compile(r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----.*?(?:-----END [A-Z0-9 ]*PRIVATE KEY-----|\Z)", re.S)
 _AUTH_SCHEME = re.compile(r"(?i)(?<![A-Za-z0-9])(bearer|basic)(\s+)[^\s'\"]+")
+_SQL_PASSWORD = re.compile(r"(?i)(?<![\w-])(password|identified\s+by)(\s+)'(?:[^']|'')*'?")  # ... PASSWORD 'x'
 _TOKENS = re.compile(
     r"eyJ[A-Za-z0-9_-]{4,}\.[A-Za-z0-9_-]{4,}(?:\.[A-Za-z0-9_-]*)*"  # JWT (JWS, JWE)
     r"|(?<![A-Za-z0-9])(?:AKIA|ASIA|ABIA|ACCA)[0-9A-Z]{16}(?![A-Za-z0-9])"  # AWS access key id
@@ -155,7 +155,8 @@ _VALUE = re.compile(r"\"(?:[^\"\\]|\\.)*\"?|'[^']*'?|[^\s,;&'\"]+", re.S)
 
 # ---- layer 2: words ---------------------------------------------------------------------------
 
-_WORD = re.compile(r"\s+|(?:[^\s'\"]|'[^']*'?|\"(?:[^\"\\]|\\.)*\"?)+", re.S)  # shell words and the space between
+# Shell words, and what separates them: white space and unquoted operators (`;`, `&&`, `|`, `>`, ...).
+_WORD = re.compile(r"(?P<gap>\s+|[;&|<>()]+)|(?:[^\s'\"\\;&|<>()]|\\.?|'[^']*'?|\"(?:[^\"\\]|\\.)*\"?)+", re.S)
 _PAIR = re.compile(r"(?P<dash>-{0,2})(?P<name>[A-Za-z_][A-Za-z0-9_.\-]*)=(?P<value>.*)", re.S)
 _OPTION = re.compile(r"(?P<dash>-{1,2})(?P<name>[A-Za-z0-9][A-Za-z0-9_.\-]*)")
 _SHORT = re.compile(r"-(?P<letter>[A-Za-z0-9])(?P<rest>.*)", re.S)
@@ -168,7 +169,7 @@ _HTPASSWD_BATCH = re.compile(r"-[A-Za-z]*b[A-Za-z]*")
 _ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*", re.S)
 _SPACE = re.compile(r"\s")
 _QUOTED = re.compile(r"'[^']*'|\"(?:[^\"\\]|\\.)*\"", re.S)
-_PATH_LIKE = re.compile(r"[~.]|.*/|.*\.(?:pem|key|ppk)$|id_", re.S)
+_PATH_LIKE = re.compile(r"[~.]|.*/|.*\.(?:pem|key|ppk)$|id_", re.S)  # `-i` outside ssh: a value like a key file
 
 
 @dataclass
@@ -185,17 +186,23 @@ class _State:
     def kind(self, name: str, dashed: bool = False) -> str:
         """The action for the value of an option or key called `name` ('' when it is not secret)."""
         name = name.lstrip("-")
-        lower = name.lower()
-        normal = re.sub(r"[-_.]", "", lower)
-        if normal in _NOT_SECRET:
-            return ""
-        if _IDENTITY_NAME.fullmatch(normal):
-            return _IDENTITY
-        if dashed and normal in _USER_OPTIONS:
-            return _USER
-        if _SECRET_NAME.search(lower) or any(pattern.search(name) for pattern in self.extra):
+        kind = _builtin_kind(name, dashed)
+        if not kind and any(pattern.search(name) for pattern in self.extra):
             return _SECRET
+        return kind
+
+
+@functools.lru_cache(maxsize=1024)
+def _builtin_kind(name: str, dashed: bool) -> str:
+    lower = name.lower()
+    normal = re.sub(r"[-_.]", "", lower)
+    if normal in _NOT_SECRET:
         return ""
+    if _IDENTITY_NAME.fullmatch(normal):
+        return _IDENTITY
+    if dashed and normal in _USER_OPTIONS:
+        return _USER
+    return _SECRET if _SECRET_NAME.search(lower) else ""
 
 
 def executable_name(program: object) -> str:
@@ -212,7 +219,7 @@ def executable_name(program: object) -> str:
         text, _ = _to_text(program)
         words: Iterable[str] = [text]
         if _SPACE.search(text):  # a shell command
-            words = (_unquote(match.group()) for match in _WORD.finditer(text) if not match.group().isspace())
+            words = (_unquote(match.group()) for match in _WORD.finditer(text) if not match["gap"])
         first = next((word for word in words if not _ASSIGNMENT.fullmatch(word)), "")
         first = _userinfo(first).rstrip("/")
         return first.rpartition("/")[2][:MAX_NAME_CHARS] or "?"
@@ -224,7 +231,7 @@ def compile_patterns(text: str, setting: str = "STALLWATCH_SCRUB_PATTERNS") -> t
     """Extra secret-name patterns from a setting: comma-separated regular expressions (so none may contain a
     comma), matched case-insensitively against option / KEY names. Empty string -> (). An invalid regex raises
     ValueError whose message names `setting` and the bad pattern."""
-    patterns = []
+    patterns: list[re.Pattern[str]] = []
     for part in text.split(","):
         source = part.strip()
         if not source:
@@ -242,7 +249,8 @@ def scrub_args(args: Sequence[object], extra: Sequence[re.Pattern[str]] = ()) ->
     Arguments may be str, bytes (decoded with backslashreplace), os.PathLike or anything else (str()'d).
     At most `MAX_ARGS` elements come back (the last then says how many more there were), each at most
     `MAX_ARG_CHARS` characters. argv[0] is kept as is apart from URL user-info, unless it holds white space
-    (a shell command string), which is scrubbed like any argument. `extra` adds secret-name patterns.
+    (a shell command string) or looks like an option or `NAME=value` rather than a program: then it is
+    scrubbed like any argument. `extra` adds secret-name patterns (see `compile_patterns`).
     """
     try:
         return _scrub(args, extra)
@@ -281,20 +289,20 @@ def _iterate(values: object) -> Iterable[object]:
 
 def _to_text(value: object) -> tuple[str, bool]:
     """The argument as text of at most `_SCAN_CHARS` characters, and whether it was cut."""
-    if isinstance(value, os.PathLike):
-        value = os.fspath(value)
     beyond = False  # bytes left undecoded
-    if isinstance(value, str):
-        text = str.__str__(value)
-    elif isinstance(value, (bytes, bytearray, memoryview)):
-        raw = memoryview(value).cast("B")
-        text = raw[: _SCAN_CHARS * 4].tobytes().decode("utf-8", "backslashreplace")
-        beyond = len(raw) > _SCAN_CHARS * 4
-    else:
-        try:
-            text = str(value)
-        except Exception:
-            text = "?"
+    try:
+        if isinstance(value, os.PathLike):
+            value = os.fspath(value)
+        if isinstance(value, str):
+            text = str.__str__(value)
+        elif isinstance(value, (bytes, bytearray, memoryview)):
+            raw = memoryview(value).cast("B")
+            text = raw[: _SCAN_CHARS * 4].tobytes().decode("utf-8", "backslashreplace")
+            beyond = len(raw) > _SCAN_CHARS * 4
+        else:
+            text = str.__str__(str(value))
+    except Exception:  # a hostile __str__ / __fspath__, a memoryview that cannot be cast
+        text = "?"
     cut = beyond or len(text) > _SCAN_CHARS
     if cut:
         # Never keep the start of a cut word: it may be half a secret that no rule recognises any more.
@@ -313,9 +321,10 @@ def _argument(index: int, value: object, state: _State) -> str:
         return REDACTED
     if state.pending:
         action, state.pending = state.pending, ""
-        if not _OPTION_LIKE.fullmatch(text):
+        consumed = _consume(action, text)
+        if consumed is not None:
             state.previous = ""
-            return _limit(_apply(action, text), cut)
+            return _limit(consumed, cut)
     if index == 0 and not (_SPACE.search(text) or _PAIR.match(text) or text.startswith("-")):
         state.program = _PROGRAMS.get(text.rpartition("/")[2].lower(), "")
         return _limit(_userinfo(text), cut)
@@ -355,15 +364,38 @@ def _whole_value(text: str, state: _State) -> str | None:
 
 
 def _userinfo(text: str) -> str:
-    text = _URL_BROKEN_USERINFO.sub(rf"\1{REDACTED}@", text)
-    text = _URL_USERINFO.sub(rf"\1{REDACTED}@", text)
-    return _BARE_USERINFO.sub(f"{REDACTED}@", text)
+    """Remove the user-info of URLs (`scheme://user:password@host`) and of bare `user:password@host`."""
+    if "@" not in text:
+        return text
+    parts: list[str] = []
+    position = 0
+    for scheme in _SCHEME.finditer(text):
+        start = scheme.end()
+        if start < position:
+            continue
+        space = _SPACE.search(text, start)
+        at = _userinfo_end(text[start : space.start() if space else len(text)])
+        if at >= 0:
+            parts += [text[position:start], REDACTED]
+            position = start + at
+    parts.append(text[position:])
+    return _BARE_USERINFO.sub(f"{REDACTED}@", "".join(parts))
+
+
+def _userinfo_end(url: str) -> int:
+    """Where the user-info of `url` (what follows `scheme://`) ends at an `@`; -1 if it has none."""
+    authority = min((i for i in (url.find("/"), url.find("?"), url.find("#")) if i >= 0), default=len(url))
+    at = url.rfind("@", 0, authority)  # the last @: an unencoded @ in the password stays in the user-info
+    if at < 0 and ":" in url[:authority]:
+        at = url.find("@", authority)  # an unencoded / ? or # in the password: a broken URL, redacted all the same
+    return at
 
 
 def _inline(text: str, state: _State) -> str:
     text = _PEM.sub(REDACTED, text)
     text = _userinfo(text)
     text = _AUTH_SCHEME.sub(lambda match: match[1] + match[2] + REDACTED, text)
+    text = _SQL_PASSWORD.sub(lambda match: match[1] + match[2] + REDACTED, text)
     text = _TOKENS.sub(REDACTED, text)
     text = _HEX.sub(_hex_blob, text)
     text = _BLOB.sub(_base64_blob, text)
@@ -393,7 +425,7 @@ def _entropy(text: str) -> float:
 
 def _named_values(text: str, pattern: re.Pattern[str], state: _State) -> str:
     """Redact the value after each secret-named `name=` / `name:` in `text`."""
-    parts = []
+    parts: list[str] = []
     position = 0
     for match in pattern.finditer(text):
         if match.start() < position or state.kind(match["name"]) != _SECRET:
@@ -420,9 +452,12 @@ def _text(text: str, state: _State, depth: int) -> str:
             return text[: header.start("value")] + REDACTED
         state.pending = _SECRET
         return text
-    return "".join(
-        word if word.isspace() else _word(word, state, depth) for word in (m.group() for m in _WORD.finditer(text))
-    )
+    parts: list[str] = []
+    for match in _WORD.finditer(text):
+        if match["gap"] and not match["gap"].isspace():
+            state.pending = ""  # `--password; next-command`: the option got no value
+        parts.append(match.group() if match["gap"] else _word(match.group(), state, depth))
+    return "".join(parts)
 
 
 def _word(raw: str, state: _State, depth: int) -> str:
@@ -431,9 +466,10 @@ def _word(raw: str, state: _State, depth: int) -> str:
     plain = _unquote(raw)
     if state.pending:
         action, state.pending = state.pending, ""
-        if not _OPTION_LIKE.fullmatch(plain):
+        consumed = _consume(action, plain)
+        if consumed is not None:
             state.previous = ""
-            return _apply(action, plain)
+            return consumed
     result = _rules(raw, plain, state, depth)
     state.previous = plain.lower()
     return result
@@ -483,7 +519,11 @@ def _short_option(plain: str, state: _State, depth: int) -> str | None:
         return None
     letter, rest = match["letter"], match["rest"]
     if state.program == "ssh":
-        return _ssh_cluster(plain, state, depth)
+        scrubbed = _ssh_cluster(plain, state, depth)
+        option = _OPTION.fullmatch(plain)
+        if scrubbed is not None and option:  # also a secret option of a remote command? (`ssh h cmd -sig X`)
+            _option(option, state)
+        return scrubbed
     if letter == "i":  # an identity file outside ssh's own options: only values that look like paths
         if not rest:
             state.pending = _MAYBE_IDENTITY
@@ -546,14 +586,25 @@ def _option(option: re.Match[str], state: _State) -> None:
         return
     if re.sub(r"[-_.]", "", lower) in _VALUELESS:
         return
-    state.pending = state.kind(name, True)
+    state.pending = state.kind(name, True) or state.pending
+
+
+def _consume(action: str, value: str) -> str | None:
+    """`value` as the value of the previous word's option, scrubbed by `action`; None if it is not that value
+    (it looks like another option, a `-i` value is no path, a `-u` value no `user:password`), leaving it to
+    the other rules."""
+    if _OPTION_LIKE.fullmatch(value):
+        return None
+    if action == _MAYBE_IDENTITY and not _PATH_LIKE.match(value):
+        return None
+    if action == _USER and ":" not in value:
+        return None
+    return _apply(action, value)
 
 
 def _apply(action: str, value: str) -> str:
-    if action == _IDENTITY:
+    if action in (_IDENTITY, _MAYBE_IDENTITY):
         return _fingerprint(value)
-    if action == _MAYBE_IDENTITY:  # `-i` outside ssh: only a value that looks like a file path
-        return _fingerprint(value) if _PATH_LIKE.match(value) else value
     if action == _USER:
         user, colon, _ = value.partition(":")
         return user + colon + REDACTED if colon else value
@@ -562,7 +613,7 @@ def _apply(action: str, value: str) -> str:
 
 def _fingerprint(path: str) -> str:
     """`key:` and 12 hex digits of the SHA-256 of the file name: the same key is recognisable, its path is not."""
-    path = _unquote(path.strip()).rstrip("/")
+    path = path.strip().strip("'\"").rstrip("/")
     name = path.rpartition("/")[2] or path
     return "key:" + hashlib.sha256(name.encode("utf-8", "backslashreplace")).hexdigest()[:12]
 
