@@ -238,7 +238,7 @@ def shutdown(timeout: float | None = None) -> bool:
     if session is not None and session.settings is not None and session.settings.instrument_subprocess:
         from .instrument import subprocess as subprocess_instrumentation
 
-        subprocess_instrumentation.end_open_spans()
+        subprocess_instrumentation.end_open_spans()  # and builds the spans still waiting
     if session is None or session._pipeline is None:
         return True
     if timeout is None:

@@ -77,6 +77,7 @@ def _loop() -> None:
         time.sleep(SETTINGS.interval)
         try:
             check()
+            ex.drain_histograms()
         except Exception:
             FAULTS.record("wedge detector", "STALLWATCH_INSTRUMENT_EXECUTOR")
 

@@ -40,7 +40,7 @@ from opentelemetry.trace import Span, Status, StatusCode
 
 from .. import interrupt, telemetry
 from .. import timeout as execution_timeouts
-from ._common import FAULTS, instrument, meter
+from ._common import FAULTS, Deferred, instrument, meter
 
 SETTING = "STALLWATCH_INSTRUMENT_EXECUTOR"
 _log = logging.getLogger("stallwatch")
@@ -134,6 +134,7 @@ EXECUTORS: weakref.WeakSet[ThreadPoolExecutor] = weakref.WeakSet()
 _current_item: dict[int, ItemRecord] = {}  # worker thread ident -> the item it runs
 _death_causes: dict[int, BaseException] = {}
 _instruments: dict[str, Any] = {}
+_deferred: list[Deferred] = []
 _tracer: trace.Tracer | None = None
 
 
@@ -159,6 +160,16 @@ def _add(metric: telemetry.Metric, value: float, attributes: dict[str, str]) -> 
         instrument_.record(value, attributes)
     else:
         instrument_.add(value, attributes)
+
+
+def drain_histograms() -> None:
+    """Hand the queue/run durations waiting since the last drain to the SDK histograms.
+
+    Called every wedge check (0.5 s) and before each metric collection: a work item only appends
+    its two durations to a deque (well under 1 µs), instead of two SDK `record()` calls (4-10 µs).
+    """
+    for deferred in _deferred:
+        deferred.drain()
 
 
 # ---- wrappers -----------------------------------------------------------------------------------
@@ -236,8 +247,6 @@ def _finish(record: ItemRecord, token: object) -> None:
         execution_timeouts.item_finished(record)
         attributes = record.executor.attributes
         run_seconds = time.monotonic() - (record.started or record.submitted)
-        # Both histograms are recorded here, after the item's future is resolved: the SDK's
-        # record() (~2-4 us each) is then off the path between submit and result.
         _add(telemetry.EXECUTOR_QUEUE_DURATION, (record.started or record.submitted) - record.submitted, attributes)
         _add(telemetry.EXECUTOR_RUN_DURATION, run_seconds, attributes)
         if record.span is not None:
@@ -312,6 +321,7 @@ def _observe_workers(options: CallbackOptions) -> Iterable[Observation]:
 
 
 def _observe_pending(options: CallbackOptions) -> Iterable[Observation]:
+    drain_histograms()  # before the SDK reads the histograms of this collection
     for executor in list(EXECUTORS):
         state = state_of(executor)
         if state is not None:
@@ -360,9 +370,15 @@ class ExecutorInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         meter_ = meter(kwargs.get("meter_provider"))
         FAULTS.bind(meter_)
         _tracer = trace.get_tracer(telemetry.INSTRUMENTATION_SCOPE, tracer_provider=kwargs.get("tracer_provider"))
+        _deferred[:] = [
+            Deferred(meter_, telemetry.EXECUTOR_QUEUE_DURATION),
+            Deferred(meter_, telemetry.EXECUTOR_RUN_DURATION),
+        ]
+        for deferred, metric in zip(
+            _deferred, (telemetry.EXECUTOR_QUEUE_DURATION, telemetry.EXECUTOR_RUN_DURATION), strict=True
+        ):
+            _instruments[metric.name] = deferred
         for metric in (
-            telemetry.EXECUTOR_QUEUE_DURATION,
-            telemetry.EXECUTOR_RUN_DURATION,
             telemetry.EXECUTOR_WORKER_DEATHS,
             telemetry.EXECUTOR_ORPHANED,
             telemetry.EXECUTOR_HEALED,
@@ -392,6 +408,8 @@ class ExecutorInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         logging.getLogger("concurrent.futures").removeFilter(_DEATH_FILTER)
         interrupt.uninstall()
         execution_timeouts.uninstall()
+        drain_histograms()
+        _deferred.clear()
         _instruments.clear()
         _tracer = None
 

@@ -35,12 +35,14 @@ import subprocess
 import sys
 import threading
 import weakref
+from collections import deque
 from collections.abc import Callable, Collection, Coroutine, Generator, Mapping, Sequence
 from dataclasses import dataclass
-from time import perf_counter
+from time import perf_counter, sleep, time_ns
 from typing import Any
 
 import wrapt
+from opentelemetry import context as context_api
 from opentelemetry import propagate, trace
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]
 from opentelemetry.instrumentation.utils import unwrap
@@ -65,18 +67,26 @@ _LOOP_METHODS = ("subprocess_exec", "subprocess_shell")
 
 
 class _Child:
-    """One spawned child and its span, from the spawn call until it is reaped."""
+    """One spawned child: what its span will say, gathered from the spawn call until it is reaped."""
 
     __slots__ = (
-        "blocked", "done", "exit_before_spawned", "loop", "method", "name", "observer", "span", "spawned", "started",
+        "attributes", "blocked", "done", "end_ns", "error", "events", "exit_before_spawned", "loop", "method", "name",
+        "observer", "parent", "span", "spawned", "start_ns", "started", "status",
     )  # fmt: skip
 
-    def __init__(self, span: trace.Span, name: str, loop: str, method: str) -> None:
-        self.span = span
+    def __init__(self, name: str, loop: str, method: str, attributes: dict[str, Any]) -> None:
         self.name = name
         self.loop = loop
         self.method = method
+        self.attributes = attributes
+        self.parent = context_api.get_current()
+        self.start_ns = time_ns()
         self.started = perf_counter()
+        self.end_ns = 0
+        self.span: trace.Span | None = None  # built eagerly only when TRACEPARENT must reach the child
+        self.events: list[tuple[str, dict[str, Any], int]] = []
+        self.status: Status | None = None
+        self.error: BaseException | None = None
         self.blocked = 0.0
         self.spawned = False
         self.done = False
@@ -108,6 +118,81 @@ def _fault() -> None:
     FAULTS.record(COMPONENT, SETTING)
 
 
+# ---- building spans off the calling thread -------------------------------------------------------
+
+
+class _SpanBuilder:
+    """Turns finished children into spans on its own thread, every `INTERVAL` seconds.
+
+    Building an SDK span (attribute checks, locks, ids, the processor hand-off) costs 30-60 µs on
+    the calling thread, which under uvloop is the event loop. The calling thread only records plain
+    facts, and this thread builds each span with the original timestamps and parent context.
+    The thread starts on first use in each process (a fork child that lives on starts its own),
+    never in a fork handler. `flush()` builds what is waiting, in the caller's thread (at shutdown).
+    """
+
+    INTERVAL = 0.05
+
+    def __init__(self) -> None:
+        self._ready: deque[_Child] = deque()
+        self._lock = threading.Lock()
+        self._pid = 0
+
+    def submit(self, child: _Child) -> None:
+        self._ready.append(child)
+        if self._pid != os.getpid():
+            self._start()
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._pid == os.getpid():
+                return
+            self._pid = os.getpid()
+            self._lock = threading.Lock()
+        threading.Thread(target=self._run, name="stallwatch-spawn-spans", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            sleep(self.INTERVAL)
+            self.flush()
+
+    def flush(self) -> None:
+        state = _state
+        ready = self._ready
+        while ready:
+            child = ready.popleft()
+            try:
+                _build(child, state)
+            except Exception:
+                _fault()
+
+
+def _build(child: _Child, state: _State | None) -> None:
+    span = child.span
+    if span is None:
+        if state is None:
+            return
+        span = state.tracer.start_span(
+            child.name, context=child.parent, kind=SpanKind.CLIENT, start_time=child.start_ns
+        )
+    span.set_attributes(child.attributes)
+    for name, attributes, timestamp in child.events:
+        span.add_event(name, attributes, timestamp)
+    if child.error is not None:
+        span.record_exception(child.error, timestamp=child.end_ns)
+    if child.status is not None:
+        span.set_status(child.status)
+    span.end(end_time=child.end_ns)
+
+
+_BUILDER = _SpanBuilder()
+
+
+def flush_spans() -> None:
+    """Build the spans of every child that ended, now (stallwatch's shutdown calls it)."""
+    _BUILDER.flush()
+
+
 # ---- the child's life: begin, spawned, exited ----------------------------------------------------
 
 
@@ -121,7 +206,11 @@ def _begin(state: _State, program: object, argv: Sequence[object], loop: str, me
     }
     if state.record_args:
         attributes[telemetry.PROCESS_COMMAND_ARGS.name] = scrub.scrub_args(argv, state.patterns)
-    child = _Child(state.tracer.start_span(name, kind=SpanKind.CLIENT, attributes=attributes), name, loop, method)
+    child = _Child(name, loop, method, attributes)
+    if state.propagate:
+        child.span = state.tracer.start_span(
+            name, context=child.parent, kind=SpanKind.CLIENT, start_time=child.start_ns
+        )
     with _open_lock:
         _open[id(child)] = child
     return child
@@ -129,10 +218,11 @@ def _begin(state: _State, program: object, argv: Sequence[object], loop: str, me
 
 def _record_blocked(state: _State, child: _Child, blocked: float, pid: int | None) -> None:
     child.blocked = blocked
-    attributes: dict[str, Any] = {telemetry.SPAWN_BLOCKED.name: blocked, telemetry.SPAWN_METHOD.name: child.method}
+    attributes = child.attributes
+    attributes[telemetry.SPAWN_BLOCKED.name] = blocked
+    attributes[telemetry.SPAWN_METHOD.name] = child.method
     if pid is not None:
         attributes[telemetry.PROCESS_PID.name] = pid
-    child.span.set_attributes(attributes)
     state.spawn_duration.record(
         blocked,
         {
@@ -159,10 +249,11 @@ def _spawn_failed(child: _Child, error: BaseException, blocked: float) -> None:
     state = _state
     if state is not None:
         _record_blocked(state, child, blocked, None)
-    child.span.set_attribute(telemetry.ERROR_TYPE.name, type(error).__qualname__)
-    child.span.record_exception(error)
-    child.span.set_status(Status(StatusCode.ERROR, f"spawn failed: {type(error).__qualname__}"))
-    child.span.end()
+    child.attributes[telemetry.ERROR_TYPE.name] = type(error).__qualname__
+    child.error = error
+    child.status = Status(StatusCode.ERROR, f"spawn failed: {type(error).__qualname__}")
+    child.end_ns = time_ns()
+    _BUILDER.submit(child)
 
 
 def _exited(child: _Child, returncode: int) -> None:
@@ -173,24 +264,25 @@ def _exited(child: _Child, returncode: int) -> None:
         return
     _forget(child)
     state = _state
-    span = child.span
-    attributes: dict[str, Any] = {telemetry.PROCESS_EXIT_CODE.name: returncode}
+    attributes = child.attributes
+    attributes[telemetry.PROCESS_EXIT_CODE.name] = returncode
     signal = None
+    child.end_ns = time_ns()
     if returncode < 0:
         signal = signal_name(-returncode)
         attributes[telemetry.EXIT_SIGNAL.name] = attributes[telemetry.ERROR_TYPE.name] = signal
-        span.set_status(Status(StatusCode.ERROR, f"killed by {signal}"))
+        child.status = Status(StatusCode.ERROR, f"killed by {signal}")
         lived = perf_counter() - child.started
         if lived < EARLY_SIGNAL_SECONDS:
-            span.add_event("stallwatch.subprocess.early_signal", {telemetry.EXIT_SIGNAL.name: signal, "seconds": lived})
+            event = {telemetry.EXIT_SIGNAL.name: signal, "seconds": lived}
+            child.events.append(("stallwatch.subprocess.early_signal", event, child.end_ns))
     elif returncode:
         attributes[telemetry.ERROR_TYPE.name] = str(returncode)
-        span.set_status(Status(StatusCode.ERROR, f"exit code {returncode}"))
-    span.set_attributes(attributes)
+        child.status = Status(StatusCode.ERROR, f"exit code {returncode}")
     if state is not None:
         state.exits.add(1, child.name, "signal" if signal else "code", signal)
         state.active.add(-1, child.name)
-    span.end()
+    _BUILDER.submit(child)
     if child.observer is not None:
         child.observer(returncode)
 
@@ -202,24 +294,28 @@ def _forget(child: _Child) -> None:
 
 
 def end_open_spans() -> int:
-    """End the spans of children still running (called at shutdown); returns how many."""
+    """End the spans of children still running and build every span waiting (called at shutdown).
+
+    Returns how many children were still running.
+    """
     with _open_lock:
         children = list(_open.values())
         _open.clear()
+    now = time_ns()
     for child in children:
-        try:
-            child.done = True
-            child.span.set_attribute(telemetry.RUNNING_AT_SHUTDOWN.name, True)
-            child.span.end()
-        except Exception:
-            _fault()
+        child.done = True
+        child.attributes[telemetry.RUNNING_AT_SHUTDOWN.name] = True
+        child.end_ns = now
+        _BUILDER.submit(child)
+    _BUILDER.flush()
     return len(children)
 
 
 def _environment_with_context(env: Mapping[Any, Any] | None, child: _Child) -> dict[Any, Any]:
     """A copy of `env` (default `os.environ`) with the child span's W3C context as `TRACEPARENT`..."""
     carrier: dict[str, str] = {}
-    propagate.inject(carrier, context=trace.set_span_in_context(child.span))
+    if child.span is not None:
+        propagate.inject(carrier, context=trace.set_span_in_context(child.span))
     base = dict(os.environ if env is None else env)
     as_bytes = bool(base) and all(isinstance(key, bytes) for key in base)
     for key, value in carrier.items():
@@ -482,7 +578,7 @@ def _loop_wrapper(loop: str, shell: bool) -> Callable[..., Coroutine[Any, Any, A
         _in_loop_spawn.reset(token)
         try:
             if loop == "uvloop" and (reason := _fallback_reason()) is not None:
-                child.span.set_attribute(telemetry.SPAWN_FALLBACK.name, reason)
+                child.attributes[telemetry.SPAWN_FALLBACK.name] = reason
             _spawned(child, result[0].get_pid(), timed.blocked)
         except Exception:
             _fault()
