@@ -231,3 +231,29 @@ def test_a_pool_with_no_live_worker_is_reported_stalled_and_sent_to_sentry(telem
     assert any("orphaned_item" in (m or "") for m in result["sentry"])
     logs = (telemetry_dir / "logs.jsonl").read_text() if (telemetry_dir / "logs.jsonl").exists() else ""
     assert "wedge queue_stalled" in proc.stderr + logs
+
+
+def test_the_oldest_pending_item_age_is_reported_per_executor(telemetry_dir):
+    proc = run_python(
+        f"""
+        import threading, time
+        from concurrent.futures import ThreadPoolExecutor
+        import stallwatch
+        stallwatch.setup(file_dir={str(telemetry_dir)!r}, watchdog=False, metric_export_interval_ms=3600000)
+        release = threading.Event()
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="busy")
+        idle = ThreadPoolExecutor(max_workers=1, thread_name_prefix="idle")
+        idle.submit(lambda: None).result()
+        pool.submit(release.wait)
+        waiting = pool.submit(lambda: "second")
+        time.sleep(1.2)
+        stallwatch.shutdown(10)  # collects while the second item still waits
+        release.set()
+        print(waiting.result())
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["second"]
+    ages = {attrs(p)["stallwatch.executor.name"]: p["asDouble"] for p in
+            metric_points(telemetry_dir / "metrics.jsonl", "stallwatch.executor.pending.oldest_age")}  # fmt: skip
+    assert 1.1 <= ages["busy"] < 30 and ages["idle"] == 0

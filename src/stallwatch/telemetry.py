@@ -195,6 +195,11 @@ EXECUTOR_PENDING = Metric(
     "stallwatch.executor.pending", "observable_updowncounter", "{item}",
     "Items submitted and not started yet (the executor's queue length).", (EXECUTOR_NAME,),
 )  # fmt: skip
+EXECUTOR_OLDEST_PENDING = Metric(
+    "stallwatch.executor.pending.oldest_age", "observable_gauge", "s",
+    "How long the oldest item still waiting in the executor's queue has waited (0 when none waits).",
+    (EXECUTOR_NAME,),
+)  # fmt: skip
 EXECUTOR_RUNNING = Metric(
     "stallwatch.executor.running", "observable_updowncounter", "{item}",
     "Items a live worker is running now.", (EXECUTOR_NAME,),
@@ -330,6 +335,7 @@ METRICS: tuple[Metric, ...] = (
     EXECUTOR_QUEUE_DURATION,
     EXECUTOR_RUN_DURATION,
     EXECUTOR_PENDING,
+    EXECUTOR_OLDEST_PENDING,
     EXECUTOR_RUNNING,
     EXECUTOR_WORKERS,
     EXECUTOR_MAX_WORKERS,

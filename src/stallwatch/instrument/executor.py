@@ -117,6 +117,16 @@ class _AccountingQueue(queue.SimpleQueue):  # type: ignore[type-arg]
     def put_nowait(self, item: Any) -> None:
         self.put(item, block=False)
 
+    def oldest_pending_submitted(self) -> float | None:
+        """Monotonic submission time of the oldest item no worker has dequeued yet, or None."""
+        with _QUEUE_LOCK:
+            waiting_from = self.puts - self.qsize() - self.handed_out  # log index of the first waiting item
+            for index in range(max(waiting_from, 0), len(self.log)):
+                record = self.log[index]
+                if record is not None:
+                    return record.submitted
+        return None
+
     def take_handed_out(self) -> list[ItemRecord]:
         """Records of items a worker has dequeued since the last call (FIFO accounting)."""
         taken: list[ItemRecord] = []
@@ -328,6 +338,16 @@ def _observe_pending(options: CallbackOptions) -> Iterable[Observation]:
             yield Observation(executor._work_queue.qsize(), state.attributes)  # type: ignore[attr-defined]
 
 
+def _observe_oldest_pending(options: CallbackOptions) -> Iterable[Observation]:
+    now = time.monotonic()
+    for executor in list(EXECUTORS):
+        state = state_of(executor)
+        work_queue = getattr(executor, "_work_queue", None)
+        if state is not None and isinstance(work_queue, _AccountingQueue):
+            submitted = work_queue.oldest_pending_submitted()
+            yield Observation(0.0 if submitted is None else now - submitted, state.attributes)
+
+
 def _observe_running(options: CallbackOptions) -> Iterable[Observation]:
     running: dict[str, int] = {}
     for record in list(_current_item.values()):
@@ -387,6 +407,7 @@ class ExecutorInstrumentor(BaseInstrumentor):  # type: ignore[misc]
             _instruments[metric.name] = instrument(meter_, metric)
         instrument(meter_, telemetry.EXECUTOR_PENDING, _observe_pending)
         instrument(meter_, telemetry.EXECUTOR_RUNNING, _observe_running)
+        instrument(meter_, telemetry.EXECUTOR_OLDEST_PENDING, _observe_oldest_pending)
         instrument(meter_, telemetry.EXECUTOR_WORKERS, _observe_workers)
         instrument(meter_, telemetry.EXECUTOR_MAX_WORKERS, _observe_max_workers)
         interrupt.install(meter_, guard_raw_calls=settings.guard_async_exc)
