@@ -23,15 +23,17 @@ make_venv() {  # make_venv NAME PYTHON PIP-ARGS...
   "$VENVS/$name/bin/python" -m pip install -q --disable-pip-version-check "$@"
 }
 
-# Debian packages the tests run for real: sshd (SSH tunnel tests). Installed when missing and
-# possible (root with apt-get); otherwise those tests skip and say which package to install.
+# Debian packages the tests run for real: sshd (SSH tunnel tests), prometheus and promtool
+# (dashboards and alert rules). Installed when missing and possible (root with apt-get);
+# otherwise those tests skip and say which package to install.
 need=()
 [ -x /usr/sbin/sshd ] || need+=(openssh-server)
 command -v ssh >/dev/null || need+=(openssh-client)
+command -v promtool >/dev/null || need+=(prometheus)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     log "apt-get install ${need[*]}"
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
   else
     log "missing ${need[*]} (not root or no apt-get): the tests that need them will skip"
   fi
