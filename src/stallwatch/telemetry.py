@@ -122,6 +122,13 @@ FREEZE_CAUSE = Attribute(
     ("child_core_dump", "child_before_exec", "vfork_child", "blocked_syscall", "unknown"),
 )
 LOOP = Attribute("stallwatch.loop", "Event loop implementation.", ("uvloop", "asyncio"))
+TELEMETRY_SIGNAL = Attribute("stallwatch.telemetry.signal", "Which signal.", ("traces", "metrics", "logs"))
+DROP_REASON = Attribute(
+    "stallwatch.telemetry.drop_reason",
+    "Why telemetry was dropped: `queue_full` (the exporter fell behind), `export_failed` (the backend refused "
+    "or failed), `shutdown_timeout` (still queued when STALLWATCH_SHUTDOWN_TIMEOUT ran out).",
+    ("queue_full", "export_failed", "shutdown_timeout"),
+)
 INSTRUMENTATION_COMPONENT = Attribute(
     "stallwatch.component", "Which part of stallwatch failed (e.g. `executor`); its setting turns it off."
 )
@@ -274,6 +281,11 @@ LOOP_LAG = Metric(
     "stallwatch.loop.lag", "histogram", "s", "How late the main event loop ran a callback scheduled 100 ms ahead.",
     (LOOP,),
 )  # fmt: skip
+TELEMETRY_DROPPED = Metric(
+    "stallwatch.telemetry.dropped", "counter", "{item}",
+    "Spans, log records or metric exports that never reached the backend; the host was never held up for them.",
+    (TELEMETRY_SIGNAL, DROP_REASON),
+)  # fmt: skip
 INSTRUMENTATION_ERRORS = Metric(
     "stallwatch.instrumentation.errors", "counter", "{error}",
     "Failures inside stallwatch's own wrappers; the wrapped call went ahead unchanged.", (INSTRUMENTATION_COMPONENT,),
@@ -365,6 +377,7 @@ METRICS: tuple[Metric, ...] = (
     NEBIUS_CALLS_ACTIVE,
     CLOUD_RESOURCES_CREATED,
     CLOUD_RESOURCES_DELETED,
+    TELEMETRY_DROPPED,
     INSTRUMENTATION_ERRORS,
 )
 
