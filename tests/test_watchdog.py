@@ -67,16 +67,18 @@ def test_host_killed_during_a_freeze_is_recorded_and_the_watchdog_leaves(telemet
     watchdog_pid = json.loads(host.stdout.readline())["watchdog_pid"]
     time.sleep(2.5)  # frozen for ~2 s by now, as a load balancer's health check would find it
     host.send_signal(signal.SIGKILL)
-    host.wait(5)
     killed_at = time.monotonic()
+    # The host stays a zombie until we reap it: the watchdog reads its wait status from /proc meanwhile.
     while _running(watchdog_pid) and time.monotonic() - killed_at < 3:
         time.sleep(0.02)
     gone_after = time.monotonic() - killed_at
+    host.wait(5)
 
     assert gone_after < 1.0
     (span,) = freeze_spans(telemetry_dir / "traces.jsonl")
     assert attrs(span)["stallwatch.freeze.outcome"] == "host_killed"
     assert attrs(span)["stallwatch.freeze.kind"] == "gil_held"
+    assert attrs(span)["stallwatch.freeze.host.exit_signal"] == "SIGKILL"
 
 
 def _running(pid: int) -> bool:

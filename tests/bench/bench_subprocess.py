@@ -80,12 +80,14 @@ from bench_spawn import Ticker, p99, touch_memory, vm_rss_mb
 
 BLOCKED_CONFIGS = ("uvloop_native", "uvloop_vfork", "asyncio")
 OVERHEAD_CONFIGS = ("uninstrumented", "instrumented")
-SERIES = ("async_roundtrip", "sync_run")
+SERIES = ("async_spawn_call", "async_roundtrip", "sync_run")
 SERIES_TITLES = {
+    "async_spawn_call": "`await create_subprocess_exec(...)` alone, timed inside the same round trips (asyncio loop)",
     "async_roundtrip": "`await create_subprocess_exec(...)` + `await proc.wait()` (asyncio loop)",
     "sync_run": '`subprocess.run(["/bin/true"])`',
 }
-SERIES_LOOP = {"async_roundtrip": "asyncio", "sync_run": "none"}  # stallwatch.spawn.loop of their spans
+# stallwatch.spawn.loop of each series' spans
+SERIES_LOOP = {"async_spawn_call": "asyncio", "async_roundtrip": "asyncio", "sync_run": "none"}
 RSS_BYTES = {"rss0": 0, "rss1g": 1 << 30}
 WARMUPS = 10
 BASELINE = "uvloop_native"
@@ -148,15 +150,16 @@ async def spawn_series(spawns: int, ticker: Ticker) -> dict[str, Any]:
     }
 
 
-async def roundtrip_once() -> float:
-    """One spawn and wait for exit; returns the seconds of the whole round trip."""
+async def roundtrip_once() -> tuple[float, float]:
+    """One spawn and wait for exit; returns the seconds of the spawn call and of the whole round trip."""
     start = time.perf_counter()
     proc = await asyncio.create_subprocess_exec("/bin/true", **DEVNULL)
+    spawned = time.perf_counter() - start
     returncode = await proc.wait()
     elapsed = time.perf_counter() - start
     if returncode != 0:
         raise RuntimeError(f"/bin/true exited with {returncode}")
-    return elapsed
+    return spawned, elapsed
 
 
 def flush_spans() -> float:
@@ -181,9 +184,16 @@ async def roundtrip_series(samples: int) -> dict[str, Any]:
         await roundtrip_once()
     flush_spans()
     cpu = time.process_time()
-    times = [await roundtrip_once() * 1000 for _ in range(samples)]
+    pairs = [await roundtrip_once() for _ in range(samples)]
     cpu_ms = (time.process_time() - cpu) * 1000
-    return {"async_roundtrip_ms": times, **cpu_figures("async_roundtrip", samples, cpu_ms, flush_spans())}
+    figures = cpu_figures("async_roundtrip", samples, cpu_ms, flush_spans())
+    return {
+        "async_spawn_call_ms": [spawned * 1000 for spawned, _ in pairs],
+        "async_roundtrip_ms": [elapsed * 1000 for _, elapsed in pairs],
+        **figures,
+        # The spawn calls are part of the round trips: same CPU and spans.
+        **{key.replace("async_roundtrip", "async_spawn_call"): value for key, value in figures.items()},
+    }
 
 
 def run_once() -> float:

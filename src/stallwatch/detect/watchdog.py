@@ -165,6 +165,32 @@ class Freeze:
     diagnosis: Diagnosis
     snapshot: dict[str, Any]
     diagnosed_at: float = 0.0
+    host_exit: dict[str, Any] = field(default_factory=dict)
+
+
+def host_exit_status(pid: int) -> dict[str, Any]:
+    """How the host ended, read from its zombie's `/proc/PID/stat` (`exit_code`, field 52).
+
+    The watchdog is not the host's parent, so it cannot wait for it, and only ptrace (which would
+    stop the host at every signal) reports the exit otherwise. The kernel keeps the wait status in
+    the zombie until the parent reaps it. A parent that reaps at once (most process managers)
+    leaves nothing to read, and then the signal stays unknown (attribute absent).
+    """
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return {}
+    if len(fields) < 50 or fields[0] != "Z":
+        return {}
+    status = int(fields[49])
+    if os.WIFSIGNALED(status):
+        from ..instrument._common import signal_name
+
+        return {"stallwatch.freeze.host.exit_signal": signal_name(os.WTERMSIG(status))}
+    if os.WIFEXITED(status):
+        return {"stallwatch.freeze.host.exit_code": os.WEXITSTATUS(status)}
+    return {}
 
 
 def _spawn(freeze: Freeze) -> dict[str, Any]:
@@ -192,6 +218,7 @@ class Watchdog:
         finally:
             os.close(pidfd)
         if self.freeze is not None:
+            self.freeze.host_exit = host_exit_status(self.pid)
             self.thaw(outcome="host_killed")
 
     def check(self) -> None:
@@ -306,6 +333,7 @@ class FreezeTelemetry:
         attributes = (
             freeze.diagnosis.attributes()
             | _spawn(freeze)
+            | freeze.host_exit
             | {
                 "stallwatch.freeze.kind": freeze.kind,
                 "stallwatch.freeze.outcome": outcome,
