@@ -1,4 +1,4 @@
-"""The `stallwatch` command: `doctor` and `demo`."""
+"""The `stallwatch` command: `doctor`, `demo` and `postmortem`."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import importlib
 import json
 import sys
+import time
 from pathlib import Path
 
 import stallwatch
@@ -32,6 +33,32 @@ def _demo(args: argparse.Namespace) -> int:
         and result.forked_worker_span_exported
     )
     return 0 if healthy else 1
+
+
+def _postmortem(args: argparse.Namespace) -> int:
+    from . import postmortem
+
+    try:
+        now = time.time_ns()
+        since = postmortem.parse_time(args.since, now) if args.since else None
+        until = postmortem.parse_time(args.until, now) if args.until else None
+        directory = Path(args.dir) if args.dir else (None if args.files else Path(args.default_dir))
+        result = postmortem.timeline(directory, [Path(f) for f in args.files], since, until)
+    except postmortem.InputError as error:
+        print(f"stallwatch postmortem: {error}", file=sys.stderr)
+        return 2
+    render = {"text": postmortem.format_text, "json": postmortem.format_json, "html": postmortem.format_html}
+    output = render[args.format](result)
+    if args.out:
+        try:
+            Path(args.out).write_text(output, encoding="utf-8")
+        except OSError as error:
+            print(f"stallwatch postmortem: cannot write {args.out}: {error.strerror or error}", file=sys.stderr)
+            return 2
+        print(f"stallwatch postmortem: {len(result.events)} events; report written to {args.out}")
+    else:
+        sys.stdout.write(output)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,6 +89,26 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--probes", type=int, default=20, help="health probes to serve (default: %(default)s)")
     demo.add_argument("--json", action="store_true", help="print the result as JSON")
     demo.set_defaults(run=_demo)
+
+    from .config import Settings
+
+    post = commands.add_parser(
+        "postmortem",
+        help="print an incident timeline from the telemetry files",
+        description="Freezes, spawns around them, SSH failures, Nebius calls and leak candidates, executor "
+        "wedges and timeouts, in time order, from the file exporter's OTLP/JSON files or OTLP/JSON files "
+        "exported from a trace backend.",
+    )
+    post.add_argument("--dir", help="the file exporter's directory (default: STALLWATCH_FILE_DIR's default)")
+    post.add_argument(
+        "--file", dest="files", action="append", default=[], metavar="FILE",
+        help="an OTLP/JSON file (JSON lines or one document, e.g. exported from Tempo); repeatable",
+    )  # fmt: skip
+    post.add_argument("--since", help="start of the window: ISO time or a duration back from now (90s, 15m, 2h)")
+    post.add_argument("--until", help="end of the window, same forms as --since")
+    post.add_argument("--format", choices=("text", "json", "html"), default="text", help="default: %(default)s")
+    post.add_argument("--out", help="write the report to this file instead of standard output")
+    post.set_defaults(run=_postmortem, default_dir=str(Settings().file_dir))
     return parser
 
 

@@ -130,7 +130,11 @@ class _Call:
                 action, resource_type(self.service), f"{self.service}/{method}",
                 trace.format_trace_id(context.trace_id), trace.format_span_id(context.span_id), resource_id,
             )  # fmt: skip
-            _to_ledger(lambda: ledger.recorder().intent(self.intent))
+            token = context_api.attach(trace.set_span_in_context(self.span))  # the record carries the call's ids
+            try:
+                _to_ledger(lambda: ledger.recorder().intent(self.intent))
+            finally:
+                context_api.detach(token)
 
     def attempt(self) -> None:
         self.attempts += 1
