@@ -3,6 +3,7 @@ an operator would run them: real commands in fresh processes, real test forks.""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -120,6 +121,25 @@ def test_demo_runs_on_local_files_and_shows_zero_thread_starts(tmp_path):
     assert names.count("probe /healthcheck") == 5
     assert "forked worker" in names
     assert "stallwatch.fork.count" in (tmp_path / "demo" / "metrics.jsonl").read_text()
+    # Both incidents: the freeze seen live, the killed create a leak candidate, the wedge refused then healed.
+    assert result["freeze_detected_while_frozen"] is True and result["freeze_cause"] == "child_before_exec"
+    assert result["freeze_seconds"] >= 2.4
+    assert result["wedge_guarded"] == "done"
+    assert result["wedge_unguarded_healed"] == "WorkerDied" and result["wedge_heal_seconds"] < 2.5
+    if importlib.util.find_spec("nebius") is not None:  # the `demo` extra; the matrix venvs lack it
+        assert result["create_killed_leak_candidates"] == 1
+    for line in ("[1/5]", "[2/5]", "[4/5]", "[5/5]"):
+        assert line in proc.stderr  # progress, as it happens
+    # The postmortem it ran: the freeze, its cause, the interrupted create and the wedge, in order.
+    timeline = (tmp_path / "demo" / "postmortem.txt").read_text()
+    order = ["gil_held freeze", "cloud resource create requested", "refused PyThreadState_SetAsyncExc",
+             "wedge worker_died", "wedge orphaned_item"]  # fmt: skip
+    if importlib.util.find_spec("nebius") is None:
+        order.remove("cloud resource create requested")
+    positions = [timeline.index(marker) for marker in order]
+    assert positions == sorted(positions), timeline
+    assert "cause child_before_exec" in timeline
+    assert "<svg" in Path(result["report"]).read_text()
 
 
 def test_demo_rejects_bad_input(tmp_path):

@@ -25,14 +25,14 @@ def _doctor(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from . import demo
 
-    result = demo.run(Path(args.out), probes=args.probes)
-    print(demo.to_json(result) if args.json else demo.format_text(result))
-    healthy = (
-        result.probes_answered == args.probes
-        and result.stallwatch_thread_starts_per_child == 0
-        and result.forked_worker_span_exported
+    started = time.monotonic()
+    result = demo.run(
+        Path(args.out),
+        probes=args.probes,
+        progress=lambda line: print(f"{line} ({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True),
     )
-    return 0 if healthy else 1
+    print(demo.to_json(result) if args.json else demo.format_text(result))
+    return 0 if demo.healthy(result, args.probes) else 1
 
 
 def _postmortem(args: argparse.Namespace) -> int:

@@ -1,10 +1,20 @@
-"""`stallwatch demo`: the freeze scenario of incidents/000_…, run safely on this machine.
+"""`stallwatch demo`: both incidents, replayed safely on this machine, then the postmortem.
 
-A small asyncio server (on uvloop when installed, as uvicorn's `loop="auto"` would pick) answers
-health probes; each probe spawns a child the way dstack opens and closes an SSH tunnel. The host
-builds its own stock-style OpenTelemetry providers after `import stallwatch` (as dstack does),
-exporting to local files. A worker child forked with `os.fork()` lives on and reports a span.
-The demo prints what was recorded and measured, and where the files are. No collector needed.
+1. Spawns (incident 000, prevented): a small asyncio server, on uvloop when installed as uvicorn's
+   `loop="auto"` would pick, answers health probes. Each probe spawns a child the way dstack opens
+   and closes an SSH tunnel. The host builds its own stock-style OpenTelemetry providers after
+   `import stallwatch` (as dstack does). A worker forked with `os.fork()` lives on and reports a
+   span.
+2. A freeze (incident 000's mechanism), caught live: a child host whose uvloop spawn is held
+   before exec by a library's fork handler. The watchdog reports it while it lasts.
+3. A Nebius create in flight when the host is killed (incident 000's leaked instances): against
+   the fake Nebius server; the ledger's intent record makes it a leak candidate.
+4. The executor wedge (incident 002): a stale async SystemExit refused by the guard, then, with
+   the guard off, the worker's death detected and the stranded request healed.
+5. `stallwatch postmortem` over everything, with an HTML report.
+
+Stages 2-4 run in child processes (`demo_incidents`) writing to the same directory. Everything is
+local files; no collector needed.
 """
 
 from __future__ import annotations
@@ -13,9 +23,12 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import statistics
+import subprocess
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +55,16 @@ class DemoResult:
     stallwatch_thread_starts_per_child: int
     forked_worker_span_exported: bool
     files: dict[str, str]
+    freeze_seconds: float = 0.0
+    freeze_detected_while_frozen: bool = False
+    freeze_cause: str = ""
+    create_killed_leak_candidates: int = 0
+    wedge_guarded: str = ""
+    wedge_unguarded_healed: str = ""
+    wedge_heal_seconds: float = 0.0
+    postmortem_events: int = 0
+    report: str = ""
+    skipped: list[str] = field(default_factory=list)
 
 
 def _build_host_providers(out: Path) -> list[Any]:
@@ -120,10 +143,56 @@ def _new_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
-def run(out: Path, probes: int = 20) -> DemoResult:
-    """Run the scenario, writing telemetry under `out`; return what was recorded."""
+def _role(out: Path, *args: str, timeout: float = 60) -> dict[str, Any]:
+    from .demo_incidents import command
+
+    proc = subprocess.run(command(args[0], str(out), *args[1:]), capture_output=True, text=True, timeout=timeout)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"demo stage {args[0]} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    return dict(json.loads(lines[-1]))
+
+
+def _freeze_stage(out: Path, result: DemoResult) -> None:
+    freeze = _role(out, "freeze", "2.5")
+    result.freeze_seconds = round((int(freeze["frozen_until_ns"]) - int(freeze["frozen_from_ns"])) / 1e9, 2)
+    for line in (out / "logs.jsonl").read_text().splitlines():
+        if "freeze detected" in line:
+            record = json.loads(line)["resourceLogs"][0]["scopeLogs"][0]["logRecords"][0]
+            detected = int(record["timeUnixNano"])
+            result.freeze_detected_while_frozen = detected < int(freeze["frozen_until_ns"])
+            for attribute in record.get("attributes", []):
+                if attribute["key"] == "stallwatch.freeze.cause":
+                    result.freeze_cause = attribute["value"]["stringValue"]
+
+
+def _create_stage(out: Path) -> None:
+    from .demo_incidents import command
+    from .fake_nebius import INSTANCE_SERVICE, FakeNebius
+
+    with FakeNebius() as fake:
+        fake.delay_next(f"{INSTANCE_SERVICE}/Create", 120)  # the cloud takes its time
+        host = subprocess.Popen(
+            command("create", str(out), fake.address), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
+        try:
+            if host.stdout is None or '"creating"' not in host.stdout.readline():
+                raise RuntimeError("demo stage create did not start its call")
+            time.sleep(2.5)  # the intent record is exported (logs go out every second)
+            host.send_signal(signal.SIGKILL)  # the load balancer's health check
+        finally:
+            host.wait(10)
+
+
+def run(out: Path, probes: int = 20, progress: Callable[[str], None] | None = None) -> DemoResult:
+    """Run every stage, writing telemetry under `out`; return what was recorded."""
+    say = progress or (lambda message: None)
     out.mkdir(parents=True, exist_ok=True)
+    for name in ("traces.jsonl", "metrics.jsonl", "logs.jsonl"):  # this run's files only
+        (out / name).unlink(missing_ok=True)
     from . import setup
+
+    say(f"[1/5] health probes spawning children on a uvloop-style server ({probes} probes) ...")
 
     setup(providers="host", file_dir=str(out))
     providers = _build_host_providers(out)
@@ -144,7 +213,7 @@ def run(out: Path, probes: int = 20) -> DemoResult:
     for provider in providers:
         provider.shutdown()
     traces = out / "traces.jsonl"
-    return DemoResult(
+    result = DemoResult(
         loop=kind,
         probes_answered=answered,
         spawns=len(blocked),
@@ -157,10 +226,43 @@ def run(out: Path, probes: int = 20) -> DemoResult:
         forked_worker_span_exported=worker_status == 0 and "forked worker" in traces.read_text(),
         files={signal: str(out / f"{signal}.jsonl") for signal in ("traces", "metrics", "logs")},
     )
+    _incident_stages(out, result, say)
+    return result
+
+
+def _incident_stages(out: Path, result: DemoResult, say: Callable[[str], None]) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("uvloop") is None:
+        result.skipped.append("freeze: needs uvloop (pip install 'stallwatch[demo]')")
+    else:
+        say("[2/5] a spawn held before exec freezes a child host; the watchdog reports it live ...")
+        _freeze_stage(out, result)
+    if importlib.util.find_spec("nebius") is None:
+        result.skipped.append("cloud: needs nebius (pip install 'stallwatch[demo]')")
+    else:
+        say("[3/5] a Nebius create in flight when the host is killed with SIGKILL ...")
+        _create_stage(out)
+    say("[4/5] a stale async SystemExit aimed at an executor worker, with and without the guard ...")
+    result.wedge_guarded = str(_role(out, "wedge", "guard", "noheal")["request_b"])
+    unguarded = _role(out, "wedge", "noguard", "heal")
+    result.wedge_unguarded_healed = str(unguarded["request_b"])
+    result.wedge_heal_seconds = float(unguarded["request_b_seconds"])
+    say("[5/5] stallwatch postmortem over all of it ...")
+    from . import postmortem
+
+    timeline = postmortem.timeline(out)
+    result.postmortem_events = len(timeline.events)
+    result.create_killed_leak_candidates = len(timeline.leak_candidates)
+    report = out / "postmortem.html"
+    report.write_text(postmortem.format_html(timeline), encoding="utf-8")
+    (out / "postmortem.txt").write_text(postmortem.format_text(timeline), encoding="utf-8")
+    result.report = str(report)
 
 
 def format_text(result: DemoResult) -> str:
     """Human summary of a demo run."""
+    live = "while still frozen" if result.freeze_detected_while_frozen else "NO"
     return "\n".join(
         [
             "stallwatch demo: health probes that spawn children, as in incidents/000",
@@ -173,9 +275,37 @@ def format_text(result: DemoResult) -> str:
             f"  thread starts in a fork child     stock OpenTelemetry: {result.stock_thread_starts_per_child}, "
             f"with stallwatch: {result.stallwatch_thread_starts_per_child}",
             f"  forked worker's span exported     {'yes' if result.forked_worker_span_exported else 'NO'}",
+            "",
+            "incident 000, the freeze (a child held before exec):",
+            f"  host frozen for                   {result.freeze_seconds} s",
+            f"  watchdog reported it              {live} (cause {result.freeze_cause or '?'})",
+            "incident 000, the leaked instance (host killed during a create):",
+            f"  leak candidates found             {result.create_killed_leak_candidates}",
+            "incident 002, the wedge (stale SystemExit into an idle worker):",
+            f"  with the guard (default)          next request: {result.wedge_guarded}",
+            f"  without the guard, heal on        next request: {result.wedge_unguarded_healed} after "
+            f"{result.wedge_heal_seconds} s (instead of hanging)",
+            *[f"  skipped: {reason}" for reason in result.skipped],
+            "",
+            f"postmortem: {result.postmortem_events} events; report {result.report}",
+            f"  text timeline: {Path(result.report).with_suffix('.txt') if result.report else '-'}",
             "  telemetry files (OTLP/JSON lines):",
             *[f"    {path}" for path in result.files.values()],
         ]
+    )
+
+
+def healthy(result: DemoResult, probes: int) -> bool:
+    """Whether every stage showed what it is there to show (the demo's own check)."""
+    return (
+        result.probes_answered == probes
+        and result.stallwatch_thread_starts_per_child == 0
+        and result.forked_worker_span_exported
+        and (result.freeze_detected_while_frozen or any(s.startswith("freeze") for s in result.skipped))
+        and (result.create_killed_leak_candidates == 1 or any(s.startswith("cloud") for s in result.skipped))
+        and result.wedge_guarded == "done"
+        and result.wedge_unguarded_healed == "WorkerDied"
+        and bool(result.report)
     )
 
 
