@@ -326,7 +326,7 @@ NEBIUS_CALL_DURATION = Metric(
 )  # fmt: skip
 NEBIUS_CALLS_ACTIVE = Metric(
     "stallwatch.nebius.calls.active",
-    "updowncounter",
+    "observable_updowncounter",
     "{call}",
     "Nebius API calls in flight.",
     (RPC_SERVICE, RPC_METHOD),

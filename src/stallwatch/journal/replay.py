@@ -101,8 +101,8 @@ class ProcessJournal:
 
     def last_alive_ns(self) -> int:
         """The last evidence of the host's life: a heartbeat or a record of its own."""
-        times = [self.heartbeat_ns] + [record.get("wall_ns", 0) for record in self.host]
-        return max(times)
+        times = [record.get("wall_ns") or record.get("end_ns") or record.get("start_ns") or 0 for record in self.host]
+        return max([self.heartbeat_ns, *times])
 
     def interruption(self) -> tuple[str, int, dict[str, Any]]:
         """Why and when open operations stopped, and freeze attributes to add to them."""

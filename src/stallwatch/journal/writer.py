@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from opentelemetry.sdk.trace import ReadableSpan
+
 from .. import ledger
 from . import frames
 
@@ -142,28 +144,23 @@ class Journal:
     # ---- what instrumentations call -----------------------------------------------------------
 
     def span_started(self, span: Any, component: str, *, durable: bool = False) -> None:
-        """Record an SDK span that just started (no-op for a span that does not record)."""
-        try:
-            from opentelemetry.sdk.trace import ReadableSpan
+        """Record an SDK span that just started (no-op for a span that does not record).
 
-            if not isinstance(span, ReadableSpan):
-                return
-            context = span.get_span_context()
-            parent = span.parent
+        The hot path keeps the span's immutable context, kind and a copy of its attributes; the
+        flusher turns them into JSON (ids as hex) off the caller's thread."""
+        if not isinstance(span, ReadableSpan):
+            return
+        try:
             record = {
                 "type": "start",
                 "component": component,
                 "name": span.name,
-                "kind": span.kind.name,
-                "trace_id": f"{context.trace_id:032x}",
-                "span_id": f"{context.span_id:016x}",
-                "sampled": context.trace_flags.sampled,
-                "parent_span_id": f"{parent.span_id:016x}" if parent is not None else None,
-                "parent_remote": parent.is_remote if parent is not None else False,
-                "start_ns": span.start_time or time.time_ns(),
-                "wall_ns": time.time_ns(),
+                "kind": span.kind,
+                "context": span.get_span_context(),
+                "parent": span.parent,
+                "start_ns": span.start_time,
                 "mono_ns": time.monotonic_ns(),
-                "attributes": dict(span.attributes or {}),
+                "attributes": span.attributes.copy(),
             }
         except Exception:
             self._failed()
@@ -172,21 +169,16 @@ class Journal:
 
     def span_ended(self, span: Any, *, durable: bool = False) -> None:
         """Record that an SDK span ended, with its status and every attribute it learned."""
+        if not isinstance(span, ReadableSpan):
+            return
         try:
-            from opentelemetry.sdk.trace import ReadableSpan
-
-            if not isinstance(span, ReadableSpan):
-                return
-            attributes = dict(span.attributes or {})
             record = {
                 "type": "end",
-                "span_id": f"{span.get_span_context().span_id:016x}",
-                "status": span.status.status_code.name,
-                "error_type": attributes.get("error.type"),
+                "context": span.get_span_context(),
+                "status": span.status,
                 "end_ns": span.end_time or time.time_ns(),
-                "wall_ns": time.time_ns(),
                 "mono_ns": time.monotonic_ns(),
-                "attributes": attributes,
+                "attributes": span.attributes.copy(),
             }
         except Exception:
             self._failed()
@@ -359,8 +351,10 @@ class Journal:
 
     @staticmethod
     def _encode(state: _State, record: dict[str, Any]) -> bytes:
-        frame = frames.encode(record)
         kind = record["type"]
+        if kind in ("start", "end"):
+            record = _span_fields(record)
+        frame = frames.encode(record)
         if kind == "start":
             state.open_spans[record["span_id"]] = frame
         elif kind == "end":
@@ -461,6 +455,24 @@ class Journal:
             _log.warning("stallwatch: cannot write the journal in %s; the host goes on without it "
                          "(set STALLWATCH_JOURNAL_DIR to a writable directory).", self.directory,
                          exc_info=True)  # fmt: skip
+
+
+def _span_fields(record: dict[str, Any]) -> dict[str, Any]:
+    """A start/end record as the hot path kept it (span objects) -> JSON-ready fields."""
+    fields = {key: value for key, value in record.items() if key not in ("context", "parent", "kind", "status")}
+    context = record["context"]
+    fields["trace_id"] = f"{context.trace_id:032x}"
+    fields["span_id"] = f"{context.span_id:016x}"
+    if record["type"] == "start":
+        parent = record["parent"]
+        fields["kind"] = record["kind"].name
+        fields["sampled"] = context.trace_flags.sampled
+        fields["parent_span_id"] = f"{parent.span_id:016x}" if parent is not None else None
+        fields["parent_remote"] = parent.is_remote if parent is not None else False
+    else:
+        fields["status"] = record["status"].status_code.name
+        fields["error_type"] = record["attributes"].get("error.type")
+    return fields
 
 
 def _now() -> dict[str, int]:

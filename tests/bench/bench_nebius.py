@@ -1,0 +1,199 @@
+"""Nebius instrumentation overhead: latency of one SDK call against the fake server, with and without.
+
+Run from the repository root (a full run takes about a minute)::
+
+    .venvs/main/bin/python tests/bench/bench_nebius.py            # writes tests/bench/results/nebius.{json,md}
+    .venvs/main/bin/python tests/bench/bench_nebius.py --quick    # smoke test, writes to a temp dir
+
+Options: ``--calls N`` timed calls per series and run (default 300, after 20 warm-ups), ``--rounds R``
+(default 5), ``--quick`` (40 calls, 1 round), ``--out DIR``.
+
+The fake Nebius server (`stallwatch.fake_nebius`) runs in this process, on its own thread; each
+configuration runs in a fresh interpreter that imports stallwatch first, calls
+``stallwatch.setup(file_dir=<tmp>, watchdog=False)`` and drives the real SDK over loopback:
+
+- ``instrumented``: the default (a span per call, attempt events, metrics, the ledger for creates);
+- ``uninstrumented``: the same with ``STALLWATCH_INSTRUMENT_NEBIUS=false``.
+
+Series: ``get`` (``await InstanceServiceClient.get(...)``) and ``create`` (``await ...create(...)``,
+which also writes the ledger's intent and outcome records). Runs are interleaved, rotated by one
+per round, and samples pooled per configuration. Target: at most 5 % added latency per call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _machine import clean_env, machine_info
+
+CONFIGS = ("uninstrumented", "instrumented")
+SERIES = ("get", "create")
+WARMUPS = 20
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+VERSIONED = ("nebius", "grpcio", "opentelemetry-sdk", "stallwatch")
+
+
+def p99(samples: list[float]) -> float:
+    return statistics.quantiles(samples, n=100, method="inclusive")[98]
+
+
+def worker(config: str, address: str, calls: int) -> dict[str, Any]:
+    """One configuration in this fresh interpreter: per-call latency of each series, in ms."""
+    import stallwatch
+
+    file_dir = tempfile.mkdtemp(prefix="bench_nebius_")
+    stallwatch.setup(file_dir=file_dir, watchdog=False, metric_export_interval_ms=3_600_000)
+    from nebius.api.nebius.common.v1 import ResourceMetadata
+    from nebius.api.nebius.compute.v1 import CreateInstanceRequest, GetInstanceRequest, InstanceServiceClient
+
+    from stallwatch.fake_nebius import sdk_for
+
+    async def main() -> dict[str, Any]:
+        async with sdk_for(address) as sdk:
+            instances = InstanceServiceClient(sdk)
+
+            async def create() -> Any:
+                return await instances.create(
+                    CreateInstanceRequest(metadata=ResourceMetadata(name="bench", parent_id="project-bench")),
+                    timeout=10,
+                )
+
+            resource = (await create()).resource_id
+
+            async def get() -> Any:
+                return await instances.get(GetInstanceRequest(id=resource), timeout=10)
+
+            result: dict[str, Any] = {}
+            for series, call in (("get", get), ("create", create)):
+                for _ in range(WARMUPS):
+                    await call()
+                times = []
+                for _ in range(calls):
+                    start = time.perf_counter()
+                    await call()
+                    times.append((time.perf_counter() - start) * 1000)
+                result[f"{series}_ms"] = times
+            return result
+
+    try:
+        return {"config": config, **asyncio.run(main())}
+    finally:
+        stallwatch.shutdown(10)
+        shutil.rmtree(file_dir, ignore_errors=True)
+
+
+def run_worker(config: str, address: str, calls: int) -> dict[str, Any]:
+    env = clean_env()
+    if config == "uninstrumented":
+        env["STALLWATCH_INSTRUMENT_NEBIUS"] = "false"
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", config, address, str(calls)]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"worker {config} failed ({proc.returncode}):\n{proc.stderr}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for series in SERIES:
+        base: dict[str, float] = {}
+        for config in CONFIGS:
+            samples = [ms for run in runs if run["config"] == config for ms in run[f"{series}_ms"]]
+            row = {
+                "series": series,
+                "config": config,
+                "p50_ms": statistics.median(samples),
+                "p99_ms": p99(samples),
+                "mean_ms": statistics.fmean(samples),
+                "round_p50_ms": [statistics.median(r[f"{series}_ms"]) for r in runs if r["config"] == config],
+            }
+            if config == "uninstrumented":
+                base = row
+            row["p50_ratio"] = row["p50_ms"] / base["p50_ms"]
+            row["p99_ratio"] = row["p99_ms"] / base["p99_ms"]
+            row["mean_ratio"] = row["mean_ms"] / base["mean_ms"]
+            rows.append(row)
+    return rows
+
+
+def render_markdown(rows: list[dict[str, Any]], info: dict[str, Any], settings: dict[str, Any]) -> str:
+    versions = ", ".join(f"{name} {version}" for name, version in info["versions"].items())
+    lines = [
+        "# Nebius instrumentation overhead: one SDK call against the fake server on loopback",
+        "",
+        f"Generated by `tests/bench/bench_nebius.py` (calls={settings['calls']} after {WARMUPS} warm-ups, "
+        f"rounds={settings['rounds']}, interleaved). Ratios: instrumented / uninstrumented "
+        "(`STALLWATCH_INSTRUMENT_NEBIUS=false`), same run. Target: ≤ 1.05 (at most 5 % added per call).",
+        "",
+        f"Machine: {info['nproc']} CPUs, Linux {info['kernel']}, Python {info['python']}; {versions}; "
+        f"commit {info['git_commit']}; {info['date']}.",
+        "",
+        "| series | config | p50 ms | p99 ms | mean ms | p50 ratio | p99 ratio | mean ratio | round p50s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        rounds = ", ".join(f"{ms:.3f}" for ms in r["round_p50_ms"])
+        lines.append(
+            f"| {r['series']} | {r['config']} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} | {r['mean_ms']:.3f} "
+            f"| {r['p50_ratio']:.3f}x | {r['p99_ratio']:.3f}x | {r['mean_ratio']:.3f}x | {rounds} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def benchmark(calls: int, rounds: int, out: Path) -> str:
+    import stallwatch  # noqa: F401 - the gRPC fork guard before grpc loads in this process
+    from stallwatch.fake_nebius import FakeNebius
+
+    info = machine_info(VERSIONED)
+    runs = []
+    with FakeNebius() as fake:
+        for number in range(rounds):
+            order = CONFIGS[number % 2 :] + CONFIGS[: number % 2]
+            for config in order:
+                run = run_worker(config, fake.address, calls)
+                run["round"] = number
+                runs.append(run)
+                print(f"round {number} {config:<15} get p50 {statistics.median(run['get_ms']):.3f} ms", file=sys.stderr)
+    rows = summarize(runs)
+    settings = {"calls": calls, "rounds": rounds, "warmups": WARMUPS}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "nebius.json").write_text(json.dumps({"machine": info, "settings": settings, "summary": rows,
+                                                 "runs": runs}, indent=1) + "\n")  # fmt: skip
+    markdown = render_markdown(rows, info, settings)
+    (out / "nebius.md").write_text(markdown)
+    return markdown
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--calls", type=int, help="timed calls per series and run (default 300; 40 with --quick)")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds (default 5; 1 with --quick)")
+    parser.add_argument("--quick", action="store_true", help="smoke test")
+    parser.add_argument("--out", type=Path, help="output directory (default tests/bench/results; temp with --quick)")
+    parser.add_argument("--worker", nargs=3, metavar=("CONFIG", "ADDRESS", "N"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        config, address, calls = args.worker
+        print(json.dumps(worker(config, address, int(calls))))
+        sys.stdout.flush()
+        os._exit(0)
+    calls = args.calls or (40 if args.quick else 300)
+    rounds = args.rounds or (1 if args.quick else 5)
+    out = args.out or (Path(tempfile.mkdtemp(prefix="bench_nebius_")) if args.quick else DEFAULT_OUT)
+    print(benchmark(calls, rounds, out))
+    print(f"results: {out / 'nebius.json'}, {out / 'nebius.md'}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
