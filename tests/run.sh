@@ -43,8 +43,8 @@ log "main: Python 3.11, newest dependencies"
 make_venv main "$(python_for 3.11)" -e '.[test]'
 MAIN="$VENVS/main/bin"
 log "ruff"
-"$MAIN/ruff" check src tests
-"$MAIN/ruff" format --check src tests
+"$MAIN/ruff" check src tests dashboards
+"$MAIN/ruff" format --check src tests dashboards
 log "pytest"
 "$MAIN/python" -m pytest -q
 

@@ -493,7 +493,36 @@ NEBIUS_SPAN = Span(
      "`backoff_seconds` (wait before it).",),
 )  # fmt: skip
 
-SPANS: tuple[Span, ...] = (SUBPROCESS_SPAN, SSH_OPEN_SPAN, SSH_CLOSE_SPAN, SSH_CHECK_SPAN, SSH_EXEC_SPAN, NEBIUS_SPAN)
+FREEZE_OUTCOME = Attribute(
+    "stallwatch.freeze.outcome", "How a freeze ended: the host went on, or it died frozen.", ("thawed", "host_killed")
+)
+FREEZE_SPAWN = Attribute("stallwatch.freeze.spawn", "The spawn in flight when the host froze: `name (N args)`.")
+FREEZE_HOST_EXIT_SIGNAL = Attribute(
+    "stallwatch.freeze.host.exit_signal", "Signal that killed a frozen host, when the watchdog could read it."
+)
+FREEZE_SPAN = Span(
+    "stallwatch.freeze", "INTERNAL",
+    "Exported by the watchdog at the thaw (or the host's death): from the last fresh heartbeat to the end, "
+    "linked to the frozen spawn's span, with the /proc diagnosis (`stallwatch.freeze.main_thread.*`, "
+    "`stallwatch.freeze.child.*`) as attributes.",
+    (FREEZE_KIND, FREEZE_CAUSE, FREEZE_OUTCOME, FREEZE_SPAWN, FREEZE_HOST_EXIT_SIGNAL),
+)  # fmt: skip
+WORK_ITEM_QUEUE_SECONDS = Attribute(
+    "stallwatch.executor.queue_seconds", "How long the item waited in the queue.", type="double"
+)
+WORK_ITEM_RUN_SECONDS = Attribute("stallwatch.executor.run_seconds", "How long a worker ran it.", type="double")
+WORK_ITEM_SPAN = Span(
+    "{stallwatch.executor.name} work item", "INTERNAL",
+    "One executor work item submitted inside a sampled trace, from submission to completion, in the "
+    "submitter's trace (its context reaches the worker).",
+    (EXECUTOR_NAME, WORK_ITEM_QUEUE_SECONDS, WORK_ITEM_RUN_SECONDS),
+    ("`stallwatch.wedge` when the item is orphaned: `stallwatch.wedge.kind`, `message`.",),
+)  # fmt: skip
+
+SPANS: tuple[Span, ...] = (
+    SUBPROCESS_SPAN, SSH_OPEN_SPAN, SSH_CLOSE_SPAN, SSH_CHECK_SPAN, SSH_EXEC_SPAN, NEBIUS_SPAN, FREEZE_SPAN,
+    WORK_ITEM_SPAN,
+)  # fmt: skip
 
 INSTRUMENTATION_SCOPE = "stallwatch"
 

@@ -1,0 +1,952 @@
+"""Generate stallwatch's Grafana dashboards, Prometheus alert rules and their promtool tests.
+
+Run `python dashboards/generate.py` after changing this file or `stallwatch.telemetry`; it rewrites
+`dashboards/json/*.json`, `dashboards/alerts.yaml`, `dashboards/tests/alerts_test.yaml` and the
+tables in `dashboards/README.md`, and `tests/test_dashboards.py` fails while the committed files
+differ from what it generates. Every metric and label name comes from `stallwatch.telemetry`;
+dashboards are built with the official grafana-foundation-sdk (Grafana 11.6 flavour).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from grafana_foundation_sdk.builders import common as gc
+from grafana_foundation_sdk.builders import dashboard as gd
+from grafana_foundation_sdk.builders import logs, loki, prometheus, statetimeline, table, tempo, timeseries
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import common
+from grafana_foundation_sdk.models import dashboard as gm
+from grafana_foundation_sdk.models import tempo as tempo_models
+
+from stallwatch import telemetry as t
+
+HERE = Path(__file__).resolve().parent
+PROMETHEUS, TEMPO, LOKI = "prometheus", "tempo", "loki"
+DS = {kind: gm.DataSourceRef(type_val=kind, uid=f"${{{kind}}}") for kind in (PROMETHEUS, TEMPO, LOKI)}
+SCOPE_MATCHERS = 'job=~"$job", instance=~"$instance"'  # the template variables every dashboard selector carries
+SCOPE = f"{{{SCOPE_MATCHERS}}}"
+RATE = "$__rate_interval"
+ALERT_WINDOW = "10m"
+
+# The watchdog's freeze span and the executor's work-item span ("<executor name> work item"), from the contract.
+FREEZE_SPAN = t.FREEZE_SPAN.name
+WORK_ITEM_SPAN_SUFFIX = t.WORK_ITEM_SPAN.name.removeprefix("{" + t.EXECUTOR_NAME.name + "}")
+WORK_ITEM_QUEUE_SECONDS = t.WORK_ITEM_QUEUE_SECONDS.name
+WORK_ITEM_RUN_SECONDS = t.WORK_ITEM_RUN_SECONDS.name
+WATCHDOG_LOGGER = "stallwatch.watchdog"
+FREEZE_LOG_MESSAGE = "stallwatch: freeze detected"
+
+
+# ---- PromQL building blocks ---------------------------------------------------------------------
+
+
+def label(attribute: t.Attribute) -> str:
+    """The Prometheus label an attribute becomes (`.` and `-` → `_`)."""
+    return attribute.name.replace(".", "_").replace("-", "_")
+
+
+def series(metric: t.Metric, suffix: str = "", matchers: Iterable[tuple[t.Attribute, str, str]] = ()) -> str:
+    """A selector of `metric` (plus `_bucket`/`_sum`/`_count` for histograms) scoped by $job and $instance."""
+    parts = []
+    for attribute, op, value in matchers:
+        if attribute not in metric.attributes:
+            raise ValueError(f"{metric.name} has no attribute {attribute.name}")
+        parts.append(f'{label(attribute)}{op}"{value}"')
+    if suffix and metric.kind != "histogram":
+        raise ValueError(f"{metric.name} is a {metric.kind}, not a histogram")
+    extra = "".join(f", {part}" for part in parts)
+    return f"{metric.prometheus_name}{suffix}{{{SCOPE_MATCHERS}{extra}}}"
+
+
+def by(metric: t.Metric, *attributes: t.Attribute, extra: tuple[str, ...] = ()) -> str:
+    """The `by (...)` label list: `extra` labels, then the labels of `metric`'s own `attributes`."""
+    for attribute in attributes:
+        if attribute not in metric.attributes:
+            raise ValueError(f"{metric.name} has no attribute {attribute.name}")
+    return ", ".join([*extra, *(label(a) for a in attributes)])
+
+
+def rate(metric: t.Metric, *group: t.Attribute, suffix: str = "", matchers: tuple = (), window: str = RATE) -> str:
+    """Per-second rate of a counter (or a histogram's `_count`), summed by `group`."""
+    return f"sum by ({by(metric, *group)}) (rate({series(metric, suffix, matchers)}[{window}]))"
+
+
+def quantile(q: float, metric: t.Metric, *group: t.Attribute, window: str = RATE, keep: tuple[str, ...] = ()) -> str:
+    """Quantile `q` of a histogram over `window`, by `group` (and the `keep` labels, e.g. job, instance)."""
+    return (
+        f"histogram_quantile({q}, sum by ({by(metric, *group, extra=('le', *keep))}) "
+        f"(rate({series(metric, '_bucket')}[{window}])))"
+    )
+
+
+def gauge(metric: t.Metric, *group: t.Attribute, agg: str = "sum", keep: tuple[str, ...] = ()) -> str:
+    """A gauge (or up-down counter) aggregated with `agg` by `group` (and the `keep` labels)."""
+    return f"{agg} by ({by(metric, *group, extra=keep)}) ({series(metric)})"
+
+
+def events(
+    metric: t.Metric,
+    *group: t.Attribute,
+    suffix: str = "",
+    matchers: tuple = (),
+    window: str = RATE,
+    keep: tuple[str, ...] = (),
+) -> str:
+    """Counter increments in `window` by `group` (and the `keep` labels), the first one included; no zeros.
+
+    A counter series appears with its first increment, and Prometheus's `increase()` cannot see the
+    step from "no series" to 1 (a worker that dies once would show as 0 and never alert): the right-hand
+    side adds the whole value of series that did not exist `window` ago, where the left finds no increase.
+    """
+    keys = by(metric, *group, extra=keep)
+    selector = series(metric, suffix, matchers)
+    return (
+        f"sum by ({keys}) (increase({selector}[{window}])) > 0 "
+        f"or sum by ({keys}) ({selector} > 0 unless {selector} offset {window})"
+    )
+
+
+# ---- panels -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Query:
+    expr: str
+    legend: str = ""
+
+
+@dataclass(frozen=True)
+class Panel:
+    title: str
+    description: str
+    unit: str
+    queries: tuple[Query, ...]
+    kind: Literal["timeseries", "statetimeline", "table", "logs"] = "timeseries"
+    source: Literal["prometheus", "tempo", "loki"] = PROMETHEUS
+    width: int = 12
+
+
+@dataclass(frozen=True)
+class Dashboard:
+    uid: str
+    title: str
+    description: str
+    panels: tuple[Panel, ...]
+    tags: tuple[str, ...] = field(default=("stallwatch",))
+
+
+def p50_p99(metric: t.Metric, *group: t.Attribute, what: str = "") -> tuple[Query, ...]:
+    legend = " ".join("{{" + label(a) + "}}" for a in group)
+    prefix = f"{what} " if what else ""
+    return (
+        Query(quantile(0.5, metric, *group), f"{prefix}p50 {legend}".strip()),
+        Query(quantile(0.99, metric, *group), f"{prefix}p99 {legend}".strip()),
+    )
+
+
+def legend_of(*attributes: t.Attribute) -> str:
+    return " ".join("{{" + label(a) + "}}" for a in attributes)
+
+
+SERVICE_MATCH = 'resource.service.name =~ "${service:regex}"'
+SPAWN_QUERY = (
+    f'{{ {SERVICE_MATCH} && (span.{t.SPAWN_BLOCKED.name} > 0.1 || name = "{FREEZE_SPAN}") }} '
+    f"| select(span.{t.SPAWN_BLOCKED.name}, span.{t.FREEZE_KIND.name}, span.{t.FREEZE_CAUSE.name}, "
+    f"span.{t.PROCESS_EXECUTABLE_NAME.name}, span.{t.EXIT_SIGNAL.name})"
+)
+WORK_ITEM_QUERY = (
+    f'{{ {SERVICE_MATCH} && name =~ ".+{WORK_ITEM_SPAN_SUFFIX}" && span.{WORK_ITEM_QUEUE_SECONDS} > 0.1 }} '
+    f"| select(span.{WORK_ITEM_QUEUE_SECONDS}, span.{WORK_ITEM_RUN_SECONDS}, span.{t.EXECUTOR_NAME.name})"
+)
+NEBIUS_QUERY = (
+    f'{{ {SERVICE_MATCH} && span.{t.RPC_SYSTEM.name} = "grpc" && span.{t.NEBIUS_ATTEMPTS.name} > 0 '
+    f"&& (duration > 1s || status = error) }} "
+    f"| select(span.{t.RPC_GRPC_STATUS_CODE.name}, span.{t.NEBIUS_ATTEMPTS.name}, span.{t.CLOUD_RESOURCE_ID.name})"
+)
+WATCHDOG_LOGS = f'{{service_name=~"${{service:regex}}"}} | scope_name = "{WATCHDOG_LOGGER}"'
+for _span, _attributes in (
+    (t.SUBPROCESS_SPAN, (t.SPAWN_BLOCKED, t.PROCESS_EXECUTABLE_NAME, t.EXIT_SIGNAL)),
+    (t.NEBIUS_SPAN, (t.RPC_SYSTEM, t.NEBIUS_ATTEMPTS, t.CLOUD_RESOURCE_ID, t.RPC_GRPC_STATUS_CODE)),
+):
+    if not set(_attributes) <= set(_span.attributes):
+        raise ValueError(f"span {_span.name} lacks an attribute a TraceQL query selects")
+
+FREEZES = Dashboard(
+    uid="stallwatch-freezes",
+    title="stallwatch / Freezes",
+    description="Is the server frozen (the whole process stopped), since when, why, and which spawn or fork did it.",
+    panels=(
+        Panel(
+            "Frozen now",
+            "1 while the freeze watchdog (a separate process, scraped on its own endpoint) sees the host frozen, "
+            "by kind (gil_held: no Python thread ran; loop_blocked: only the event loop stalled) and cause "
+            "(what /proc showed the host waiting on). A gil_held/child_before_exec or child_core_dump freeze is "
+            "incident 000: a forked child that did not exec.",
+            "bool_yes_no",
+            (
+                Query(
+                    gauge(t.FREEZE_ACTIVE, t.FREEZE_KIND, t.FREEZE_CAUSE, agg="max", keep=("instance",)),
+                    f"{{{{instance}}}} {legend_of(t.FREEZE_KIND, t.FREEZE_CAUSE)}",
+                ),
+            ),
+            kind="statetimeline",
+        ),
+        Panel(
+            "Scrape gaps (up == 0)",
+            "Scrapes that failed. The host's own endpoint cannot answer while its GIL is held, so a gap on the "
+            "host with the watchdog still up is a freeze seen from outside; both down means the host is gone.",
+            "none",
+            (Query(f"up{SCOPE} == 0", "{{job}} {{instance}}"),),
+        ),
+        Panel(
+            "Freezes by kind and cause",
+            "Freezes that ended in the interval (the watchdog records each one when the host thaws or dies).",
+            "short",
+            (
+                Query(
+                    events(t.FREEZE_DURATION, t.FREEZE_KIND, t.FREEZE_CAUSE, suffix="_count"),
+                    legend_of(t.FREEZE_KIND, t.FREEZE_CAUSE),
+                ),
+            ),
+        ),
+        Panel(
+            "Freeze duration p50/p99 by kind and cause",
+            "How long freezes lasted, from the last fresh heartbeat to the thaw. Seconds here are seconds every "
+            "request in the process waited.",
+            "s",
+            p50_p99(t.FREEZE_DURATION, t.FREEZE_KIND, t.FREEZE_CAUSE),
+        ),
+        Panel(
+            "Event-loop lag p50/p99",
+            "How late the main event loop ran a callback scheduled 100 ms ahead. Sustained lag is blocking code on "
+            "the loop thread; a spike to seconds is a freeze in progress.",
+            "s",
+            p50_p99(t.LOOP_LAG, t.LOOP),
+        ),
+        Panel(
+            "Spawn blocked time p50/p99 by loop and method",
+            "How long the spawning thread was blocked inside the spawn call. Under uvloop (method fork) that is the "
+            "whole loop holding the GIL; vfork/posix_spawn should stay in milliseconds.",
+            "s",
+            p50_p99(t.SUBPROCESS_SPAWN_DURATION, t.SPAWN_LOOP, t.SPAWN_METHOD),
+        ),
+        Panel(
+            "Forks by kind and gRPC activity",
+            "Real fork() calls. exec_bound forks with gRPC active are the incident-000 pattern (a gRPC client busy "
+            "while uvloop forks); prefer vfork spawns (stallwatch.uvicorn_loop() or STALLWATCH_UVLOOP_SPAWN).",
+            "ops",
+            (
+                Query(
+                    rate(t.FORK_COUNT, t.FORK_KIND, t.GRPC_ACTIVE, t.SPAWN_LOOP),
+                    legend_of(t.FORK_KIND, t.GRPC_ACTIVE, t.SPAWN_LOOP),
+                ),
+            ),
+        ),
+        Panel(
+            "Child deaths by signal",
+            "Children reaped after a signal killed them. SIGSEGV/SIGABRT from an ssh or other exec'd program within "
+            "a second of the spawn means it died before exec (see the spawn span's early_signal event).",
+            "short",
+            (
+                Query(
+                    events(
+                        t.SUBPROCESS_EXITS,
+                        t.PROCESS_EXECUTABLE_NAME,
+                        t.EXIT_SIGNAL,
+                        matchers=((t.EXIT_KIND, "=", "signal"),),
+                    ),
+                    legend_of(t.PROCESS_EXECUTABLE_NAME, t.EXIT_SIGNAL),
+                ),
+            ),
+        ),
+        Panel(
+            "SSH tunnel open/close latency p50/p99",
+            "Time to open and to close an SSH tunnel, successful or not. Close latency in seconds with failures "
+            "next to it is the dstack symptom 'Failed to close SSH tunnel'.",
+            "s",
+            (*p50_p99(t.SSH_TUNNEL_OPEN_DURATION, what="open"), *p50_p99(t.SSH_TUNNEL_CLOSE_DURATION, what="close")),
+        ),
+        Panel(
+            "SSH tunnel failures by phase and exit signal",
+            "Tunnel opens or closes that raised or whose ssh child failed; a signal here (SIGSEGV, SIGABRT) is a "
+            "crashed ssh child, an empty signal a non-zero exit.",
+            "short",
+            (
+                Query(
+                    events(t.SSH_TUNNEL_FAILURES, t.SSH_PHASE, t.EXIT_SIGNAL, t.ERROR_TYPE),
+                    legend_of(t.SSH_PHASE, t.EXIT_SIGNAL, t.ERROR_TYPE),
+                ),
+            ),
+        ),
+        Panel(
+            "Active SSH tunnels",
+            "SSH tunnels opened and not closed yet, per process. A number that only grows is leaked tunnels.",
+            "short",
+            (Query(f"sum by (job, instance) ({series(t.SSH_TUNNEL_ACTIVE)})", "{{instance}}"),),
+        ),
+        Panel(
+            "Long spawns and freezes (traces)",
+            "Spawn spans that blocked their thread over 100 ms and the watchdog's freeze spans, newest first. "
+            "A freeze span links to the span that was running when the host froze.",
+            "s",
+            (Query(SPAWN_QUERY),),
+            kind="table",
+            source=TEMPO,
+        ),
+        Panel(
+            "Watchdog records",
+            f"Log records of the {WATCHDOG_LOGGER} logger ('{FREEZE_LOG_MESSAGE}: ...' with the main thread's "
+            "syscall, the child's pid and state, and stacks when faulthandler is on), sent while the host is "
+            "still frozen.",
+            "none",
+            (Query(WATCHDOG_LOGS),),
+            kind="logs",
+            source=LOKI,
+            width=24,
+        ),
+    ),
+)
+
+WEDGES = Dashboard(
+    uid="stallwatch-wedges",
+    title="stallwatch / Wedges",
+    description="Is a request or an executor stuck while the process looks healthy: dead workers, orphaned work "
+    "items, stale async exceptions and timed-out work still running.",
+    panels=(
+        Panel(
+            "Executor pending, running and workers vs max",
+            "Per executor: items waiting, items running, live worker threads and max_workers. Pending > 0 with "
+            "workers below max and nothing running is a stalled queue; dead workers still count against max.",
+            "short",
+            tuple(
+                Query(gauge(metric, t.EXECUTOR_NAME), f"{{{{{label(t.EXECUTOR_NAME)}}}}} {what}")
+                for metric, what in (
+                    (t.EXECUTOR_PENDING, "pending"),
+                    (t.EXECUTOR_RUNNING, "running"),
+                    (t.EXECUTOR_WORKERS, "workers"),
+                    (t.EXECUTOR_MAX_WORKERS, "max"),
+                )
+            ),
+        ),
+        Panel(
+            "Oldest pending age",
+            "How long the oldest item still waiting in each executor's queue has waited. It grows by one second "
+            "per second when the queue is wedged.",
+            "s",
+            (Query(gauge(t.EXECUTOR_OLDEST_PENDING, t.EXECUTOR_NAME, agg="max"), legend_of(t.EXECUTOR_NAME)),),
+        ),
+        Panel(
+            "Queue wait and run time p99",
+            "Per executor: p99 of the time items waited before a worker started them, and of the time they ran.",
+            "s",
+            (
+                Query(quantile(0.99, t.EXECUTOR_QUEUE_DURATION, t.EXECUTOR_NAME), f"wait {legend_of(t.EXECUTOR_NAME)}"),
+                Query(quantile(0.99, t.EXECUTOR_RUN_DURATION, t.EXECUTOR_NAME), f"run {legend_of(t.EXECUTOR_NAME)}"),
+            ),
+        ),
+        Panel(
+            "Worker deaths and orphaned items",
+            "Executor threads that died of an exception (error.type: SystemExit is a stale async exception, "
+            "incident 002) and the work items they held, whose futures never complete unless healed.",
+            "short",
+            (
+                Query(
+                    events(t.EXECUTOR_WORKER_DEATHS, t.EXECUTOR_NAME, t.ERROR_TYPE),
+                    f"died {legend_of(t.EXECUTOR_NAME, t.ERROR_TYPE)}",
+                ),
+                Query(events(t.EXECUTOR_ORPHANED, t.EXECUTOR_NAME), f"orphaned {legend_of(t.EXECUTOR_NAME)}"),
+            ),
+        ),
+        Panel(
+            "Healed items",
+            "Orphaned items whose futures stallwatch failed with WorkerDied (STALLWATCH_EXECUTOR_HEAL=true), so "
+            "their callers got an error instead of waiting forever.",
+            "short",
+            (Query(events(t.EXECUTOR_HEALED, t.EXECUTOR_NAME), legend_of(t.EXECUTOR_NAME)),),
+        ),
+        Panel(
+            "Async exceptions: injected, delivered, revoked, refused",
+            "Async exceptions aimed at executor work: injected (scheduled into a running item), delivered (landed in "
+            "it), revoked (cleared because the item ended first: it would have killed the next item's worker), "
+            "refused (the worker was idle).",
+            "short",
+            tuple(
+                Query(events(metric, t.EXECUTOR_NAME), f"{what} {legend_of(t.EXECUTOR_NAME)}")
+                for metric, what in (
+                    (t.ASYNC_EXC_INJECTED, "injected"),
+                    (t.ASYNC_EXC_DELIVERED, "delivered"),
+                    (t.ASYNC_EXC_REVOKED, "revoked"),
+                    (t.ASYNC_EXC_REFUSED, "refused"),
+                )
+            ),
+        ),
+        Panel(
+            "Execution timeouts",
+            "stallwatch.execution_timeout scopes that expired, by name.",
+            "short",
+            (Query(events(t.EXECUTION_TIMEOUTS, t.EXECUTION_NAME), legend_of(t.EXECUTION_NAME)),),
+        ),
+        Panel(
+            "Overrun past the deadline p50/p99",
+            "How long executor work kept running after its execution_timeout expired (a timeout cannot stop a "
+            "thread): long overruns hold workers and whatever state the request shared.",
+            "s",
+            p50_p99(t.EXECUTION_OVERRUN_DURATION, t.EXECUTION_NAME),
+        ),
+        Panel(
+            "Overdue work now",
+            "Guarded executor work still running past its deadline, by execution name.",
+            "short",
+            (Query(gauge(t.EXECUTION_OVERDUE, t.EXECUTION_NAME), legend_of(t.EXECUTION_NAME)),),
+        ),
+        Panel(
+            "Wedges detected by kind",
+            "Wedges the detector found: worker_died, orphaned_item, queue_stalled (items waiting, no worker alive), "
+            "execution_overdue.",
+            "short",
+            (Query(events(t.WEDGE_DETECTED, t.WEDGE_KIND, t.EXECUTOR_NAME), legend_of(t.WEDGE_KIND, t.EXECUTOR_NAME)),),
+        ),
+        Panel(
+            "Submissions that waited longest (traces)",
+            "Executor work-item spans that waited over 100 ms in the queue, with their run time. Each is a child "
+            "of the request that submitted it.",
+            "s",
+            (Query(WORK_ITEM_QUERY),),
+            kind="table",
+            source=TEMPO,
+            width=24,
+        ),
+    ),
+)
+
+CLOUD_CALLS = Dashboard(
+    uid="stallwatch-cloud-calls",
+    title="stallwatch / Cloud calls",
+    description="Nebius API calls (authentication and retries included) and the cloud resources they created "
+    "and deleted.",
+    panels=(
+        Panel(
+            "Nebius call rate by method",
+            "Logical Nebius API calls per second, by service and method.",
+            "reqps",
+            (
+                Query(
+                    rate(t.NEBIUS_CALL_DURATION, t.RPC_SERVICE, t.RPC_METHOD, suffix="_count"),
+                    legend_of(t.RPC_SERVICE, t.RPC_METHOD),
+                ),
+            ),
+        ),
+        Panel(
+            "Nebius errors by status code",
+            "Calls that did not end OK, by gRPC status code (4 DEADLINE_EXCEEDED includes the caller's own "
+            "timeout, 1 CANCELLED its cancellation).",
+            "reqps",
+            (
+                Query(
+                    rate(
+                        t.NEBIUS_CALL_DURATION,
+                        t.RPC_SERVICE,
+                        t.RPC_METHOD,
+                        t.RPC_GRPC_STATUS_CODE,
+                        suffix="_count",
+                        matchers=((t.RPC_GRPC_STATUS_CODE, "!=", "0"),),
+                    ),
+                    legend_of(t.RPC_GRPC_STATUS_CODE, t.RPC_SERVICE, t.RPC_METHOD),
+                ),
+            ),
+        ),
+        Panel(
+            "Nebius latency p50/p99 by method",
+            "Duration of logical calls, retries and authentication included.",
+            "s",
+            p50_p99(t.NEBIUS_CALL_DURATION, t.RPC_SERVICE, t.RPC_METHOD),
+        ),
+        Panel(
+            "Nebius calls in flight",
+            "Calls started and not finished. A level that never returns to zero is a call awaiting forever.",
+            "short",
+            (Query(gauge(t.NEBIUS_CALLS_ACTIVE, t.RPC_SERVICE, t.RPC_METHOD), legend_of(t.RPC_SERVICE, t.RPC_METHOD)),),
+        ),
+        Panel(
+            "Cloud resources created and deleted",
+            "Create and delete calls the cloud accepted, by resource type. Creates without matching deletes over "
+            "a day are resources to account for.",
+            "short",
+            (
+                Query(
+                    events(t.CLOUD_RESOURCES_CREATED, t.CLOUD_RESOURCE_TYPE),
+                    f"created {legend_of(t.CLOUD_RESOURCE_TYPE)}",
+                ),
+                Query(
+                    events(t.CLOUD_RESOURCES_DELETED, t.CLOUD_RESOURCE_TYPE),
+                    f"deleted {legend_of(t.CLOUD_RESOURCE_TYPE)}",
+                ),
+            ),
+        ),
+        Panel(
+            "Slow and failed Nebius calls (traces)",
+            "Nebius call spans over 1 s or with an error status, with the attempts made and the resource id.",
+            "s",
+            (Query(NEBIUS_QUERY),),
+            kind="table",
+            source=TEMPO,
+        ),
+    ),
+)
+
+DASHBOARDS = (FREEZES, WEDGES, CLOUD_CALLS)
+ANNOTATIONS = (
+    (
+        "Freezes",
+        "red",
+        gauge(t.FREEZE_ACTIVE, t.FREEZE_KIND, t.FREEZE_CAUSE, agg="max", keep=("job", "instance")) + " > 0",
+    ),
+    (
+        "Wedges",
+        "orange",
+        events(t.WEDGE_DETECTED, t.WEDGE_KIND, t.EXECUTOR_NAME, keep=("job", "instance")),
+    ),
+)
+
+
+# ---- alerts -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Alert:
+    name: str
+    expr: str
+    severity: str
+    summary: str
+    description: str
+    dashboard: Dashboard
+    panel: str
+    duration: str = "0s"
+    # promtool unit test: input series (selector, values), the labels the firing alert carries, when it must
+    # be quiet (not firing yet, or pending) and when it must fire
+    inputs: tuple[tuple[str, str], ...] = ()
+    fired_labels: dict[str, str] = field(default_factory=dict)
+    quiet_at: str = "1m"
+    fire_at: str = "4m"
+
+
+JOB = {"job": "stallwatch", "instance": "host:9464"}  # the target of the promtool input series
+
+
+def input_series(metric: t.Metric, values: str, **labels: str) -> tuple[str, str]:
+    """A promtool input series of `metric` (its `_bucket` series when `le` is given)."""
+    attributes = {label(a): a for a in metric.attributes}
+    for key in labels:
+        if key not in attributes and key not in ("job", "instance", "le"):
+            raise ValueError(f"{metric.name} has no label {key}")
+    rendered = ", ".join(f'{k}="{v}"' for k, v in {**JOB, **labels}.items())
+    name = metric.prometheus_name + ("_bucket" if "le" in labels else "")
+    return (f"{name}{{{rendered}}}", values)
+
+
+ALERTS = (
+    Alert(
+        "FreezeActive",
+        gauge(t.FREEZE_ACTIVE, t.FREEZE_KIND, t.FREEZE_CAUSE, agg="max", keep=("job", "instance")) + " > 0",
+        "critical",
+        "{{ $labels.instance }} is frozen ({{ $labels.stallwatch_freeze_kind }}, "
+        "{{ $labels.stallwatch_freeze_cause }})",
+        "The freeze watchdog sees the host process frozen: no request is served. gil_held with child_before_exec "
+        "or child_core_dump is a forked child that has not exec'd (incident 000).",
+        FREEZES,
+        "Frozen now",
+        inputs=(
+            input_series(
+                t.FREEZE_ACTIVE,
+                "0 1 1 0",
+                stallwatch_freeze_kind="gil_held",
+                stallwatch_freeze_cause="child_before_exec",
+            ),
+        ),
+        fired_labels={"stallwatch_freeze_kind": "gil_held", "stallwatch_freeze_cause": "child_before_exec"},
+        quiet_at="0m",
+        fire_at="1m",
+    ),
+    Alert(
+        "SpawnBlockedHigh",
+        quantile(0.99, t.SUBPROCESS_SPAWN_DURATION, t.SPAWN_LOOP, t.SPAWN_METHOD, window="5m", keep=("job", "instance"))
+        + " > 0.1",
+        "warning",
+        "Spawns on {{ $labels.instance }} block the {{ $labels.stallwatch_spawn_loop }} loop "
+        "(method {{ $labels.stallwatch_spawn_method }})",
+        "The p99 time a thread was blocked inside a subprocess spawn stayed over 100 ms for 5 minutes. With "
+        "uvloop's fork spawns that is the whole event loop holding the GIL, the precursor of incident 000's freeze.",
+        FREEZES,
+        "Spawn blocked time p50/p99 by loop and method",
+        duration="5m",
+        inputs=tuple(
+            input_series(
+                t.SUBPROCESS_SPAWN_DURATION,
+                values,
+                le=le,
+                stallwatch_spawn_loop="uvloop",
+                stallwatch_spawn_method="fork",
+                process_executable_name="ssh",
+            )
+            for le, values in (("0.1", "0+1x12"), ("0.25", "0+1x12"), ("0.5", "0+2x12"), ("+Inf", "0+2x12"))
+        ),
+        fired_labels={"stallwatch_spawn_loop": "uvloop", "stallwatch_spawn_method": "fork"},
+        quiet_at="3m",
+        fire_at="10m",
+    ),
+    Alert(
+        "ChildKilledBySignal",
+        events(
+            t.SUBPROCESS_EXITS,
+            t.PROCESS_EXECUTABLE_NAME,
+            t.EXIT_SIGNAL,
+            matchers=((t.EXIT_KIND, "=", "signal"), (t.EXIT_SIGNAL, "!~", "SIGTERM|SIGINT|SIGHUP")),
+            window=ALERT_WINDOW,
+            keep=("job", "instance"),
+        ),
+        "warning",
+        "A {{ $labels.process_executable_name }} child of {{ $labels.instance }} was killed by "
+        "{{ $labels.stallwatch_exit_signal }}",
+        "A child process died of a signal the server did not send to stop it. SIGSEGV/SIGABRT within a second of "
+        "its spawn means it crashed before exec, in a copy of the server (incident 000); if the server froze "
+        "meanwhile, FreezeActive fired too.",
+        FREEZES,
+        "Child deaths by signal",
+        inputs=(
+            input_series(
+                t.SUBPROCESS_EXITS,
+                "_x3 1 1 1",
+                stallwatch_exit_kind="signal",
+                stallwatch_exit_signal="SIGSEGV",
+                process_executable_name="ssh",
+            ),
+            input_series(
+                t.SUBPROCESS_EXITS,
+                "_x3 1 1 1",
+                stallwatch_exit_kind="signal",
+                stallwatch_exit_signal="SIGTERM",
+                process_executable_name="sleep",
+            ),
+        ),
+        fired_labels={"process_executable_name": "ssh", "stallwatch_exit_signal": "SIGSEGV"},
+    ),
+    Alert(
+        "ExecutorWorkerDied",
+        events(t.EXECUTOR_WORKER_DEATHS, t.EXECUTOR_NAME, t.ERROR_TYPE, window=ALERT_WINDOW, keep=("job", "instance")),
+        "critical",
+        "Executor {{ $labels.stallwatch_executor_name }} on {{ $labels.instance }} lost a worker "
+        "({{ $labels.error_type }})",
+        "An executor worker thread ended by an exception. SystemExit here is a stale async exception "
+        "(incident 002): the item the worker held never completes unless STALLWATCH_EXECUTOR_HEAL=true.",
+        WEDGES,
+        "Worker deaths and orphaned items",
+        inputs=(
+            input_series(
+                t.EXECUTOR_WORKER_DEATHS,
+                "_x3 1 1 1",
+                stallwatch_executor_name="asyncio-default",
+                error_type="SystemExit",
+            ),
+        ),
+        fired_labels={"stallwatch_executor_name": "asyncio-default", "error_type": "SystemExit"},
+    ),
+    Alert(
+        "ExecutorOrphanedItem",
+        events(t.EXECUTOR_ORPHANED, t.EXECUTOR_NAME, window=ALERT_WINDOW, keep=("job", "instance")),
+        "critical",
+        "A work item on executor {{ $labels.stallwatch_executor_name }} of {{ $labels.instance }} is orphaned",
+        "A submitted item was held by a worker that died: its future never completes and the request awaiting "
+        "it hangs, with its own timeout possibly never armed (incident 002).",
+        WEDGES,
+        "Worker deaths and orphaned items",
+        inputs=(input_series(t.EXECUTOR_ORPHANED, "0 0 1 1 1 1", stallwatch_executor_name="runner"),),
+        fired_labels={"stallwatch_executor_name": "runner"},
+        quiet_at="0m",
+        fire_at="3m",
+    ),
+    Alert(
+        "ExecutionOverdue",
+        gauge(t.EXECUTION_OVERDUE, t.EXECUTION_NAME, agg="max", keep=("job", "instance")) + " > 0",
+        "warning",
+        "Work of {{ $labels.stallwatch_execution_name }} on {{ $labels.instance }} runs past its deadline",
+        "Executor work guarded by stallwatch.execution_timeout has kept running for over a minute after the "
+        "timeout expired: the request gave up but its thread (and any shared state) is still busy.",
+        WEDGES,
+        "Overdue work now",
+        duration="1m",
+        inputs=(input_series(t.EXECUTION_OVERDUE, "0 1x12", stallwatch_execution_name="trace"),),
+        fired_labels={"stallwatch_execution_name": "trace"},
+        fire_at="5m",
+    ),
+    Alert(
+        "WedgeDetected",
+        events(t.WEDGE_DETECTED, t.WEDGE_KIND, t.EXECUTOR_NAME, window=ALERT_WINDOW, keep=("job", "instance")),
+        "critical",
+        "{{ $labels.stallwatch_wedge_kind }} wedge in executor {{ $labels.stallwatch_executor_name }} on "
+        "{{ $labels.instance }}",
+        "The wedge detector found a stuck executor: a dead worker, an orphaned item, a queue with no live "
+        "worker, or guarded work running past its deadline.",
+        WEDGES,
+        "Wedges detected by kind",
+        inputs=(
+            input_series(
+                t.WEDGE_DETECTED, "_x3 1 1 1", stallwatch_wedge_kind="queue_stalled", stallwatch_executor_name="runner"
+            ),
+        ),
+        fired_labels={"stallwatch_wedge_kind": "queue_stalled", "stallwatch_executor_name": "runner"},
+    ),
+)
+
+
+def _runbook(alert: Alert) -> str:
+    return (
+        f"Grafana dashboard uid {alert.dashboard.uid} ({alert.dashboard.title}), panel '{alert.panel}', "
+        "filtered to the alert's instance; the annotations there mark freezes and wedges. Then run "
+        "`stallwatch postmortem` on the host's telemetry files (or its traces in Tempo) for the timeline of "
+        "the operations that were in flight."
+    )
+
+
+def unscoped(expr: str) -> str:
+    """A dashboard expression without its template-variable matchers, for a rule file."""
+    return expr.replace(f"{{{SCOPE_MATCHERS}, ", "{").replace(SCOPE, "")
+
+
+def alert_rule(alert: Alert) -> dict[str, Any]:
+    rule: dict[str, Any] = {"alert": alert.name, "expr": unscoped(alert.expr)}
+    if alert.duration != "0s":
+        rule["for"] = alert.duration
+    rule["labels"] = {"severity": alert.severity}
+    rule["annotations"] = {
+        "summary": alert.summary,
+        "description": alert.description,
+        "runbook": _runbook(alert),
+        "dashboard_uid": alert.dashboard.uid,
+        "panel": alert.panel,
+    }
+    return rule
+
+
+def alert_rules() -> dict[str, Any]:
+    """The Prometheus rule file."""
+    return {"groups": [{"name": "stallwatch", "rules": [alert_rule(alert) for alert in ALERTS]}]}
+
+
+def _expand(template: str, labels: dict[str, str]) -> str:
+    """Render the `{{ $labels.x }}` placeholders, as Prometheus does for a firing alert."""
+    for key, value in labels.items():
+        template = template.replace(f"{{{{ $labels.{key} }}}}", value)
+    return template
+
+
+def alert_tests() -> dict[str, Any]:
+    """promtool unit tests: each alert is quiet, then fires on its input series (excluded series never fire)."""
+    tests = []
+    for alert in ALERTS:
+        labels = {"severity": alert.severity, **JOB, **alert.fired_labels}
+        annotations = {key: _expand(value, labels) for key, value in alert_rule(alert)["annotations"].items()}
+        tests.append(
+            {
+                "name": alert.name,
+                "interval": "1m",
+                "input_series": [{"series": s, "values": v} for s, v in alert.inputs],
+                "alert_rule_test": [
+                    {"eval_time": alert.quiet_at, "alertname": alert.name, "exp_alerts": []},
+                    {
+                        "eval_time": alert.fire_at,
+                        "alertname": alert.name,
+                        "exp_alerts": [{"exp_labels": labels, "exp_annotations": annotations}],
+                    },
+                ],
+            }
+        )
+    return {"rule_files": ["../alerts.yaml"], "evaluation_interval": "1m", "tests": tests}
+
+
+# ---- dashboards ---------------------------------------------------------------------------------
+
+
+def _datasource_variable(kind: str, label_text: str) -> gd.DatasourceVariable:
+    return gd.DatasourceVariable(kind).label(label_text).type(kind)
+
+
+def _query_variable(name: str, label_text: str, query: str, description: str) -> gd.QueryVariable:
+    return (
+        gd.QueryVariable(name)
+        .label(label_text)
+        .description(description)
+        .datasource(DS[PROMETHEUS])
+        .query(query)
+        .refresh(gm.VariableRefresh.ON_TIME_RANGE_CHANGED)
+        .sort(gm.VariableSort.ALPHABETICAL_ASC)
+        .multi(True)
+        .include_all(True)
+        .current(gm.VariableOption(text="All", value="$__all", selected=True))
+    )
+
+
+VARIABLES = (
+    _datasource_variable(PROMETHEUS, "Prometheus"),
+    _datasource_variable(TEMPO, "Tempo"),
+    _datasource_variable(LOKI, "Loki"),
+    _query_variable(
+        "job",
+        "Job",
+        "label_values(target_info, job)",
+        "Prometheus job: the host's endpoint and the freeze watchdog's own endpoint.",
+    ),
+    _query_variable(
+        "service",
+        "Service",
+        'label_values(target_info{job=~"$job"}, service_name)',
+        "OpenTelemetry service.name of the instrumented server.",
+    ),
+    _query_variable(
+        "instance",
+        "Instance",
+        'label_values(target_info{job=~"$job", service_name=~"$service"}, instance)',
+        "Scrape target (or service.instance.id through the OpenTelemetry Collector).",
+    ),
+)
+
+
+def _target(panel: Panel, query: Query, ref: str) -> Any:
+    if panel.source == TEMPO:
+        return (
+            tempo.TempoQuery()
+            .ref_id(ref)
+            .datasource(DS[TEMPO])
+            .query_type("traceql")
+            .query(query.expr)
+            .table_type(tempo_models.SearchTableType.SPANS)
+            .limit(20)
+        )
+    if panel.source == LOKI:
+        return loki.Dataquery().ref_id(ref).datasource(DS[LOKI]).expr(query.expr)
+    return (
+        prometheus.Dataquery()
+        .ref_id(ref)
+        .datasource(DS[PROMETHEUS])
+        .expr(query.expr)
+        .legend_format(query.legend or "__auto")
+        .range()
+    )
+
+
+def _panel(panel: Panel, panel_id: int) -> Any:
+    builder: Any
+    if panel.kind == "statetimeline":
+        builder = statetimeline.Panel().show_value(common.VisibilityMode.NEVER)
+    elif panel.kind == "table":
+        builder = table.Panel()
+    elif panel.kind == "logs":
+        builder = logs.Panel().show_time(True).wrap_log_message(True).enable_log_details(True)
+    else:
+        builder = timeseries.Panel().legend(
+            gc.VizLegendOptions()
+            .display_mode(common.LegendDisplayMode.TABLE)
+            .placement(common.LegendPlacement.BOTTOM)
+            .show_legend(True)
+            .calcs(["max", "lastNotNull"])
+        )
+    builder = builder.id(panel_id).title(panel.title).description(panel.description).unit(panel.unit)
+    builder = builder.datasource(DS[panel.source]).span(panel.width).height(8)
+    for index, query in enumerate(panel.queries):
+        builder = builder.with_target(_target(panel, query, chr(ord("A") + index)))
+    return builder
+
+
+def _annotation(name: str, color: str, expr: str) -> gd.AnnotationQuery:
+    return gd.AnnotationQuery().name(name).datasource(DS[PROMETHEUS]).enable(True).icon_color(color).expr(expr)
+
+
+def build(spec: Dashboard) -> dict[str, Any]:
+    """The dashboard model (Grafana JSON) of one dashboard spec."""
+    builder = (
+        gd.Dashboard(spec.title)
+        .uid(spec.uid)
+        .description(spec.description)
+        .tags(list(spec.tags))
+        .editable()
+        .tooltip(gm.DashboardCursorSync.CROSSHAIR)
+        .time("now-1h", "now")
+        .refresh("30s")
+        .timezone("browser")
+        .variables(list(VARIABLES))
+        .annotations([_annotation(*annotation) for annotation in ANNOTATIONS])
+        .link(
+            gd.DashboardLink("stallwatch")
+            .type(gm.DashboardLinkType.DASHBOARDS)
+            .tags(["stallwatch"])
+            .as_dropdown(True)
+            .include_vars(True)
+            .keep_time(True)
+        )
+    )
+    for panel_id, panel in enumerate(spec.panels, start=1):
+        builder = builder.with_panel(_panel(panel, panel_id))
+    return json.loads(json.dumps(builder.build(), cls=JSONEncoder))
+
+
+def _yaml(data: dict[str, Any], header: str) -> str:
+    return header + yaml.safe_dump(data, sort_keys=False, width=100000, allow_unicode=True)
+
+
+GENERATED = "# Generated by dashboards/generate.py from stallwatch.telemetry: edit that script, then rerun it.\n"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _readme(text: str) -> str:
+    """README.md with its panel and alert tables filled in from the specs."""
+    panels = ["| Dashboard | Panel | Data | Unit | What it tells on-call |", "|---|---|---|---|---|"]
+    for spec in DASHBOARDS:
+        for panel in spec.panels:
+            cells = (f"`{spec.uid}`", _cell(panel.title), panel.source, f"`{panel.unit}`", _cell(panel.description))
+            panels.append(f"| {' | '.join(cells)} |")
+    alerts = ["| Alert | Severity | For | Means | Panel |", "|---|---|---|---|---|"]
+    for alert in ALERTS:
+        alerts.append(
+            f"| {alert.name} | {alert.severity} | {alert.duration} | {_cell(alert.description)} "
+            f"| `{alert.dashboard.uid}` / {_cell(alert.panel)} |"
+        )
+    for name, rows in (("panels", panels), ("alerts", alerts)):
+        start = f"<!-- {name}: generated by generate.py -->\n"
+        head, rest = text.split(start)
+        text = head + start + "\n".join(rows) + "\n" + rest[rest.index(f"<!-- /{name} -->") :]
+    return text
+
+
+def render() -> dict[Path, str]:
+    """Every generated file (path → text)."""
+    files = {
+        HERE / "json" / f"{spec.uid.removeprefix('stallwatch-')}.json": json.dumps(build(spec), indent=2) + "\n"
+        for spec in DASHBOARDS
+    }
+    files[HERE / "alerts.yaml"] = _yaml(alert_rules(), GENERATED)
+    files[HERE / "tests" / "alerts_test.yaml"] = _yaml(
+        alert_tests(), GENERATED + "# Run: promtool test rules alerts_test.yaml\n"
+    )
+    files[HERE / "README.md"] = _readme((HERE / "README.md").read_text())
+    return files
+
+
+def main() -> int:
+    for path, text in render().items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        print(path.relative_to(HERE.parent))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""Scenario for the Freezes dashboard: a GIL-held freeze (incident 000) and the spawns around it.
+
+Usage: python dash_freeze.py SECONDS
+Under uvloop: quick spawns, a child killed by SIGSEGV, an os.fork() child that lives on, then one
+spawn whose forked child sleeps SECONDS in a library's after-fork handler before exec (the host holds
+the GIL meanwhile, its scrape endpoint cannot answer, the watchdog's can), then more spawns.
+"""
+
+import os
+import sys
+import time
+
+HANG = {"seconds": 0.0}
+
+
+def slow_library_child_handler() -> None:
+    if HANG["seconds"]:
+        time.sleep(HANG["seconds"])  # in the forked copy, before exec: the host is frozen meanwhile
+
+
+os.register_at_fork(after_in_child=slow_library_child_handler)
+
+import stallwatch
+
+session = stallwatch.setup(freeze_threshold=0.5)
+
+import asyncio
+import signal
+
+import uvloop
+from dash_common import done, ready
+
+seconds = float(sys.argv[1])
+
+
+async def spawn_true(count: int) -> None:
+    for _ in range(count):
+        child = await asyncio.create_subprocess_exec("/bin/true")
+        await child.wait()
+        await asyncio.sleep(0.2)
+
+
+async def main() -> None:
+    await spawn_true(3)
+    await asyncio.sleep(1.5)
+    victim = await asyncio.create_subprocess_exec("sleep", "30")
+    victim.send_signal(signal.SIGSEGV)
+    await victim.wait()
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    await spawn_true(3)
+    await asyncio.sleep(1.5)
+    HANG["seconds"] = seconds
+    child = await asyncio.create_subprocess_exec("/bin/true")
+    HANG["seconds"] = 0.0
+    await child.wait()
+    await spawn_true(5)
+    await asyncio.sleep(2.0)  # the watchdog sees the thaw and records the freeze's duration
+
+
+async def run() -> None:
+    await asyncio.to_thread(ready, watchdog_pid=session.watchdog_pid)
+    await main()
+    await asyncio.to_thread(done)
+
+
+uvloop.run(run())
+stallwatch.shutdown(timeout=5)
