@@ -3,10 +3,13 @@ fork guard and the global OpenTelemetry providers are process-wide state."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -19,10 +22,31 @@ SCENARIOS = Path(__file__).parent / "scenarios"
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """The test process's environment without OTEL_/STALLWATCH_/GRPC_ variables, plus `extra`."""
+    """The test process's environment without OTEL_/STALLWATCH_/GRPC_ variables, plus `extra`.
+
+    Each call gets its own empty journal directory: a host killed in one test must not be replayed
+    by the next test's `setup()` (tests that replay on purpose pass `journal_dir` themselves).
+    """
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "STALLWATCH_", "GRPC_"))}
+    env["STALLWATCH_JOURNAL_DIR"] = _JOURNALS.mkdtemp()
     env.update(extra)
     return env
+
+
+class _Journals:
+    """Temporary journal directories, removed when the test session ends (each holds 1 MiB files)."""
+
+    def __init__(self) -> None:
+        self.root: str | None = None
+
+    def mkdtemp(self) -> str:
+        if self.root is None:
+            self.root = tempfile.mkdtemp(prefix="stallwatch-journals-")
+            atexit.register(shutil.rmtree, self.root, ignore_errors=True)
+        return tempfile.mkdtemp(dir=self.root)
+
+
+_JOURNALS = _Journals()
 
 
 def run_python(code: str, *, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:

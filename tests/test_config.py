@@ -53,6 +53,8 @@ BAD_VALUES: dict[str, tuple[str, ...]] = {
     "STALLWATCH_UVLOOP_SPAWN": ("posix_spawn", "VFORK!"),
     "STALLWATCH_INSTRUMENT_SSH": ("sshh",),
     "STALLWATCH_INSTRUMENT_NEBIUS": ("cloud",),
+    "STALLWATCH_JOURNAL": ("durable",),
+    "STALLWATCH_JOURNAL_DIR": ("   ",),
     "STALLWATCH_FREEZE_THRESHOLD": ("0", "-1", "soon"),
     "STALLWATCH_FAULTHANDLER": ("stacks",),
     "STALLWATCH_WATCHDOG_PROMETHEUS_PORT": ("99999", "http"),

@@ -232,6 +232,20 @@ OPTIONS: tuple[Option, ...] = (
         "is imported.",
     ),
     Option(
+        "STALLWATCH_JOURNAL",
+        "journal",
+        "`true`",
+        "Keep the crash-safe journal of operations in flight (cloud intents and outcomes durable, tunnel and "
+        "Nebius spans buffered) and replay the journals of dead processes at `setup()`: interrupted operations "
+        "become spans, unconfirmed cloud creates become leak candidates.",
+    ),
+    Option(
+        "STALLWATCH_JOURNAL_DIR",
+        "journal_dir",
+        "`$XDG_STATE_HOME/stallwatch/journal` (`~/.local/state/stallwatch/journal`)",
+        "Directory of the journal (0700, one file per process, 0600).",
+    ),
+    Option(
         "STALLWATCH_WATCHDOG",
         "watchdog",
         "`true`",
@@ -276,9 +290,17 @@ OPTIONS: tuple[Option, ...] = (
 )
 
 
-def _default_file_dir() -> Path:
+def _state_dir(name: str) -> Path:
     state_home = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(state_home) / "stallwatch" / "telemetry"
+    return Path(state_home) / "stallwatch" / name
+
+
+def _default_file_dir() -> Path:
+    return _state_dir("telemetry")
+
+
+def _default_journal_dir() -> Path:
+    return _state_dir("journal")
 
 
 @dataclass(frozen=True)
@@ -316,6 +338,8 @@ class Settings:
     uvloop_spawn: str = "fork"
     instrument_ssh: bool = True
     instrument_nebius: bool = True
+    journal: bool = True
+    journal_dir: Path = field(default_factory=_default_journal_dir)
     watchdog: bool = True
     freeze_threshold: float = 1.0
     faulthandler: bool = False
@@ -390,6 +414,8 @@ class Settings:
         take("uvloop_spawn", "STALLWATCH_UVLOOP_SPAWN", _one_of(UVLOOP_SPAWN_METHODS), None)
         take("instrument_ssh", "STALLWATCH_INSTRUMENT_SSH", _bool, None)
         take("instrument_nebius", "STALLWATCH_INSTRUMENT_NEBIUS", _bool, None)
+        take("journal", "STALLWATCH_JOURNAL", _bool, None)
+        take("journal_dir", "STALLWATCH_JOURNAL_DIR", _path, None)
         take("watchdog", "STALLWATCH_WATCHDOG", _bool, None)
         take("freeze_threshold", "STALLWATCH_FREEZE_THRESHOLD", _positive_float, None)
         take("faulthandler", "STALLWATCH_FAULTHANDLER", _bool, None)

@@ -23,6 +23,7 @@ import asyncio
 import json
 import logging
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -143,10 +144,17 @@ def _new_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
+def _environment(out: Path) -> dict[str, str]:
+    """The demo's hosts journal under `out`: never into the user's real journal directory."""
+    return {**os.environ, "STALLWATCH_JOURNAL_DIR": str(out / "journal")}
+
+
 def _role(out: Path, *args: str, timeout: float = 60) -> dict[str, Any]:
     from .demo_incidents import command
 
-    proc = subprocess.run(command(args[0], str(out), *args[1:]), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        command(args[0], str(out), *args[1:]), capture_output=True, text=True, timeout=timeout, env=_environment(out)
+    )
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"demo stage {args[0]} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
@@ -173,15 +181,17 @@ def _create_stage(out: Path) -> None:
     with FakeNebius() as fake:
         fake.delay_next(f"{INSTANCE_SERVICE}/Create", 120)  # the cloud takes its time
         host = subprocess.Popen(
-            command("create", str(out), fake.address), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-        )
+            command("create", str(out), fake.address),
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=_environment(out),
+        )  # fmt: skip
         try:
             if host.stdout is None or '"creating"' not in host.stdout.readline():
                 raise RuntimeError("demo stage create did not start its call")
-            time.sleep(2.5)  # the intent record is exported (logs go out every second)
+            time.sleep(1.0)  # the create is in flight, its intent durable in the journal
             host.send_signal(signal.SIGKILL)  # the load balancer's health check
         finally:
             host.wait(10)
+    _role(out, "restart")  # the next start replays the journal: an interrupted span and a leak candidate
 
 
 def run(out: Path, probes: int = 20, progress: Callable[[str], None] | None = None) -> DemoResult:
@@ -190,11 +200,12 @@ def run(out: Path, probes: int = 20, progress: Callable[[str], None] | None = No
     out.mkdir(parents=True, exist_ok=True)
     for name in ("traces.jsonl", "metrics.jsonl", "logs.jsonl"):  # this run's files only
         (out / name).unlink(missing_ok=True)
+    shutil.rmtree(out / "journal", ignore_errors=True)
     from . import setup
 
     say(f"[1/5] health probes spawning children on a uvloop-style server ({probes} probes) ...")
 
-    setup(providers="host", file_dir=str(out))
+    setup(providers="host", file_dir=str(out), journal_dir=out / "journal")
     providers = _build_host_providers(out)
     loop = _new_loop()
     blocked: list[float] = []
@@ -241,7 +252,7 @@ def _incident_stages(out: Path, result: DemoResult, say: Callable[[str], None]) 
     if importlib.util.find_spec("nebius") is None:
         result.skipped.append("cloud: needs nebius (pip install 'stallwatch[demo]')")
     else:
-        say("[3/5] a Nebius create in flight when the host is killed with SIGKILL ...")
+        say("[3/5] a Nebius create in flight when the host is killed with SIGKILL; the next start replays ...")
         _create_stage(out)
     say("[4/5] a stale async SystemExit aimed at an executor worker, with and without the guard ...")
     result.wedge_guarded = str(_role(out, "wedge", "guard", "noheal")["request_b"])

@@ -9,6 +9,8 @@
 - `create OUT ADDRESS`: a Nebius instance create against the fake server at ADDRESS, which
   delays its answer; the demo kills this host with SIGKILL while the create is in flight, as the
   health check did in incident 000.
+- `restart OUT`: the next start after the kill: `setup()` replays the dead host's journal (its
+  create becomes an interrupted span and a leak candidate), then shuts down.
 - `wedge OUT guard|noguard heal|noheal`: incident 002 in its smallest form. A stale
   `PyThreadState_SetAsyncExc(SystemExit)` aimed at an idle executor worker, then the next
   request's item.
@@ -92,6 +94,14 @@ def create(out: str, address: str) -> None:
     asyncio.run(main())
 
 
+def restart(out: str) -> dict[str, object]:
+    import stallwatch
+
+    stallwatch.setup(file_dir=out, watchdog=False)
+    stallwatch.shutdown(5)
+    return {}
+
+
 def wedge(out: str, guard: bool, heal: bool) -> dict[str, object]:
     import ctypes
     import socket
@@ -144,6 +154,8 @@ def main(argv: list[str]) -> None:
     elif role == "create":
         create(out, argv[2])
         result = {}
+    elif role == "restart":
+        result = restart(out)
     elif role == "wedge":
         result = wedge(out, argv[2] == "guard", argv[3] == "heal")
     else:

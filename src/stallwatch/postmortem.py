@@ -258,11 +258,12 @@ def _log_event(record: dict[str, Any]) -> Event | None:
 def _leak_candidates(events: list[Event]) -> list[dict[str, Any]]:
     """Creates whose intent was recorded but whose outcome never was, and creates replayed as such.
 
-    The ledger writes a create's intent and outcome inside the call's span, so they pair by span id.
+    The ledger writes a create's intent and outcome inside the call's span, so they pair by span id;
+    a replayed `unconfirmed` record is written in the intent's span too, so it answers the intent.
     """
     ledger = [e for e in events if e.kind == "ledger"]
     answered = {e.attributes.get("_span") for e in ledger if "requested" not in e.summary}
-    candidates = [e for e in ledger if "unconfirmed" in e.summary]
+    candidates = [e for e in ledger if "unconfirmed" in e.summary]  # replayed from a dead host's journal
     candidates += [e for e in ledger if "create requested" in e.summary and e.attributes.get("_span") not in answered]
     return [
         {"time": e.start, **{k: v for k, v in e.attributes.items() if not k.startswith(("_", "code."))}}

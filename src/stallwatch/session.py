@@ -41,6 +41,7 @@ class Session:
     error: str | None = None
     _pipeline: Any = None
     _watchdog: Any = None  # (HeartbeatArea, subprocess.Popen) while the freeze watchdog runs
+    _journal: Any = None  # the crash-safe journal (STALLWATCH_JOURNAL)
 
     @property
     def watchdog_pid(self) -> int | None:
@@ -112,6 +113,7 @@ def _start(fork_safety: ForkSafety, overrides: dict[str, Any]) -> Session:
             return Session(settings, fork_safety, error=str(exc))
     _register_instruments()
     _instrument(settings)
+    journal = _start_journal(settings) if settings.journal else None
     if watchdog is not None:
         from .detect import heartbeat
         from .instrument._common import instrument, meter
@@ -120,7 +122,7 @@ def _start(fork_safety: ForkSafety, overrides: dict[str, Any]) -> Session:
             watchdog[0], instrument(meter(), telemetry.LOOP_LAG), settings.freeze_threshold, settings.faulthandler
         )
     atexit.register(_shutdown_at_exit)
-    return Session(settings, fork_safety, dict(pipeline.files) if pipeline else {}, None, pipeline, watchdog)
+    return Session(settings, fork_safety, dict(pipeline.files) if pipeline else {}, None, pipeline, watchdog, journal)
 
 
 def _register_instruments() -> None:
@@ -153,6 +155,34 @@ def _register_instruments() -> None:
         )
 
 
+def _start_journal(settings: Settings) -> Any:
+    """Replay the journals of dead processes, then journal this one (STALLWATCH_JOURNAL)."""
+    import functools
+
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from . import journal
+    from .instrument._common import FAULTS, instrument, meter
+
+    report = functools.partial(FAULTS.record, "journal", "STALLWATCH_JOURNAL")
+    provider = trace.get_tracer_provider()
+    found = journal.replay(
+        settings.journal_dir,
+        tracer_provider=provider if isinstance(provider, TracerProvider) else None,
+        on_error=report,
+    )
+    unconfirmed = found.unconfirmed_creates()
+    if unconfirmed:
+        counter = instrument(meter(), telemetry.CLOUD_RESOURCES_UNCONFIRMED)
+        for resource_type, count in unconfirmed.items():
+            counter.add(count, {telemetry.CLOUD_RESOURCE_TYPE.name: resource_type})
+    current = journal.Journal(settings.journal_dir, on_error=report)
+    journal.activate(current)
+    journal.install_recorder(current)
+    return current
+
+
 def _watchdog_environment(settings: Settings) -> dict[str, str]:
     """The host's settings, as the environment the watchdog's own setup() reads."""
     env = dict(os.environ)
@@ -166,6 +196,7 @@ def _watchdog_environment(settings: Settings) -> dict[str, str]:
     if settings.otlp_endpoint:
         env["OTEL_EXPORTER_OTLP_ENDPOINT"] = settings.otlp_endpoint
     env["OTEL_EXPORTER_OTLP_PROTOCOL"] = settings.otlp_protocol
+    env["STALLWATCH_JOURNAL"] = "false"  # the watchdog writes the host's freeze records itself, and never replays
     if settings.service_name:
         env["OTEL_SERVICE_NAME"] = settings.service_name
     if settings.resource_attributes:
@@ -181,6 +212,8 @@ def _start_watchdog(settings: Settings) -> tuple[Any, subprocess.Popen[bytes]] |
         area = heartbeat.HeartbeatArea()
         command = [sys.executable, "-m", "stallwatch.detect.watchdog", "--pid", str(os.getpid()),
                    "--heartbeat", str(area.path), "--threshold", str(settings.freeze_threshold)]  # fmt: skip
+        if settings.journal:
+            command += ["--journal-dir", str(settings.journal_dir)]
         process = subprocess.Popen(  # stderr is shared so its WARNINGs reach the host's log
             command, env=_watchdog_environment(settings), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL
         )
@@ -239,6 +272,11 @@ def shutdown(timeout: float | None = None) -> bool:
         from .instrument import subprocess as subprocess_instrumentation
 
         subprocess_instrumentation.end_open_spans()  # and builds the spans still waiting
+    if session is not None and session._journal is not None:
+        from . import journal
+
+        journal.activate(None)
+        session._journal.close(session.settings.shutdown_timeout if session.settings else 1.0)
     if session is None or session._pipeline is None:
         return True
     if timeout is None:

@@ -281,6 +281,12 @@ LOOP_LAG = Metric(
     "stallwatch.loop.lag", "histogram", "s", "How late the main event loop ran a callback scheduled 100 ms ahead.",
     (LOOP,),
 )  # fmt: skip
+CLOUD_RESOURCES_UNCONFIRMED = Metric(
+    "stallwatch.cloud.resources.unconfirmed", "counter", "{resource}",
+    "Creates found at start in a dead process's journal with an intent and no outcome: leak candidates to "
+    "reconcile against the cloud (each is also a WARNING `cloud resource create unconfirmed` with its ids).",
+    (CLOUD_RESOURCE_TYPE,),
+)  # fmt: skip
 TELEMETRY_DROPPED = Metric(
     "stallwatch.telemetry.dropped", "counter", "{item}",
     "Spans, log records or metric exports that never reached the backend; the host was never held up for them.",
@@ -377,6 +383,7 @@ METRICS: tuple[Metric, ...] = (
     NEBIUS_CALLS_ACTIVE,
     CLOUD_RESOURCES_CREATED,
     CLOUD_RESOURCES_DELETED,
+    CLOUD_RESOURCES_UNCONFIRMED,
     TELEMETRY_DROPPED,
     INSTRUMENTATION_ERRORS,
 )
@@ -493,6 +500,15 @@ NEBIUS_SPAN = Span(
      "`backoff_seconds` (wait before it).",),
 )  # fmt: skip
 
+INTERRUPTED = Attribute(
+    "stallwatch.interrupted", "The span was replayed from a dead process's journal: it never ended.", type="boolean"
+)
+INTERRUPTED_REASON = Attribute(
+    "stallwatch.interrupted.reason",
+    "Why it never ended: `host_killed` (killed while frozen, per the watchdog), `frozen` (died frozen), "
+    "`shutdown` (still open at shutdown), `process_died`.",
+    ("host_killed", "frozen", "shutdown", "process_died"),
+)
 FREEZE_OUTCOME = Attribute(
     "stallwatch.freeze.outcome", "How a freeze ended: the host went on, or it died frozen.", ("thawed", "host_killed")
 )
@@ -519,9 +535,17 @@ WORK_ITEM_SPAN = Span(
     ("`stallwatch.wedge` when the item is orphaned: `stallwatch.wedge.kind`, `message`.",),
 )  # fmt: skip
 
+REPLAYED_SPAN = Span(
+    "(the original span's name)", "INTERNAL",
+    "A tunnel or Nebius span that was open when its process died, replayed at the next `setup()` from the "
+    "journal with its original trace/span ids, parent and start; it ends at the last evidence of life, "
+    "status ERROR.",
+    (INTERRUPTED, INTERRUPTED_REASON),
+)  # fmt: skip
+
 SPANS: tuple[Span, ...] = (
     SUBPROCESS_SPAN, SSH_OPEN_SPAN, SSH_CLOSE_SPAN, SSH_CHECK_SPAN, SSH_EXEC_SPAN, NEBIUS_SPAN, FREEZE_SPAN,
-    WORK_ITEM_SPAN,
+    WORK_ITEM_SPAN, REPLAYED_SPAN,
 )  # fmt: skip
 
 INSTRUMENTATION_SCOPE = "stallwatch"

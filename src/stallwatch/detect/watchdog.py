@@ -262,13 +262,14 @@ class Watchdog:
 class FreezeTelemetry:
     """What the watchdog exports, immediately (each record is flushed as it is made)."""
 
-    def __init__(self, pid: int, heartbeat_path: Path) -> None:
+    def __init__(self, pid: int, heartbeat_path: Path, journal: Any = None) -> None:
         from opentelemetry import metrics, trace
 
         from .. import telemetry
         from ..instrument._common import instrument
 
         self._pid = pid
+        self._journal = journal  # the host's journal, watchdog side: freeze records survive the host
         self._reports = heartbeat.report_path(heartbeat_path)
         self._stacks = heartbeat.stacks_path(heartbeat_path)
         self._active: dict[tuple[str, str], int] = {}
@@ -315,6 +316,10 @@ class FreezeTelemetry:
 
     def frozen(self, freeze: Freeze, now_ns: int) -> None:
         self._active[(freeze.kind, freeze.diagnosis.cause)] = 1
+        if self._journal is not None:  # durable before anything else: the host may be killed any moment
+            self._journal.freeze_started(
+                freeze.kind, freeze.diagnosis.cause, freeze.started_wall_ns, self._record_attributes(freeze)
+            )
         _log.warning("stallwatch: freeze detected: %s", self._describe(freeze, now_ns),
                      extra=self._record_attributes(freeze))  # fmt: skip
         self.flush()
@@ -329,6 +334,8 @@ class FreezeTelemetry:
         from opentelemetry.trace import Link, SpanContext, TraceFlags
 
         self._active.clear()
+        if self._journal is not None:
+            self._journal.freeze_ended(outcome)
         seconds = (time.time_ns() - freeze.started_wall_ns) / 1e9
         attributes = (
             freeze.diagnosis.attributes()
@@ -379,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pid", type=int, required=True, help="the host process to watch")
     parser.add_argument("--heartbeat", type=Path, required=True, help="the host's heartbeat file")
     parser.add_argument("--threshold", type=float, default=1.0, help="seconds without a heartbeat = frozen")
+    parser.add_argument("--journal-dir", type=Path, help="the host's journal directory (STALLWATCH_JOURNAL_DIR)")
     args = parser.parse_args(argv)
     if args.threshold <= 0:
         parser.error("--threshold must be positive (STALLWATCH_FREEZE_THRESHOLD)")
@@ -388,11 +396,19 @@ def main(argv: list[str] | None = None) -> int:
 
     stallwatch.setup(resource_attributes={"stallwatch.process.role": "watchdog",
                                           "stallwatch.watched.pid": str(args.pid)})  # fmt: skip
+    journal = None
+    if args.journal_dir is not None:
+        from ..journal import Journal
+
+        journal = Journal(args.journal_dir, role="watchdog", host_pid=args.pid)
     try:
-        Watchdog(args.pid, args.heartbeat, args.threshold, FreezeTelemetry(args.pid, args.heartbeat)).run()
+        telemetry = FreezeTelemetry(args.pid, args.heartbeat, journal)
+        Watchdog(args.pid, args.heartbeat, args.threshold, telemetry).run()
     except ProcessLookupError:
         return 0
     finally:
+        if journal is not None:
+            journal.close()
         stallwatch.shutdown()
     return 0
 

@@ -41,7 +41,7 @@ from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type:
 from opentelemetry.instrumentation.utils import unwrap
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from .. import ledger, telemetry
+from .. import journal, ledger, telemetry
 from .._version import __version__
 from ._common import FAULTS, Counts, Deferred, instrument, meter
 
@@ -127,6 +127,7 @@ class _Call:
         self.last_attempt_end: float | None = None
         self.intent: ledger.Intent | None = None
         instruments.active.add(1, self.service, method)
+        journal.span_started(self.span, COMPONENT)  # on disk with the intent, which is durable
         action = _ACTIONS.get(method)
         if action is not None:
             context = self.span.get_span_context()
@@ -210,6 +211,7 @@ class _Call:
             finally:
                 context_api.detach(token)
         span.end(end_time=end_ns)
+        journal.span_ended(span)
 
 
 def _to_ledger(record: Callable[[], None]) -> None:

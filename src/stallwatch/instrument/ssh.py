@@ -29,7 +29,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
-from .. import telemetry
+from .. import journal, telemetry
 from .._version import __version__
 from ._common import FAULTS, SPAWN_OBSERVER, instrument, meter, signal_name
 
@@ -83,6 +83,7 @@ class _Operation:
         self.returncode: int | None = None
         self.ended = False
         self.span = self.instruments.tracer.start_span(span_name, kind=SpanKind.CLIENT, attributes=attributes)
+        journal.span_started(self.span, COMPONENT, durable=phase == "open")
 
     def child_exited(self, returncode: int) -> None:
         if not self.ended:
@@ -109,6 +110,7 @@ class _Operation:
             span.set_attribute(telemetry.ERROR_TYPE.name, labels[telemetry.ERROR_TYPE.name])
             span.set_status(Status(StatusCode.ERROR, f"ssh tunnel {self.phase} failed"))
         span.end()
+        journal.span_ended(span)
         if self.phase not in ("open", "close"):
             return
         self.instruments.durations[self.phase].record(perf_counter() - self.started)

@@ -1,0 +1,131 @@
+"""Incident 000 end to end: a host frozen and killed mid-create; the next start replays its journal."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from conftest import attrs, clean_env, latest_total, otlp_items, run_python
+from stallwatch.fake_nebius import INSTANCE_SERVICE, FakeNebius
+
+HOST = """
+import os, sys, time
+HANG = [0.0]
+os.register_at_fork(after_in_child=lambda: HANG[0] and time.sleep(HANG[0]))  # a library's, before stallwatch
+import asyncio, json
+import stallwatch
+journal_dir, file_dir, address, freeze = sys.argv[1:]
+stallwatch.setup(journal_dir=journal_dir, file_dir=file_dir, freeze_threshold=1.0)
+import uvloop
+from nebius.api.nebius.common.v1 import ResourceMetadata
+from nebius.api.nebius.compute.v1 import CreateInstanceRequest, InstanceServiceClient
+from opentelemetry import trace
+from stallwatch.fake_nebius import sdk_for
+
+async def main():
+    async with sdk_for(address) as sdk:
+        with trace.get_tracer("control-plane").start_as_current_span("provision") as span:
+            create = asyncio.ensure_future(InstanceServiceClient(sdk).create(
+                CreateInstanceRequest(metadata=ResourceMetadata(name="h200", parent_id="project-x")), timeout=600))
+            await asyncio.sleep(1.0)  # the create is in flight (the fake cloud sits on it)
+            context = span.get_span_context()
+            print(json.dumps({"trace_id": f"{context.trace_id:032x}"}), flush=True)
+            if freeze == "freeze":
+                HANG[0] = 60.0  # a probe's ssh spawn, held before exec: the whole host freezes here
+                await asyncio.create_subprocess_exec("/bin/true")
+            await create
+
+loop = uvloop.new_event_loop()
+loop.run_until_complete(main())
+"""
+
+
+def _kill_during_create(tmp_path, freeze: str) -> str:
+    journal_dir, first = tmp_path / "journal", tmp_path / "first"
+    with FakeNebius() as fake:
+        fake.delay_next(f"{INSTANCE_SERVICE}/Create", 120)
+        host = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(HOST), str(journal_dir), str(first), fake.address, freeze],
+            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        trace_id = json.loads(host.stdout.readline())["trace_id"]
+        time.sleep(3.0 if freeze == "freeze" else 0.5)  # frozen ~2 s: the health check gives up on it
+        held = _children(host.pid)  # the forked copy held before exec, and the watchdog
+        host.send_signal(signal.SIGKILL)
+        host.wait(10)
+        time.sleep(0.5)  # the watchdog sees its host die and writes host_killed, then leaves
+        for pid in held:  # the held copy would sleep on for a minute
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    return trace_id
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            found += [int(child) for child in (task / "children").read_text().split()]
+    return found
+
+
+def _next_start(tmp_path):
+    proc = run_python(
+        f"""
+        import stallwatch
+        stallwatch.setup(journal_dir={str(tmp_path / "journal")!r}, file_dir={str(tmp_path / "second")!r},
+                         watchdog=False)
+        stallwatch.shutdown(10)
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def test_a_host_killed_while_frozen_mid_create_is_replayed_with_its_leak_candidate(tmp_path):
+    trace_id = _kill_during_create(tmp_path, "freeze")
+    proc = _next_start(tmp_path)
+    second = tmp_path / "second"
+
+    spans = {s["name"]: s for s in otlp_items(second / "traces.jsonl", "spans")}
+    create = spans[f"{INSTANCE_SERVICE}/Create"]
+    assert create["traceId"] == trace_id  # the original ids: it joins the trace the backend already has
+    assert attrs(create)["stallwatch.interrupted"] is True
+    assert attrs(create)["stallwatch.interrupted.reason"] == "host_killed"
+    assert create["status"].get("code") in (2, "STATUS_CODE_ERROR")
+    assert int(create["endTimeUnixNano"]) > int(create["startTimeUnixNano"])
+    records = [r for r in otlp_items(second / "logs.jsonl", "logs") if "unconfirmed" in str(r["body"])]
+    assert len(records) == 1 and records[0]["traceId"] == trace_id
+    assert attrs(records[0])["stallwatch.cloud.resource.type"] == "compute.instance"
+    assert "cloud resource create unconfirmed" in proc.stderr  # WARNING: also on the host's own stderr
+    metrics = second / "metrics.jsonl"
+    assert latest_total(metrics, "stallwatch.cloud.resources.unconfirmed", **{
+        "stallwatch.cloud.resource.type": "compute.instance"}) == 1  # fmt: skip
+    assert (tmp_path / "journal" / "archive").is_dir()
+    # A third start finds nothing left to replay.
+    again = run_python(
+        f"""
+        import stallwatch
+        stallwatch.setup(journal_dir={str(tmp_path / "journal")!r}, file_dir={str(tmp_path / "third")!r},
+                         watchdog=False)
+        stallwatch.shutdown(10)
+        """
+    )
+    assert "unconfirmed" not in again.stderr
+    assert not (tmp_path / "third" / "traces.jsonl").exists() or not [
+        s for s in otlp_items(tmp_path / "third" / "traces.jsonl", "spans") if attrs(s).get("stallwatch.interrupted")
+    ]
+
+
+def test_a_host_killed_without_a_freeze_is_replayed_as_process_died(tmp_path):
+    trace_id = _kill_during_create(tmp_path, "nofreeze")
+    _next_start(tmp_path)
+    spans = [s for s in otlp_items(tmp_path / "second" / "traces.jsonl", "spans") if s["traceId"] == trace_id]
+    (create,) = [s for s in spans if s["name"] == f"{INSTANCE_SERVICE}/Create"]
+    assert attrs(create)["stallwatch.interrupted.reason"] == "process_died"
