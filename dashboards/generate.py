@@ -491,6 +491,14 @@ CLOUD_CALLS = Dashboard(
             ),
         ),
         Panel(
+            "Unconfirmed cloud resources (leak candidates)",
+            "Creates found at start in a dead process's journal with an intent and no outcome: the cloud may hold "
+            "resources nothing tracks (incident 000). Reconcile each against the cloud; the WARNING records "
+            "'cloud resource create unconfirmed' and `stallwatch postmortem` list their ids.",
+            "short",
+            (Query(events(t.CLOUD_RESOURCES_UNCONFIRMED, t.CLOUD_RESOURCE_TYPE), legend_of(t.CLOUD_RESOURCE_TYPE)),),
+        ),
+        Panel(
             "Slow and failed Nebius calls (traces)",
             "Nebius call spans over 1 s or with an error status, with the attempts made and the resource id.",
             "s",
@@ -684,6 +692,20 @@ ALERTS = (
         inputs=(input_series(t.EXECUTION_OVERDUE, "0 1x12", stallwatch_execution_name="trace"),),
         fired_labels={"stallwatch_execution_name": "trace"},
         fire_at="5m",
+    ),
+    Alert(
+        "UnconfirmedCloudResource",
+        events(t.CLOUD_RESOURCES_UNCONFIRMED, t.CLOUD_RESOURCE_TYPE, window=ALERT_WINDOW, keep=("job", "instance")),
+        "critical",
+        "Unconfirmed {{ $labels.stallwatch_cloud_resource_type }} creates on {{ $labels.instance }}: possible leak",
+        "A process died after asking the cloud for a resource and before recording the answer (incident 000: "
+        "instances ran untracked for days). The restart replayed its journal and found the create unconfirmed.",
+        CLOUD_CALLS,
+        "Unconfirmed cloud resources (leak candidates)",
+        inputs=(
+            input_series(t.CLOUD_RESOURCES_UNCONFIRMED, "_x3 1 1 1", stallwatch_cloud_resource_type="compute.instance"),
+        ),
+        fired_labels={"stallwatch_cloud_resource_type": "compute.instance"},
     ),
     Alert(
         "WedgeDetected",

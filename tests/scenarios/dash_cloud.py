@@ -1,16 +1,36 @@
 """Scenario for the Cloud calls dashboard: Nebius SDK calls against stallwatch's fake Nebius server.
 
 Usage: python dash_cloud.py
-Creates an instance and a disk, gets them (OK, then NOT_FOUND, then a slow call in flight), deletes
-the instance: calls by method and status, latency, calls in flight, resources created and deleted.
+First a host is killed while its create is in flight, and this process's setup() replays its
+journal: one unconfirmed create (a leak candidate). Then it creates an instance and a disk, gets
+them (OK, then NOT_FOUND, then a slow call in flight), deletes the instance: calls by method and
+status, latency, calls in flight, resources created and deleted.
 """
-
-import stallwatch
-
-stallwatch.setup(watchdog=False)
 
 import asyncio
 import contextlib
+import os
+import signal
+import subprocess
+import tempfile
+import time
+
+import stallwatch  # first: the gRPC fork guard before grpc loads
+from stallwatch.demo_incidents import command
+from stallwatch.fake_nebius import INSTANCE_SERVICE, FakeNebius, sdk_for
+
+journal_dir = tempfile.mkdtemp(prefix="dash-cloud-journal-")
+with FakeNebius() as killed_cloud:
+    killed_cloud.delay_next(f"{INSTANCE_SERVICE}/Create", 60)
+    env = {**os.environ, "STALLWATCH_JOURNAL_DIR": journal_dir, "OTEL_METRICS_EXPORTER": "none",
+           "OTEL_TRACES_EXPORTER": "none", "OTEL_LOGS_EXPORTER": "none"}  # fmt: skip
+    host = subprocess.Popen(command("create", tempfile.mkdtemp(), killed_cloud.address), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+    host.stdout.readline()  # {"creating": true}
+    time.sleep(1.0)
+    host.send_signal(signal.SIGKILL)
+    host.wait(10)
+stallwatch.setup(watchdog=False, journal_dir=journal_dir)  # replays the killed host: a leak candidate
 
 from dash_common import done, ready
 from nebius.aio.service_error import RequestError
@@ -26,8 +46,6 @@ from nebius.api.nebius.compute.v1 import (
     InstanceSpec,
     ResourcesSpec,
 )
-
-from stallwatch.fake_nebius import INSTANCE_SERVICE, FakeNebius, sdk_for
 
 
 async def calls(fake: FakeNebius, sdk) -> None:
