@@ -164,9 +164,11 @@ def _role(out: Path, *args: str, timeout: float = 60) -> dict[str, Any]:
 def _freeze_stage(out: Path, result: DemoResult) -> None:
     freeze = _role(out, "freeze", "2.5")
     result.freeze_seconds = round((int(freeze["frozen_until_ns"]) - int(freeze["frozen_from_ns"])) / 1e9, 2)
-    for line in (out / "logs.jsonl").read_text().splitlines():
-        if "freeze detected" in line:
-            record = json.loads(line)["resourceLogs"][0]["scopeLogs"][0]["logRecords"][0]
+    from . import postmortem
+
+    _, logs, _, _, _ = postmortem.load(None, [out / "logs.jsonl"])
+    for record in logs:
+        if "freeze detected" in str(record.get("body", "")):
             detected = int(record["timeUnixNano"])
             result.freeze_detected_while_frozen = detected < int(freeze["frozen_until_ns"])
             for attribute in record.get("attributes", []):
