@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -263,32 +264,29 @@ def shutdown(timeout: float | None = None) -> bool:
     with _lock:
         session, _session = _session, None
         _shut_down = _shut_down or session is not None
-    if session is not None and session._watchdog is not None:
+    if session is None:
+        return True
+    if timeout is None:
+        timeout = session.settings.shutdown_timeout if session.settings else 1.0
+    deadline = time.monotonic() + timeout  # one budget for everything below
+    if session._watchdog is not None:
         from .detect import heartbeat
 
         heartbeat.stop()
         session._watchdog[1].terminate()
-    if session is not None and session.settings is not None and session.settings.instrument_subprocess:
+    if session.settings is not None and session.settings.instrument_subprocess:
         from .instrument import subprocess as subprocess_instrumentation
 
         subprocess_instrumentation.end_open_spans()  # and builds the spans still waiting
-    if session is not None and session._journal is not None:
+    if session._journal is not None:
         from . import journal
 
         journal.activate(None)
-        session._journal.close(session.settings.shutdown_timeout if session.settings else 1.0)
-    if session is None or session._pipeline is None:
+        session._journal.close(max(deadline - time.monotonic(), 0.0))
+    if session._pipeline is None:
         return True
-    if timeout is None:
-        timeout = session.settings.shutdown_timeout if session.settings else 1.0
-    finished = session._pipeline.shutdown(timeout)
-    if not finished:
-        _log.warning(
-            "stallwatch: telemetry shutdown did not finish within %.1fs (STALLWATCH_SHUTDOWN_TIMEOUT); "
-            "the rest is dropped.",
-            timeout,
-        )
-    return finished
+    # The pipeline logs once what it could not export in time (STALLWATCH_SHUTDOWN_TIMEOUT).
+    return bool(session._pipeline.shutdown(max(deadline - time.monotonic(), 0.0)))
 
 
 def _shutdown_at_exit() -> None:

@@ -288,7 +288,7 @@ CLOUD_RESOURCES_UNCONFIRMED = Metric(
     (CLOUD_RESOURCE_TYPE,),
 )  # fmt: skip
 TELEMETRY_DROPPED = Metric(
-    "stallwatch.telemetry.dropped", "counter", "{item}",
+    "stallwatch.telemetry.dropped", "observable_counter", "{item}",
     "Spans, log records or metric exports that never reached the backend; the host was never held up for them.",
     (TELEMETRY_SIGNAL, DROP_REASON),
 )  # fmt: skip
