@@ -114,6 +114,8 @@ def test_demo_runs_on_local_files_and_shows_zero_thread_starts(tmp_path):
     assert result["probes_answered"] == 5
     assert result["stallwatch_thread_starts_per_child"] == 0
     assert result["stock_thread_starts_per_child"] >= 3
+    assert result["crashed_children"] == 0
+    assert result["grpc_calls_during_spawns"] > 0  # gRPC busy while the children were forked
     assert result["forked_worker_span_exported"] is True
     if shutil.which("true") and result["loop"] == "uvloop":
         assert result["forks"]["exec_bound"] == 5

@@ -129,3 +129,20 @@ def test_a_host_killed_without_a_freeze_is_replayed_as_process_died(tmp_path):
     spans = [s for s in otlp_items(tmp_path / "second" / "traces.jsonl", "spans") if s["traceId"] == trace_id]
     (create,) = [s for s in spans if s["name"] == f"{INSTANCE_SERVICE}/Create"]
     assert attrs(create)["stallwatch.interrupted.reason"] == "process_died"
+
+
+def test_postmortem_reads_the_journal_of_the_killed_host_before_any_restart(tmp_path):
+    trace_id = _kill_during_create(tmp_path, "freeze")
+    proc = subprocess.run(
+        [sys.executable, "-m", "stallwatch.cli", "postmortem", "--journal", str(tmp_path / "journal"), "--format",
+         "json"], capture_output=True, text=True, env=clean_env(), timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    kinds = [(e["kind"], e["lane"]) for e in report["events"]]
+    assert ("freeze", "freeze") in kinds and ("interrupted", "nebius") in kinds
+    interrupted = next(e for e in report["events"] if e["kind"] == "interrupted")
+    assert "host_killed" in interrupted["summary"] and "InstanceService/Create" in interrupted["summary"]
+    (candidate,) = report["leak_candidates"]
+    assert candidate["trace_id"] == trace_id and candidate["stallwatch.cloud.resource.type"] == "compute.instance"
+    assert list((tmp_path / "journal").glob("*.journal"))  # read, not replayed: nothing archived

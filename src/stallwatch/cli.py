@@ -42,8 +42,9 @@ def _postmortem(args: argparse.Namespace) -> int:
         now = time.time_ns()
         since = postmortem.parse_time(args.since, now) if args.since else None
         until = postmortem.parse_time(args.until, now) if args.until else None
-        directory = Path(args.dir) if args.dir else (None if args.files else Path(args.default_dir))
-        result = postmortem.timeline(directory, [Path(f) for f in args.files], since, until)
+        directory = Path(args.dir) if args.dir else (None if args.files or args.journal else Path(args.default_dir))
+        journal = Path(args.journal) if args.journal else None
+        result = postmortem.timeline(directory, [Path(f) for f in args.files], since, until, journal)
     except postmortem.InputError as error:
         print(f"stallwatch postmortem: {error}", file=sys.stderr)
         return 2
@@ -104,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--file", dest="files", action="append", default=[], metavar="FILE",
         help="an OTLP/JSON file (JSON lines or one document, e.g. exported from Tempo); repeatable",
     )  # fmt: skip
+    post.add_argument(
+        "--journal", help="a journal directory (STALLWATCH_JOURNAL_DIR): what dead processes left in flight"
+    )
     post.add_argument("--since", help="start of the window: ISO time or a duration back from now (90s, 15m, 2h)")
     post.add_argument("--until", help="end of the window, same forms as --since")
     post.add_argument("--format", choices=("text", "json", "html"), default="text", help="default: %(default)s")

@@ -27,6 +27,7 @@ import shutil
 import signal
 import statistics
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -48,6 +49,8 @@ class DemoResult:
     loop: str
     probes_answered: int
     spawns: int
+    grpc_calls_during_spawns: int
+    crashed_children: int
     spawn_blocked_ms_p50: float
     spawn_blocked_ms_max: float
     forks: dict[str, int]
@@ -92,7 +95,55 @@ def _build_host_providers(out: Path) -> list[Any]:
     return [tracer_provider, meter_provider, logger_provider]
 
 
-async def _probe_server(probes: int, blocked: list[float]) -> int:
+class _BusyGrpc:
+    """A grpc.aio client calling a local gRPC server in a loop, as the Nebius SDK keeps gRPC busy.
+
+    gRPC's own fork handlers would restart its threads in every uvloop child (incident 000); with
+    stallwatch imported first they do not. None of it runs when grpcio is not installed.
+    """
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._stop = threading.Event()
+        self._server: Any = None
+
+    def __enter__(self) -> _BusyGrpc:
+        import importlib.util
+
+        if importlib.util.find_spec("grpc") is None:
+            return self
+        from concurrent.futures import ThreadPoolExecutor
+
+        import grpc
+
+        handler = grpc.method_handlers_generic_handler(
+            "demo.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(lambda request, context: request)}
+        )
+        self._server = grpc.server(ThreadPoolExecutor(max_workers=2))
+        self._server.add_generic_rpc_handlers((handler,))
+        port = self._server.add_insecure_port("127.0.0.1:0")
+        self._server.start()
+        ready = threading.Event()
+
+        async def client() -> None:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                echo = channel.unary_unary("/demo.Echo/Echo")
+                while not self._stop.is_set():
+                    await echo(b"x", timeout=10)
+                    self.calls += 1
+                    ready.set()
+
+        threading.Thread(target=asyncio.run, args=(client(),), name="demo-grpc-client", daemon=True).start()
+        ready.wait(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._server is not None:
+            self._server.stop(0)
+
+
+async def _probe_server(probes: int, blocked: list[float], crashed: list[int]) -> int:
     """Serve `probes` health checks; each one spawns a child like an SSH tunnel open/close."""
     tracer = trace.get_tracer("stallwatch.demo")
 
@@ -102,7 +153,8 @@ async def _probe_server(probes: int, blocked: list[float]) -> int:
             started = time.perf_counter()
             child = await asyncio.create_subprocess_exec("/bin/true")
             blocked.append(time.perf_counter() - started)
-            await child.wait()
+            if await child.wait() < 0:  # killed by a signal, e.g. SIGSEGV in gRPC's fork handler
+                crashed.append(child.returncode)
         writer.write(b"ok\n")
         await writer.drain()
         writer.close()
@@ -211,8 +263,10 @@ def run(out: Path, probes: int = 20, progress: Callable[[str], None] | None = No
     providers = _build_host_providers(out)
     loop = _new_loop()
     blocked: list[float] = []
+    crashed: list[int] = []
     try:
-        answered = loop.run_until_complete(_probe_server(probes, blocked))
+        with _BusyGrpc() as busy:
+            answered = loop.run_until_complete(_probe_server(probes, blocked, crashed))
         kind = loop_kind(loop)
     finally:
         loop.close()
@@ -230,6 +284,8 @@ def run(out: Path, probes: int = 20, progress: Callable[[str], None] | None = No
         loop=kind,
         probes_answered=answered,
         spawns=len(blocked),
+        grpc_calls_during_spawns=busy.calls,
+        crashed_children=len(crashed),
         spawn_blocked_ms_p50=round(statistics.median(blocked) * 1e3, 3) if blocked else 0.0,
         spawn_blocked_ms_max=round(max(blocked) * 1e3, 3) if blocked else 0.0,
         forks=forks,
@@ -283,6 +339,8 @@ def format_text(result: DemoResult) -> str:
             f"  probes answered                   {result.probes_answered}",
             f"  spawns (blocked in spawn call)    {result.spawns} (p50 {result.spawn_blocked_ms_p50} ms, "
             f"max {result.spawn_blocked_ms_max} ms)",
+            f"  gRPC calls during the spawns      {result.grpc_calls_during_spawns} (a busy grpc.aio client)",
+            f"  children killed by a signal       {result.crashed_children}",
             f"  forks recorded                    {result.forks or 'none (no fork: vfork/posix_spawn)'}",
             f"  at-fork handlers skipped          {result.handlers_skipped} (in children that only exec)",
             f"  thread starts in a fork child     stock OpenTelemetry: {result.stock_thread_starts_per_child}, "
@@ -312,6 +370,7 @@ def healthy(result: DemoResult, probes: int) -> bool:
     """Whether every stage showed what it is there to show (the demo's own check)."""
     return (
         result.probes_answered == probes
+        and result.crashed_children == 0
         and result.stallwatch_thread_starts_per_child == 0
         and result.forked_worker_span_exported
         and (result.freeze_detected_while_frozen or any(s.startswith("freeze") for s in result.skipped))

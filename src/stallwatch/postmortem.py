@@ -3,8 +3,10 @@
 Inputs are OTLP/JSON, either the `file` exporter's JSON-lines files (`traces.jsonl`, `logs.jsonl`,
 `metrics.jsonl` in `--dir`) or OTLP/JSON documents exported from a trace backend (`--file`: one
 `{"resourceSpans": ...}` / `{"resourceLogs": ...}` document, JSON lines of them, or Tempo's
-`{"batches": [...]}`). Spans replayed from a crashed process's journal (`stallwatch.interrupted`)
-arrive through the same files once `setup()` has replayed them.
+`{"batches": [...]}`), and the crash-safe journal (`--journal`, read without replaying it: what
+dead processes left open, their unconfirmed creates and the watchdog's freeze records). Spans
+replayed from a journal (`stallwatch.interrupted`) arrive through the exported files once a
+`setup()` has replayed it.
 
 The timeline orders what an on-call engineer looks for: freezes (kind, cause, the child, the
 frozen spawn, outcome), spawns around them (blocked time, loop, method, exit signals), SSH tunnel
@@ -266,7 +268,11 @@ def _leak_candidates(events: list[Event]) -> list[dict[str, Any]]:
     candidates = [e for e in ledger if "unconfirmed" in e.summary]  # replayed from a dead host's journal
     candidates += [e for e in ledger if "create requested" in e.summary and e.attributes.get("_span") not in answered]
     return [
-        {"time": e.start, **{k: v for k, v in e.attributes.items() if not k.startswith(("_", "code."))}}
+        {
+            "time": e.start,
+            "trace_id": e.attributes.get("_trace", ""),
+            **{k: v for k, v in e.attributes.items() if not k.startswith(("_", "code."))},
+        }
         for e in candidates
     ]
 
@@ -310,6 +316,7 @@ def build(
         event = _log_event(record)
         if event is not None:
             event.attributes["_span"] = str(record.get("spanId", ""))
+            event.attributes["_trace"] = str(record.get("traceId", ""))
             events.append(event)
     freezes = [(e.start_ns, e.end_ns or e.start_ns) for e in events if e.kind == "freeze"]
 
@@ -327,13 +334,66 @@ def build(
     return sorted(selected, key=lambda e: e.start_ns)
 
 
+def _in_window(event: Event, since_ns: int | None, until_ns: int | None) -> bool:
+    return (since_ns is None or event.start_ns >= since_ns) and (until_ns is None or event.start_ns <= until_ns)
+
+
+def journal_events(journal_dir: Path) -> tuple[list[Event], list[dict[str, Any]]]:
+    """What the journals in `journal_dir` hold that never ended, without replaying them."""
+    from . import journal
+
+    if not journal_dir.is_dir():
+        raise InputError(f"{journal_dir} is not a directory; pass the journal directory (STALLWATCH_JOURNAL_DIR)")
+    events: list[Event] = []
+    candidates: list[dict[str, Any]] = []
+    for process in journal.scan(journal_dir):
+        if process.state in ("alive", "watchdog_alive"):
+            continue  # still running: what it has open is not (yet) lost
+        for operation in process.interrupted():
+            events.append(Event(
+                operation.start_ns, _lane_of(operation.name, operation.attributes), "interrupted",
+                f"{operation.name} never ended: process {operation.pid} died ({operation.reason})",
+                operation.end_ns, "error", dict(operation.attributes),
+            ))  # fmt: skip
+        for resource in process.unconfirmed():
+            candidates.append({
+                "time": _iso(resource.intent_ns), "stallwatch.cloud.action": resource.action,
+                "stallwatch.cloud.resource.type": resource.resource_type, "stallwatch.cloud.rpc": resource.rpc,
+                "trace_id": resource.trace_id, "pid": resource.pid,
+                **({"stallwatch.cloud.resource.id": resource.resource_id} if resource.resource_id else {}),
+            })  # fmt: skip
+        for record in process.watchdog:
+            if record.get("type") == "freeze":
+                events.append(Event(
+                    int(record.get("started_ns", 0)), "freeze", "freeze",
+                    f"{record.get('kind')} freeze of process {process.pid}, cause {record.get('cause')} (journal)",
+                    None, "error", dict(record.get("attributes", {})),
+                ))  # fmt: skip
+    return events, candidates
+
+
 def timeline(
-    directory: Path | None, files: Iterable[Path] = (), since_ns: int | None = None, until_ns: int | None = None
+    directory: Path | None,
+    files: Iterable[Path] = (),
+    since_ns: int | None = None,
+    until_ns: int | None = None,
+    journal_dir: Path | None = None,
 ) -> Timeline:
     """Read the inputs and build the timeline (raises InputError for a user mistake)."""
-    spans, logs, metrics, sources, skipped = load(directory, files)
+    if journal_dir is not None and directory is None and not list(files):
+        spans, logs, metrics, sources, skipped = [], [], [], [], 0
+    else:
+        spans, logs, metrics, sources, skipped = load(directory, files)
     events = build(spans, logs, metrics, since_ns, until_ns)
-    return Timeline(events, _leak_candidates(events), _counters(metrics), sources, skipped)
+    candidates = _leak_candidates(events)
+    if journal_dir is not None:
+        found, unconfirmed = journal_events(journal_dir)
+        in_window = [e for e in found if _in_window(e, since_ns, until_ns)]
+        events = sorted(events + in_window, key=lambda e: e.start_ns)
+        known = {c.get("trace_id") for c in candidates}
+        candidates += [c for c in unconfirmed if c["trace_id"] not in known]
+        sources = [*sources, str(journal_dir)]
+    return Timeline(events, candidates, _counters(metrics), sources, skipped)
 
 
 # ---- rendering ----------------------------------------------------------------------------------
