@@ -7,9 +7,19 @@ client on loopback. The children report what they saw over a pipe before they ex
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
 import pytest
 
-from conftest import clean_env, run_python, run_scenario, span_names
+from conftest import SCENARIOS, clean_env, run_python, run_scenario, span_names
 
 pytestmark = pytest.mark.matrix
 
@@ -70,11 +80,48 @@ def test_grpc_threads_never_start_in_uvloop_children():
     assert kinds == {("exec_bound", True, "uvloop"): 10}
 
 
+def _kill_children_stuck_before_exec(parent: subprocess.Popen, stop: threading.Event) -> None:
+    """The incident's hazard, kept from hanging the test: a uvloop child that deadlocks in gRPC's
+    fork handler never execs, and the parent waits on it holding the GIL. Kill any child of the
+    scenario still running the scenario's own interpreter after 5 s (a health check would do worse)."""
+    seen: dict[int, float] = {}
+    while not stop.wait(0.5):
+        try:
+            children = Path(f"/proc/{parent.pid}/task/{parent.pid}/children").read_text().split()
+        except OSError:
+            return
+        for pid in map(int, children):
+            try:
+                exe = os.readlink(f"/proc/{pid}/exe")
+            except OSError:
+                continue
+            if exe != os.readlink(f"/proc/{parent.pid}/exe"):
+                continue  # it exec'd: a stuck copy still runs the scenario's interpreter
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if b"stallwatch.detect.watchdog" in cmdline:
+                continue
+            if time.monotonic() - seen.setdefault(pid, time.monotonic()) > 5:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
 def test_grpc_fork_support_chosen_by_user_is_kept_and_reported():
     proc_env = clean_env(GRPC_ENABLE_FORK_SUPPORT="true")
     # gRPC skips its fork handlers while another thread is mid-call, and some children crash before
     # reporting: 20 spawns make sure the probe sees the threads gRPC does start.
-    seen = run_scenario("grpc_spawn_probe.py", "stallwatch", "20", env=proc_env)
+    scenario = subprocess.Popen(
+        [sys.executable, str(SCENARIOS / "grpc_spawn_probe.py"), "stallwatch", "20"],
+        env=proc_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    stop = threading.Event()
+    reaper = threading.Thread(target=_kill_children_stuck_before_exec, args=(scenario, stop), daemon=True)
+    reaper.start()
+    try:
+        out, err = scenario.communicate(timeout=180)
+    finally:
+        stop.set()
+    assert scenario.returncode == 0, err
+    seen = json.loads(out.strip().splitlines()[-1])
 
     assert seen["env"] == "true"
     assert seen["grpc_threads_in_children"] > 0  # the probe does see gRPC threads when they start
