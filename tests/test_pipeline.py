@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 import socket
+import sys
 import textwrap
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,8 +16,11 @@ from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsSer
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from conftest import clean_env, read_jsonl, run_python, span_names
+from conftest import SCENARIOS, clean_env, read_jsonl, run_python, span_names
 from otlp_receiver import Receiver
+
+sys.path.insert(0, str(SCENARIOS))
+from reliability_collectors import serve
 
 # A host doing one unit of work: a span, a WARNING through `logging`, a counter measurement.
 _CHARGE_CARD = """
@@ -344,25 +347,9 @@ def test_prometheus_port_in_use_turns_telemetry_off_naming_the_port_variable():
 
 @pytest.fixture
 def silent_endpoint() -> Iterator[str]:
-    """An OTLP endpoint that accepts connections and never answers."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(64)
-    held: list[socket.socket] = []
-
-    def accept_and_hold() -> None:
-        while True:
-            try:
-                connection, _ = listener.accept()
-            except OSError:
-                return
-            held.append(connection)
-
-    threading.Thread(target=accept_and_hold, daemon=True).start()
-    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
-    listener.close()
-    for connection in held:
-        connection.close()
+    """An OTLP endpoint that accepts connections and never answers (tests/scenarios/reliability_collectors.py)."""
+    with serve("silent") as endpoint:
+        yield endpoint
 
 
 def test_shutdown_returns_within_the_timeout_when_the_collector_hangs(silent_endpoint: str):
