@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -147,6 +148,8 @@ from stallwatch.export.guarded import queued
 deadline = time.monotonic() + 20  # until every batch went to the collector and came back refused
 while time.monotonic() < deadline and any(queued(p) or p.guard.in_flight for p in session._pipeline._processors):
     time.sleep(0.05)
+while time.monotonic() < deadline and ("metrics", "export_failed") not in session._pipeline._gate.dropped:
+    time.sleep(0.05)  # the metric reader's first OTLP export, still retrying within its timeout
 time.sleep(1.0)  # the next metric exports carry the last counts
 print(json.dumps({{"items": {items}}}), flush=True)
 os._exit(0)
@@ -174,12 +177,116 @@ def test_queue_full_and_failed_exports_are_counted_per_signal(fault: str, teleme
 
     assert dropped("traces", "queue_full") > 0
     assert dropped("traces", "export_failed") > 0
-    # Every span either did not fit in the queue or went out in a batch the collector refused.
-    assert dropped("traces", "queue_full") + dropped("traces", "export_failed") == 1000
+    # Every span did not fit in the queue, went out in a batch the collector refused, or was
+    # dropped unsent while the exporter backed off from the failing collector.
+    lost = ("queue_full", "export_failed", "backend_down")
+    assert sum(dropped("traces", reason) for reason in lost) == 1000
     # Log records: ours, plus the SDK's own warnings about the failures, which go through logging too.
-    assert dropped("logs", "queue_full") + dropped("logs", "export_failed") >= 1000
+    assert sum(dropped("logs", reason) for reason in lost) >= 1000
     assert dropped("metrics", "export_failed") >= 1
     assert dropped("traces", "shutdown_timeout") == 0
+
+
+_RECOVERY_HOST = """
+import json, time
+import stallwatch
+from opentelemetry import trace
+
+session = stallwatch.setup(file_dir={file_dir!r})
+tracer = trace.get_tracer("host")
+started, made = time.monotonic(), 0
+while time.monotonic() - started < {seconds}:
+    for _ in range(10):
+        tracer.start_span("op").end()
+    made += 10
+    time.sleep(0.01)
+stallwatch.shutdown(5)
+dropped = {{reason: n for (signal, reason), n in session._pipeline._gate.dropped.items() if signal == "traces"}}
+print(json.dumps({{"made": made, "dropped": dropped}}), flush=True)
+"""
+
+
+class _RecoveringCollector:
+    """OTLP/HTTP trace collector answering 503 for `down_seconds` after its first request, then 200;
+    it records, per request, whether it failed it and how many spans it carried."""
+
+    def __init__(self, down_seconds: float) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+        self.requests: list[tuple[bool, int]] = []  # (answered 503, spans)
+        first: list[float] = []
+        collector = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                status = 200
+                if self.path.endswith("/v1/traces"):
+                    first[:] = first or [time.monotonic()]
+                    failing = time.monotonic() - first[0] < down_seconds
+                    request = ExportTraceServiceRequest.FromString(body)
+                    spans = sum(len(s.spans) for r in request.resource_spans for s in r.scope_spans)
+                    collector.requests.append((failing, spans))
+                    status = 503 if failing else 200
+                self.send_response(status)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, name="recovering-collector", daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_failing_collector_is_backed_off_from_then_probed_and_export_resumes(telemetry_dir: Path):
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    from stallwatch.export.guarded import PROBE_ITEMS
+
+    if hasattr(OTLPSpanExporter, "_MAX_RETRY_TIMEOUT"):
+        pytest.skip("this SDK retries a 503 for 63 s whatever the export timeout: too long for a test")
+    collector = _RecoveringCollector(down_seconds=2.0)
+    try:
+        report, _, _ = host_report(
+            _RECOVERY_HOST.format(file_dir=str(telemetry_dir), seconds=6.0),
+            env(
+                collector.endpoint,
+                OTEL_EXPORTER_OTLP_TIMEOUT="1",
+                OTEL_METRICS_EXPORTER="none",
+                OTEL_LOGS_EXPORTER="none",
+                OTEL_BSP_SCHEDULE_DELAY="100",
+                OTEL_BSP_MAX_EXPORT_BATCH_SIZE="128",
+            ),
+        )
+    finally:
+        collector.close()
+
+    failed = [spans for failing, spans in collector.requests if failing]
+    delivered = [spans for failing, spans in collector.requests if not failing]
+    # 2 s of a failing collector, with a batch due every 100 ms: without the back-off, about 20
+    # failed requests of up to 128 spans (the SDK retries a 503 within its 1 s timeout too). With it:
+    # the first batch, then after 1 s a probe of at most PROBE_ITEMS spans, then after 2 s more
+    # (the collector is back by then) the next probe.
+    assert 1 <= len(failed) <= 6, collector.requests
+    assert all(n == failed[0] or n <= PROBE_ITEMS for n in failed), collector.requests  # or a retry of the first
+    # The first request after the failures is a probe; once it succeeds, full batches flow again.
+    assert 0 < delivered[0] <= PROBE_ITEMS, collector.requests
+    assert max(delivered[1:]) > PROBE_ITEMS, collector.requests
+
+    # The counts behind stallwatch.telemetry.dropped, read in the host after its shutdown.
+    assert report["dropped"].get("backend_down", 0) > 0, report
+    # Nothing unaccounted for: every span was delivered or counted as dropped, with its reason.
+    lost = sum(report["dropped"].values())
+    assert sum(delivered) + lost == report["made"], (report, collector.requests)
 
 
 # ---- 3. shutdown is bounded however the host exits ----------------------------------------------

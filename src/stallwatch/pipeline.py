@@ -51,7 +51,7 @@ from .export.guarded import (
     ExportGate,
     GuardedExporter,
     GuardedMetricExporter,
-    drop_if_full,
+    drop_early,
     leftovers,
 )
 from .forksafe import grpc_guard
@@ -285,7 +285,7 @@ class _LoggingHandler(LoggingHandler):
         self._processors = processors
 
     def emit(self, record: logging.LogRecord) -> None:
-        if not drop_if_full(self._processors):
+        if not drop_early(self._processors):
             super().emit(record)
 
     def flush(self) -> None:

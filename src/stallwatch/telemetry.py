@@ -126,8 +126,9 @@ TELEMETRY_SIGNAL = Attribute("stallwatch.telemetry.signal", "Which signal.", ("t
 DROP_REASON = Attribute(
     "stallwatch.telemetry.drop_reason",
     "Why telemetry was dropped: `queue_full` (the exporter fell behind), `export_failed` (the backend refused "
-    "or failed), `shutdown_timeout` (still queued when STALLWATCH_SHUTDOWN_TIMEOUT ran out).",
-    ("queue_full", "export_failed", "shutdown_timeout"),
+    "or failed), `backend_down` (made while the last export had failed: dropped at once, see README "
+    '"Guarantees"), `shutdown_timeout` (still queued when STALLWATCH_SHUTDOWN_TIMEOUT ran out).',
+    ("queue_full", "export_failed", "backend_down", "shutdown_timeout"),
 )
 INSTRUMENTATION_COMPONENT = Attribute(
     "stallwatch.component", "Which part of stallwatch failed (e.g. `executor`); its setting turns it off."
