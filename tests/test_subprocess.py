@@ -143,28 +143,6 @@ def test_a_child_still_running_at_shutdown_ends_its_span_marked(tmp_path):
     assert attrs(span)["stallwatch.subprocess.running_at_shutdown"] is True
 
 
-def test_an_instrumentation_fault_is_counted_and_the_spawn_goes_ahead(tmp_path):
-    proc = run_python(
-        f"""
-        import subprocess
-        import stallwatch
-        from stallwatch.instrument import scrub
-        stallwatch.setup(file_dir={str(tmp_path)!r}, watchdog=False)
-        def broken(program):
-            raise RuntimeError("injected")
-        scrub.executable_name = broken
-        print(subprocess.run(["sh", "-c", "exit 9"]).returncode)
-        print(subprocess.run(["true"]).returncode)
-        stallwatch.shutdown(10)
-        """
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["9", "0"]
-    assert proc.stderr.count("STALLWATCH_INSTRUMENT_SUBPROCESS=false") == 1
-    metrics = tmp_path / "metrics.jsonl"
-    assert latest_total(metrics, "stallwatch.instrumentation.errors", **{"stallwatch.component": "subprocess"}) == 2
-
-
 def test_spawn_spans_and_metrics_reach_an_otlp_receiver(receiver, tmp_path):
     env = clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.url)
     run_scenario("spawn_paths.py", "on", "uvloop", str(tmp_path), env=env)

@@ -120,15 +120,23 @@ def _start(fork_safety: ForkSafety, overrides: dict[str, Any]) -> Session:
         from .instrument._common import instrument, meter
 
         heartbeat.start(
-            watchdog[0], instrument(meter(), telemetry.LOOP_LAG), settings.freeze_threshold, settings.faulthandler
+            watchdog[0],
+            instrument(meter(), telemetry.LOOP_LAG),
+            settings.freeze_threshold,
+            settings.faulthandler,
+            watchdog=watchdog[1],
         )
     atexit.register(_shutdown_at_exit)
     return Session(settings, fork_safety, dict(pipeline.files) if pipeline else {}, None, pipeline, watchdog, journal)
 
 
 def _register_instruments() -> None:
-    """Fork metrics, read from plain counters at collection time (never inside a fork)."""
+    """Fork metrics, read from plain counters at collection time (never inside a fork), and the
+    count of stallwatch's own faults (the journal's and the watchdog's, whatever is instrumented)."""
+    from .instrument._common import FAULTS
+
     meter = metrics.get_meter(telemetry.INSTRUMENTATION_SCOPE, __version__)
+    FAULTS.bind(meter)
 
     def observe_forks(options: CallbackOptions) -> Iterable[Observation]:
         return [
@@ -166,7 +174,11 @@ def _start_journal(settings: Settings) -> Any:
     from . import journal
     from .instrument._common import FAULTS, instrument, meter
 
-    report = functools.partial(FAULTS.record, "journal", "STALLWATCH_JOURNAL")
+    problem = (
+        f"cannot use the journal in {settings.journal_dir}; the host goes on without the records it could not "
+        "write (STALLWATCH_JOURNAL_DIR chooses another directory)"
+    )
+    report = functools.partial(FAULTS.record, "journal", "STALLWATCH_JOURNAL", problem)
     provider = trace.get_tracer_provider()
     found = journal.replay(
         settings.journal_dir,

@@ -36,6 +36,14 @@ _scope: contextvars.ContextVar[execution_timeout | None] = contextvars.ContextVa
 )
 _instruments: dict[str, Any] = {}
 OVERDUE: dict[int, tuple[ItemRecord, float, str]] = {}  # id(record) -> (record, deadline, scope name)
+COMPONENT, SETTING = "executor", "STALLWATCH_INSTRUMENT_EXECUTOR"  # what counts and turns off these faults
+
+
+def _fault() -> None:
+    """Call from an `except Exception` block: the host's timeout or wait goes ahead unchanged."""
+    from .instrument._common import FAULTS  # the common helpers import this module's users
+
+    FAULTS.record(COMPONENT, SETTING)
 
 
 class execution_timeout:  # lower case: used like asyncio.timeout
@@ -91,7 +99,10 @@ class execution_timeout:  # lower case: used like asyncio.timeout
                 raise TimeoutError from exc
             return None
         except TimeoutError:
-            self._record_expiry()
+            try:
+                self._record_expiry()
+            except Exception:
+                _fault()
             raise
 
     def __call__(self, function: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
@@ -119,7 +130,10 @@ def guarded_submission(record: ItemRecord) -> None:
     """Called by the executor instrumentation in the submitting context: attach work to the scope."""
     scope = _scope.get()
     if scope is not None:
-        scope.items.append(record)
+        try:
+            scope.items.append(record)
+        except Exception:
+            _fault()
 
 
 def item_finished(record: ItemRecord) -> None:
@@ -129,7 +143,10 @@ def item_finished(record: ItemRecord) -> None:
         _, deadline, name = entry
         histogram = _instruments.get(telemetry.EXECUTION_OVERRUN_DURATION.name)
         if histogram is not None:
-            histogram.record(time.monotonic() - deadline, {telemetry.EXECUTION_NAME.name: name})
+            try:
+                histogram.record(time.monotonic() - deadline, {telemetry.EXECUTION_NAME.name: name})
+            except Exception:
+                _fault()
 
 
 def _observe_overdue(options: CallbackOptions) -> Iterable[Observation]:
@@ -142,22 +159,34 @@ def _observe_overdue(options: CallbackOptions) -> Iterable[Observation]:
 # ---- asyncio timeouts by call site --------------------------------------------------------------
 
 
+def _site() -> dict[str, Any] | None:
+    """`_call_site()`, or None (the fault counted) when it fails."""
+    try:
+        return _call_site()
+    except Exception:
+        _fault()
+        return None
+
+
 def _call_site() -> dict[str, Any]:
     """File and line of the host code that called the asyncio function (past wrapt and us)."""
-    frame = sys._getframe(2)
+    frame = sys._getframe(3)
     while frame.f_back is not None and (frame.f_code.co_filename == __file__ or "wrapt" in frame.f_code.co_filename):
         frame = frame.f_back
     return {"code.file.path": frame.f_code.co_filename, "code.line.number": frame.f_lineno}
 
 
-def _count_expiry(function: str, site: dict[str, Any]) -> None:
+def _count_expiry(function: str, site: dict[str, Any] | None) -> None:
     counter = _instruments.get(telemetry.ASYNCIO_TIMEOUTS.name)
-    if counter is not None:
-        counter.add(1, {"code.function.name": function, **site})
+    if counter is not None and site is not None:
+        try:
+            counter.add(1, {"code.function.name": function, **site})
+        except Exception:
+            _fault()
 
 
 def _wait_for(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    site = _call_site()
+    site = _site()
 
     async def counting() -> Any:
         try:
@@ -170,22 +199,31 @@ def _wait_for(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[s
 
 
 def _wait(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    site = _call_site()
+    site = _site()
     timeout = kwargs.get("timeout", args[1] if len(args) > 1 else None)
     return_when = kwargs.get("return_when", args[2] if len(args) > 2 else asyncio.ALL_COMPLETED)
 
     async def counting() -> Any:
-        done, pending = await wrapped(*args, **kwargs)
-        if timeout is not None and pending and (not done or return_when == asyncio.ALL_COMPLETED):
-            _count_expiry("asyncio.wait", site)
-        return done, pending
+        result = await wrapped(*args, **kwargs)
+        try:
+            done, pending = result
+            if timeout is not None and pending and (not done or return_when == asyncio.ALL_COMPLETED):
+                _count_expiry("asyncio.wait", site)
+        except Exception:
+            _fault()
+        return result
 
     return counting()
 
 
 def _timeout(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     manager = wrapped(*args, **kwargs)
-    manager._stallwatch_site = _call_site()
+    site = _site()
+    if site is not None:
+        try:
+            manager._stallwatch_site = site
+        except Exception:
+            _fault()
     return manager
 
 

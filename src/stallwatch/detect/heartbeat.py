@@ -13,6 +13,7 @@ read by re-reading. No library does this, hence the hand-written layout.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import faulthandler
 import json
 import mmap
@@ -24,6 +25,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from .._private import opener
 
 MAGIC = b"SWHB0001"
 # magic, host pid, flags, interpreter ns, loop ns, spawn-start ns, loop kind, spare, spawn command,
@@ -46,27 +49,50 @@ def area_directory() -> Path:
 
 
 class HeartbeatArea:
-    """The host's side: creates the file and writes into it."""
+    """The host's side: creates the file and writes into it.
+
+    Writes never raise: in a fork child they do nothing (it shares the mapping), and after
+    `close()` (stallwatch's shutdown, possibly from inside the host's event loop) neither.
+    """
 
     def __init__(self, path: Path | None = None) -> None:
         self.path = path or area_directory() / f"stallwatch-{os.getpid()}-{os.urandom(4).hex()}.hb"
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            os.ftruncate(fd, LAYOUT.size)
-            self._map = mmap.mmap(fd, LAYOUT.size)
-        finally:
-            os.close(fd)
+        self._map, self.inode = self._create()
         now = time.monotonic_ns()
         self.owner = os.getpid()  # a forked child shares the mapping: it must never write to it
         self._map[:] = LAYOUT.pack(MAGIC, self.owner, 0, now, now, 0, 0, 0, b"", b"", b"")
+
+    def _create(self) -> tuple[mmap.mmap, int]:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, LAYOUT.size)
+            return mmap.mmap(fd, LAYOUT.size), os.fstat(fd).st_ino
+        finally:
+            os.close(fd)
+
+    def recreate(self) -> None:
+        """Make the file again at its path, with the current contents: the watchdog reads it by name.
+
+        For a file removed under the running host (a /dev/shm or tmp cleaner). Raises OSError when
+        the path cannot be created (e.g. something else took the name).
+        """
+        new, inode = self._create()
+        new[:] = self._map[:]
+        # The old mapping is left to the garbage collector: a writer may hold it for one more store.
+        self._map, self.inode = new, inode
 
     @property
     def writable(self) -> bool:
         return os.getpid() == self.owner
 
+    def _write(self, offset: int, data: bytes) -> None:
+        if os.getpid() != self.owner:
+            return
+        with contextlib.suppress(ValueError):  # closed by stop() meanwhile: the heartbeats are over
+            self._map[offset : offset + len(data)] = data
+
     def _store(self, offset: int, value: int) -> None:
-        if self.writable:
-            self._map[offset : offset + 8] = value.to_bytes(8, "little", signed=True)
+        self._write(offset, value.to_bytes(8, "little", signed=True))
 
     def beat_interpreter(self) -> None:
         self._store(OFFSET_INTERP, time.monotonic_ns())
@@ -76,20 +102,16 @@ class HeartbeatArea:
 
     def track_loop(self, kind: str | None) -> None:
         """Say whether a loop heartbeat is expected (`kind`) or not (None)."""
-        if not self.writable:
-            return
         flags = FLAG_LOOP_TRACKED if kind else 0
-        self._map[OFFSET_LOOP_KIND : OFFSET_LOOP_KIND + 4] = LOOP_KINDS.get(kind or "none", 0).to_bytes(4, "little")
+        self._write(OFFSET_LOOP_KIND, LOOP_KINDS.get(kind or "none", 0).to_bytes(4, "little"))
         self.beat_loop()
-        self._map[12:16] = flags.to_bytes(4, "little")
+        self._write(12, flags.to_bytes(4, "little"))
 
     def spawning(self, command: str, trace_id: int, span_id: int) -> None:
         """Before an exec-bound spawn: what is spawned and under which span."""
-        if not self.writable:
-            return
-        self._map[OFFSET_COMMAND : OFFSET_COMMAND + 256] = command.encode(errors="replace")[:256].ljust(256, b"\0")
-        self._map[OFFSET_TRACE : OFFSET_TRACE + 16] = trace_id.to_bytes(16, "big")
-        self._map[OFFSET_SPAN : OFFSET_SPAN + 8] = span_id.to_bytes(8, "big")
+        self._write(OFFSET_COMMAND, command.encode(errors="replace")[:256].ljust(256, b"\0"))
+        self._write(OFFSET_TRACE, trace_id.to_bytes(16, "big"))
+        self._write(OFFSET_SPAN, span_id.to_bytes(8, "big"))
         self._store(OFFSET_SPAWN, time.monotonic_ns())
 
     def spawned(self) -> None:
@@ -155,20 +177,25 @@ AREA: HeartbeatArea | None = None
 _thread_pid = 0
 _stacks_file: Any = None  # open file faulthandler dumps into (STALLWATCH_FAULTHANDLER)
 _threshold = 1.0
+_watchdog: Any = None  # the watchdog's subprocess.Popen, to notice that it died
+_stopping = threading.Lock()  # stop() against the heartbeat thread making the file again
+COMPONENT, SETTING = "watchdog", "STALLWATCH_WATCHDOG"
 
 
-def start(area: HeartbeatArea, lag_histogram: Any, threshold: float, stacks: bool) -> None:
+def start(area: HeartbeatArea, lag_histogram: Any, threshold: float, stacks: bool, watchdog: Any = None) -> None:
     """Begin the interpreter heartbeat (a daemon thread) and watch event loops as they start.
 
     With `stacks`, each loop heartbeat re-arms `faulthandler.dump_traceback_later(threshold)`: a C
     timer that, when the loop stops beating, writes every thread's stack without needing the GIL.
+    `watchdog` (its `subprocess.Popen`) is checked on every beat: its death is reported once.
     """
-    global AREA, _lag_histogram, _stacks_file, _threshold
+    global AREA, _lag_histogram, _stacks_file, _threshold, _watchdog
     AREA = area
     _lag_histogram = lag_histogram
     _threshold = threshold
+    _watchdog = watchdog
     if stacks:
-        _stacks_file = open(stacks_path(area.path), "w")  # noqa: SIM115 - lives as long as the heartbeats
+        _stacks_file = open(stacks_path(area.path), "w", opener=opener)  # noqa: SIM115 - lives as long as the heartbeats
     ensure_thread()
     _watch_loops()
 
@@ -186,13 +213,62 @@ def _interpreter_beats() -> None:
     area, pid = AREA, os.getpid()
     reports = report_path(area.path) if area is not None else None
     reported = 0
-    try:
-        while area is not None and AREA is area and os.getpid() == pid:
-            area.beat_interpreter()
-            time.sleep(BEAT_SECONDS)
+    while area is not None and AREA is area and os.getpid() == pid:
+        area.beat_interpreter()
+        time.sleep(BEAT_SECONDS)
+        try:  # this thread dying would stop the heartbeat: the watchdog would report a freeze
             reported = _forward_freezes(reports, reported)
-    except ValueError:
-        return  # the area was closed by stop() between the check and the write
+            if area.writable:
+                _check_watchdog(area)
+        except Exception:
+            from ..instrument._common import FAULTS
+
+            FAULTS.record(COMPONENT, SETTING)
+
+
+def _check_watchdog(area: HeartbeatArea) -> None:
+    """Report (component `watchdog`, once per episode) a watchdog that died and a heartbeat file
+    that vanished under the running host (a /dev/shm cleaner, systemd's RemoveIPC); the file is
+    made again, so that the watchdog sees the heartbeats again."""
+    process = _watchdog
+    if process is not None and process.poll() is not None:
+        _lost_watchdog(area, process)
+    try:
+        inode: int | None = os.stat(area.path).st_ino
+    except OSError:
+        inode = None
+    if inode != area.inode:
+        _lost_file(area, inode)
+
+
+def _lost_watchdog(area: HeartbeatArea, process: Any) -> None:
+    global _watchdog
+    with _stopping:
+        if AREA is not area:  # stop() came first: the shutdown ended the watchdog
+            return
+        _watchdog = None
+    from ..instrument._common import FAULTS, signal_name
+
+    code = process.returncode
+    how = f"was killed by {signal_name(-code)}" if code < 0 else f"exited with status {code}"
+    FAULTS.record(COMPONENT, SETTING, f"the freeze watchdog (pid {process.pid}) {how}; freezes go unreported")
+
+
+def _lost_file(area: HeartbeatArea, inode: int | None) -> None:
+    with _stopping:
+        if AREA is not area:  # stop() removed it
+            return
+        try:
+            area.recreate()
+            problem = f"the heartbeat file {area.path} was removed under the host; it was made again"
+        except OSError as error:
+            area.inode = inode  # reported once, not on every beat
+            problem = (
+                f"the heartbeat file {area.path} was removed and cannot be made again ({error}); freezes go unreported"
+            )
+    from ..instrument._common import FAULTS
+
+    FAULTS.record(COMPONENT, SETTING, problem)
 
 
 def _forward_freezes(reports: Path | None, done: int) -> int:
@@ -202,9 +278,10 @@ def _forward_freezes(reports: Path | None, done: int) -> int:
             return done
         with open(reports) as handle:
             handle.seek(done)
-            lines = handle.read()
+            text = handle.read()
     except OSError:
         return done
+    lines = text[: text.rfind("\n") + 1]  # a line the watchdog is still writing waits for the next beat
     sentry_sdk = sys.modules.get("sentry_sdk")
     for line in lines.splitlines():
         freeze = json.loads(line)
@@ -220,7 +297,8 @@ def _forward_freezes(reports: Path | None, done: int) -> int:
 def stop() -> None:
     """Stop writing heartbeats and remove the files (at shutdown)."""
     global AREA, _stacks_file
-    area, AREA = AREA, None
+    with _stopping:
+        area, AREA = AREA, None
     if _stacks_file is not None:
         faulthandler.cancel_dump_traceback_later()
         _stacks_file.close()
@@ -264,6 +342,9 @@ def _run_forever(wrapped: Any, loop: asyncio.AbstractEventLoop, args: tuple[Any,
 
 def _beat(loop: asyncio.AbstractEventLoop, area: HeartbeatArea, kind: str, expected: float) -> None:
     """On the loop: write the loop heartbeat and record how late this callback ran (loop lag)."""
+    if AREA is not area:  # stop() ran (a shutdown inside the loop): no more beats
+        _beats.pop(id(loop), None)
+        return
     now = time.monotonic()
     area.beat_loop()
     if _stacks_file is not None:

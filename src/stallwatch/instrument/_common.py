@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import signal
+import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -58,18 +59,26 @@ class Faults:
     def bind(self, meter_: Meter) -> None:
         self._counter = instrument(meter_, telemetry.INSTRUMENTATION_ERRORS)
 
-    def record(self, component: str, setting: str) -> None:
-        """Call from an `except Exception` block inside a wrapper."""
+    def record(self, component: str, setting: str, problem: str | None = None) -> None:
+        """Call from an `except Exception` block inside a wrapper, or with `problem` saying what failed."""
         with self._lock:
             first = component not in self._warned
             self._warned.add(component)
-        if first:
+        if first and problem is None:
             _log.warning(
                 "stallwatch: %s instrumentation failed; the host's call went ahead unchanged. "
                 "Set %s=false to turn this part off.",
                 component,
                 setting,
                 exc_info=True,
+            )
+        elif first:
+            _log.warning(
+                "stallwatch: %s: %s. Set %s=false to turn this part off.",
+                component,
+                problem,
+                setting,
+                exc_info=sys.exc_info()[0] is not None,
             )
         counter = self._counter
         if counter is not None:
@@ -134,7 +143,9 @@ class Deferred:
 
     `drain()` runs inside an observable instrument's callback, which the SDK calls before it reads
     the synchronous instruments' storages, so every value is in the same export. At most `limit`
-    values wait; past that they are dropped and counted in `dropped`.
+    values wait; past that they are dropped and counted in `dropped`. A histogram that raises is a
+    fault of the metric's component (`stallwatch.<component>.…`, turned off by
+    `STALLWATCH_INSTRUMENT_<COMPONENT>`), counted per value; it never stops the collection.
     """
 
     def __init__(self, meter_: Meter, metric: telemetry.Metric, limit: int = 100_000) -> None:
@@ -142,6 +153,8 @@ class Deferred:
         self._pending: deque[tuple[float, dict[str, Any]]] = deque()
         self._limit = limit
         self.dropped = 0
+        component = metric.name.split(".")[1]
+        self._owner = (component, f"STALLWATCH_INSTRUMENT_{component.upper()}")
 
     def record(self, value: float, attributes: dict[str, Any]) -> None:
         if len(self._pending) < self._limit:
@@ -154,4 +167,7 @@ class Deferred:
         record = self._histogram.record
         while pending:
             value, attributes = pending.popleft()
-            record(value, attributes)
+            try:
+                record(value, attributes)
+            except Exception:
+                FAULTS.record(*self._owner)
