@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from otlp_receiver import receiver  # noqa: F401 - fixtures for every test module
+from secrets_corpus import SECRETS, leaked
 from sshd_fixture import http_server, sshd  # noqa: F401
 
 SCENARIOS = Path(__file__).parent / "scenarios"
@@ -130,3 +132,87 @@ def latest_total(path: Path, name: str, **match: object) -> float:
 @pytest.fixture
 def telemetry_dir(tmp_path: Path) -> Path:
     return tmp_path / "telemetry"
+
+
+# ---- the leak guard: no log record of stallwatch's carries a corpus secret, in any test ------------
+
+
+class LeakGuard(logging.Handler):
+    """Checks every record of the `stallwatch` loggers against the secrets corpus as it is emitted.
+
+    One regular-expression search per record (message, `extra` fields, exception text), so the whole
+    suite pays almost nothing. It sees the records of this process at the levels the tests set; the
+    fresh interpreters that scenarios run in are checked by `test_secrets`, which reads what they wrote.
+    """
+
+    _STANDARD = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
+
+    def __init__(self) -> None:
+        super().__init__(logging.NOTSET)
+        self.checked = 0
+        self.leaks: list[str] = []
+        self.test = "(outside any test)"
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = self._text(record)
+        except Exception:  # a record that cannot even be read is logging's problem, reported its way
+            self.handleError(record)
+            return
+        self.checked += 1
+        found = leaked(text)
+        if found:
+            self.leaks.append(f"{self.test}: {record.name} {record.levelname} carries {found}: {text[:300]!r}")
+
+    def _text(self, record: logging.LogRecord) -> str:
+        try:
+            parts = [record.getMessage()]
+        except Exception:  # arguments that do not fit the format: check them as they are
+            parts = [str(record.msg), repr(record.args)]
+        parts += (f"{key}={value!r}" for key, value in record.__dict__.items() if key not in self._STANDARD)
+        if record.exc_info and record.exc_info[1] is not None:
+            parts.append(logging.Formatter().formatException(record.exc_info))
+        return "\n".join(parts)
+
+
+_GUARD = pytest.StashKey[LeakGuard]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    guard = LeakGuard()
+    logging.getLogger("stallwatch").addHandler(guard)
+    config.stash[_GUARD] = guard
+
+
+@pytest.fixture
+def leak_guard(request: pytest.FixtureRequest) -> LeakGuard:
+    """The session's leak guard (to check that it is attached and counting)."""
+    return request.config.stash[_GUARD]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
+    guard = item.config.stash[_GUARD]
+    guard.test = item.nodeid
+    try:
+        return (yield)
+    finally:
+        guard.test = "(outside any test)"
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if session.config.stash[_GUARD].leaks and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    guard = terminalreporter.config.stash[_GUARD]
+    logging.getLogger("stallwatch").removeHandler(guard)
+    summary = f"{guard.checked} records of the stallwatch loggers checked against {len(SECRETS)} corpus secrets"
+    if not guard.leaks:
+        terminalreporter.write_line(f"leak guard: {summary}: no leak")
+        return
+    terminalreporter.section("leak guard: secrets in stallwatch log records", red=True)
+    terminalreporter.write_line(f"{summary}: {len(guard.leaks)} leaking records")
+    for leak in guard.leaks:
+        terminalreporter.write_line(leak)

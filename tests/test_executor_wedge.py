@@ -257,3 +257,24 @@ def test_the_oldest_pending_item_age_is_reported_per_executor(telemetry_dir):
     ages = {attrs(p)["stallwatch.executor.name"]: p["asDouble"] for p in
             metric_points(telemetry_dir / "metrics.jsonl", "stallwatch.executor.pending.oldest_age")}  # fmt: skip
     assert 1.1 <= ages["busy"] < 30 and ages["idle"] == 0
+
+
+def test_a_worker_death_is_reported_without_the_secrets_its_exception_carries(caplog):
+    # The exception that kills a worker is the host's: its text may hold anything (here an option with a
+    # password, and a thread named after a URL with user-info). The wedge report goes to the host's log.
+    import threading
+    import weakref
+    from concurrent.futures import ThreadPoolExecutor
+
+    from secrets_corpus import leaked
+    from stallwatch.detect import wedge
+    from stallwatch.instrument import executor as executor_module
+
+    with ThreadPoolExecutor(thread_name_prefix="pool") as pool:
+        state = executor_module.ExecutorState(executor_module.executor_name(pool), weakref.ref(pool))
+        thread = threading.Thread(name="https://deploy:UrlUserinfoPw-8101@host/x", target=lambda: None)
+        with caplog.at_level("WARNING", logger="stallwatch"):
+            wedge.worker_died(state, thread, SystemExit("kill --password=ExecutorKwPw-8602 now"), None)
+    (record,) = [r for r in caplog.records if "wedge worker_died" in r.getMessage()]
+    assert "SystemExit" in record.getMessage() and "[REDACTED]" in record.getMessage()
+    assert not leaked(record.getMessage()), record.getMessage()

@@ -446,7 +446,21 @@ def env_flag(name: str, default: bool) -> bool:
 
 
 def _fail(name: str, value: object, expected: str) -> ConfigError:
-    return ConfigError(f"{name}={value!r} is invalid: expected {expected}")
+    return ConfigError(f"{name}={_shown(value)} is invalid: expected {expected}")
+
+
+def _shown(value: object) -> str:
+    """A bad value as its error shows it: its repr, with secrets (a password in an endpoint URL, a token in
+    the resource attributes) redacted and a long value cut, since the error goes to the host's log.
+    Never raises, whatever the object's `__repr__` does."""
+    from .instrument.scrub import scrub_text
+
+    if isinstance(value, str):
+        return repr(scrub_text(value))
+    try:
+        return scrub_text(repr(value))
+    except Exception:
+        return f"<{type(value).__name__} object>"
 
 
 def _check_type(value: Any, name: str, parse: Callable[[str, str], Any]) -> Any:
@@ -514,7 +528,10 @@ def _choices(allowed: tuple[str, ...]) -> Callable[[str, str], tuple[str, ...]]:
 
 
 def _url(text: str, name: str) -> str:
-    parts = urlsplit(text.strip())
+    try:
+        parts = urlsplit(text.strip())
+    except ValueError:  # e.g. an unclosed IPv6 bracket
+        raise _fail(name, text, "an http:// or https:// URL with a host, e.g. http://localhost:4318") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise _fail(name, text, "an http:// or https:// URL with a host, e.g. http://localhost:4318")
     try:
@@ -550,11 +567,14 @@ _port = _number(int, 0, 65535, "a port number in 0..65535")
 def _path(text: str, name: str) -> Path:
     if "\x00" in text or not text.strip():
         raise _fail(name, text, "a directory path")
-    return Path(text).expanduser()
+    try:
+        return Path(text).expanduser()
+    except RuntimeError:  # `~someone` who has no home directory here
+        raise _fail(name, text, "a directory path (a `~user` prefix must name a user with a home)") from None
 
 
 def _log_level(text: str, name: str) -> int:
-    if text.strip().isdigit():
+    if text.strip().isdecimal() and len(text.strip()) < 10:  # `int()` refuses other digits (`²`) and huge ones
         return int(text)
     level = logging.getLevelName(text.strip().upper())
     if not isinstance(level, int):

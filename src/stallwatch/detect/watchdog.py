@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .._private import opener
 from . import heartbeat
 
 POLL_SECONDS = 0.1
@@ -362,7 +363,7 @@ class FreezeTelemetry:
         if outcome == "thawed":  # the host reads this and tells Sentry, if it uses Sentry
             summary = {"kind": freeze.kind, "cause": freeze.diagnosis.cause, "seconds": round(seconds, 3),
                        "description": self._describe(freeze, time.monotonic_ns())}  # fmt: skip
-            with open(self._reports, "a") as reports:
+            with open(self._reports, "a", opener=opener) as reports:
                 reports.write(json.dumps(summary) + "\n")
 
     def flush(self) -> None:

@@ -33,6 +33,7 @@ from .. import telemetry
 from .. import timeout as execution_timeouts
 from ..instrument import executor as ex
 from ..instrument._common import FAULTS
+from ..instrument.scrub import MAX_NAME_CHARS, scrub_text
 
 _log = logging.getLogger("stallwatch")
 
@@ -160,8 +161,9 @@ def worker_died(
 ) -> None:
     """Called in the dying worker itself, the moment `_worker` returns abnormally."""
     ensure_running()
-    cause_text = f"{type(cause).__name__}: {cause}" if cause is not None else "unknown cause"
-    _report("worker_died", state, held, f"executor worker {thread.name} died ({cause_text})")
+    cause_text = f"{type(cause).__name__}: {scrub_text(cause)}" if cause is not None else "unknown cause"
+    name = scrub_text(thread.name, MAX_NAME_CHARS)
+    _report("worker_died", state, held, f"executor worker {name} died ({cause_text})")
     executor = state.executor_ref()
     if held is not None and not held.future.done() and executor is not None:
         if (thread, cause) in state.deaths:

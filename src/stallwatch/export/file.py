@@ -30,6 +30,7 @@ from opentelemetry.sdk._logs.export import LogExportResult
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+from .._private import make_directories
 from .span_json import encode_spans_json
 
 _log = logging.getLogger("stallwatch.export")
@@ -56,7 +57,7 @@ def to_otlp_json(message: Message) -> str:
 
 class _AppendFile:
     def __init__(self, directory: Path, signal: str) -> None:
-        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        make_directories(directory)
         self.path = directory / FILE_NAMES[signal]
         self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
 

@@ -229,8 +229,9 @@ def _note_spawn(area: heartbeat.HeartbeatArea, args: tuple[Any, ...]) -> None:
     """Executable name and argument count only: no argument leaves the process."""
     from opentelemetry import trace
 
-    program = str(args[1]) if len(args) > 1 else "?"
-    name = os.path.basename(program.split()[0]) if program.strip() else "?"
+    from ..instrument.scrub import executable_name  # a shell command's `PGPASSWORD=... psql` gives "psql"
+
+    name = executable_name(args[1]) if len(args) > 1 else "?"
     context = trace.get_current_span().get_span_context()
     area.spawning(f"{name} ({max(0, len(args) - 2)} args)", context.trace_id, context.span_id)
 

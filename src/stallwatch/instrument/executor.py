@@ -41,6 +41,7 @@ from opentelemetry.trace import Span, Status, StatusCode
 from .. import interrupt, telemetry
 from .. import timeout as execution_timeouts
 from ._common import FAULTS, Deferred, instrument, meter
+from .scrub import MAX_NAME_CHARS, clip_text, scrub_text
 
 SETTING = "STALLWATCH_INSTRUMENT_EXECUTOR"
 _log = logging.getLogger("stallwatch")
@@ -55,8 +56,8 @@ class WorkerDied(RuntimeError):
 
     def __init__(self, thread_name: str, cause: BaseException | None, dequeued_only: bool) -> None:
         what = "dequeued this item and died before running it" if dequeued_only else "died while running this item"
-        reason = f" ({type(cause).__name__}: {cause})" if cause is not None else ""
-        super().__init__(f"executor worker {thread_name} {what}{reason}")
+        reason = f" ({type(cause).__name__}: {scrub_text(cause)})" if cause is not None else ""
+        super().__init__(f"executor worker {scrub_text(thread_name, MAX_NAME_CHARS)} {what}{reason}")
         self.thread_name = thread_name
         self.cause = cause
 
@@ -149,8 +150,13 @@ _tracer: trace.Tracer | None = None
 
 
 def executor_name(executor: ThreadPoolExecutor) -> str:
-    prefix = getattr(executor, "_thread_name_prefix", "") or "ThreadPoolExecutor"
-    return "asyncio-default" if prefix == "asyncio" else prefix
+    """`stallwatch.executor.name`: the pool's thread-name prefix (any object the pool `%s`-formats into its
+    thread names, made valid UTF-8 of at most `MAX_NAME_CHARS`), `asyncio-default` for asyncio's."""
+    prefix = getattr(executor, "_thread_name_prefix", "")
+    if prefix == "asyncio":
+        return "asyncio-default"
+    name = clip_text(prefix if isinstance(prefix, str) else scrub_text(prefix) if prefix else "")
+    return name or "ThreadPoolExecutor"
 
 
 def state_of(executor: ThreadPoolExecutor) -> ExecutorState | None:

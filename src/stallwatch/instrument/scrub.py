@@ -230,7 +230,7 @@ def executable_name(program: object) -> str:
 def compile_patterns(text: str, setting: str = "STALLWATCH_SCRUB_PATTERNS") -> tuple[re.Pattern[str], ...]:
     """Extra secret-name patterns from a setting: comma-separated regular expressions (so none may contain a
     comma), matched case-insensitively against option / KEY names. Empty string -> (). An invalid regex raises
-    ValueError whose message names `setting` and the bad pattern."""
+    ValueError whose message names `setting` and the bad pattern (scrubbed)."""
     patterns: list[re.Pattern[str]] = []
     for part in text.split(","):
         source = part.strip()
@@ -238,8 +238,9 @@ def compile_patterns(text: str, setting: str = "STALLWATCH_SCRUB_PATTERNS") -> t
             continue
         try:
             patterns.append(re.compile(source, re.IGNORECASE))
-        except re.error as exc:
-            raise ValueError(f"{setting}: {source!r} is not a valid regular expression ({exc})") from None
+        except (re.error, OverflowError, RecursionError) as exc:  # `a{99999999999}` overflows, deep nesting recurses
+            shown = scrub_text(source)  # the message goes to the host's log: a pattern may hold a secret
+            raise ValueError(f"{setting}: {shown!r} is not a valid regular expression ({exc})") from None
     return tuple(patterns)
 
 
@@ -256,6 +257,43 @@ def scrub_args(args: Sequence[object], extra: Sequence[re.Pattern[str]] = ()) ->
         return _scrub(args, extra)
     except Exception:
         return [UNSCRUBBABLE]
+
+
+def scrub_text(value: object, limit: int = MAX_ARG_CHARS) -> str:
+    """Free text from the host (a tunnel's destination, an exception message, a setting's bad value) made fit
+    for an attribute or a log line: secrets replaced as in one command-line argument, valid UTF-8, at most
+    `limit` characters (never more than `MAX_ARG_CHARS`; a cut value ends in "...[truncated]"). Accepts what
+    `scrub_args` accepts for one argument. Never raises: "?" if scrubbing itself fails.
+    """
+    try:
+        return _clip(_argument(1, value, _State(())), limit)
+    except Exception:
+        return "?"
+
+
+def clip_text(value: object, limit: int = MAX_NAME_CHARS) -> str | None:
+    """An identifier from the host or a server (a resource, operation or request id, an rpc name) made fit for
+    an attribute: None unless `value` is a non-empty str, else valid UTF-8 of at most `limit` characters.
+
+    Not scrubbed: ids are not secrets, and a 32-digit trace id would look like one. Never raises.
+    """
+    try:
+        if not isinstance(value, str) or not value:
+            return None
+        text = str.__str__(value[: _bound(limit) + 1])  # the rest would be cut anyway
+        return _clip(str.encode(text, "utf-8", "backslashreplace").decode("utf-8"), limit)
+    except Exception:
+        return None
+
+
+def _bound(limit: int) -> int:
+    """`limit` within what a caller may ask: at most `MAX_ARG_CHARS`, room for the truncation marker."""
+    return max(min(limit, MAX_ARG_CHARS), 2 * len(TRUNCATED))
+
+
+def _clip(text: str, limit: int) -> str:
+    limit = _bound(limit)
+    return text if len(text) <= limit else text[: limit - len(TRUNCATED)] + TRUNCATED
 
 
 def _scrub(args: object, extra: object) -> list[str]:

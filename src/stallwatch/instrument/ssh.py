@@ -31,12 +31,14 @@ from opentelemetry.util.types import AttributeValue
 
 from .. import journal, telemetry
 from .._version import __version__
+from . import scrub
 from ._common import FAULTS, SPAWN_OBSERVER, instrument, meter, signal_name
 
 _log = logging.getLogger("stallwatch")
 COMPONENT = "ssh"
 SETTING = "STALLWATCH_INSTRUMENT_SSH"
 DSTACK_TUNNEL_MODULE = "dstack._internal.core.services.ssh.tunnel"
+MAX_HOST_CHARS = 255  # a DNS name has at most 253
 
 Describe = Callable[[Any], Mapping[str, AttributeValue]]
 
@@ -182,34 +184,75 @@ def _wrapper(phase: str, span_name: str, describe: Describe, is_async: bool) -> 
 
 
 def describe_generic(tunnel: Any) -> dict[str, AttributeValue]:
-    """Destination host and port from `destination` ("user@host"), `hostname` or `host`, and `port`."""
+    """Destination host and port from `destination` ("user@host"), `hostname` or `host`, and `port`.
+
+    Never the user name, and never an exception: an attribute that is missing, of another type or raises is
+    left out; the host is scrubbed like a command-line argument and cut to `MAX_HOST_CHARS`.
+    """
     attributes: dict[str, AttributeValue] = {}
-    host = getattr(tunnel, "destination", None) or getattr(tunnel, "hostname", None) or getattr(tunnel, "host", None)
-    if isinstance(host, str) and host:
-        attributes[telemetry.SERVER_ADDRESS.name] = host.rpartition("@")[2]
-    port = getattr(tunnel, "port", None)
+    for name in ("destination", "hostname", "host"):
+        host = _read(tunnel, name)
+        if isinstance(host, str) and host:
+            attributes[telemetry.SERVER_ADDRESS.name] = scrub.scrub_text(host.rpartition("@")[2], MAX_HOST_CHARS)
+            break
+    port = _read(tunnel, "port")
     if isinstance(port, int) and not isinstance(port, bool):
         attributes[telemetry.SERVER_PORT.name] = port
     return attributes
+
+
+def _read(tunnel: Any, name: str) -> Any:
+    """`tunnel.<name>`, or None if it is missing or raises."""
+    try:
+        return getattr(tunnel, name, None)
+    except Exception:
+        return None
 
 
 def _socket_kind(socket: Any) -> str:
     return "unix" if "unix" in type(socket).__name__.lower() else "tcp"
 
 
+def _forwards(tunnel: Any, name: str) -> list[Any]:
+    """The socket pairs in `tunnel.<name>`; [] if they cannot be listed."""
+    try:
+        return list(_read(tunnel, name) or ())
+    except Exception:
+        return []
+
+
+def _socket_kinds(pairs: list[Any]) -> str:
+    """`tcp`, `unix` or `tcp,unix`: the kinds of socket on either side of the forwards."""
+    kinds: set[str] = set()
+    for pair in pairs:
+        for side in ("local", "remote"):
+            socket = _read(pair, side)
+            if socket is not None:
+                kinds.add(_socket_kind(socket))
+        if len(kinds) == 2:  # no need to look at ten thousand more
+            break
+    return ",".join(sorted(kinds))
+
+
 def describe_dstack(tunnel: Any) -> dict[str, AttributeValue]:
-    """Attributes of a dstack `SSHTunnel`: destination without user, forwards, control socket, mode."""
+    """Attributes of a dstack `SSHTunnel`: destination without user, forwards, control socket, mode.
+
+    Never raises (see `describe_generic`); forwards that cannot be listed count as none.
+    """
     attributes = describe_generic(tunnel)
-    local = list(getattr(tunnel, "forwarded_sockets", ()) or ())
-    remote = list(getattr(tunnel, "reverse_forwarded_sockets", ()) or ())
-    kinds = {_socket_kind(side) for pair in (*local, *remote) for side in (pair.local, pair.remote)}
+    local = _forwards(tunnel, "forwarded_sockets")
+    remote = _forwards(tunnel, "reverse_forwarded_sockets")
+    try:
+        background = bool(getattr(tunnel, "background", True))
+    except Exception:
+        background = True
     attributes.update(
         {
             telemetry.SSH_FORWARDS_LOCAL.name: len(local),
             telemetry.SSH_FORWARDS_REMOTE.name: len(remote),
-            telemetry.SSH_SOCKET_KINDS.name: ",".join(sorted(kinds)),
-            telemetry.SSH_CONTROL_SOCKET.name: getattr(tunnel, "control_sock_path", None) is not None,
-            telemetry.SSH_BACKGROUND.name: bool(getattr(tunnel, "background", True)),
+            telemetry.SSH_SOCKET_KINDS.name: _socket_kinds([*local, *remote]),
+            telemetry.SSH_CONTROL_SOCKET.name: _read(tunnel, "control_sock_path") is not None,
+            telemetry.SSH_BACKGROUND.name: background,
         }
     )
     return attributes

@@ -36,7 +36,7 @@ import sys
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable, Collection, Coroutine, Generator, Mapping, Sequence
+from collections.abc import Callable, Collection, Coroutine, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from time import perf_counter, sleep, time_ns
 from typing import Any
@@ -365,6 +365,18 @@ def _popen_command(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[objec
     return (executable if executable is not None else (argv[0] if argv else "?")), argv
 
 
+def _materialized(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Popen's arguments with an argv given as a one-shot iterable (a generator) made a list, so that
+    recording it does not consume it. Popen makes it a list itself (`list(args)`): nothing changes for
+    the host, and an iterable that raises raises the same error here, from the same call."""
+    command = _popen_arg(args, kwargs, "args")
+    if isinstance(command, (str, bytes, os.PathLike, Sequence)) or not isinstance(command, Iterable):
+        return args, kwargs
+    if args:
+        return (list(command), *args[1:]), kwargs
+    return args, {**kwargs, "args": list(command)}
+
+
 def _popen_init(wrapped: Callable[..., None], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     outer = _in_loop_spawn.get()
     if outer is not None:  # a loop's spawn (standard loop, or uvloop's vfork route): the loop's span counts
@@ -377,6 +389,7 @@ def _popen_init(wrapped: Callable[..., None], instance: Any, args: tuple[Any, ..
     state = _state
     child = None
     if state is not None:
+        args, kwargs = _materialized(args, kwargs)
         try:
             program, argv = _popen_command(args, kwargs)
             child = _begin(state, program, argv, running_loop_kind(), popen_method(args, kwargs))

@@ -53,6 +53,8 @@ def heartbeat(wall_ns: int, mono_ns: int) -> bytes:
 def encode(record: dict[str, Any]) -> bytes:
     """One framed record."""
     payload = json.dumps(record, separators=(",", ":"), default=str).encode()
+    if len(payload) > MAX_RECORD_BYTES:  # the reader would skip it as corrupt
+        raise ValueError(f"a journal record of {len(payload)} bytes exceeds {MAX_RECORD_BYTES}")
     return _FRAME.pack(FRAME_MAGIC, len(payload), zlib.crc32(payload)) + payload
 
 

@@ -1,0 +1,190 @@
+"""Scenario: a uvloop server runs every instrumented operation with secrets from tests/secrets_corpus.py.
+
+Usage: python secrets_everywhere.py SNAPSHOT_DIR USER HOST PORT IDENTITY HTTP_PORT SOCK_DIR
+(with tests/ on PYTHONPATH). Settings come from the environment: the test points the file exporter and
+the journal at their defaults under XDG_STATE_HOME, and OTLP at its receiver; arguments are recorded,
+the trace context goes to children, the stallwatch loggers log at DEBUG and the watchdog runs.
+Does: spawns on every path (Popen, shell, posix_spawn, uvloop exec and shell) with secret argv, shell
+strings and environments; a real dstack SSH tunnel with secret `-o` options and a secret-named key;
+Nebius calls with an IAM token and secrets in the payloads; executor items with secret arguments; a
+0.8 s block of the event loop, a freeze the watchdog reports. Before shutdown it copies the heartbeat
+file and its `.stacks`/`.freezes` companions into SNAPSHOT_DIR (shutdown removes them) and prints one
+JSON line with their modes.
+"""
+
+import asyncio
+import concurrent.futures
+import contextlib
+import json
+import logging
+import os
+import shlex
+import shutil
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import stallwatch
+
+snapshots, user, host, port, identity, http_port, sock_dir = sys.argv[1:]
+logging.getLogger("stallwatch").setLevel(logging.DEBUG)
+session = stallwatch.setup()
+assert session.error is None, session.error
+
+import uvloop
+from dstack._internal.core.services.ssh import tunnel as tunnel_module
+from dstack._internal.utils.path import FilePath
+from nebius.aio.service_error import RequestError
+from nebius.api.nebius.common.v1 import ResourceMetadata
+from nebius.api.nebius.compute.v1 import (
+    CreateInstanceRequest,
+    DeleteInstanceRequest,
+    GetInstanceRequest,
+    InstanceServiceClient,
+    InstanceSpec,
+    ResourcesSpec,
+)
+from opentelemetry import trace
+
+from secrets_corpus import (
+    CORPUS,
+    ENVIRONMENT,
+    EXECUTOR_ARGS,
+    NEBIUS_PAYLOAD,
+    NEBIUS_TOKEN,
+    SSH_OPTIONS,
+    TOKENS,
+    URLS,
+)
+from stallwatch.detect import heartbeat
+from stallwatch.fake_nebius import FakeNebius, sdk_for
+
+tracer = trace.get_tracer("secrets-everywhere")
+secret_env = {**os.environ, **ENVIRONMENT}
+argv_lines = [[str(word) for word in argv] for argv, _, _ in CORPUS if all(isinstance(w, str) for w in argv)]
+shell_lines = [
+    " ".join(f"{name}={shlex.quote(value)}" for name, value in ENVIRONMENT.items()) + " true",
+    "true " + " ".join(shlex.quote(url) for url, _ in URLS),
+    *(argv[0] for argv in argv_lines if len(argv) == 1),  # command strings from the corpus
+]
+result: dict[str, object] = {}
+
+
+def spawn_everything() -> None:
+    codes = []
+    for argv in argv_lines:  # each corpus command line as argv of /bin/true: recorded, never really run
+        codes.append(subprocess.run(argv, executable="/bin/true", env=secret_env).returncode)
+    for line in shell_lines:
+        codes.append(subprocess.run(line, shell=True, executable="/bin/true", env=secret_env).returncode)
+    codes.append(subprocess.run(["curl", *(url for url, _ in URLS), *TOKENS], executable="/bin/true").returncode)
+    pid = os.posix_spawn("/bin/true", ["curl", "-u", "admin:CurlPw-8830", URLS[0][0]], secret_env)
+    codes.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+    result["sync_spawns"] = [len(codes), sorted(set(codes))]
+
+
+async def spawn_on_the_loop() -> None:
+    codes = []
+    for argv in argv_lines[:10]:
+        proc = await asyncio.create_subprocess_exec(*argv, executable="/bin/true", env=secret_env)
+        codes.append(await proc.wait())
+    for line in shell_lines[:2]:
+        proc = await asyncio.create_subprocess_shell(line, env=secret_env)
+        codes.append(await proc.wait())
+    result["loop_spawns"] = [len(codes), sorted(set(codes))]
+
+
+async def tunnel() -> None:
+    tunnel = tunnel_module.SSHTunnel(
+        destination=f"{user}@{host}",
+        port=int(port),
+        identity=FilePath(identity),
+        forwarded_sockets=[
+            tunnel_module.SocketPair(
+                local=tunnel_module.UnixSocket(Path(sock_dir) / "http.sock"),
+                remote=tunnel_module.IPSocket("localhost", int(http_port)),
+            )
+        ],
+        options={**tunnel_module.SSH_DEFAULT_OPTIONS, **SSH_OPTIONS},
+        batch_mode=True,
+    )
+    await tunnel.aopen()
+    reader, writer = await asyncio.open_unix_connection(str(Path(sock_dir) / "http.sock"))
+    writer.write(b"GET / HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+    await writer.drain()
+    result["tunnel_body"] = (await asyncio.wait_for(reader.read(), 10)).partition(b"\r\n\r\n")[2].decode()
+    writer.close()
+    await tunnel.aclose()
+
+
+async def nebius_calls() -> None:
+    with FakeNebius() as fake:
+        async with sdk_for(fake.address, credentials=NEBIUS_TOKEN) as sdk:
+            instances = InstanceServiceClient(sdk)
+            request = CreateInstanceRequest(
+                metadata=ResourceMetadata(
+                    name=NEBIUS_PAYLOAD["name"],
+                    parent_id="project-e00test",
+                    labels={"api_token": NEBIUS_PAYLOAD["label"]},
+                ),
+                spec=InstanceSpec(
+                    resources=ResourcesSpec(platform="gpu-h200-sxm", preset="1gpu-16vcpu-200gb"),
+                    cloud_init_user_data=NEBIUS_PAYLOAD["cloud_init"],
+                ),
+            )
+            operation = await instances.create(request, timeout=5)
+            await operation.wait(interval=0.02, timeout=5)
+            await instances.get(GetInstanceRequest(id=operation.resource_id), timeout=5)
+            with contextlib.suppress(RequestError):
+                await instances.get(GetInstanceRequest(id="computeinstance-missing"), timeout=5)
+            await instances.delete(DeleteInstanceRequest(id=operation.resource_id), timeout=5)
+        result["nebius_token_sent"] = any(
+            call.metadata.get("authorization") == f"Bearer {NEBIUS_TOKEN}" for call in fake.calls
+        )
+
+
+def work(*args: object, **kwargs: object) -> int:
+    if kwargs.get("fail"):
+        raise ValueError(f"refused {args}")
+    return len(args) + len(kwargs)
+
+
+async def executor_items() -> None:
+    loop = asyncio.get_running_loop()
+    with concurrent.futures.ThreadPoolExecutor(thread_name_prefix="secrets-pool") as pool:
+        results = [pool.submit(work, *EXECUTOR_ARGS, password=EXECUTOR_ARGS[0]).result()]
+        failed = pool.submit(work, *EXECUTOR_ARGS, fail=True)
+        results.append(type(failed.exception()).__name__)
+    results.append(await loop.run_in_executor(None, work, *EXECUTOR_ARGS))
+    results.append(await asyncio.to_thread(work, *EXECUTOR_ARGS, token=EXECUTOR_ARGS[1]))
+    result["executor"] = results
+
+
+async def main() -> None:
+    with tracer.start_as_current_span("request"):  # a sampled parent: executor items get spans too
+        spawn_everything()
+        await spawn_on_the_loop()
+        await tunnel()
+        await nebius_calls()
+        await executor_items()
+        proc = await asyncio.create_subprocess_shell(shell_lines[0], env=secret_env)  # the last spawn on the loop
+        await proc.wait()
+    await asyncio.sleep(0.3)  # the loop heartbeat is tracked; then block the loop: a freeze
+    time.sleep(0.8)
+    reports = heartbeat.report_path(heartbeat.AREA.path)
+    deadline = time.monotonic() + 20
+    while not reports.exists() and time.monotonic() < deadline:  # the watchdog reports the thaw
+        await asyncio.sleep(0.05)
+
+
+uvloop.run(main())
+files = {}
+area = heartbeat.AREA
+for path in (area.path, heartbeat.stacks_path(area.path), heartbeat.report_path(area.path)):
+    if path.exists():
+        files[path.suffix] = stat.S_IMODE(path.stat().st_mode)
+        shutil.copyfile(path, Path(snapshots) / path.name)
+result["heartbeat_files"] = files
+stallwatch.shutdown(10)
+print(json.dumps(result))
