@@ -13,21 +13,50 @@ Each record carries every id known in its attributes (`stallwatch.cloud.*`) and 
 the call's span, so it carries that span's trace and span ids.
 The OpenTelemetry log handler that `setup()` installs exports these records whatever
 `STALLWATCH_LOG_LEVEL` says.
+
+What each call must have done before it returns, for a crash to leave the right evidence:
+
+- `intent()`: the record is on disk (the journal's recorder `fdatasync`s it) before the request
+  leaves, so that a host killed mid-call leaves an unconfirmed create for the postmortem. This is
+  the one disk wait a create/delete pays (about 90 µs at the median here).
+- `outcome()`: the record is written (the journal's recorder `pwrite`s it: the page cache keeps it
+  whatever happens to the process) before the caller has the result, and reaches the disk within
+  the journal's flush period (0.1 s) or with the next durable record, whichever comes first. A
+  host that dies after the answer therefore never leaves a false leak candidate; only the
+  machine itself failing within that period can lose an outcome, and the create then shows as
+  unconfirmed (asked for, answer unknown), which is all the disk can tell. The outcome's own
+  `fdatasync` on the critical path doubled a create's overhead (`tests/bench/results/nebius.md`).
+- The log records are telemetry, not evidence: an instrumentation may set `EMIT_LATER` around its
+  `intent()`/`outcome()` calls to have `LogRecorder` hand them over, to be emitted off the call's
+  critical path (the Nebius one emits the intent's record while the request is on the network and
+  the outcome's once the caller has its result). Each keeps the span context it was recorded in.
 """
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
+
+from opentelemetry import context as context_api
 
 from . import telemetry
+from .instrument.scrub import clip_text
 
 LOGGER_NAME = "stallwatch.cloud"
 _log = logging.getLogger(LOGGER_NAME)
 _log.setLevel(logging.INFO)
 _ids = itertools.count(1)
+MAX_FIELD_CHARS = 128  # per text field of an intent or outcome: ids, names and statuses are far shorter
+EMIT_LATER: contextvars.ContextVar[Callable[[Callable[[], None]], None] | None] = contextvars.ContextVar(
+    "stallwatch_ledger_emit_later", default=None
+)
+"""Set by an instrumentation around its recorder calls: `LogRecorder` then passes each log record, as a
+callable that emits it in the span context it was recorded in, to this function instead of emitting it."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +71,9 @@ class Intent:
     resource_id: str | None = None  # known before the call for a delete
     number: int = field(default_factory=lambda: next(_ids))
 
+    def __post_init__(self) -> None:
+        _normalise(self, ("action", "resource_type", "rpc", "trace_id", "span_id"), ("resource_id",))
+
 
 @dataclass(frozen=True)
 class Outcome:
@@ -52,6 +84,20 @@ class Outcome:
     operation_id: str | None = None
     resource_id: str | None = None
     request_id: str | None = None
+
+    def __post_init__(self) -> None:
+        _normalise(self, ("status",), ("operation_id", "resource_id", "request_id"))
+
+
+def _normalise(record: object, required: tuple[str, ...], optional: tuple[str, ...]) -> None:
+    """Make every text field of a frozen `record` fit for a log record, a journal frame and an attribute:
+    valid UTF-8 of at most `MAX_FIELD_CHARS` characters. A value that is no string (a buggy caller, a server
+    answering odd metadata) becomes "?" for a required field and None for an optional one: the record is
+    still written, since losing a create's intent is worse than losing one of its fields."""
+    for name in required:
+        object.__setattr__(record, name, clip_text(getattr(record, name), MAX_FIELD_CHARS) or "?")
+    for name in optional:
+        object.__setattr__(record, name, clip_text(getattr(record, name), MAX_FIELD_CHARS))
 
 
 class Recorder(Protocol):
@@ -69,7 +115,7 @@ class LogRecorder:
     """Writes each intent and outcome as an INFO record of the `stallwatch.cloud` logger."""
 
     def intent(self, intent: Intent) -> None:
-        _log.info("cloud resource %s requested", intent.action, extra=_attributes(intent))
+        _emit(logging.INFO, "cloud resource %s requested", (intent.action,), _attributes(intent))
 
     def outcome(self, intent: Intent, outcome: Outcome) -> None:
         message = (
@@ -90,8 +136,25 @@ class LogRecorder:
                 if value
             },
         }
-        level = logging.INFO if outcome.ok else logging.WARNING
-        _log.log(level, message, extra=attributes)
+        _emit(logging.INFO if outcome.ok else logging.WARNING, message, (), attributes)
+
+
+def _emit(level: int, message: str, args: tuple[Any, ...], attributes: dict[str, str]) -> None:
+    """Emit one log record now, or hand it to `EMIT_LATER` with the current context (the call's span)."""
+    later = EMIT_LATER.get()
+    if later is None:
+        _log.log(level, message, *args, extra=attributes)
+    else:
+        later(functools.partial(_emit_in, context_api.get_current(), level, message, args, attributes))
+
+
+def _emit_in(context: context_api.Context, level: int, message: str, args: tuple[Any, ...],
+             attributes: dict[str, str]) -> None:  # fmt: skip
+    token = context_api.attach(context)
+    try:
+        _log.log(level, message, *args, extra=attributes)
+    finally:
+        context_api.detach(token)
 
 
 def _attributes(intent: Intent) -> dict[str, str]:

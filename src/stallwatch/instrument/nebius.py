@@ -19,6 +19,28 @@ recorded before the request leaves, the outcome (operation and resource ids, or 
 known. Payloads are never read, except for the `id` of a delete request. The names are private,
 so `supported()` checks them. An SDK without them gets one WARNING naming its version and is
 left untouched; `doctor` reports it too.
+
+What a call pays, and where. The SDK loop thread and the caller's thread share one GIL, so any
+CPU spent in this process while a call is in flight lengthens it. Only what the ledger's contract
+needs stays between the caller's await and its result:
+
+1. before the request leaves: the span is started (its ids name the journal records and the
+   ledger's records), its journal start record is queued, and a create/delete's intent is made
+   durable (one `fdatasync`, the single disk wait the ledger requires; see `stallwatch.ledger`);
+2. when the answer is in, before the SDK hands it to the caller: the status and ids are read, and
+   a create/delete's outcome is written to the journal (a `pwrite`, synced by the journal within
+   its flush period, see `stallwatch.journal.writer`);
+3. everything else runs on the SDK loop once the caller has its result: the span's attributes,
+   attempt events, status and end, the journal end record, the metrics and the ledger's log
+   records (the intent's log record goes out right after the request, while the call waits on the
+   network). The SDK publishes a call's result from a done callback of the task that ran it;
+   `_after_result` queues the work one loop hop behind that callback. The SDK loop runs it before
+   anything submitted later (an `sdk.close()` included), so nothing waits for a thread or a timer.
+
+Per-method facts (span name, attributes, ledger action, resource type) are computed once per
+method. What each part costs a call against the fake server is measured by
+`tests/bench/bench_nebius.py` (`tests/bench/results/nebius.md`: the wrapper alone, with the
+exporters, and with the journal's durable intent).
 """
 
 from __future__ import annotations
@@ -44,6 +66,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from .. import journal, ledger, telemetry
 from .._version import __version__
 from ._common import FAULTS, Counts, Deferred, instrument, meter
+from .scrub import MAX_NAME_CHARS, clip_text, scrub_text
 
 _log = logging.getLogger("stallwatch")
 COMPONENT = "nebius"
@@ -51,7 +74,8 @@ SETTING = "STALLWATCH_INSTRUMENT_NEBIUS"
 REQUEST_MODULE = "nebius.aio.request"
 _WRAPPED = ("_request_with_authorization_loop", "_send", "_await_native_call")
 _ACTIONS = {"Create": "create", "Delete": "delete"}
-_GRPC_CODES = {"OK": 0, "CANCELLED": 1, "DEADLINE_EXCEEDED": 4}
+_GRPC_CODES = {"OK": 0, "CANCELLED": 1, "DEADLINE_EXCEEDED": 4}  # grows with each status name seen
+_STATUS_CODE = telemetry.RPC_GRPC_STATUS_CODE.name
 
 
 @dataclass
@@ -100,24 +124,52 @@ def resource_type(service: str) -> str:
     return f"{package}.{name}" if package else name
 
 
+class _Method:
+    """What every call of one RPC method shares: computed on its first call, then reused."""
+
+    __slots__ = ("action", "attributes", "method", "name", "resource_type", "service")
+
+    def __init__(self, service: str, method: str) -> None:
+        self.service = service
+        self.method = method
+        self.name = f"{service}/{method}"
+        self.attributes = {
+            "rpc.system": "grpc", "rpc.system.name": "grpc",
+            telemetry.RPC_SERVICE.name: service, telemetry.RPC_METHOD.name: method,
+        }  # fmt: skip
+        self.action = _ACTIONS.get(method)
+        self.resource_type = resource_type(service)
+
+
+_methods: dict[tuple[Any, Any], _Method] = {}
+
+
+def _method_of(request: Any) -> _Method:
+    key = (request._service, request._method)
+    method = _methods.get(key)
+    if method is None:
+        method = _methods.setdefault(key, _Method(_name(key[0]).lstrip("."), _name(key[1])))
+    return method
+
+
+def _name(value: object) -> str:
+    """A service or method name as an attribute: valid UTF-8, at most `MAX_NAME_CHARS` characters."""
+    return clip_text(value if isinstance(value, str) else scrub_text(value), MAX_NAME_CHARS) or "unknown"
+
+
 class _Call:
-    """One logical call: its span, attempts and ledger intent."""
+    """One logical call: its span, attempts and ledger intent, and what it ended with."""
 
     __slots__ = (
-        "attempt_events", "attempt_started", "attempts", "failed_attempts", "intent", "labels", "last_attempt_end",
-        "service", "span", "started",
+        "attempt_events", "attempt_started", "attempts", "code", "end_ns", "error_class", "error_type", "failed",
+        "failed_attempts", "intent", "last_attempt_end", "later", "method", "operation_id", "request_id", "resource_id",
+        "span", "started", "took", "trace_id",
     )  # fmt: skip
 
     def __init__(self, instruments: _Instruments, request: Any, parent: context_api.Context, start_ns: int) -> None:
-        self.service = str(request._service).lstrip(".")
-        method = str(request._method)
-        self.labels = {telemetry.RPC_SERVICE.name: self.service, telemetry.RPC_METHOD.name: method}
+        method = self.method = _method_of(request)
         self.span = instruments.tracer.start_span(
-            f"{self.service}/{method}",
-            context=parent,
-            kind=SpanKind.CLIENT,
-            start_time=start_ns,
-            attributes={"rpc.system": "grpc", "rpc.system.name": "grpc", **self.labels},
+            method.name, context=parent, kind=SpanKind.CLIENT, start_time=start_ns, attributes=method.attributes
         )
         self.started = time.monotonic() - (time.time_ns() - start_ns) / 1e9
         self.attempts = 0
@@ -126,21 +178,17 @@ class _Call:
         self.attempt_started = 0.0
         self.last_attempt_end: float | None = None
         self.intent: ledger.Intent | None = None
-        instruments.active.add(1, self.service, method)
+        self.later: list[Callable[[], None]] = []  # the ledger's log records, emitted off the critical path
+        instruments.active.add(1, method.service, method.method)
         journal.span_started(self.span, COMPONENT)  # on disk with the intent, which is durable
-        action = _ACTIONS.get(method)
-        if action is not None:
+        if method.action is not None:
             context = self.span.get_span_context()
-            resource_id = _request_resource_id(request) if action == "delete" else None
+            resource_id = _request_resource_id(request) if method.action == "delete" else None
             self.intent = ledger.Intent(
-                action, resource_type(self.service), f"{self.service}/{method}",
+                method.action, method.resource_type, method.name,
                 trace.format_trace_id(context.trace_id), trace.format_span_id(context.span_id), resource_id,
             )  # fmt: skip
-            token = context_api.attach(trace.set_span_in_context(self.span))  # the record carries the call's ids
-            try:
-                _to_ledger(lambda: ledger.recorder().intent(self.intent))
-            finally:
-                context_api.detach(token)
+            self._to_ledger(lambda intent: ledger.recorder().intent(intent))
 
     def attempt(self) -> None:
         self.attempts += 1
@@ -150,7 +198,7 @@ class _Call:
         now = time.monotonic()
         attributes: dict[str, Any] = {
             "attempt": self.attempts,
-            telemetry.RPC_GRPC_STATUS_CODE.name: _code_number(code),
+            _STATUS_CODE: _code_number(code),
             "rpc.response.status_code": code,
             "duration_seconds": now - self.attempt_started,
         }
@@ -169,68 +217,101 @@ class _Call:
         end_ns: int,
         took: float,
     ) -> None:
-        span = self.span
+        """`finish` and `complete` at once (when the call has no loop to defer the rest to)."""
+        self.finish(request, result, error, end_ns, took)
+        self.complete(instruments)
+
+    def finish(self, request: Any, result: Any, error: BaseException | None, end_ns: int, took: float) -> None:
+        """What must be known before the caller has the result: the status and ids, and the ledger's outcome."""
+        self.end_ns, self.took = end_ns, took
+        self.failed = error is not None
+        self.error_class = type(error).__qualname__
+        self.code, self.error_type = ("OK", None) if error is None else _classify(request, error)
+        request_id, trace_id = getattr(request, "_request_id", None), getattr(request, "_trace_id", None)
+        self.request_id, self.trace_id = clip_text(request_id), clip_text(trace_id)
+        self.operation_id, resource_id = _operation_ids(result)
+        intent = self.intent
+        self.resource_id = resource_id or (intent.resource_id if intent is not None else None)
+        if intent is not None:
+            outcome = ledger.Outcome(not self.failed, self.error_type or self.code, self.operation_id,
+                                     self.resource_id, self.request_id)  # fmt: skip
+            self._to_ledger(lambda intent: ledger.recorder().outcome(intent, outcome))
+
+    def complete(self, instruments: _Instruments) -> None:
+        """Everything the caller need not wait for: the span's end, the metrics, the ledger's log records."""
+        self.emit_later()
+        span, code = self.span, self.code
         if self.attempts > 1 or self.failed_attempts:  # one clean attempt says nothing the span does not
             for event, timestamp in self.attempt_events:
                 span.add_event("stallwatch.nebius.attempt", event, timestamp)
-        code, error_type = ("OK", None) if error is None else _classify(request, error)
+        number = _code_number(code)
         attributes: dict[str, Any] = {
-            telemetry.RPC_GRPC_STATUS_CODE.name: _code_number(code),
+            _STATUS_CODE: number,
             "rpc.response.status_code": code,
             telemetry.NEBIUS_ATTEMPTS.name: self.attempts,
         }
         for attribute, value in (
-            (telemetry.NEBIUS_REQUEST_ID, getattr(request, "_request_id", None)),
-            (telemetry.NEBIUS_TRACE_ID, getattr(request, "_trace_id", None)),
+            (telemetry.NEBIUS_REQUEST_ID, self.request_id),
+            (telemetry.NEBIUS_TRACE_ID, self.trace_id),
+            (telemetry.CLOUD_OPERATION_ID, self.operation_id),
+            (telemetry.CLOUD_RESOURCE_ID, self.resource_id),
         ):
-            if isinstance(value, str) and value:
+            if value:
                 attributes[attribute.name] = value
-        operation_id, resource_id = _operation_ids(result)
-        if operation_id:
-            attributes[telemetry.CLOUD_OPERATION_ID.name] = operation_id
-        resource_id = resource_id or (self.intent.resource_id if self.intent else None)
-        if resource_id:
-            attributes[telemetry.CLOUD_RESOURCE_ID.name] = resource_id
+        if self.failed:
+            attributes[telemetry.ERROR_TYPE.name] = self.error_type or code
         span.set_attributes(attributes)
-        if error is not None:
-            span.set_attribute(telemetry.ERROR_TYPE.name, error_type or code)
-            span.set_status(Status(StatusCode.ERROR, f"{code}: {type(error).__qualname__}"))
-        labels = {**self.labels, telemetry.RPC_GRPC_STATUS_CODE.name: _code_number(code)}
-        instruments.duration.record(took, labels)
-        instruments.active.add(-1, self.labels[telemetry.RPC_SERVICE.name], self.labels[telemetry.RPC_METHOD.name])
-        if self.intent is not None:
-            ok = error is None
-            if ok:
-                counter = instruments.created if self.intent.action == "create" else instruments.deleted
-                counter.add(1, {telemetry.CLOUD_RESOURCE_TYPE.name: self.intent.resource_type})
-            outcome = ledger.Outcome(ok, error_type or code, operation_id, resource_id, attributes.get(
-                telemetry.NEBIUS_REQUEST_ID.name))  # fmt: skip
-            token = context_api.attach(trace.set_span_in_context(span))
-            try:
-                _to_ledger(lambda: ledger.recorder().outcome(self.intent, outcome))
-            finally:
-                context_api.detach(token)
-        span.end(end_time=end_ns)
+        if self.failed:
+            span.set_status(Status(StatusCode.ERROR, f"{code}: {self.error_class}"))
+        span.end(end_time=self.end_ns)
         journal.span_ended(span)
+        method = self.method
+        instruments.duration.record(
+            self.took, {telemetry.RPC_SERVICE.name: method.service, telemetry.RPC_METHOD.name: method.method,
+                        _STATUS_CODE: number}
+        )  # fmt: skip
+        instruments.active.add(-1, method.service, method.method)
+        intent = self.intent
+        if intent is not None and not self.failed:
+            counter = instruments.created if intent.action == "create" else instruments.deleted
+            counter.add(1, {telemetry.CLOUD_RESOURCE_TYPE.name: intent.resource_type})
 
+    def emit_later(self) -> None:
+        """Emit the ledger's log records held back so far, in order."""
+        later = self.later
+        while later:
+            try:
+                later.pop(0)()
+            except Exception:
+                FAULTS.record(COMPONENT, SETTING)
 
-def _to_ledger(record: Callable[[], None]) -> None:
-    """A failing recorder (e.g. a full disk) is counted; the call and its span go on."""
-    try:
-        record()
-    except Exception:
-        FAULTS.record(COMPONENT, SETTING)
+    def _to_ledger(self, record: Callable[[ledger.Intent], None]) -> None:
+        """Call the recorder inside the call's span (its records carry the call's ids), with its log
+        records held in `later`. A failing recorder (e.g. a full disk) is counted; the call and its
+        span go on."""
+        token = context_api.attach(trace.set_span_in_context(self.span))
+        held = ledger.EMIT_LATER.set(self.later.append)
+        try:
+            record(self.intent)  # type: ignore[arg-type]
+        except Exception:
+            FAULTS.record(COMPONENT, SETTING)
+        finally:
+            ledger.EMIT_LATER.reset(held)
+            context_api.detach(token)
 
 
 def _code_number(code: str) -> int:
-    if code in _GRPC_CODES:
-        return _GRPC_CODES[code]
+    number = _GRPC_CODES.get(code)
+    if number is not None:
+        return number
     try:
         import grpc
 
-        return int(grpc.StatusCode[code].value[0])
+        number = int(grpc.StatusCode[code].value[0])
     except (ImportError, KeyError):
         return 2  # UNKNOWN
+    _GRPC_CODES[code] = number
+    return number
 
 
 def _classify(request: Any, error: BaseException) -> tuple[str, str | None]:
@@ -241,7 +322,8 @@ def _classify(request: Any, error: BaseException) -> tuple[str, str | None]:
         return "CANCELLED", "cancelled"
     status = getattr(error, "status", None)
     code = getattr(getattr(status, "code", None), "name", None)
-    if isinstance(code, str):
+    if isinstance(code, str) and code:
+        code = clip_text(code, MAX_NAME_CHARS) or "UNKNOWN"
         return code, {"DEADLINE_EXCEEDED": "timeout", "CANCELLED": "cancelled"}.get(code, code)
     return "UNKNOWN", type(error).__qualname__
 
@@ -254,17 +336,14 @@ def _operation_ids(result: Any) -> tuple[str | None, str | None]:
         operation_id, resource_id = result.id, result.resource_id
     except Exception:
         return None, None
-    return (operation_id or None) if isinstance(operation_id, str) else None, (
-        (resource_id or None) if isinstance(resource_id, str) else None
-    )
+    return clip_text(operation_id), clip_text(resource_id)
 
 
 def _request_resource_id(request: Any) -> str | None:
     """The `id` field of a delete request: the one payload field read, to name the resource."""
     message = getattr(request, "_input", None)
     message = getattr(message, "__pb2_message__", message)
-    value = getattr(message, "id", None)
-    return value if isinstance(value, str) and value else None
+    return clip_text(getattr(message, "id", None))
 
 
 # ---- wrappers ------------------------------------------------------------------------------------
@@ -299,33 +378,41 @@ async def _run(
     try:
         result = await wrapped(*args, **kwargs)
     except BaseException as error:
-        _end_soon(call, instruments, request, None, error)
+        _end(call, instruments, request, None, error)
         raise
     finally:
         _current.reset(token)
-    _end_soon(call, instruments, request, result, None)
+    _end(call, instruments, request, result, None)
     return result
 
 
-def _end_soon(call: _Call, instruments: _Instruments, request: Any, result: Any, error: BaseException | None) -> None:
-    """End the call's span right after the SDK hands the result to the caller, not before.
-
-    The span's attributes, its end, the metrics and the ledger outcome cost 50-100 µs; done inline
-    they would delay every call's result by that much.
-    """
+def _end(call: _Call, instruments: _Instruments, request: Any, result: Any, error: BaseException | None) -> None:
+    """Finish the call now and complete it once the caller has its result (see the module docstring)."""
     end_ns, took = time.time_ns(), time.monotonic() - call.started
     try:
-        asyncio.get_running_loop().call_soon(_end, call, instruments, request, result, error, end_ns, took)
-    except RuntimeError:  # no running loop (or it is closing): end it now
-        _end(call, instruments, request, result, error, end_ns, took)
-
-
-def _end(
-    call: _Call, instruments: _Instruments, request: Any, result: Any, error: BaseException | None, end_ns: int,
-    took: float,
-) -> None:  # fmt: skip
+        call.finish(request, result, error, end_ns, took)
+    except Exception:
+        FAULTS.record(COMPONENT, SETTING)
+        return
     try:
-        call.end(instruments, request, result, error, end_ns, took)
+        _after_result(asyncio.get_running_loop(), _complete, call, instruments)
+    except RuntimeError:  # no running loop (or it is closing): complete it now
+        _complete(call, instruments)
+
+
+def _after_result(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: Any) -> None:
+    """Run `callback` on `loop` right after the SDK hands the running call's result to its caller.
+
+    The SDK publishes the result from a done callback of the task running the call; the loop
+    queues that callback when the task finishes, after anything queued now. One more hop puts
+    `callback` behind it.
+    """
+    loop.call_soon(loop.call_soon, callback, *args)
+
+
+def _complete(call: _Call, instruments: _Instruments) -> None:
+    try:
+        call.complete(instruments)
     except Exception:
         FAULTS.record(COMPONENT, SETTING)
 
@@ -344,24 +431,41 @@ async def _attempt_wrapper(wrapped: Callable[..., Any], instance: Any, args: Any
     call = _current.get()
     if call is None:
         return await wrapped(*args, **kwargs)
+    if call.later:  # the intent's log record: emitted while this attempt waits on the network
+        _emit_soon(call)
     try:
         result = await wrapped(*args, **kwargs)
     except BaseException as error:
-        status = error.code() if callable(getattr(error, "code", None)) else None
-        name = getattr(status, "name", None) or (
-            "CANCELLED" if isinstance(error, asyncio.CancelledError) else type(error).__qualname__
-        )
-        _attempt_ended(call, str(name))
+        _attempt_ended(call, error)
         raise
-    _attempt_ended(call, "OK")
+    _attempt_ended(call, None)
     return result
 
 
-def _attempt_ended(call: _Call, code: str) -> None:
+def _emit_soon(call: _Call) -> None:
     try:
-        call.attempt_ended(code)
+        asyncio.get_running_loop().call_soon(call.emit_later)
+    except RuntimeError:
+        call.emit_later()
+
+
+def _attempt_ended(call: _Call, error: BaseException | None) -> None:
+    try:
+        call.attempt_ended("OK" if error is None else _attempt_code(error))
     except Exception:
         FAULTS.record(COMPONENT, SETTING)
+
+
+def _attempt_code(error: BaseException) -> str:
+    """The gRPC status name of a failed attempt: its `code()`, else what the error says."""
+    code = getattr(error, "code", None)
+    try:
+        name = getattr(code(), "name", None) if callable(code) else None
+    except Exception:  # a `code()` that fails says nothing; the error itself still reaches the caller
+        name = None
+    if isinstance(name, str) and name:
+        return clip_text(name, MAX_NAME_CHARS) or "UNKNOWN"
+    return "CANCELLED" if isinstance(error, asyncio.CancelledError) else type(error).__qualname__
 
 
 def _patch(module: Any) -> None:

@@ -7,11 +7,17 @@ in clock ticks (`/proc/<pid>/stat` field 22), which tells a dead process from a 
 its pid. A fork child that lives on and records anything gets its own file and flusher on first
 use (never in a fork handler); what the parent had buffered stays the parent's.
 
-Two kinds of record:
+Three kinds of record:
 
-- **durable** (cloud intent and outcome, tunnel open, freeze, host killed): written in the caller's
-  thread together with everything buffered before it (so the file keeps the order of events), then
+- **durable** (cloud intent, tunnel open, freeze, host killed): written in the caller's thread
+  together with everything buffered before it (so the file keeps the order of events), then
   `os.fdatasync`; the call returns once the record is on disk.
+- **written** (cloud outcome): written the same way but without the `fdatasync`. Once `pwrite`
+  returns, the record survives the process whatever kills it (it is in the page cache); it reaches
+  the disk with the next durable record or at the flusher's next pass (`flush_seconds`), which
+  `fdatasync`s whenever a written record is pending, and before a segment is left. A create's
+  outcome needs no more (see `stallwatch.ledger`), and one `fdatasync` per create instead of two
+  halves what a create pays for the journal.
 - **buffered** (operation start/end): appended to a bounded in-memory deque (records beyond
   `buffer_records` are dropped and counted; the count is journaled) and written by a daemon
   flusher every `flush_seconds` (0.1 s), or at once when the deque is half full, which also stamps
@@ -48,6 +54,7 @@ from typing import Any
 from opentelemetry.sdk.trace import ReadableSpan
 
 from .. import ledger
+from .._private import make_directories
 from . import frames
 
 _log = logging.getLogger("stallwatch.journal")
@@ -103,6 +110,7 @@ class _State:
     open_intents: dict[str, bytes] = field(default_factory=dict)
     dropped: int = 0
     dropped_journaled: int = 0
+    unsynced: bool = False  # a written record is not on disk yet: the flusher's next pass syncs it
     flusher: threading.Thread | None = None
     stopping: threading.Event = field(default_factory=threading.Event)
     wake: threading.Event = field(default_factory=threading.Event)  # flush before the period is up
@@ -199,7 +207,7 @@ class Journal:
         self._record({**_intent_fields(intent), "type": "intent", **_now()}, durable=True)
 
     def cloud_outcome(self, intent: ledger.Intent, outcome: ledger.Outcome) -> None:
-        """What the cloud answered for `intent`: durable before this returns."""
+        """What the cloud answered for `intent`: written before this returns, on disk within `flush_seconds`."""
         record = {
             "type": "outcome",
             "key": _intent_key(intent),
@@ -210,7 +218,7 @@ class Journal:
             "request_id": outcome.request_id,
             **_now(),
         }
-        self._record(record, durable=True)
+        self._record(record, durable=True, sync=False)
 
     # ---- what the watchdog calls --------------------------------------------------------------
 
@@ -287,13 +295,17 @@ class Journal:
         self._state = state
         return state
 
-    def _record(self, record: dict[str, Any], durable: bool) -> None:
+    def _record(self, record: dict[str, Any], durable: bool, sync: bool = True) -> None:
+        """Buffer `record`, or write it now (`durable`), then `fdatasync` (`sync`) or leave that to the flusher."""
         state = self._current()
         if state.closed:
             return
         if durable:
             with state.lock:
-                self._write(state, [*self._drain(state), record], sync=True)
+                self._write(state, [*self._drain(state), record], sync=sync)
+                state.unsynced = state.unsynced or not sync
+            if not sync and state.flusher is None:
+                self._start_flusher(state)
             return
         queued = len(state.buffer)
         if queued >= self._buffer_records:
@@ -332,6 +344,12 @@ class Journal:
             records = self._drain(state)
             if records or state.dropped != state.dropped_journaled:
                 self._write(state, records, sync=False)
+            if state.unsynced and state.fd >= 0:
+                try:
+                    os.fdatasync(state.fd)
+                    state.unsynced = False
+                except OSError:
+                    self._failed()
             if self.role == "host" and state.fd >= 0:
                 try:
                     os.pwrite(state.fd, frames.heartbeat(time.time_ns(), time.monotonic_ns()), frames.HEARTBEAT_OFFSET)
@@ -350,7 +368,7 @@ class Journal:
             state.dropped_journaled = state.dropped
         try:
             self._ensure_open(state)  # first: a new segment's checkpoint must not repeat `records`
-            chunk = b"".join(self._encode(state, record) for record in records)
+            chunk = b"".join(self._encode_each(state, records))
             if state.offset + len(chunk) > self._segment_bytes:
                 self._rotate(state)
             self._reserve(state, len(chunk))
@@ -358,8 +376,20 @@ class Journal:
             state.offset += len(chunk)
             if sync:
                 os.fdatasync(state.fd)
+                state.unsynced = False
         except Exception:  # OSError above all (full disk, size limit, directory gone); never the host's problem
             self._failed()
+
+    def _encode_each(self, state: _State, records: list[dict[str, Any]]) -> list[bytes]:
+        """The frames of `records`; one that cannot be encoded (a value whose `str()` raises, a record over
+        `frames.MAX_RECORD_BYTES`) is lost alone and reported, never the records written with it."""
+        encoded = []
+        for record in records:
+            try:
+                encoded.append(self._encode(state, record))
+            except Exception:
+                self._failed()
+        return encoded
 
     @staticmethod
     def _encode(state: _State, record: dict[str, Any]) -> bytes:
@@ -391,7 +421,7 @@ class Journal:
         """Create segment `number` with its header, identity and the operations still open, and
         make it the current one (lock held). On an OSError the current segment stays as it was."""
         if not self.directory.is_dir():
-            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            make_directories(self.directory)
         path = self.directory / self._segment_name(number)
         identity = {
             "type": "open",
@@ -426,6 +456,12 @@ class Journal:
         old_fd = state.fd
         state.fd, state.number, state.offset, state.allocated = fd, number, len(initial), allocated
         if old_fd >= 0:
+            if state.unsynced:  # a written record in the segment being left reaches the disk first
+                try:
+                    os.fdatasync(old_fd)
+                except OSError:
+                    self._failed()
+                state.unsynced = False
             os.close(old_fd)
 
     def _rotate(self, state: _State) -> None:
@@ -509,7 +545,7 @@ def _intent_fields(intent: ledger.Intent) -> dict[str, Any]:
 
 
 class JournalRecorder:
-    """A ledger `Recorder` that makes each intent and outcome durable, then passes it on.
+    """A ledger `Recorder` that makes each intent durable and writes each outcome, then passes it on.
 
     `chain` (normally the recorder in place before, which logs) still sees every call, so the
     `stallwatch.cloud` log records continue; a journal failure never stops them.
