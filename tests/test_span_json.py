@@ -65,3 +65,13 @@ def test_the_direct_encoder_matches_the_protobuf_route_field_by_field():
     keep_flags = '"flags"' in json.dumps(reference)
     assert _flatten(ours, keep_flags) == _flatten(reference, keep_flags)
     assert len(_flatten(ours, keep_flags)) == 6
+
+
+def test_empty_values_resources_and_batches_are_written_as_protobuf_writes_them():
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(resource=Resource.get_empty())
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    provider.get_tracer("x").start_span("empty values", attributes={"none": [], "s": ""}).end()
+    spans = list(exporter.get_finished_spans())
+    assert json.loads(encode_spans_json(spans)) == json.loads(to_otlp_json(encode_spans(spans)))
+    assert encode_spans_json([]) == to_otlp_json(encode_spans([]))

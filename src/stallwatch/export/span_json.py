@@ -37,7 +37,7 @@ def _value(value: Any) -> dict[str, Any]:
     if isinstance(value, bytes):
         return {"bytesValue": base64.b64encode(value).decode()}
     if isinstance(value, (list, tuple)):
-        return {"arrayValue": {"values": [_value(v) for v in value]}}
+        return {"arrayValue": {"values": [_value(v) for v in value]} if value else {}}
     return {"stringValue": str(value)}
 
 
@@ -126,9 +126,10 @@ def encode_spans_json(spans: Sequence[ReadableSpan]) -> str:
             if scope is not None and getattr(scope, "schema_url", ""):
                 item["schemaUrl"] = scope.schema_url
             scope_spans.append(item)
-        entry: dict[str, Any] = {"resource": {"attributes": _attributes(resource.attributes)} if resource else {}}
+        attributes = _attributes(resource.attributes) if resource is not None else []
+        entry: dict[str, Any] = {"resource": {"attributes": attributes} if attributes else {}}
         entry["scopeSpans"] = scope_spans
         if resource is not None and resource.schema_url:
             entry["schemaUrl"] = resource.schema_url
         resource_spans.append(entry)
-    return json.dumps({"resourceSpans": resource_spans}, separators=(",", ":"))
+    return json.dumps({"resourceSpans": resource_spans} if resource_spans else {}, separators=(",", ":"))
