@@ -291,7 +291,8 @@ def start_span(self, *args, **kwargs):
 sdk_trace.Tracer.start_span = start_span
 """
 
-# Every synchronous instrument raises, except the one that counts stallwatch's own faults.
+# Every synchronous instrument raises, except the one that counts stallwatch's own faults, and so do
+# the histograms stallwatch aggregates itself.
 METER = """
 from opentelemetry.sdk.metrics._internal import instrument as sdk_instruments
 
@@ -305,6 +306,14 @@ def broken(original):
 for cls, method in [(sdk_instruments.Counter, "add"), (sdk_instruments.UpDownCounter, "add"),
                     (sdk_instruments.Histogram, "record")]:
     setattr(cls, method, broken(getattr(cls, method)))
+
+# stallwatch's own duration histograms, which the pipeline aggregates instead of the SDK's
+from stallwatch.instrument import histograms
+
+def own_record(self, value, attributes):
+    raise RuntimeError("injected: meter")
+
+histograms.OwnHistogram.record = own_record
 """
 
 # The function that turns the host's arguments into span attributes raises.

@@ -56,6 +56,7 @@ from .export.guarded import (
 )
 from .forksafe import grpc_guard
 from .forksafe.loop import package_version
+from .instrument import histograms
 from .instrument._common import instrument, meter
 from .ledger import LOGGER_NAME as LEDGER_LOGGER
 
@@ -354,7 +355,24 @@ def _build_metrics(settings: Settings, resource: Resource, pipeline: Pipeline) -
         readers.append(
             PeriodicExportingMetricReader(exporter, export_interval_millis=settings.metric_export_interval_ms)
         )
+    if all(_cumulative_histograms(reader) for reader in readers):
+        histograms.activate(resource)  # every reader gets stallwatch's own duration histograms
     return MeterProvider(resource=resource, metric_readers=readers, shutdown_on_exit=False)
+
+
+def _cumulative_histograms(reader: MetricReader) -> bool:
+    """Whether `reader` takes histograms cumulative (a delta preference keeps the SDK's histograms).
+
+    The reader keys its temporalities by instrument class: `Histogram` on recent SDKs, the internal
+    `_Histogram` on older ones."""
+    from opentelemetry.sdk.metrics.export import AggregationTemporality
+
+    chosen = [
+        temporality
+        for cls, temporality in getattr(reader, "_instrument_class_temporality", {}).items()
+        if cls.__name__.lstrip("_") == "Histogram"
+    ]
+    return bool(chosen) and all(t is AggregationTemporality.CUMULATIVE for t in chosen)
 
 
 def _build_logs(settings: Settings, resource: Resource, pipeline: Pipeline) -> LoggerProvider:
@@ -384,7 +402,14 @@ def _prometheus_reader(settings: Settings, pipeline: Pipeline) -> MetricReader:
         ) from exc
     pipeline.prometheus_address = server.server_address[:2]
     pipeline._closers += [server.shutdown, server.server_close]
-    return PrometheusMetricReader()
+
+    class Reader(PrometheusMetricReader):  # type: ignore[misc]
+        """The stock reader, whose scrapes also carry stallwatch's own histograms (`histograms`)."""
+
+        def _receive_metrics(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> None:
+            super()._receive_metrics(histograms.inject(metrics_data), timeout_millis, **kwargs)
+
+    return Reader()
 
 
 def _otlp_endpoint(settings: Settings, signal: str, http: bool) -> str | None:

@@ -52,6 +52,7 @@ from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from .. import telemetry
+from ..instrument import histograms
 
 QUEUE_FULL, EXPORT_FAILED, BACKEND_DOWN, SHUTDOWN_TIMEOUT = telemetry.DROP_REASON.values
 BACKOFF_FIRST = 1.0  # seconds the backend is taken to be down after a failed export
@@ -182,6 +183,7 @@ class GuardedMetricExporter(MetricExporter):
             self.gate.drop("metrics", BACKEND_DOWN, 1)
             return MetricExportResult.FAILURE
         self.gate.entering_export()
+        metrics_data = histograms.inject(metrics_data)
         try:
             result = self.inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
         except Exception:

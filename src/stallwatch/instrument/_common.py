@@ -17,6 +17,7 @@ from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from .. import telemetry
 from .._version import __version__
+from . import histograms
 
 _log = logging.getLogger("stallwatch")
 
@@ -139,17 +140,21 @@ class Counts:
 
 
 class Deferred:
-    """Histogram values recorded on a hot path by a deque append, handed to the SDK at collection.
+    """Histogram values recorded on a hot path by a deque append, aggregated at collection.
 
-    `drain()` runs inside an observable instrument's callback, which the SDK calls before it reads
-    the synchronous instruments' storages, so every value is in the same export. At most `limit`
+    They go to stallwatch's own histogram (`histograms`) when its pipeline takes those, else to the
+    SDK's. `drain()` runs before each collection (from `histograms.collect()`, or inside an
+    observable instrument's callback, which the SDK calls before it reads the synchronous
+    instruments' storages), so every value is in the same export. At most `limit`
     values wait; past that they are dropped and counted in `dropped`. A histogram that raises is a
     fault of the metric's component (`stallwatch.<component>.…`, turned off by
     `STALLWATCH_INSTRUMENT_<COMPONENT>`), counted per value; it never stops the collection.
     """
 
     def __init__(self, meter_: Meter, metric: telemetry.Metric, limit: int = 100_000) -> None:
-        self._histogram = instrument(meter_, metric)
+        # stallwatch's own aggregation when its pipeline takes it (see `histograms`), else the SDK's.
+        self._own = histograms.register(metric, self.drain) if histograms.active() else None
+        self._histogram = instrument(meter_, metric) if self._own is None else None
         self._pending: deque[tuple[float, dict[str, Any]]] = deque()
         self._limit = limit
         self.dropped = 0
@@ -164,7 +169,7 @@ class Deferred:
 
     def drain(self) -> None:
         pending = self._pending
-        record = self._histogram.record
+        record = self._own.record if self._own is not None else self._histogram.record
         while pending:
             value, attributes = pending.popleft()
             try:
