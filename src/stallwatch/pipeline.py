@@ -355,8 +355,8 @@ def _build_metrics(settings: Settings, resource: Resource, pipeline: Pipeline) -
         readers.append(
             PeriodicExportingMetricReader(exporter, export_interval_millis=settings.metric_export_interval_ms)
         )
-    if all(_cumulative_histograms(reader) for reader in readers):
-        histograms.activate(resource)  # every reader gets stallwatch's own duration histograms
+    # Every reader gets stallwatch's own duration histograms, unless one wants them as deltas.
+    histograms.activate(resource if all(_cumulative_histograms(reader) for reader in readers) else None)
     return MeterProvider(resource=resource, metric_readers=readers, shutdown_on_exit=False)
 
 

@@ -136,8 +136,9 @@ class _Registry:
 _REGISTRY = _Registry()
 
 
-def activate(resource: Resource) -> None:
-    """Aggregate stallwatch's duration histograms here from now on (the pipeline's readers take them)."""
+def activate(resource: Resource | None) -> None:
+    """Aggregate stallwatch's duration histograms here from now on (the pipeline's readers take them),
+    or, with None, leave them to the SDK (histograms made from then on)."""
     _REGISTRY.resource = resource
 
 
