@@ -225,8 +225,8 @@ FREEZES = Dashboard(
         ),
         Panel(
             "Event-loop lag p50/p99",
-            "How late the main event loop ran a callback scheduled 100 ms ahead. Sustained lag is blocking code on "
-            "the loop thread; a spike to seconds is a freeze in progress.",
+            "How long the main event loop took to run a heartbeat callback handed to it every 100 ms. Sustained lag "
+            "is blocking code on the loop thread; a spike to seconds is a freeze in progress.",
             "s",
             p50_p99(t.LOOP_LAG, t.LOOP),
         ),

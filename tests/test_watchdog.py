@@ -213,3 +213,19 @@ def test_the_watchdog_answers_a_prometheus_scrape_while_the_frozen_host_cannot(t
     assert len(active) == 1 and active[0].endswith(" 1.0"), from_watchdog[-2000:]
     assert 'stallwatch_freeze_kind="gil_held"' in active[0]
     assert 'stallwatch_freeze_cause="child_before_exec"' in active[0]
+
+
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_the_loop_heartbeat_puts_no_timer_on_the_host_loop(telemetry_dir, loop_kind):
+    """A timer in an asyncio loop's heap costs every iteration (clock reads, an epoll_wait with a
+    timeout): the heartbeat thread hands the loop one callback at a time instead."""
+    result = run_scenario("loop_beats.py", str(telemetry_dir), loop_kind)
+
+    assert result["kind"] == loop_kind
+    if loop_kind == "asyncio":
+        assert result["timers"] == [0] * 6
+    assert result["loop_beats"] >= 4  # 6 waits of 0.1 s, a beat every 0.1 s
+    lag = metric_points(telemetry_dir / "metrics.jsonl", "stallwatch.loop.lag")[-1]
+    assert attrs(lag) == {"stallwatch.loop": loop_kind}
+    assert int(lag["count"]) >= 4
+    assert float(lag["max"]) < 0.5  # the loop was free: each beat ran soon after it was handed over

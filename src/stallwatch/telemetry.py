@@ -279,7 +279,8 @@ FREEZE_DURATION = Metric(
     (FREEZE_KIND, FREEZE_CAUSE),
 )  # fmt: skip
 LOOP_LAG = Metric(
-    "stallwatch.loop.lag", "histogram", "s", "How late the main event loop ran a callback scheduled 100 ms ahead.",
+    "stallwatch.loop.lag", "histogram", "s",
+    "How long the main event loop took to run a heartbeat callback handed to it (every 100 ms) from another thread.",
     (LOOP,),
 )  # fmt: skip
 CLOUD_RESOURCES_UNCONFIRMED = Metric(
