@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 _log = logging.getLogger("stallwatch")
 _real_set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
 _LOCK = threading.Lock()
-_active: dict[int, ItemRecord] = {}  # worker ident -> item it runs, while the item runs
+RUNNING: dict[int, ItemRecord] = {}  # worker ident -> item it runs, while the item runs
 _worker_idents: set[int] = set()
 _counters: dict[str, Any] = {}
 
@@ -78,7 +78,7 @@ def worker_stopped() -> None:
 
 def item_started(record: ItemRecord) -> None:
     with _LOCK:
-        _active[threading.get_ident()] = record
+        RUNNING[threading.get_ident()] = record
 
 
 def item_raised(record: ItemRecord, exc: BaseException) -> bool:
@@ -96,7 +96,7 @@ def item_finished(record: ItemRecord) -> None:
     while True:
         try:
             with _LOCK:
-                _active.pop(threading.get_ident(), None)
+                RUNNING.pop(threading.get_ident(), None)
                 future = record.future
                 pending = record.interrupt
                 if pending is not None and pending.outcome is None:
@@ -128,7 +128,7 @@ def current_work() -> Work | None:
     Keep it per request (never in a slot shared by overlapping requests: incidents/002's second
     bug) and pass it to `interrupt_thread()`; it then never hits another request's item.
     """
-    record = _active.get(threading.get_ident())
+    record = RUNNING.get(threading.get_ident())
     return Work(record) if record is not None else None
 
 
@@ -149,7 +149,7 @@ def interrupt_thread(
     else:
         ident = target.ident if isinstance(target, threading.Thread) else int(target)
     with _LOCK:
-        record = _active.get(ident or -1)
+        record = RUNNING.get(ident or -1)
         if isinstance(target, Work) and record is not target._record:
             _count(telemetry.ASYNC_EXC_REFUSED, target._record)
             return "refused_idle"
@@ -179,7 +179,7 @@ class _GuardedSetAsyncExc:
             return int(_real_set_async_exc(tid, exc))
         exc_type = exc.value if isinstance(exc, ctypes.py_object) else exc
         with _LOCK:
-            record = _active.get(ident)
+            record = RUNNING.get(ident)
             if exc_type is None:  # a clear: pass it on, and forget our pending record
                 if record is not None and record.interrupt is not None and record.interrupt.outcome is None:
                     record.interrupt.outcome = "revoked"
