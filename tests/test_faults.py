@@ -281,14 +281,18 @@ def host_calls():
 
 # ---- the faults -----------------------------------------------------------------------------------
 
-# The tracer stallwatch got from the global provider raises on every span start.
+# The tracer stallwatch got from the global provider raises on every span start: in start_span, and
+# in the sampler, which stallwatch's light spans (instrument/light_span.py) consult without it.
 TRACER = """
 from opentelemetry.sdk import trace as sdk_trace
+from opentelemetry.sdk.trace import sampling
 
 def start_span(self, *args, **kwargs):
     raise RuntimeError("injected: tracer")
 
 sdk_trace.Tracer.start_span = start_span
+for sampler in (sampling.ParentBased, sampling.StaticSampler, sampling.TraceIdRatioBased):
+    sampler.should_sample = start_span
 """
 
 # Every synchronous instrument raises, except the one that counts stallwatch's own faults, and so do

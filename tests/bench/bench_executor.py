@@ -31,8 +31,8 @@ Configurations, each run (per workload) in its own fresh interpreter:
   so the instrumentation creates no span: the cost is the accounting queue, the `_WorkItem.run`
   and `_worker` wrappers, the interruption scope and the metric calls.
 - ``bare_traced``: no stallwatch; the OpenTelemetry SDK set up by hand (TracerProvider +
-  BatchSpanProcessor to an OTLP/JSON-lines file exporter that is a copy of stallwatch's
-  ``FileSpanExporter``, so both traced configurations pay the same per exported span), and every
+  BatchSpanProcessor to an OTLP/JSON-lines file exporter using stallwatch's own encoder, like its
+  ``FileSpanExporter``, loaded from its file, so both traced configurations encode alike), and every
   submission happens inside ``tracer.start_as_current_span("request")``.
 - ``stallwatch_traced``: as ``stallwatch``, but with ``traces_exporter="file"`` (to a temporary
   directory) and the same request span around every submission, so the instrumentation also starts
@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import concurrent.futures
 import hashlib
 import json
@@ -104,31 +103,24 @@ def noop() -> None:
 
 def make_file_exporter(directory: Path) -> Any:
     """A span exporter doing what stallwatch's `FileSpanExporter` does, without importing stallwatch:
-    OTLP protobuf encoding, protobuf's JSON printer, hex ids, one `os.write` per batch."""
-    from google.protobuf.json_format import MessageToDict
-    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    the same OTLP/JSON encoder (`stallwatch/export/span_json.py`, loaded from its file, which imports
+    nothing of stallwatch), one `os.write` per batch."""
+    import importlib.util
+
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-    id_fields = frozenset({"traceId", "spanId", "parentSpanId"})
-
-    def hex_ids(node: Any) -> Any:
-        if isinstance(node, dict):
-            return {
-                key: base64.b64decode(value).hex() if key in id_fields else hex_ids(value)
-                for key, value in node.items()
-            }
-        if isinstance(node, list):
-            return [hex_ids(item) for item in node]
-        return node
+    source = Path(__file__).resolve().parents[2] / "src" / "stallwatch" / "export" / "span_json.py"
+    spec = importlib.util.spec_from_file_location("bench_span_json", source)
+    assert spec is not None and spec.loader is not None
+    span_json = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(span_json)
 
     class OtlpJsonFileExporter(SpanExporter):
         def __init__(self) -> None:
             self._fd = os.open(directory / "traces.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
 
         def export(self, spans: Sequence[Any]) -> SpanExportResult:
-            as_dict = MessageToDict(encode_spans(spans), use_integers_for_enums=True)
-            line = json.dumps(hex_ids(as_dict), separators=(",", ":")) + "\n"
-            os.write(self._fd, line.encode())
+            os.write(self._fd, (span_json.encode_spans_json(spans) + "\n").encode())
             return SpanExportResult.SUCCESS
 
         def shutdown(self) -> None:

@@ -40,6 +40,7 @@ from opentelemetry.trace import Span, Status, StatusCode
 
 from .. import interrupt, telemetry
 from .. import timeout as execution_timeouts
+from . import light_span
 from ._common import FAULTS, Deferred, instrument, meter
 from .scrub import MAX_NAME_CHARS, clip_text, scrub_text
 
@@ -88,9 +89,11 @@ class ExecutorState:
     in_flight: list[ItemRecord] = field(default_factory=list)
     deaths: list[tuple[threading.Thread, BaseException | None]] = field(default_factory=list)
     attributes: dict[str, str] = field(default_factory=dict)  # the metric attributes, built once
+    span_name: str = ""
 
     def __post_init__(self) -> None:
         self.attributes = {telemetry.EXECUTOR_NAME.name: self.name}
+        self.span_name = f"{self.name} work item"
 
 
 class _AccountingQueue(queue.SimpleQueue):  # type: ignore[type-arg]
@@ -211,7 +214,7 @@ def _record_submission(state: ExecutorState, item: Any) -> ItemRecord | None:
         if context and _tracer is not None:  # an empty context (no span, no baggage) is falsy
             parent = trace.get_current_span(context).get_span_context()
             if parent.is_valid and parent.trace_flags.sampled:
-                record.span = _tracer.start_span(f"{state.name} work item", attributes=state.attributes)
+                record.span = light_span.start(_tracer, state.span_name, context, parent, dict(state.attributes))
         item._stallwatch = record
         execution_timeouts.guarded_submission(record)
         return record
@@ -271,14 +274,17 @@ def _finish(record: ItemRecord, token: object) -> None:
         if _histograms:
             _histograms[0].record(started - submitted, attributes)
             _histograms[1].record(run_seconds, attributes)
-        if record.span is not None:
-            record.span.set_attributes(
-                {
-                    "stallwatch.executor.queue_seconds": started - submitted,
-                    "stallwatch.executor.run_seconds": run_seconds,
-                }
-            )
-            record.span.end()
+        span = record.span
+        if span is not None:
+            durations = {
+                "stallwatch.executor.queue_seconds": started - submitted,
+                "stallwatch.executor.run_seconds": run_seconds,
+            }
+            if isinstance(span, light_span.LightSpan):
+                span.set_own_attributes(durations)
+            else:
+                span.set_attributes(durations)
+            span.end()
     except Exception:
         FAULTS.record("executor", SETTING)
 

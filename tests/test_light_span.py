@@ -1,0 +1,151 @@
+"""`instrument.light_span`: what the processors receive is what the SDK's own span would have given
+them, decision for decision (real SDK TracerProvider, samplers and processors)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import SpanLimits, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import sampling as sdk_sampling
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags
+
+from stallwatch.instrument import light_span
+
+pytestmark = pytest.mark.matrix
+
+ATTRIBUTES = {"stallwatch.executor.name": "pool"}
+
+
+def provider(sampler: sdk_sampling.Sampler | None = None, limits: SpanLimits | None = None):
+    exporter = InMemorySpanExporter()
+    tracer_provider = TracerProvider(sampler=sampler, span_limits=limits)
+    tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return tracer_provider, exporter
+
+
+def both_ways(tracer_provider: TracerProvider, exporter: InMemorySpanExporter, work: Any) -> tuple[Any, Any]:
+    """Run `work(span)` on a light span and on the SDK's span with the same parent; their exports."""
+    tracer = tracer_provider.get_tracer("test")
+    with tracer.start_as_current_span("request") as parent:
+        context = trace.set_span_in_context(parent)
+        light = light_span.start(tracer, "pool work item", context, parent.get_span_context(), dict(ATTRIBUTES))
+        assert isinstance(light, light_span.LightSpan)
+        work(light)
+        light.end()
+        stock = tracer.start_span("pool work item", context=context, attributes=dict(ATTRIBUTES))
+        work(stock)
+        stock.end()
+    finished = [s for s in exporter.get_finished_spans() if s.name == "pool work item"]
+    assert len(finished) == 2
+    return finished[0], finished[1]
+
+
+def same(light: Any, stock: Any) -> None:
+    assert light.name == stock.name
+    assert light.parent == stock.parent
+    assert light.context.trace_id == stock.context.trace_id
+    assert light.context.trace_flags == stock.context.trace_flags
+    assert light.context.trace_state == stock.context.trace_state
+    assert light.kind == stock.kind
+    assert dict(light.attributes) == dict(stock.attributes)
+    assert light.dropped_attributes == stock.dropped_attributes
+    assert (light.dropped_events, light.dropped_links) == (stock.dropped_events, stock.dropped_links)
+    assert [(e.name, dict(e.attributes)) for e in light.events] == [(e.name, dict(e.attributes)) for e in stock.events]
+    assert [(link.context, dict(link.attributes)) for link in light.links] == [
+        (link.context, dict(link.attributes)) for link in stock.links
+    ]
+    assert (light.status.status_code, light.status.description) == (stock.status.status_code, stock.status.description)
+    assert light.resource is stock.resource
+    assert light.instrumentation_scope == stock.instrumentation_scope
+    assert light.start_time <= light.end_time
+
+
+def test_a_plain_work_item_span_is_exported_as_the_sdk_would():
+    light, stock = both_ways(*provider(), lambda span: None)
+    same(light, stock)
+    assert light.context.span_id != stock.context.span_id
+
+
+def test_what_other_code_sets_on_it_is_kept_cleaned_and_bounded_as_the_sdk_does():
+    limits = SpanLimits(max_span_attributes=3, max_events=2, max_span_attribute_length=4)
+
+    def work(span: Any) -> None:
+        span.set_attribute("text", "abcdefgh")
+        span.set_attributes({"number": 7, "bad": object(), "list": [1, 2]})
+        span.add_event("first", {"k": "v"})
+        span.add_event("second")
+        span.add_event("third")  # past max_events
+        span.record_exception(ValueError("boom"))
+        span.update_name("pool work item")
+        span.set_status(Status(StatusCode.ERROR, "failed"))
+        span.set_status(StatusCode.OK)
+        span.set_status(StatusCode.ERROR, "after OK")  # OK is final
+        span.add_link(SpanContext(1, 2, False, TraceFlags(1)), {"why": "test"})
+
+    light, stock = both_ways(*provider(limits=limits), work)
+    same(light, stock)
+    assert light.status.status_code is StatusCode.OK
+
+
+@pytest.mark.parametrize(
+    "sampler",
+    [
+        sdk_sampling.ParentBased(sdk_sampling.ALWAYS_ON),
+        sdk_sampling.ParentBased(sdk_sampling.ALWAYS_ON, local_parent_sampled=sdk_sampling.ALWAYS_OFF),
+        sdk_sampling.ALWAYS_ON,
+    ],
+    ids=["parent_based", "children_dropped", "always_on"],
+)
+def test_the_providers_sampler_decides(sampler):
+    tracer_provider, exporter = provider(sampler)
+    tracer = tracer_provider.get_tracer("test")
+    with tracer.start_as_current_span("request") as parent:
+        context = trace.set_span_in_context(parent)
+        light = light_span.start(tracer, "item", context, parent.get_span_context(), dict(ATTRIBUTES))
+        stock = tracer.start_span("item", context=context, attributes=dict(ATTRIBUTES))
+        recording = stock.is_recording()
+        assert light.is_recording() == recording
+        assert light.get_span_context().trace_flags == stock.get_span_context().trace_flags
+        light.end()
+        stock.end()
+    assert len([s for s in exporter.get_finished_spans() if s.name == "item"]) == (2 if recording else 0)
+
+
+class StartingProcessor(SpanProcessor):
+    """A processor that does something when a span starts: the light path must not skip it."""
+
+    def __init__(self) -> None:
+        self.started: list[str] = []
+
+    def on_start(self, span: Any, parent_context: Any = None) -> None:
+        self.started.append(span.name)
+
+
+def test_a_processor_with_its_own_on_start_gets_the_sdks_span():
+    tracer_provider, _ = provider()
+    starting = StartingProcessor()
+    tracer_provider.add_span_processor(starting)
+    tracer = tracer_provider.get_tracer("test")
+    with tracer.start_as_current_span("request") as parent:
+        span = light_span.start(tracer, "item", trace.set_span_in_context(parent), parent.get_span_context(), {})
+        span.end()
+    assert not isinstance(span, light_span.LightSpan)
+    assert starting.started == ["request", "item"]
+
+
+def test_an_ended_light_span_ignores_changes_and_a_second_end():
+    tracer_provider, exporter = provider()
+    tracer = tracer_provider.get_tracer("test")
+    with tracer.start_as_current_span("request") as parent:
+        span = light_span.start(tracer, "item", trace.set_span_in_context(parent), parent.get_span_context(), {})
+        span.end()
+        span.set_attribute("late", 1)
+        span.add_event("late")
+        span.end()
+    (item,) = [s for s in exporter.get_finished_spans() if s.name == "item"]
+    assert "late" not in item.attributes and not item.events
+    assert not span.is_recording()
