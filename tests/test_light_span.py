@@ -6,12 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.trace import SpanLimits, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace import sampling as sdk_sampling
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags
+from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from stallwatch.instrument import light_span
 
@@ -32,7 +33,7 @@ def both_ways(tracer_provider: TracerProvider, exporter: InMemorySpanExporter, w
     tracer = tracer_provider.get_tracer("test")
     with tracer.start_as_current_span("request") as parent:
         context = trace.set_span_in_context(parent)
-        light = light_span.start(tracer, "pool work item", context, parent.get_span_context(), dict(ATTRIBUTES))
+        light = light_span.start(tracer, "pool work item", context, dict(ATTRIBUTES))
         assert isinstance(light, light_span.LightSpan)
         work(light)
         light.end()
@@ -105,7 +106,7 @@ def test_the_providers_sampler_decides(sampler):
     tracer = tracer_provider.get_tracer("test")
     with tracer.start_as_current_span("request") as parent:
         context = trace.set_span_in_context(parent)
-        light = light_span.start(tracer, "item", context, parent.get_span_context(), dict(ATTRIBUTES))
+        light = light_span.start(tracer, "item", context, dict(ATTRIBUTES))
         stock = tracer.start_span("item", context=context, attributes=dict(ATTRIBUTES))
         recording = stock.is_recording()
         assert light.is_recording() == recording
@@ -131,7 +132,7 @@ def test_a_processor_with_its_own_on_start_gets_the_sdks_span():
     tracer_provider.add_span_processor(starting)
     tracer = tracer_provider.get_tracer("test")
     with tracer.start_as_current_span("request") as parent:
-        span = light_span.start(tracer, "item", trace.set_span_in_context(parent), parent.get_span_context(), {})
+        span = light_span.start(tracer, "item", trace.set_span_in_context(parent), {})
         span.end()
     assert not isinstance(span, light_span.LightSpan)
     assert starting.started == ["request", "item"]
@@ -141,7 +142,7 @@ def test_an_ended_light_span_ignores_changes_and_a_second_end():
     tracer_provider, exporter = provider()
     tracer = tracer_provider.get_tracer("test")
     with tracer.start_as_current_span("request") as parent:
-        span = light_span.start(tracer, "item", trace.set_span_in_context(parent), parent.get_span_context(), {})
+        span = light_span.start(tracer, "item", trace.set_span_in_context(parent), {})
         span.end()
         span.set_attribute("late", 1)
         span.add_event("late")
@@ -149,3 +150,23 @@ def test_an_ended_light_span_ignores_changes_and_a_second_end():
     (item,) = [s for s in exporter.get_finished_spans() if s.name == "item"]
     assert "late" not in item.attributes and not item.events
     assert not span.is_recording()
+
+
+def test_a_root_client_span_with_its_own_start_time_matches_the_sdks():
+    """The subprocess spans: built after the child ended, often outside any trace."""
+    tracer_provider, exporter = provider()
+    tracer = tracer_provider.get_tracer("test")
+    empty = otel_context.Context()
+    light = light_span.start(tracer, "true", empty, {}, SpanKind.CLIENT, 1_000)
+    assert isinstance(light, light_span.LightSpan)
+    light.set_own_attributes({"process.pid": 42})
+    light.end(end_time=2_000)
+    stock = tracer.start_span("true", context=empty, kind=SpanKind.CLIENT, start_time=1_000)
+    stock.set_attributes({"process.pid": 42})
+    stock.end(end_time=2_000)
+    light_out, stock_out = exporter.get_finished_spans()
+    assert light_out.parent is None and stock_out.parent is None
+    assert light_out.context.trace_id != stock_out.context.trace_id  # each a new trace
+    assert light_out.context.trace_flags == stock_out.context.trace_flags
+    assert (light_out.kind, light_out.start_time, light_out.end_time) == (SpanKind.CLIENT, 1_000, 2_000)
+    assert dict(light_out.attributes) == dict(stock_out.attributes)

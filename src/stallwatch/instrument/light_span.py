@@ -70,22 +70,37 @@ def _sdk_tracer(tracer: Any) -> sdk_trace.Tracer | None:
     return tracer if _processors_eligible(tracer) else None
 
 
+_RANDOM = getattr(TraceFlags, "RANDOM_TRACE_ID", 0)  # W3C trace-context level 2 flag, SDK 1.45+
+
+
 def start(
-    tracer: trace.Tracer, name: str, context: otel_context.Context, parent: SpanContext, attributes: dict[str, Any]
+    tracer: trace.Tracer,
+    name: str,
+    context: otel_context.Context | None,
+    attributes: dict[str, Any],
+    kind: SpanKind = SpanKind.INTERNAL,
+    start_time: int | None = None,
 ) -> trace.Span:
-    """Start an INTERNAL span named `name`, child of `parent` (the valid span context in `context`)."""
+    """Start a span as `tracer.start_span(name, context, kind, attributes, start_time=...)` would."""
     sdk = _sdk_tracer(tracer)
     if sdk is None:
-        return tracer.start_span(name, context=context, attributes=attributes)
-    result = sdk.sampler.should_sample(context, parent.trace_id, name, SpanKind.INTERNAL, attributes, ())
-    sampled = result.decision.is_sampled()
-    flags = TraceFlags((parent.trace_flags & ~TraceFlags.SAMPLED) | (TraceFlags.SAMPLED if sampled else 0))
+        return tracer.start_span(name, context=context, kind=kind, attributes=attributes, start_time=start_time)
+    parent: SpanContext | None = trace.get_current_span(context).get_span_context()
+    if parent is not None and parent.is_valid:
+        trace_id, flags = parent.trace_id, parent.trace_flags & _RANDOM
+    else:
+        parent, trace_id = None, sdk.id_generator.generate_trace_id()
+        random = getattr(sdk.id_generator, "is_trace_id_random", None)
+        flags = _RANDOM if _RANDOM and random is not None and random() else 0
+    result = sdk.sampler.should_sample(context, trace_id, name, kind, attributes, ())
+    if result.decision.is_sampled():
+        flags |= TraceFlags.SAMPLED
     span_context = SpanContext(
-        parent.trace_id, sdk.id_generator.generate_span_id(), False, flags, result.trace_state
-    )  # fmt: skip
+        trace_id, sdk.id_generator.generate_span_id(), False, TraceFlags(flags), result.trace_state
+    )
     if not result.decision.is_recording():
         return trace.NonRecordingSpan(span_context)
-    return LightSpan(sdk, name, span_context, parent, dict(result.attributes or {}))
+    return LightSpan(sdk, name, kind, span_context, parent, dict(result.attributes or {}), start_time or time_ns())
 
 
 class LightSpan(trace.Span):
@@ -97,6 +112,7 @@ class LightSpan(trace.Span):
         "_ended",
         "_events",
         "_foreign",
+        "_kind",
         "_links",
         "_name",
         "_parent",
@@ -106,10 +122,18 @@ class LightSpan(trace.Span):
     )  # fmt: skip
 
     def __init__(
-        self, tracer: sdk_trace.Tracer, name: str, context: SpanContext, parent: SpanContext, attributes: dict[str, Any]
+        self,
+        tracer: sdk_trace.Tracer,
+        name: str,
+        kind: SpanKind,
+        context: SpanContext,
+        parent: SpanContext | None,
+        attributes: dict[str, Any],
+        start_time: int,
     ) -> None:
         self._tracer = tracer
         self._name = name
+        self._kind = kind
         self._context = context
         self._parent = parent
         self._attributes = attributes
@@ -117,7 +141,7 @@ class LightSpan(trace.Span):
         self._events: BoundedList | None = None  # as the SDK: past the limit, the oldest is dropped
         self._links: BoundedList | None = None
         self._status = Status(StatusCode.UNSET)
-        self._start = time_ns()
+        self._start = start_time
         self._ended = False
 
     def get_span_context(self) -> SpanContext:
@@ -212,7 +236,7 @@ class LightSpan(trace.Span):
             attributes=attributes,
             events=self._events if self._events is not None else (),
             links=self._links if self._links is not None else (),
-            kind=SpanKind.INTERNAL,
+            kind=self._kind,
             instrumentation_info=tracer.instrumentation_info,
             status=self._status,
             start_time=self._start,

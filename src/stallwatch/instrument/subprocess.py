@@ -52,7 +52,7 @@ from .. import telemetry
 from .._version import __version__
 from ..forksafe import guard
 from ..forksafe.loop import running_loop_kind
-from . import scrub
+from . import light_span, scrub
 from ._common import FAULTS, SPAWN_OBSERVER, Counts, Deferred, meter, signal_name
 
 _log = logging.getLogger("stallwatch")
@@ -172,10 +172,11 @@ def _build(child: _Child, state: _State | None) -> None:
     if span is None:
         if state is None:
             return
-        span = state.tracer.start_span(
-            child.name, context=child.parent, kind=SpanKind.CLIENT, start_time=child.start_ns
-        )
-    span.set_attributes(child.attributes)
+        span = light_span.start(state.tracer, child.name, child.parent, {}, SpanKind.CLIENT, child.start_ns)
+    if isinstance(span, light_span.LightSpan):
+        span.set_own_attributes(child.attributes)  # built by this module: valid and bounded
+    else:
+        span.set_attributes(child.attributes)
     for name, attributes, timestamp in child.events:
         span.add_event(name, attributes, timestamp)
     if child.error is not None:
