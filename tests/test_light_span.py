@@ -170,3 +170,27 @@ def test_a_root_client_span_with_its_own_start_time_matches_the_sdks():
     assert light_out.context.trace_flags == stock_out.context.trace_flags
     assert (light_out.kind, light_out.start_time, light_out.end_time) == (SpanKind.CLIENT, 1_000, 2_000)
     assert dict(light_out.attributes) == dict(stock_out.attributes)
+
+
+def test_a_live_light_span_reads_like_the_sdks_span():
+    """The journal records a live span's name, kind, parent, start, attributes, status and end."""
+    tracer_provider, _ = provider()
+    tracer = tracer_provider.get_tracer("test")
+    with tracer.start_as_current_span("request") as parent:
+        context = trace.set_span_in_context(parent)
+        light = light_span.start(tracer, "svc/Create", context, dict(ATTRIBUTES), SpanKind.CLIENT, 5)
+        stock = tracer.start_span(
+            "svc/Create", context=context, kind=SpanKind.CLIENT, attributes=ATTRIBUTES, start_time=5
+        )
+        for span in (light, stock):
+            span.set_status(Status(StatusCode.ERROR, "NOT_FOUND"))
+        read = ("name", "kind", "parent", "start_time", "end_time")
+        assert [getattr(light, field) for field in read] == [getattr(stock, field) for field in read]
+        assert dict(light.attributes) == dict(stock.attributes)
+        assert (light.status.status_code, light.status.description) == (
+            stock.status.status_code,
+            stock.status.description,
+        )
+        light.end(end_time=9)
+        stock.end(end_time=9)
+        assert light.end_time == stock.end_time == 9

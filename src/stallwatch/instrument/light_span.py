@@ -109,6 +109,7 @@ class LightSpan(trace.Span):
     __slots__ = (
         "_attributes",
         "_context",
+        "_end",
         "_ended",
         "_events",
         "_foreign",
@@ -142,10 +143,40 @@ class LightSpan(trace.Span):
         self._links: BoundedList | None = None
         self._status = Status(StatusCode.UNSET)
         self._start = start_time
+        self._end: int | None = None
         self._ended = False
 
     def get_span_context(self) -> SpanContext:
         return self._context
+
+    # What the journal reads of a live span, named as on the SDK's span.
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def kind(self) -> SpanKind:
+        return self._kind
+
+    @property
+    def parent(self) -> SpanContext | None:
+        return self._parent
+
+    @property
+    def start_time(self) -> int:
+        return self._start
+
+    @property
+    def end_time(self) -> int | None:
+        return self._end
+
+    @property
+    def attributes(self) -> Mapping[str, Any]:
+        return self._attributes
+
+    @property
+    def status(self) -> Status:
+        return self._status
 
     def is_recording(self) -> bool:
         return not self._ended
@@ -221,6 +252,7 @@ class LightSpan(trace.Span):
             if self._ended:
                 return
             self._ended = True
+        self._end = end_time if end_time is not None else time_ns()
         tracer = self._tracer
         limits = tracer._span_limits
         attributes: Mapping[str, Any] = self._attributes
@@ -240,7 +272,7 @@ class LightSpan(trace.Span):
             instrumentation_info=tracer.instrumentation_info,
             status=self._status,
             start_time=self._start,
-            end_time=end_time if end_time is not None else time_ns(),
+            end_time=self._end,
             instrumentation_scope=tracer._instrumentation_scope,
         )
         tracer.span_processor.on_end(readable)

@@ -65,6 +65,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from .. import journal, ledger, telemetry
 from .._version import __version__
+from . import light_span
 from ._common import FAULTS, Counts, Deferred, instrument, meter
 from .scrub import MAX_NAME_CHARS, clip_text, scrub_text
 
@@ -168,8 +169,8 @@ class _Call:
 
     def __init__(self, instruments: _Instruments, request: Any, parent: context_api.Context, start_ns: int) -> None:
         method = self.method = _method_of(request)
-        self.span = instruments.tracer.start_span(
-            method.name, context=parent, kind=SpanKind.CLIENT, start_time=start_ns, attributes=method.attributes
+        self.span = light_span.start(
+            instruments.tracer, method.name, parent, dict(method.attributes), SpanKind.CLIENT, start_ns
         )
         self.started = time.monotonic() - (time.time_ns() - start_ns) / 1e9
         self.attempts = 0
@@ -260,7 +261,10 @@ class _Call:
                 attributes[attribute.name] = value
         if self.failed:
             attributes[telemetry.ERROR_TYPE.name] = self.error_type or code
-        span.set_attributes(attributes)
+        if isinstance(span, light_span.LightSpan):
+            span.set_own_attributes(attributes)  # ids clipped to valid text, numbers: as the SDK would keep them
+        else:
+            span.set_attributes(attributes)
         if self.failed:
             span.set_status(Status(StatusCode.ERROR, f"{code}: {self.error_class}"))
         span.end(end_time=self.end_ns)
