@@ -55,7 +55,10 @@ from opentelemetry.sdk.trace import ReadableSpan
 
 from .. import ledger
 from .._private import make_directories
+from ..instrument.light_span import LightSpan
 from . import frames
+
+_RECORDING = (ReadableSpan, LightSpan)  # the spans that record (SDK spans are ReadableSpans)
 
 _log = logging.getLogger("stallwatch.journal")
 
@@ -161,11 +164,11 @@ class Journal:
     # ---- what instrumentations call -----------------------------------------------------------
 
     def span_started(self, span: Any, component: str, *, durable: bool = False) -> None:
-        """Record an SDK span that just started (no-op for a span that does not record).
+        """Record a span that just started: the SDK's or a `LightSpan` (no-op for one that does not record).
 
         The hot path keeps the span's immutable context, kind and a copy of its attributes; the
         flusher turns them into JSON (ids as hex) off the caller's thread."""
-        if not isinstance(span, ReadableSpan):
+        if not isinstance(span, _RECORDING):
             return
         try:
             record = {
@@ -186,7 +189,7 @@ class Journal:
 
     def span_ended(self, span: Any, *, durable: bool = False) -> None:
         """Record that an SDK span ended, with its status and every attribute it learned."""
-        if not isinstance(span, ReadableSpan):
+        if not isinstance(span, _RECORDING):
             return
         try:
             record = {
