@@ -314,10 +314,10 @@ for cls, method in [(sdk_instruments.Counter, "add"), (sdk_instruments.UpDownCou
 # stallwatch's own duration histograms, which the pipeline aggregates instead of the SDK's
 from stallwatch.instrument import histograms
 
-def own_record(self, value, attributes):
+def own_record(self, *args, **kwargs):
     raise RuntimeError("injected: meter")
 
-histograms.OwnHistogram.record = own_record
+histograms.OwnHistogram.record = histograms.OwnHistogram.record_many = own_record
 """
 
 # The function that turns the host's arguments into span attributes raises.

@@ -60,8 +60,9 @@ class Faults:
     def bind(self, meter_: Meter) -> None:
         self._counter = instrument(meter_, telemetry.INSTRUMENTATION_ERRORS)
 
-    def record(self, component: str, setting: str, problem: str | None = None) -> None:
-        """Call from an `except Exception` block inside a wrapper, or with `problem` saying what failed."""
+    def record(self, component: str, setting: str, problem: str | None = None, count: int = 1) -> None:
+        """Call from an `except Exception` block inside a wrapper, or with `problem` saying what failed;
+        `count`: how many failed items this one failure stands for."""
         with self._lock:
             first = component not in self._warned
             self._warned.add(component)
@@ -84,7 +85,7 @@ class Faults:
         counter = self._counter
         if counter is not None:
             try:
-                counter.add(1, {telemetry.INSTRUMENTATION_COMPONENT.name: component})
+                counter.add(count, {telemetry.INSTRUMENTATION_COMPONENT.name: component})
             except Exception:  # the meter itself failing must not reach the host either
                 _log.debug("stallwatch: cannot count an instrumentation error", exc_info=True)
 
@@ -169,7 +170,15 @@ class Deferred:
 
     def drain(self) -> None:
         pending = self._pending
-        record = self._own.record if self._own is not None else self._histogram.record
+        if self._own is not None:
+            while pending:
+                batch = [pending.popleft() for _ in range(min(len(pending), 4096))]
+                try:
+                    self._own.record_many(batch)
+                except Exception:
+                    FAULTS.record(*self._owner, count=len(batch))
+            return
+        record = self._histogram.record
         while pending:
             value, attributes = pending.popleft()
             try:
