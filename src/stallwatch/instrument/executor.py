@@ -214,7 +214,7 @@ def _record_submission(state: ExecutorState, item: Any) -> ItemRecord | None:
         if context and _tracer is not None:  # an empty context (no span, no baggage) is falsy
             parent = trace.get_current_span(context).get_span_context()
             if parent.is_valid and parent.trace_flags.sampled:
-                record.span = light_span.start(_tracer, state.span_name, context, dict(state.attributes))
+                record.span = light_span.start(_tracer, state.span_name, context, dict(state.attributes), parent=parent)
         item._stallwatch = record
         execution_timeouts.guarded_submission(record)
         return record

@@ -56,18 +56,33 @@ def _processors_eligible(tracer: sdk_trace.Tracer) -> bool:
     return verdict
 
 
-def _sdk_tracer(tracer: Any) -> sdk_trace.Tracer | None:
-    """The SDK tracer behind `tracer` (a global ProxyTracer resolves to it) if the light path fits it."""
-    tracer = getattr(tracer, "_real_tracer", None) or tracer
+_resolved: tuple[object, sdk_trace.Tracer | None] = (None, None)  # (tracer given, SDK tracer fit for this path)
+
+
+def _resolve(tracer: Any) -> sdk_trace.Tracer | None:
+    tracer = getattr(tracer, "_real_tracer", None) or tracer  # a global ProxyTracer resolves to it
     if type(tracer) is not sdk_trace.Tracer:
         return None
     metrics = getattr(tracer, "_tracer_metrics", None)
     if metrics is not None and type(metrics).__name__ != "NoOpTracerMetrics":
         return None
-    is_enabled = getattr(tracer, "_is_enabled", None)
+    return tracer
+
+
+def _sdk_tracer(tracer: Any) -> sdk_trace.Tracer | None:
+    """The SDK tracer behind `tracer` if the light path fits it now (its processors can change)."""
+    global _resolved
+    given, sdk = _resolved
+    if given is not tracer:
+        sdk = _resolve(tracer)
+        if sdk is not None or getattr(tracer, "_real_tracer", tracer) is not None:  # a proxy may resolve later
+            _resolved = (tracer, sdk)
+    if sdk is None:
+        return None
+    is_enabled = getattr(sdk, "_is_enabled", None)  # SDK 1.45+: the tracer configurator may disable it
     if is_enabled is not None and not is_enabled():
         return None
-    return tracer if _processors_eligible(tracer) else None
+    return sdk if _processors_eligible(sdk) else None
 
 
 _RANDOM = getattr(TraceFlags, "RANDOM_TRACE_ID", 0)  # W3C trace-context level 2 flag, SDK 1.45+
@@ -80,12 +95,15 @@ def start(
     attributes: dict[str, Any],
     kind: SpanKind = SpanKind.INTERNAL,
     start_time: int | None = None,
+    parent: SpanContext | None = None,
 ) -> trace.Span:
-    """Start a span as `tracer.start_span(name, context, kind, attributes, start_time=...)` would."""
+    """Start a span as `tracer.start_span(name, context, kind, attributes, start_time=...)` would;
+    `parent`: the span context current in `context`, when the caller has looked it up already."""
     sdk = _sdk_tracer(tracer)
     if sdk is None:
         return tracer.start_span(name, context=context, kind=kind, attributes=attributes, start_time=start_time)
-    parent: SpanContext | None = trace.get_current_span(context).get_span_context()
+    if parent is None:
+        parent = trace.get_current_span(context).get_span_context()
     if parent is not None and parent.is_valid:
         trace_id, flags = parent.trace_id, parent.trace_flags & _RANDOM
     else:
