@@ -31,6 +31,10 @@ def _value(value: Any) -> dict[str, Any]:
         return {"stringValue": value}
     if kind is float:
         return {"doubleValue": value}
+    if kind is int:
+        return {"intValue": str(value)}
+    if kind is bool:
+        return {"boolValue": value}
     if isinstance(value, bool):
         return {"boolValue": value}
     if isinstance(value, int):

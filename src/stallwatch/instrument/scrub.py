@@ -214,17 +214,28 @@ def executable_name(program: object) -> str:
     with white space is read as a shell command, so an executable path containing spaces gives its first word.
     """
     try:
-        if not isinstance(program, (str, bytes, bytearray, os.PathLike)):
-            return "?"
-        text, _ = _to_text(program)
-        words: Iterable[str] = [text]
-        if _SPACE.search(text):  # a shell command
-            words = (_unquote(match.group()) for match in _WORD.finditer(text) if not match["gap"])
-        first = next((word for word in words if not _ASSIGNMENT.fullmatch(word)), "")
-        first = _userinfo(first).rstrip("/")
-        return first.rpartition("/")[2][:MAX_NAME_CHARS] or "?"
-    except Exception:
+        if type(program) is str:  # the usual case, and the same few programs over and over
+            return _executable_name_of_text(program)
+        return _executable_name(program)
+    except Exception:  # not cached: a failure is not the name
         return "?"
+
+
+@functools.lru_cache(maxsize=256)
+def _executable_name_of_text(program: str) -> str:
+    return _executable_name(program)
+
+
+def _executable_name(program: object) -> str:
+    if not isinstance(program, (str, bytes, bytearray, os.PathLike)):
+        return "?"
+    text, _ = _to_text(program)
+    words: Iterable[str] = [text]
+    if _SPACE.search(text):  # a shell command
+        words = (_unquote(match.group()) for match in _WORD.finditer(text) if not match["gap"])
+    first = next((word for word in words if not _ASSIGNMENT.fullmatch(word)), "")
+    first = _userinfo(first).rstrip("/")
+    return first.rpartition("/")[2][:MAX_NAME_CHARS] or "?"
 
 
 def compile_patterns(text: str, setting: str = "STALLWATCH_SCRUB_PATTERNS") -> tuple[re.Pattern[str], ...]:

@@ -332,6 +332,7 @@ def _environment_with_context(env: Mapping[Any, Any] | None, child: _Child) -> d
 
 # Popen.__init__(args, bufsize, executable, stdin, stdout, stderr, preexec_fn, close_fds, shell, cwd, env, ...)
 _POPEN_POSITIONS = {"args": 0, "executable": 2, "preexec_fn": 6, "shell": 8, "env": 10}
+_PLAIN_ARGV = frozenset({list, tuple, str, bytes})  # exact types that need no materializing (no ABC checks)
 
 
 def _popen_arg(args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
@@ -346,7 +347,9 @@ def popen_method(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
     """
     forks = (
         _popen_arg(args, kwargs, "preexec_fn") is not None
-        or any(kwargs.get(name) is not None for name in ("user", "group", "extra_groups"))
+        or kwargs.get("user") is not None
+        or kwargs.get("group") is not None
+        or kwargs.get("extra_groups") is not None
         or not getattr(subprocess, "_USE_VFORK", True)
     )
     return "fork" if forks else "vfork"
@@ -355,7 +358,7 @@ def popen_method(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
 def _popen_command(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[object, list[object]]:
     command = _popen_arg(args, kwargs, "args")
     shell = bool(_popen_arg(args, kwargs, "shell"))
-    if isinstance(command, (str, bytes, os.PathLike)):
+    if type(command) is not list and isinstance(command, (str, bytes, os.PathLike)):
         argv: list[object] = [command]
     else:
         argv = list(command)
@@ -371,7 +374,9 @@ def _materialized(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[
     recording it does not consume it. Popen makes it a list itself (`list(args)`): nothing changes for
     the host, and an iterable that raises raises the same error here, from the same call."""
     command = _popen_arg(args, kwargs, "args")
-    if isinstance(command, (str, bytes, os.PathLike, Sequence)) or not isinstance(command, Iterable):
+    if type(command) in _PLAIN_ARGV or isinstance(command, (str, bytes, os.PathLike, Sequence)):
+        return args, kwargs
+    if not isinstance(command, Iterable):
         return args, kwargs
     if args:
         return (list(command), *args[1:]), kwargs
