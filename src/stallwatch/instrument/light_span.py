@@ -1,8 +1,8 @@
-"""Spans for per-item hot paths (one per executor work item), built as the SDK builds them, cheaper.
+"""Spans for hot paths (executor work items, child processes, Nebius calls), built as the SDK would, cheaper.
 
 An SDK span costs about 12 µs to start and end (measured, SDK 1.45: the sampler, a locked
 `BoundedAttributes`, `Status` and event lists made up front, the processors' `on_start` and
-`on_end`), as much as the work item it describes. A `LightSpan` takes the same decisions from the
+`on_end`), as much as an executor work item it describes. A `LightSpan` takes the same decisions from the
 same parts of the tracer (its sampler, id generator, resource, scope, limits and span processor),
 keeps only what is set on it, and at `end()` hands the processor the `ReadableSpan` the SDK would
 have: about 3 µs. It is used only where that is exactly equivalent: an SDK `Tracer` that records no
@@ -17,7 +17,6 @@ at `end()` (by the SDK's `BoundedAttributes`) rather than when set.
 
 from __future__ import annotations
 
-import logging
 import threading
 import traceback
 from collections.abc import Mapping
@@ -33,7 +32,6 @@ from opentelemetry.sdk.util import BoundedList
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 from opentelemetry.util import types
 
-_log = logging.getLogger("stallwatch")
 _LOCK = threading.Lock()  # guards every LightSpan's rare mutations (events, status, foreign attributes)
 _STOCK = (sdk_trace.SpanProcessor, sdk_export.BatchSpanProcessor, sdk_export.SimpleSpanProcessor)
 _NO_OP_ON_START = frozenset(stock.on_start for stock in _STOCK)  # each is `pass`
