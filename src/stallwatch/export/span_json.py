@@ -60,23 +60,28 @@ def _flags(other: Any) -> int:
 
 
 def _span(span: ReadableSpan) -> dict[str, Any]:
+    # Each property once: on a ReadableSpan, `attributes`, `events` and `links` build a new view or
+    # tuple per access.
     context = span.get_span_context()
     out: dict[str, Any] = {"traceId": f"{context.trace_id:032x}", "spanId": f"{context.span_id:016x}"}
     if context.trace_state:
         out["traceState"] = context.trace_state.to_header()
-    if span.parent is not None:
-        out["parentSpanId"] = f"{span.parent.span_id:016x}"
+    parent = span.parent
+    if parent is not None:
+        out["parentSpanId"] = f"{parent.span_id:016x}"
     out["name"] = span.name
     out["kind"] = _KIND.get(span.kind, 1)
     out["startTimeUnixNano"] = str(span.start_time or 0)
     out["endTimeUnixNano"] = str(span.end_time or 0)
-    if span.attributes:
-        out["attributes"] = _attributes(span.attributes)
+    attributes = span.attributes
+    if attributes:
+        out["attributes"] = _attributes(attributes)
     if span.dropped_attributes:
         out["droppedAttributesCount"] = span.dropped_attributes
-    if span.events:
+    span_events = span.events
+    if span_events:
         events = []
-        for event in span.events:
+        for event in span_events:
             item: dict[str, Any] = {"timeUnixNano": str(event.timestamp), "name": event.name}
             if event.attributes:
                 item["attributes"] = _attributes(event.attributes)
@@ -84,9 +89,10 @@ def _span(span: ReadableSpan) -> dict[str, Any]:
         out["events"] = events
     if span.dropped_events:
         out["droppedEventsCount"] = span.dropped_events
-    if span.links:
+    span_links = span.links
+    if span_links:
         links = []
-        for link in span.links:
+        for link in span_links:
             linked = link.context
             item = {"traceId": f"{linked.trace_id:032x}", "spanId": f"{linked.span_id:016x}"}
             if link.attributes:
@@ -97,12 +103,13 @@ def _span(span: ReadableSpan) -> dict[str, Any]:
     if span.dropped_links:
         out["droppedLinksCount"] = span.dropped_links
     status: dict[str, Any] = {}
-    if span.status.description:
-        status["message"] = span.status.description
-    if span.status.status_code is not StatusCode.UNSET:
-        status["code"] = _STATUS[span.status.status_code]
+    span_status = span.status
+    if span_status.description:
+        status["message"] = span_status.description
+    if span_status.status_code is not StatusCode.UNSET:
+        status["code"] = _STATUS[span_status.status_code]
     out["status"] = status
-    out["flags"] = _flags(span.parent)
+    out["flags"] = _flags(parent)
     return out
 
 
