@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SCENARIOS, clean_env, run_python, run_scenario, span_names
+from conftest import SCENARIOS, clean_env, otlp_items, run_python, run_scenario, span_names
 
 pytestmark = pytest.mark.matrix
 
@@ -58,6 +58,9 @@ def test_forked_child_starts_no_thread_until_it_uses_telemetry_then_exports(mode
     assert "child-work" in span_names(telemetry_dir / "traces.jsonl")
     assert "child says hello" in (telemetry_dir / "logs.jsonl").read_text()
     assert '"child"' in (telemetry_dir / "metrics.jsonl").read_text()
+    if mode == "setup":  # stallwatch's executor span (a light span) is made and exported in the child too
+        spans = {span["name"]: span for span in otlp_items(telemetry_dir / "traces.jsonl", "spans")}
+        assert spans["child-pool work item"]["parentSpanId"] == spans["child-work"]["spanId"]
 
 
 def test_stock_sdk_starts_threads_in_forked_child(telemetry_dir):

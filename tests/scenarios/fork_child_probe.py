@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 mode, out = sys.argv[1], Path(sys.argv[2])
@@ -78,6 +79,8 @@ if pid == 0:
     with tracer.start_as_current_span("child-work") as span:
         span.set_attribute("child.pid", os.getpid())
         counter.add(1, {"who": "child"})
+        with ThreadPoolExecutor(1, thread_name_prefix="child-pool") as pool:  # an executor span, if instrumented
+            pool.submit(int).result()
     logging.getLogger("probe").warning("child says hello")
     report["python_threads_after_use"] = sorted(t.name for t in threading.enumerate())
     for provider in (trace.get_tracer_provider(), metrics.get_meter_provider(), _logs.get_logger_provider()):
