@@ -205,6 +205,9 @@ def _builtin_kind(name: str, dashed: bool) -> str:
     return _SECRET if _SECRET_NAME.search(lower) else ""
 
 
+_PLAIN_PATH = re.compile(r"[\w./+-]{1,256}")  # a bare path: no shell words, no `NAME=`, no user info
+
+
 def executable_name(program: object) -> str:
     """Basename of the executable (str, bytes, os.PathLike, or a shell command string -> first word's basename).
 
@@ -214,15 +217,16 @@ def executable_name(program: object) -> str:
     with white space is read as a shell command, so an executable path containing spaces gives its first word.
     """
     try:
-        if type(program) is str:  # the usual case, and the same few programs over and over
-            return _executable_name_of_text(program)
+        if type(program) is str and _PLAIN_PATH.fullmatch(program):  # the usual case, the same few paths
+            return _executable_name_of_path(program)
         return _executable_name(program)
     except Exception:  # not cached: a failure is not the name
         return "?"
 
 
 @functools.lru_cache(maxsize=256)
-def _executable_name_of_text(program: str) -> str:
+def _executable_name_of_path(program: str) -> str:
+    """Cached only for bare paths: a shell command line may hold secrets, which no cache keeps."""
     return _executable_name(program)
 
 
