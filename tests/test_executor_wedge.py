@@ -128,6 +128,43 @@ def test_instrumentation_keeps_results_exceptions_and_order(instrumented):
     assert result["asyncio"] == [16, 25]
 
 
+def test_pools_built_before_instrument_run_untouched_and_uninstrument_restores_the_work_item_class():
+    proc = run_python(
+        """
+        import json
+        from concurrent.futures import ThreadPoolExecutor, thread
+        original = thread._WorkItem
+        before = ThreadPoolExecutor(max_workers=1, thread_name_prefix="before")
+        from stallwatch.instrument.executor import ExecutorInstrumentor, current_item
+        import threading
+
+        def probe(tag):
+            item = current_item(threading.get_ident())
+            return [tag, None if item is None else item.executor.name]
+
+        instrumentor = ExecutorInstrumentor()
+        instrumentor.instrument()
+        during = ThreadPoolExecutor(max_workers=1, thread_name_prefix="during")
+        seen = [before.submit(probe, "before").result(), during.submit(probe, "during").result()]
+        replaced = thread._WorkItem is not original
+        instrumentor.uninstrument()
+        after = ThreadPoolExecutor(max_workers=1, thread_name_prefix="after")
+        seen += [during.submit(probe, "during, after uninstrument").result(), after.submit(probe, "after").result()]
+        print(json.dumps({"seen": seen, "replaced": replaced, "restored": thread._WorkItem is original}))
+        """
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["replaced"] and result["restored"]
+    assert result["seen"] == [
+        ["before", None],  # a pool built before instrument(): its items are not accounted
+        ["during", "during"],
+        ["during, after uninstrument", None],  # uninstrument() ends the per-item work in every pool
+        ["after", None],
+    ]
+
+
 def test_queue_and_run_durations_and_workers_are_recorded(telemetry_dir):
     proc = run_python(
         f"""

@@ -285,7 +285,7 @@ def host_calls():
 # in the sampler, which stallwatch's light spans (instrument/light_span.py) consult without it.
 TRACER = """
 from opentelemetry.sdk import trace as sdk_trace
-from opentelemetry.sdk.trace import sampling
+from opentelemetry.sdk.trace import id_generator, sampling
 
 def start_span(self, *args, **kwargs):
     raise RuntimeError("injected: tracer")
@@ -293,6 +293,8 @@ def start_span(self, *args, **kwargs):
 sdk_trace.Tracer.start_span = start_span
 for sampler in (sampling.ParentBased, sampling.StaticSampler, sampling.TraceIdRatioBased):
     sampler.should_sample = start_span
+# stallwatch's light spans skip the default sampler when its answer is known; every span needs an id
+id_generator.RandomIdGenerator.generate_span_id = start_span
 """
 
 # Every synchronous instrument raises, except the one that counts stallwatch's own faults, and so do
@@ -317,7 +319,8 @@ from stallwatch.instrument import histograms
 def own_record(self, *args, **kwargs):
     raise RuntimeError("injected: meter")
 
-histograms.OwnHistogram.record = histograms.OwnHistogram.record_many = own_record
+for method in ("record", "record_many", "record_values"):
+    setattr(histograms.OwnHistogram, method, own_record)
 """
 
 # The function that turns the host's arguments into span attributes raises.

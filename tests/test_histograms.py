@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 
 import pytest
 from opentelemetry.sdk.metrics import MeterProvider
@@ -24,6 +25,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from conftest import run_python
 from stallwatch import telemetry
 from stallwatch.instrument import histograms
+from stallwatch.instrument._common import Deferred
 
 pytestmark = pytest.mark.matrix  # the SDK's metric data types changed across versions
 
@@ -63,6 +65,61 @@ def test_values_land_in_the_same_buckets_with_the_same_count_sum_min_and_max_as_
     assert list(point.bucket_counts) == list(reference.bucket_counts)
     assert (point.count, point.min, point.max) == (reference.count, reference.min, reference.max) == (12, 0.0, 1e6)
     assert point.sum == pytest.approx(reference.sum)
+
+
+@pytest.mark.parametrize(
+    "batches",
+    [
+        [VALUES],
+        [VALUES + IGNORED],
+        [IGNORED, VALUES[:5], [], VALUES[5:]],
+        [[-0.0, math.inf, -math.inf, *VALUES]],
+        [[0.5, math.nan, 0.001, 2.0, -1.0, 0.0004, *VALUES]],
+    ],
+    ids=["valid", "with_ignored", "split", "infinities", "nan_inside"],
+)
+def test_a_batch_of_values_aggregates_as_the_sdk_does_one_by_one(batches):
+    """`record_values` (the executor's drain: C-level sum, min, max, bisect) against the SDK's `record`."""
+    attributes = {"stallwatch.executor.name": "pool"}
+    own = histograms.OwnHistogram(METRIC)
+    for batch in batches:
+        own.record_values(list(batch), attributes)
+    metric = own.metric_data(123)
+    assert metric is not None
+    (point,) = metric.data.data_points
+    reference = _sdk_point([v for batch in batches for v in batch if not math.isinf(v)], attributes)
+    assert list(point.bucket_counts) == list(reference.bucket_counts)
+    assert (point.count, point.min, point.max) == (reference.count, reference.min, reference.max)
+    assert point.sum == pytest.approx(reference.sum)
+
+
+def test_a_deferred_list_is_drained_once_whatever_is_appended_meanwhile():
+    """Values a hot path appends to `Deferred.values_for()` lists reach the histogram exactly once,
+    with appends running in another thread during drains."""
+    registry = histograms._Registry()
+    registry.resource = Resource.create({})
+    original = histograms._REGISTRY
+    histograms._REGISTRY = registry
+    try:
+        deferred = Deferred(MeterProvider().get_meter("t"), METRIC, limit=1_000_000)
+        values = deferred.values_for({"stallwatch.executor.name": "pool"})
+        assert deferred.values_for({"stallwatch.executor.name": "pool"}) is values  # one list per attribute set
+        total = 200_000
+
+        def append() -> None:
+            for _ in range(total):
+                values.append(0.001)
+
+        writer = threading.Thread(target=append)
+        writer.start()
+        while writer.is_alive():
+            deferred.drain()
+        writer.join()
+        deferred.drain()
+        (point,) = registry.histograms[METRIC.name].metric_data(1).data.data_points
+        assert point.count == total and not values
+    finally:
+        histograms._REGISTRY = original
 
 
 def test_each_attribute_set_is_its_own_series_and_nothing_is_reported_before_a_value():

@@ -116,6 +116,65 @@ def test_the_providers_sampler_decides(sampler):
     assert len([s for s in exporter.get_finished_spans() if s.name == "item"]) == (2 if recording else 0)
 
 
+class AskingSampler(sdk_sampling.ParentBased):
+    """A subclass of the default sampler type: it may decide otherwise, so the light path asks it."""
+
+    def __init__(self) -> None:
+        super().__init__(sdk_sampling.ALWAYS_ON)
+        self.asked = 0
+
+    def should_sample(self, *args: Any, **kwargs: Any) -> sdk_sampling.SamplingResult:
+        self.asked += 1
+        return super().should_sample(*args, **kwargs)
+
+
+@pytest.mark.parametrize("remote", [False, True], ids=["local_parent", "remote_parent"])
+@pytest.mark.parametrize(
+    "make_sampler",
+    [
+        lambda: sdk_sampling.ParentBased(sdk_sampling.ALWAYS_ON),
+        lambda: sdk_sampling.ParentBasedTraceIdRatio(0.0),
+        lambda: sdk_sampling.ParentBased(sdk_sampling.ALWAYS_ON, remote_parent_sampled=sdk_sampling.ALWAYS_OFF),
+        AskingSampler,
+    ],
+    ids=["parent_based", "parent_based_ratio_0", "remote_dropped", "subclass"],
+)
+def test_a_sampled_parent_gets_the_samplers_answer_whether_or_not_it_is_asked(make_sampler, remote, monkeypatch):
+    sampler = make_sampler()
+    asked: list[str] = []
+    for cls in (sdk_sampling.ParentBased, sdk_sampling.StaticSampler):  # count the stock samplers' calls
+        original = cls.should_sample
+        monkeypatch.setattr(
+            cls, "should_sample", lambda self, *a, _o=original, **k: asked.append("x") or _o(self, *a, **k)
+        )
+    tracer_provider, exporter = provider(sampler)
+    tracer = tracer_provider.get_tracer("test")
+    state = trace.TraceState([("vendor", "value")])
+    parent = trace.NonRecordingSpan(SpanContext(0x1234, 0x5678, remote, TraceFlags(TraceFlags.SAMPLED), state))
+    context = trace.set_span_in_context(parent)
+    asked.clear()
+    light = light_span.start(tracer, "item", context, dict(ATTRIBUTES))
+    light_asked = len(asked)
+    stock = tracer.start_span("item", context=context, attributes=dict(ATTRIBUTES))
+    recording = stock.is_recording()
+    assert light.is_recording() == recording
+    assert light.get_span_context().trace_flags == stock.get_span_context().trace_flags
+    assert light.get_span_context().trace_state == stock.get_span_context().trace_state == state
+    light.end()
+    stock.end()
+    finished = exporter.get_finished_spans()
+    if recording:
+        assert len(finished) == 2
+        same(*finished)
+    else:
+        assert not finished
+    # The default sampler's answer to a sampled parent is known: it is not asked; any other is.
+    default = type(sampler) in (sdk_sampling.ParentBased, sdk_sampling.ParentBasedTraceIdRatio) and recording
+    assert (light_asked == 0) == default
+    if isinstance(sampler, AskingSampler):
+        assert sampler.asked == 2
+
+
 class StartingProcessor(SpanProcessor):
     """A processor that does something when a span starts: the light path must not skip it."""
 

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger("stallwatch")
 _real_set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
-_LOCK = threading.Lock()
+LOCK = threading.Lock()  # held while an item starts or ends and while an interruption is delivered
 RUNNING: dict[int, ItemRecord] = {}  # worker ident -> item it runs, while the item runs
 _worker_idents: set[int] = set()
 _counters: dict[str, Any] = {}
@@ -54,7 +54,7 @@ def _count(metric: telemetry.Metric, record: ItemRecord | None) -> None:
 
 
 def _settle(record: ItemRecord, outcome: str) -> None:
-    """Under _LOCK: decide a pending interruption's outcome once."""
+    """Under LOCK: decide a pending interruption's outcome once."""
     pending = record.interrupt
     if pending is None or pending.outcome is not None:
         return
@@ -76,11 +76,6 @@ def worker_stopped() -> None:
     _worker_idents.discard(threading.get_ident())
 
 
-def item_started(record: ItemRecord) -> None:
-    with _LOCK:
-        RUNNING[threading.get_ident()] = record
-
-
 def item_raised(record: ItemRecord, exc: BaseException) -> bool:
     """An exception escaped `_WorkItem.run`: True if it is our interruption (then it is handled)."""
     pending = record.interrupt
@@ -95,7 +90,7 @@ def item_finished(record: ItemRecord) -> None:
     """End the item's scope; revoke an interruption that has not landed. Robust to it landing here."""
     while True:
         try:
-            with _LOCK:
+            with LOCK:
                 RUNNING.pop(threading.get_ident(), None)
                 future = record.future
                 pending = record.interrupt
@@ -148,7 +143,7 @@ def interrupt_thread(
         ident = thread.ident if thread is not None else None
     else:
         ident = target.ident if isinstance(target, threading.Thread) else int(target)
-    with _LOCK:
+    with LOCK:
         record = RUNNING.get(ident or -1)
         if isinstance(target, Work) and record is not target._record:
             _count(telemetry.ASYNC_EXC_REFUSED, target._record)
@@ -162,7 +157,7 @@ def interrupt_thread(
         _real_set_async_exc(ctypes.c_ulong(ident), ctypes.py_object(exc_type))
         _count(telemetry.ASYNC_EXC_INJECTED, record)
     if not pending.done.wait(timeout):
-        with _LOCK:
+        with LOCK:
             _settle(record, "revoked")
     return pending.outcome or "revoked"
 
@@ -178,7 +173,7 @@ class _GuardedSetAsyncExc:
         if ident not in _worker_idents:
             return int(_real_set_async_exc(tid, exc))
         exc_type = exc.value if isinstance(exc, ctypes.py_object) else exc
-        with _LOCK:
+        with LOCK:
             record = RUNNING.get(ident)
             if exc_type is None:  # a clear: pass it on, and forget our pending record
                 if record is not None and record.interrupt is not None and record.interrupt.outcome is None:

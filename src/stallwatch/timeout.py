@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     from .instrument.executor import ItemRecord
 
 T = TypeVar("T")
-_scope: contextvars.ContextVar[execution_timeout | None] = contextvars.ContextVar(
+# The innermost execution_timeout around the running code (the executor reads it at each submit).
+SCOPE: contextvars.ContextVar[execution_timeout | None] = contextvars.ContextVar(
     "stallwatch_execution_timeout", default=None
 )
 _instruments: dict[str, Any] = {}
@@ -71,7 +72,7 @@ class execution_timeout:  # lower case: used like asyncio.timeout
 
     async def __aenter__(self) -> execution_timeout:
         self.deadline = time.monotonic() + self.seconds
-        self._token = _scope.set(self)
+        self._token = SCOPE.set(self)
         if hasattr(asyncio, "timeouts"):
             self._inner = asyncio.timeouts.timeout(self.seconds)  # not asyncio.timeout: not counted twice
             await self._inner.__aenter__()
@@ -89,7 +90,7 @@ class execution_timeout:  # lower case: used like asyncio.timeout
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> bool | None:
         if self._token is not None:
-            _scope.reset(self._token)
+            SCOPE.reset(self._token)
         try:
             if self._inner is not None:
                 return await self._inner.__aexit__(exc_type, exc, tb)
@@ -127,8 +128,9 @@ class execution_timeout:  # lower case: used like asyncio.timeout
 
 
 def guarded_submission(record: ItemRecord) -> None:
-    """Called by the executor instrumentation in the submitting context: attach work to the scope."""
-    scope = _scope.get()
+    """Called by the executor instrumentation in the submitting context, when `SCOPE.get()` is set:
+    attach the work to that scope."""
+    scope = SCOPE.get()
     if scope is not None:
         try:
             scope.items.append(record)

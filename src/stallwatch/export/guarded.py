@@ -41,6 +41,7 @@ exporter's worker thread and never from a fork handler, so the child gets its ow
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -248,14 +249,20 @@ class CountingSpanProcessor(BatchSpanProcessor):
     def __init__(self, exporter: GuardedExporter) -> None:
         super().__init__(exporter)  # queue size, batch size and delay from OTEL_BSP_* as in the SDK
         self.guard = exporter
+        # The SDK keeps one deque for the processor's life (a fork child clears it): the usual case,
+        # backend up and room in the queue, is told from two reads, before any call.
+        self._bounded = _queue(self)
+        self._limit = self._bounded.maxlen or sys.maxsize
 
     def on_end(self, span: Any) -> None:
-        if span.context and span.context.trace_flags.sampled:
+        if (self.guard.breaker.down_until or len(self._bounded) >= self._limit) and (
+            span.context and span.context.trace_flags.sampled
+        ):
             reason = _early_drop(self)
             if reason is not None:
                 self.guard.gate.drop("traces", reason, 1)
                 return
-        super().on_end(span)
+        BatchSpanProcessor.on_end(self, span)
 
 
 class CountingLogProcessor(BatchLogRecordProcessor):
@@ -264,16 +271,19 @@ class CountingLogProcessor(BatchLogRecordProcessor):
     def __init__(self, exporter: GuardedExporter) -> None:
         super().__init__(exporter)  # OTEL_BLRP_* as in the SDK
         self.guard = exporter
+        self._bounded = _queue(self)  # as in CountingSpanProcessor
+        self._limit = self._bounded.maxlen or sys.maxsize
 
 
 def _counting_emit(name: str) -> Callable[..., None]:
     stock = getattr(BatchLogRecordProcessor, name)
 
     def emit(self: CountingLogProcessor, record: Any) -> None:
-        reason = _early_drop(self)
-        if reason is not None:
-            self.guard.gate.drop("logs", reason, 1)
-            return
+        if self.guard.breaker.down_until or len(self._bounded) >= self._limit:
+            reason = _early_drop(self)
+            if reason is not None:
+                self.guard.gate.drop("logs", reason, 1)
+                return
         stock(self, record)
 
     emit.__name__ = emit.__qualname__ = name

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import os
 import signal
 import sys
 import threading
@@ -141,15 +142,18 @@ class Counts:
 
 
 class Deferred:
-    """Histogram values recorded on a hot path by a deque append, aggregated at collection.
+    """Histogram values recorded on a hot path by a list or deque append, aggregated at collection.
 
     They go to stallwatch's own histogram (`histograms`) when its pipeline takes those, else to the
     SDK's. `drain()` runs before each collection (from `histograms.collect()`, or inside an
     observable instrument's callback, which the SDK calls before it reads the synchronous
-    instruments' storages), so every value is in the same export. At most `limit`
-    values wait; past that they are dropped and counted in `dropped`. A histogram that raises is a
-    fault of the metric's component (`stallwatch.<component>.…`, turned off by
-    `STALLWATCH_INSTRUMENT_<COMPONENT>`), counted per value; it never stops the collection.
+    instruments' storages), so every value is in the same export. Two ways in: `record(value,
+    attributes)`, or, on the hottest paths, a plain `list.append` to `values_for(attributes)` (one
+    list per attribute set, aggregated in C at drain, see `OwnHistogram.record_values`). At most
+    `limit` values wait per way in (per list); past that they are dropped and counted in `dropped`.
+    A histogram that raises is a fault of the metric's component (`stallwatch.<component>.…`,
+    turned off by `STALLWATCH_INSTRUMENT_<COMPONENT>`), counted per value; it never stops the
+    collection.
     """
 
     def __init__(self, meter_: Meter, metric: telemetry.Metric, limit: int = 100_000) -> None:
@@ -157,30 +161,65 @@ class Deferred:
         self._own = histograms.register(metric, self.drain) if histograms.active() else None
         self._histogram = instrument(meter_, metric) if self._own is None else None
         self._pending: deque[tuple[float, dict[str, Any]]] = deque()
-        self._limit = limit
+        self._lists: dict[tuple[tuple[str, Any], ...], tuple[dict[str, Any], list[float]]] = {}
+        self._lock = threading.Lock()  # serialises drains: two must not take the same list values
+        self._pid = os.getpid()
+        self.limit = limit
         self.dropped = 0
         component = metric.name.split(".")[1]
         self._owner = (component, f"STALLWATCH_INSTRUMENT_{component.upper()}")
 
     def record(self, value: float, attributes: dict[str, Any]) -> None:
-        if len(self._pending) < self._limit:
+        if len(self._pending) < self.limit:
             self._pending.append((value, attributes))
         else:
             self.dropped += 1
 
+    def values_for(self, attributes: dict[str, Any]) -> list[float]:
+        """The list a hot path appends values with these attributes to, while it holds fewer than
+        `limit` (else it adds to `dropped`). Only `drain()` removes from it."""
+        key = tuple(attributes.items())
+        with self._drain_lock():
+            entry = self._lists.get(key)
+            if entry is None:
+                entry = self._lists[key] = (dict(attributes), [])
+        return entry[1]
+
+    def _drain_lock(self) -> threading.Lock:
+        if self._pid != os.getpid():  # a fork child: the parent's lock may have been held by a thread
+            self._pid, self._lock = os.getpid(), threading.Lock()
+        return self._lock
+
     def drain(self) -> None:
-        pending = self._pending
-        if self._own is not None:
+        with self._drain_lock():
+            for attributes, values in list(self._lists.values()):
+                count = len(values)  # appends go on meanwhile, past `count`; `del` is one C call
+                batch = values[:count]
+                del values[:count]
+                self._hand_over(batch, attributes)
+            pending = self._pending
             while pending:
-                batch = [pending.popleft() for _ in range(min(len(pending), 4096))]
-                try:
-                    self._own.record_many(batch)
-                except Exception:
-                    FAULTS.record(*self._owner, count=len(batch))
+                batch_pairs = [pending.popleft() for _ in range(min(len(pending), 4096))]
+                if self._own is not None:
+                    try:
+                        self._own.record_many(batch_pairs)
+                    except Exception:
+                        FAULTS.record(*self._owner, count=len(batch_pairs))
+                else:
+                    for value, attributes in batch_pairs:
+                        self._hand_over([value], attributes)
+
+    def _hand_over(self, values: list[float], attributes: dict[str, Any]) -> None:
+        if not values:
+            return
+        if self._own is not None:
+            try:
+                self._own.record_values(values, attributes)
+            except Exception:
+                FAULTS.record(*self._owner, count=len(values))
             return
         record = self._histogram.record
-        while pending:
-            value, attributes = pending.popleft()
+        for value in values:
             try:
                 record(value, attributes)
             except Exception:

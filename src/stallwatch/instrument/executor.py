@@ -6,10 +6,13 @@ it had dequeued was referenced by nothing, its future stayed pending, and the aw
 with every counter healthy. No wrapper of `_WorkItem.run` can see that item, so stallwatch counts
 the queue itself: each executor's `SimpleQueue` is replaced at construction by a subclass whose
 `put` (called by `submit`) logs the item; `get` stays the C method, so a worker's dequeue runs no
-Python code of ours. Items the queue has handed out (puts minus `qsize()`, FIFO) are "in flight";
-`detect.wedge` finds the ones whose worker died. The module-level `_worker` is wrapped to see a
-worker die the moment it happens, and `_WorkItem.run` to time each item, carry the submitter's
-OpenTelemetry context into the worker and scope interruptions to the item (see `interrupt`).
+Python code of ours. Items the queue has handed out (the log's head, all but its last `qsize()`,
+FIFO) are "in flight"; `detect.wedge` finds the ones whose worker died. The module-level `_worker`
+is wrapped to see a worker die the moment it happens. `_WorkItem` itself is replaced by a subclass,
+`ItemRecord`, whose `run` times each item, carries the submitter's OpenTelemetry context into the
+worker and scopes interruptions to the item (see `interrupt`): the item is its own record, and no
+wrapper layer runs per item (a wrapt method wrapper alone costs 0.45 µs, measured; the budget is
+2 µs per item, see `tests/bench/bench_executor.py`).
 
 CPython internals used (3.10 to 3.14, checked): `ThreadPoolExecutor._work_queue`, `_threads`,
 `_thread_name_prefix`, `_max_workers`, `_shutdown`, `_broken`, `_shutdown_lock`,
@@ -18,6 +21,7 @@ CPython internals used (3.10 to 3.14, checked): `ThreadPoolExecutor._work_queue`
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import queue
 import threading
@@ -25,7 +29,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Collection, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import thread as cf_thread
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,14 +67,23 @@ class WorkerDied(RuntimeError):
         self.cause = cause
 
 
-@dataclass(eq=False, slots=True)
-class ItemRecord:
-    """What stallwatch knows about one submitted work item."""
+_OriginalWorkItem = cf_thread._WorkItem
 
-    executor: ExecutorState
-    future: Future[Any]
-    submitted: float
-    context: otel_context.Context
+
+class ItemRecord(_OriginalWorkItem):  # type: ignore[misc,valid-type]
+    """A work item made by `submit` while stallwatch is installed, and what stallwatch knows about it.
+
+    `concurrent.futures.thread._WorkItem` is this class while the instrumentation is on, so the
+    item is its own record: no second object per submission. Set in the submitting thread by the
+    accounting queue's `put`: `executor` (None: the item went to a pool built before `instrument()`,
+    which is not accounted), `submitted`, `context`, `span`; then in the worker: `started`,
+    `thread`, `finished`; by the wedge check: `dequeued_seen`, `orphaned`; by `interrupt`:
+    `interrupt`. Class attributes are the defaults: a field costs nothing until it is set.
+    """
+
+    executor: ExecutorState | None = None
+    submitted: float = 0.0
+    context: otel_context.Context | None = None
     span: Span | None = None
     dequeued_seen: float | None = None  # when the wedge check first saw it handed out
     started: float | None = None
@@ -78,6 +91,48 @@ class ItemRecord:
     finished: bool = False
     orphaned: bool = False
     interrupt: Any = None  # the pending scoped interruption, see `interrupt`
+
+    def run(self, *args: Any) -> Any:
+        """`_WorkItem.run`, timed, in the submitter's OpenTelemetry context, and scoped for `interrupt`."""
+        state = self.executor
+        if state is None:
+            return _OriginalWorkItem.run(self, *args)
+        if self.orphaned:
+            return None  # already failed with WorkerDied: running it now would kill this worker too
+        self.started = started = _monotonic()
+        self.thread = threading.current_thread()
+        # From here the item is `current_item()` of this thread. No lock: one dict store is atomic
+        # under the GIL, and a delivery racing with it finds the thread idle and refuses, which is
+        # right as the item had not started. Its end is another matter (`interrupt.item_finished`).
+        _current_item[_get_ident()] = self
+        token = _attach(self) if self.span is not None or self.context else None
+        try:
+            return _OriginalWorkItem.run(self, *args)
+        except BaseException as exc:
+            if not interrupt.item_raised(self, exc):  # ours landed outside the item's try: worker lives
+                raise
+            return None
+        finally:
+            interrupt.item_finished(self)
+            try:
+                if token is not None:
+                    _context_var.reset(token)
+                self.finished = True
+                if execution_timeouts.OVERDUE:
+                    execution_timeouts.item_finished(self)
+                ran = _monotonic() - started
+                if _histograms:
+                    waits, runs = state.durations
+                    if len(waits) < _HISTOGRAM_LIMIT:
+                        waits.append(started - self.submitted)
+                        runs.append(ran)
+                    else:
+                        _histograms[0].dropped += 1
+                        _histograms[1].dropped += 1
+                if self.span is not None:
+                    _end_span(self.span, started - self.submitted, ran)
+            except Exception:
+                FAULTS.record("executor", SETTING)
 
 
 @dataclass(eq=False)
@@ -90,32 +145,49 @@ class ExecutorState:
     deaths: list[tuple[threading.Thread, BaseException | None]] = field(default_factory=list)
     attributes: dict[str, str] = field(default_factory=dict)  # the metric attributes, built once
     span_name: str = ""
+    # Where the queue and run durations of this pool's items wait for `drain_histograms()`.
+    durations: tuple[list[float], list[float]] = field(default_factory=lambda: ([], []))
 
     def __post_init__(self) -> None:
         self.attributes = {telemetry.EXECUTOR_NAME.name: self.name}
         self.span_name = f"{self.name} work item"
+        self.bind_histograms()
+
+    def bind_histograms(self) -> None:
+        """Append durations to the lists of the current instrumentation's histograms (if it is on)."""
+        if _histograms:
+            self.durations = (_histograms[0].values_for(self.attributes), _histograms[1].values_for(self.attributes))
 
 
 class _AccountingQueue(queue.SimpleQueue):  # type: ignore[type-arg]
     """The executor's work queue, logging what is put so that what was taken can be known."""
 
     state: ExecutorState
-    puts: int
-    handed_out: int
-    log: deque[ItemRecord | None]
+    log: deque[ItemRecord | None]  # what was put and may not have been dequeued yet, in order
 
     def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
-        record = _record_submission(self.state, item)
+        # Stamp the item in the submitting thread, inside `submit` (None: a shutdown sentinel).
+        record = None
+        if type(item) is ItemRecord:
+            try:
+                context = _context_var.get()
+                item.executor, item.submitted, item.context = self.state, _monotonic(), context
+                if context and _tracer is not None:  # an empty context (no span, no baggage) is falsy
+                    _start_span(item, context)
+                if execution_timeouts.SCOPE.get() is not None:
+                    execution_timeouts.guarded_submission(item)
+                record = item
+            except Exception:
+                item.executor = None  # run it as if stallwatch were not there
+                FAULTS.record("executor", SETTING)
         with _QUEUE_LOCK:
-            super().put(item, block, timeout)
-            self.puts += 1
+            _simple_put(self, item, block, timeout)
             log = self.log
             # A started item was certainly dequeued (FIFO: so was all before it). Account for it
             # now, so the log holds only what may still wait and no finished item stays alive
             # until the next wedge check (measured: that retention cost 5-13 us/item in GC).
             while log and log[0] is not None and log[0].started is not None:
                 log.popleft()
-                self.handed_out += 1
             log.append(record)
 
     def put_nowait(self, item: Any) -> None:
@@ -124,8 +196,8 @@ class _AccountingQueue(queue.SimpleQueue):  # type: ignore[type-arg]
     def oldest_pending_submitted(self) -> float | None:
         """Monotonic submission time of the oldest item no worker has dequeued yet, or None."""
         with _QUEUE_LOCK:
-            waiting_from = self.puts - self.qsize() - self.handed_out  # log index of the first waiting item
-            for index in range(max(waiting_from, 0), len(self.log)):
+            # The queue holds the last qsize() items put (FIFO), the log's tail; the rest were handed out.
+            for index in range(max(len(self.log) - self.qsize(), 0), len(self.log)):
                 record = self.log[index]
                 if record is not None:
                     return record.submitted
@@ -135,10 +207,8 @@ class _AccountingQueue(queue.SimpleQueue):  # type: ignore[type-arg]
         """Records of items a worker has dequeued since the last call (FIFO accounting)."""
         taken: list[ItemRecord] = []
         with _QUEUE_LOCK:
-            handed_out = self.puts - self.qsize()
-            while self.handed_out < handed_out and self.log:
+            for _ in range(len(self.log) - self.qsize()):
                 record = self.log.popleft()
-                self.handed_out += 1
                 if record is not None:
                     taken.append(record)
         return taken
@@ -149,7 +219,27 @@ _current_item = interrupt.RUNNING  # worker thread ident -> the item it runs (ke
 _death_causes: dict[int, BaseException] = {}
 _instruments: dict[str, Any] = {}
 _histograms: list[Deferred] = []  # queue and run durations, in that order
-_original_run = cf_thread._WorkItem.run
+_HISTOGRAM_LIMIT = 100_000  # durations waiting per pool for the next drain; past that they are dropped
+_monotonic = time.monotonic
+_get_ident = threading.get_ident
+_simple_put = queue.SimpleQueue.put
+
+
+class _ContextApi:
+    """OpenTelemetry's context functions behind a ContextVar's `get`/`set`/`reset`."""
+
+    get = staticmethod(otel_context.get_current)
+    set = staticmethod(otel_context.attach)
+    reset = staticmethod(otel_context.detach)
+
+
+# OpenTelemetry's current context is one ContextVar in `ContextVarsRuntimeContext`, the runtime
+# context the API ships (1.27 to 1.45 alike): read and set it directly, as `get_current()`,
+# `attach()` and `detach()` do through two Python frames each. Another runtime context
+# (OTEL_PYTHON_CONTEXT) goes through the API.
+_context_var: Any = getattr(otel_context._RUNTIME_CONTEXT, "_current_context", None)  # type: ignore[attr-defined]
+if not isinstance(_context_var, contextvars.ContextVar):
+    _context_var = _ContextApi
 _tracer: trace.Tracer | None = None
 
 
@@ -182,7 +272,8 @@ def drain_histograms() -> None:
     """Hand the queue/run durations waiting since the last drain to the SDK histograms.
 
     Called every wedge check (0.5 s) and before each metric collection: a work item only appends
-    its two durations to a deque (well under 1 µs), instead of two SDK `record()` calls (4-10 µs).
+    its two durations to two lists (`ExecutorState.durations`), instead of two SDK `record()` calls
+    (4-10 µs).
     """
     for deferred in _histograms:
         deferred.drain()
@@ -196,7 +287,7 @@ def _init_wrapper(wrapped: Any, executor: ThreadPoolExecutor, args: tuple[Any, .
     try:
         state = ExecutorState(executor_name(executor), weakref.ref(executor))
         accounting = _AccountingQueue()
-        accounting.state, accounting.puts, accounting.handed_out, accounting.log = state, 0, 0, deque()
+        accounting.state, accounting.log = state, deque()
         executor._work_queue = accounting  # type: ignore[attr-defined]  # no worker holds the old one yet
         executor._stallwatch = state  # type: ignore[attr-defined]
         EXECUTORS.add(executor)
@@ -204,89 +295,32 @@ def _init_wrapper(wrapped: Any, executor: ThreadPoolExecutor, args: tuple[Any, .
         FAULTS.record("executor", SETTING)
 
 
-def _record_submission(state: ExecutorState, item: Any) -> ItemRecord | None:
-    """Runs in the submitting thread, inside `submit`: stamp the item (None: a shutdown sentinel)."""
-    if item is None:
-        return None
+def _start_span(item: ItemRecord, context: otel_context.Context) -> None:
+    """In the submitting thread: the item's span, when the submitter is inside a sampled trace."""
+    parent = trace.get_current_span(context).get_span_context()
+    if parent.is_valid and parent.trace_flags.sampled:
+        state = item.executor
+        item.span = light_span.start(_tracer, state.span_name, context, dict(state.attributes), parent=parent)
+
+
+def _attach(item: ItemRecord) -> object:
+    """In the worker: make the submitter's context (and the item's span in it) current."""
     try:
-        context = otel_context.get_current()
-        record = ItemRecord(state, item.future, time.monotonic(), context)
-        if context and _tracer is not None:  # an empty context (no span, no baggage) is falsy
-            parent = trace.get_current_span(context).get_span_context()
-            if parent.is_valid and parent.trace_flags.sampled:
-                record.span = light_span.start(_tracer, state.span_name, context, dict(state.attributes), parent=parent)
-        item._stallwatch = record
-        execution_timeouts.guarded_submission(record)
-        return record
+        if item.span is None:
+            return _context_var.set(item.context)
+        return _context_var.set(trace.set_span_in_context(item.span, item.context))
     except Exception:
         FAULTS.record("executor", SETTING)
         return None
 
 
-def _run(item: Any, *args: Any) -> Any:
-    """Stands in for `_WorkItem.run`: a plain function rather than a wrapt wrapper, which costs
-    0.45 µs per call on a bound method (measured), a quarter of the 2 µs budget per item."""
-    record: ItemRecord | None = getattr(item, "_stallwatch", None)
-    if record is None:
-        return _original_run(item, *args)
-    if record.orphaned:
-        return None  # already failed with WorkerDied: running it now would kill this worker too
-    token = _start(record)
-    try:
-        return _original_run(item, *args)
-    except BaseException as exc:
-        if not interrupt.item_raised(record, exc):  # ours landed outside the item's try: worker lives
-            raise
-        return None
-    finally:
-        interrupt.item_finished(record)
-        _finish(record, token)
-
-
-def _start(record: ItemRecord) -> object:
-    record.started = time.monotonic()
-    record.thread = threading.current_thread()
-    interrupt.item_started(record)  # from here the item is `current_item()` of this thread
-    try:
-        span = record.span
-        if span is None:
-            if not record.context:
-                return None  # the submitter had no OpenTelemetry context: nothing to carry over
-            return otel_context.attach(record.context)
-        return otel_context.attach(trace.set_span_in_context(span, record.context))
-    except Exception:
-        FAULTS.record("executor", SETTING)
-        return None
-
-
-def _finish(record: ItemRecord, token: object) -> None:
-    """After `interrupt.item_finished`: the item is no longer this thread's current item."""
-    try:
-        if token is not None:
-            otel_context.detach(token)  # type: ignore[arg-type]
-        record.finished = True
-        if execution_timeouts.OVERDUE:
-            execution_timeouts.item_finished(record)
-        submitted = record.submitted
-        started = record.started or submitted
-        run_seconds = time.monotonic() - started
-        attributes = record.executor.attributes
-        if _histograms:
-            _histograms[0].record(started - submitted, attributes)
-            _histograms[1].record(run_seconds, attributes)
-        span = record.span
-        if span is not None:
-            durations = {
-                "stallwatch.executor.queue_seconds": started - submitted,
-                "stallwatch.executor.run_seconds": run_seconds,
-            }
-            if isinstance(span, light_span.LightSpan):
-                span.set_own_attributes(durations)
-            else:
-                span.set_attributes(durations)
-            span.end()
-    except Exception:
-        FAULTS.record("executor", SETTING)
+def _end_span(span: Span, queue_seconds: float, run_seconds: float) -> None:
+    durations = {"stallwatch.executor.queue_seconds": queue_seconds, "stallwatch.executor.run_seconds": run_seconds}
+    if isinstance(span, light_span.LightSpan):
+        span.set_own_attributes(durations)
+    else:
+        span.set_attributes(durations)
+    span.end()
 
 
 def _worker_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -396,7 +430,7 @@ class ExecutorInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         return ()
 
     def _instrument(self, **kwargs: Any) -> None:
-        global _tracer, _original_run
+        global _tracer
         from ..config import ConfigError, Settings
         from ..detect import wedge
 
@@ -409,9 +443,13 @@ class ExecutorInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         FAULTS.bind(meter_)
         _tracer = trace.get_tracer(telemetry.INSTRUMENTATION_SCOPE, tracer_provider=kwargs.get("tracer_provider"))
         _histograms[:] = [
-            Deferred(meter_, telemetry.EXECUTOR_QUEUE_DURATION),
-            Deferred(meter_, telemetry.EXECUTOR_RUN_DURATION),
+            Deferred(meter_, telemetry.EXECUTOR_QUEUE_DURATION, _HISTOGRAM_LIMIT),
+            Deferred(meter_, telemetry.EXECUTOR_RUN_DURATION, _HISTOGRAM_LIMIT),
         ]
+        for executor in list(EXECUTORS):  # pools built under an earlier instrumentation
+            state = state_of(executor)
+            if state is not None:
+                state.bind_histograms()
         for metric in (
             telemetry.EXECUTOR_WORKER_DEATHS,
             telemetry.EXECUTOR_ORPHANED,
@@ -431,16 +469,15 @@ class ExecutorInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         )
         wedge.ensure_running()
         wrapt.wrap_function_wrapper(ThreadPoolExecutor, "__init__", _init_wrapper)
-        _original_run = cf_thread._WorkItem.run
-        cf_thread._WorkItem.run = _run  # type: ignore[method-assign]
+        cf_thread._WorkItem = ItemRecord  # type: ignore[misc]  # what `submit` makes from now on
         wrapt.wrap_function_wrapper(cf_thread, "_worker", _worker_wrapper)
         logging.getLogger("concurrent.futures").addFilter(_DEATH_FILTER)
 
     def _uninstrument(self, **kwargs: Any) -> None:
         global _tracer
         unwrap(ThreadPoolExecutor, "__init__")
-        if cf_thread._WorkItem.run is _run:
-            cf_thread._WorkItem.run = _original_run  # type: ignore[method-assign]
+        if cf_thread._WorkItem is ItemRecord:
+            cf_thread._WorkItem = _OriginalWorkItem  # type: ignore[misc]
         unwrap(cf_thread, "_worker")
         logging.getLogger("concurrent.futures").removeFilter(_DEATH_FILTER)
         interrupt.uninstall()

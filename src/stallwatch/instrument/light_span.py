@@ -8,7 +8,9 @@ keeps only what is set on it, and at `end()` hands the processor the `ReadableSp
 have: about 3 µs. It is used only where that is exactly equivalent: an SDK `Tracer` that records no
 self-metrics, whose processors all have the stock no-op `on_start` (the SDK's batch and simple
 processors, and subclasses that keep it); anywhere else `start()` returns the tracer's own span.
-The SDK offers no cheaper span, hence this module.
+The SDK offers no cheaper span, hence this module. With the SDK's default sampler (parent-based,
+sampling whatever has a sampled parent) and a sampled parent, the sampler is not called: its
+answer is known (record and sample, the given attributes, the parent's trace state).
 
 Differences a user can see: none in what is exported; `on_start` is never called (it does nothing
 on the processors this path accepts); attribute values set by other code are cleaned and bounded
@@ -28,6 +30,7 @@ from opentelemetry import trace
 from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.sdk import trace as sdk_trace
 from opentelemetry.sdk.trace import export as sdk_export
+from opentelemetry.sdk.trace import sampling
 from opentelemetry.sdk.util import BoundedList
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 from opentelemetry.util import types
@@ -39,13 +42,9 @@ _NO_OP_ON_ENDING = frozenset(getattr(stock, "_on_ending", None) for stock in _ST
 _eligible: tuple[object, bool] = ((), False)  # (the processors tuple last checked, its verdict)
 
 
-def _processors_eligible(tracer: sdk_trace.Tracer) -> bool:
+def _processors_eligible(processors: Any) -> bool:
     """True when starting a span would call no processor code (`on_start` and `_on_ending` no-ops)."""
     global _eligible
-    processors = getattr(tracer.span_processor, "_span_processors", None)
-    checked, verdict = _eligible
-    if processors is checked:
-        return verdict
     verdict = processors is not None and all(
         type(p).on_start in _NO_OP_ON_START and getattr(type(p), "_on_ending", None) in _NO_OP_ON_ENDING
         for p in processors
@@ -54,7 +53,10 @@ def _processors_eligible(tracer: sdk_trace.Tracer) -> bool:
     return verdict
 
 
-_resolved: tuple[object, sdk_trace.Tracer | None] = (None, None)  # (tracer given, SDK tracer fit for this path)
+# (tracer given, SDK tracer fit for this path, its `_is_enabled` or None)
+_resolved: tuple[object, sdk_trace.Tracer | None, Any] = (None, None, None)
+_PARENT_BASED = (sampling.ParentBased, sampling.ParentBasedTraceIdRatio)  # exact types: a subclass may decide otherwise
+_UNSET = Status(StatusCode.UNSET)  # immutable, shared as a new span's status
 
 
 def _resolve(tracer: Any) -> sdk_trace.Tracer | None:
@@ -70,17 +72,19 @@ def _resolve(tracer: Any) -> sdk_trace.Tracer | None:
 def _sdk_tracer(tracer: Any) -> sdk_trace.Tracer | None:
     """The SDK tracer behind `tracer` if the light path fits it now (its processors can change)."""
     global _resolved
-    given, sdk = _resolved
+    given, sdk, is_enabled = _resolved
     if given is not tracer:
         sdk = _resolve(tracer)
+        is_enabled = getattr(sdk, "_is_enabled", None)  # SDK 1.45+: the tracer configurator may disable it
         if sdk is not None or getattr(tracer, "_real_tracer", tracer) is not None:  # a proxy may resolve later
-            _resolved = (tracer, sdk)
-    if sdk is None:
+            _resolved = (tracer, sdk, is_enabled)
+    if sdk is None or (is_enabled is not None and not is_enabled()):
         return None
-    is_enabled = getattr(sdk, "_is_enabled", None)  # SDK 1.45+: the tracer configurator may disable it
-    if is_enabled is not None and not is_enabled():
-        return None
-    return sdk if _processors_eligible(sdk) else None
+    processors = getattr(sdk.span_processor, "_span_processors", None)
+    checked, verdict = _eligible
+    if processors is not checked:
+        verdict = _processors_eligible(processors)
+    return sdk if verdict else None
 
 
 _RANDOM = getattr(TraceFlags, "RANDOM_TRACE_ID", 0)  # W3C trace-context level 2 flag, SDK 1.45+
@@ -108,15 +112,25 @@ def start(
         parent, trace_id = None, sdk.id_generator.generate_trace_id()
         random = getattr(sdk.id_generator, "is_trace_id_random", None)
         flags = _RANDOM if _RANDOM and random is not None and random() else 0
-    result = sdk.sampler.should_sample(context, trace_id, name, kind, attributes, ())
-    if result.decision.is_sampled():
+    sampler = sdk.sampler
+    if parent is not None and type(sampler) in _PARENT_BASED and parent.trace_flags & TraceFlags.SAMPLED:
+        delegate = sampler._remote_parent_sampled if parent.is_remote else sampler._local_parent_sampled
+    else:
+        delegate = None
+    if delegate is sampling.ALWAYS_ON:  # what the sampler would answer, without its three calls and result object
         flags |= TraceFlags.SAMPLED
-    span_context = SpanContext(
-        trace_id, sdk.id_generator.generate_span_id(), False, TraceFlags(flags), result.trace_state
-    )
-    if not result.decision.is_recording():
-        return trace.NonRecordingSpan(span_context)
-    return LightSpan(sdk, name, kind, span_context, parent, dict(result.attributes or {}), start_time or time_ns())
+        span_attributes, trace_state = dict(attributes), parent.trace_state
+    else:
+        result = sampler.should_sample(context, trace_id, name, kind, attributes, ())
+        if result.decision.is_sampled():
+            flags |= TraceFlags.SAMPLED
+        trace_state = result.trace_state
+        if not result.decision.is_recording():
+            span_id = sdk.id_generator.generate_span_id()
+            return trace.NonRecordingSpan(SpanContext(trace_id, span_id, False, TraceFlags(flags), trace_state))
+        span_attributes = dict(result.attributes or {})
+    span_context = SpanContext(trace_id, sdk.id_generator.generate_span_id(), False, TraceFlags(flags), trace_state)
+    return LightSpan(sdk, name, kind, span_context, parent, span_attributes, start_time or time_ns())
 
 
 class LightSpan(trace.Span):
@@ -157,7 +171,7 @@ class LightSpan(trace.Span):
         self._foreign = False  # set by code other than stallwatch: cleaned and bounded at the end
         self._events: BoundedList | None = None  # as the SDK: past the limit, the oldest is dropped
         self._links: BoundedList | None = None
-        self._status = Status(StatusCode.UNSET)
+        self._status = _UNSET
         self._start = start_time
         self._end: int | None = None
         self._ended = False
