@@ -8,7 +8,7 @@ import pytest
 from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
@@ -75,3 +75,33 @@ def test_empty_values_resources_and_batches_are_written_as_protobuf_writes_them(
     spans = list(exporter.get_finished_spans())
     assert json.loads(encode_spans_json(spans)) == json.loads(to_otlp_json(encode_spans(spans)))
     assert encode_spans_json([]) == to_otlp_json(encode_spans([]))
+
+
+class _OtherReadableSpan(ReadableSpan):
+    """A ReadableSpan subclass: the encoder reads it through the public properties."""
+
+
+def test_spans_of_other_types_are_read_through_their_properties_with_the_same_result():
+    spans = _spans()
+    others = []
+    for span in spans:
+        other = object.__new__(_OtherReadableSpan)
+        other.__dict__.update(span.__dict__)
+        others.append(other)
+    assert encode_spans_json(others) == encode_spans_json(spans)
+    assert '"droppedAttributesCount"' not in encode_spans_json(others)
+
+
+def test_dropped_attribute_event_and_link_counts_are_written_as_protobuf_writes_them():
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(span_limits=SpanLimits(max_span_attributes=1, max_events=1, max_links=1))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    links = [Link(SpanContext(0x12, 0x34, is_remote=False, trace_flags=TraceFlags(1))) for _ in range(3)]
+    span = provider.get_tracer("x").start_span("limited", attributes={"a": 1, "b": 2, "c": 3}, links=links)
+    span.add_event("one")
+    span.add_event("two")
+    span.end()
+    spans = list(exporter.get_finished_spans())
+    ours = encode_spans_json(spans)
+    assert json.loads(ours) == json.loads(to_otlp_json(encode_spans(spans)))
+    assert '"droppedAttributesCount":2' in ours and '"droppedEventsCount":1' in ours and '"droppedLinksCount":2' in ours
