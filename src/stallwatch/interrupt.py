@@ -86,21 +86,14 @@ def item_raised(record: ItemRecord, exc: BaseException) -> bool:
     return True
 
 
-def item_finished(record: ItemRecord) -> None:
-    """End the item's scope; revoke an interruption that has not landed. Robust to it landing here."""
-    while True:
-        try:
-            with LOCK:
-                RUNNING.pop(threading.get_ident(), None)
-                future = record.future
-                pending = record.interrupt
-                if pending is not None and pending.outcome is None:
-                    landed = future.done() and isinstance(future.exception(), pending.exc_type)
-                    _settle(record, "delivered" if landed else "revoked")
-            return
-        except BaseException as exc:
-            if not item_raised(record, exc):
-                raise
+def settle_finished(record: ItemRecord) -> None:
+    """Under LOCK, as the item's scope ends (`ItemRecord.run`): an interruption still pending is
+    revoked; one that landed is recorded as delivered."""
+    pending = record.interrupt
+    if pending is not None and pending.outcome is None:
+        future = record.future
+        landed = future.done() and isinstance(future.exception(), pending.exc_type)
+        _settle(record, "delivered" if landed else "revoked")
 
 
 # ---- public API ---------------------------------------------------------------------------------

@@ -100,11 +100,12 @@ class ItemRecord(_OriginalWorkItem):  # type: ignore[misc,valid-type]
         if self.orphaned:
             return None  # already failed with WorkerDied: running it now would kill this worker too
         self.started = started = _monotonic()
-        self.thread = threading.current_thread()
+        ident = _get_ident()
+        self.thread = _threads.get(ident) or threading.current_thread()
         # From here the item is `current_item()` of this thread. No lock: one dict store is atomic
         # under the GIL, and a delivery racing with it finds the thread idle and refuses, which is
-        # right as the item had not started. Its end is another matter (`interrupt.item_finished`).
-        _current_item[_get_ident()] = self
+        # right as the item had not started. Its end is another matter (below).
+        _current_item[ident] = self
         token = _attach(self) if self.span is not None or self.context else None
         try:
             return _OriginalWorkItem.run(self, *args)
@@ -113,7 +114,18 @@ class ItemRecord(_OriginalWorkItem):  # type: ignore[misc,valid-type]
                 raise
             return None
         finally:
-            interrupt.item_finished(self)
+            # End the item's scope under the lock a delivery holds, so none can land after it.
+            # Robust to one landing here, at any check point of this loop.
+            while True:
+                try:
+                    with interrupt.LOCK:
+                        _current_item.pop(ident, None)
+                        if self.interrupt is not None:
+                            interrupt.settle_finished(self)
+                    break
+                except BaseException as exc:
+                    if not interrupt.item_raised(self, exc):
+                        raise
             try:
                 if token is not None:
                     _context_var.reset(token)
@@ -174,7 +186,7 @@ class _AccountingQueue(queue.SimpleQueue):  # type: ignore[type-arg]
                 item.executor, item.submitted, item.context = self.state, _monotonic(), context
                 if context and _tracer is not None:  # an empty context (no span, no baggage) is falsy
                     _start_span(item, context)
-                if execution_timeouts.SCOPE.get() is not None:
+                if _timeout_scope.get() is not None:
                     execution_timeouts.guarded_submission(item)
                 record = item
             except Exception:
@@ -186,7 +198,7 @@ class _AccountingQueue(queue.SimpleQueue):  # type: ignore[type-arg]
             # A started item was certainly dequeued (FIFO: so was all before it). Account for it
             # now, so the log holds only what may still wait and no finished item stays alive
             # until the next wedge check (measured: that retention cost 5-13 us/item in GC).
-            while log and log[0] is not None and log[0].started is not None:
+            while log and (head := log[0]) is not None and head.started is not None:
                 log.popleft()
             log.append(record)
 
@@ -222,7 +234,9 @@ _histograms: list[Deferred] = []  # queue and run durations, in that order
 _HISTOGRAM_LIMIT = 100_000  # durations waiting per pool for the next drain; past that they are dropped
 _monotonic = time.monotonic
 _get_ident = threading.get_ident
+_threads: dict[int, threading.Thread] = threading._active  # type: ignore[attr-defined]  # current_thread() reads it
 _simple_put = queue.SimpleQueue.put
+_timeout_scope = execution_timeouts.SCOPE
 
 
 class _ContextApi:
