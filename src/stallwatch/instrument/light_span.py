@@ -100,7 +100,8 @@ def start(
     parent: SpanContext | None = None,
 ) -> trace.Span:
     """Start a span as `tracer.start_span(name, context, kind, attributes, start_time=...)` would;
-    `parent`: the span context current in `context`, when the caller has looked it up already."""
+    `parent`: the span context current in `context`, when the caller has looked it up already.
+    `attributes` is copied, never kept nor changed: a caller may pass the same dict every time."""
     sdk = _sdk_tracer(tracer)
     if sdk is None:
         return tracer.start_span(name, context=context, kind=kind, attributes=attributes, start_time=start_time)
