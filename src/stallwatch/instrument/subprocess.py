@@ -432,7 +432,7 @@ def _popen_reaped(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, .
     result = wrapped(*args, **kwargs)
     try:
         if instance.returncode is not None:
-            child = getattr(instance, _CHILD_ATTRIBUTE, None)
+            child = getattr(instance, _CHILD_ATTRIBUTE, None)  # None on Popen's class (see _instrument)
             if child is not None:
                 setattr(instance, _CHILD_ATTRIBUTE, None)
                 _exited(child, instance.returncode)
@@ -650,6 +650,7 @@ class SubprocessInstrumentor(BaseInstrumentor):  # type: ignore[misc]
             patterns=settings.scrub_patterns,
             propagate=settings.propagate_to_children,
         )
+        setattr(subprocess.Popen, _CHILD_ATTRIBUTE, None)  # the default: a lookup never raises
         wrapt.wrap_function_wrapper(subprocess.Popen, "__init__", _popen_init)
         wrapt.wrap_function_wrapper(subprocess.Popen, "_handle_exitstatus", _popen_reaped)
         for name in _POSIX_SPAWN_FUNCTIONS:
@@ -666,6 +667,8 @@ class SubprocessInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         global _state
         _state = None
         unwrap(subprocess.Popen, "__init__")
+        if _CHILD_ATTRIBUTE in vars(subprocess.Popen):
+            delattr(subprocess.Popen, _CHILD_ATTRIBUTE)
         unwrap(subprocess.Popen, "_handle_exitstatus")
         for name in (*_POSIX_SPAWN_FUNCTIONS, *_WAIT_FUNCTIONS):
             if hasattr(os, name):
