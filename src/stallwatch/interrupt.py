@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger("stallwatch")
 _real_set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
-LOCK = threading.Lock()  # held while an item starts or ends and while an interruption is delivered
+LOCK = threading.Lock()  # held while an item's scope ends and while an interruption is delivered
 RUNNING: dict[int, ItemRecord] = {}  # worker ident -> item it runs, while the item runs
 _worker_idents: set[int] = set()
 _counters: dict[str, Any] = {}
@@ -90,7 +90,7 @@ def settle_finished(record: ItemRecord) -> None:
     """Under LOCK, as the item's scope ends (`ItemRecord.run`): an interruption still pending is
     revoked; one that landed is recorded as delivered."""
     pending = record.interrupt
-    if pending is not None and pending.outcome is None:
+    if pending is not None:  # `_settle` decides only once
         future = record.future
         landed = future.done() and isinstance(future.exception(), pending.exc_type)
         _settle(record, "delivered" if landed else "revoked")

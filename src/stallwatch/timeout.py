@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     from .instrument.executor import ItemRecord
 
 T = TypeVar("T")
-# The innermost execution_timeout around the running code (the executor reads it at each submit).
+# The innermost execution_timeout around the running code; the executor's `put` adds each item
+# submitted inside it to its `items`.
 SCOPE: contextvars.ContextVar[execution_timeout | None] = contextvars.ContextVar(
     "stallwatch_execution_timeout", default=None
 )
@@ -125,17 +126,6 @@ class execution_timeout:  # lower case: used like asyncio.timeout
         for record in self.items:
             if record.started is not None and not record.finished:
                 OVERDUE[id(record)] = (record, self.deadline, self.name)
-
-
-def guarded_submission(record: ItemRecord) -> None:
-    """Called by the executor instrumentation in the submitting context, when `SCOPE.get()` is set:
-    attach the work to that scope."""
-    scope = SCOPE.get()
-    if scope is not None:
-        try:
-            scope.items.append(record)
-        except Exception:
-            _fault()
 
 
 def item_finished(record: ItemRecord) -> None:

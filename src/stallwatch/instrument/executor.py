@@ -186,8 +186,9 @@ class _AccountingQueue(queue.SimpleQueue):  # type: ignore[type-arg]
                 item.executor, item.submitted, item.context = self.state, _monotonic(), context
                 if context and _tracer is not None:  # an empty context (no span, no baggage) is falsy
                     _start_span(item, context)
-                if _timeout_scope.get() is not None:
-                    execution_timeouts.guarded_submission(item)
+                scope = _timeout_scope.get()
+                if scope is not None:  # an execution_timeout guards this work
+                    scope.items.append(item)
                 record = item
             except Exception:
                 item.executor = None  # run it as if stallwatch were not there
