@@ -3,6 +3,8 @@ them, decision for decision (real SDK TracerProvider, samplers and processors)."
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -253,3 +255,19 @@ def test_a_live_light_span_reads_like_the_sdks_span():
         light.end(end_time=9)
         stock.end(end_time=9)
         assert light.end_time == stock.end_time == 9
+
+
+def test_a_provider_without_processors_gets_light_spans_from_the_first_call():
+    """The processors tuple is then the interpreter's one empty tuple: the verdict cached for it
+    must be computed, not taken from the cache's initial state (a fresh interpreter, so no other
+    test has filled the cache)."""
+    script = (
+        "from opentelemetry.sdk.trace import TracerProvider\n"
+        "from stallwatch.instrument import light_span\n"
+        "tracer = TracerProvider().get_tracer('test')\n"
+        "span = light_span.start(tracer, 'item', None, {'k': 'v'})\n"
+        "span.end()\n"
+        "print(type(span).__name__, span.get_span_context().trace_flags.sampled)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == ["LightSpan", "True"]

@@ -39,7 +39,7 @@ _LOCK = threading.Lock()  # guards every LightSpan's rare mutations (events, sta
 _STOCK = (sdk_trace.SpanProcessor, sdk_export.BatchSpanProcessor, sdk_export.SimpleSpanProcessor)
 _NO_OP_ON_START = frozenset(stock.on_start for stock in _STOCK)  # each is `pass`
 _NO_OP_ON_ENDING = frozenset(getattr(stock, "_on_ending", None) for stock in _STOCK)  # SDK 1.45+; `pass`
-_eligible: tuple[object, bool] = ((), False)  # (the processors tuple last checked, its verdict)
+_eligible: tuple[object, bool] = (object(), False)  # (the processors tuple last checked, its verdict)
 
 
 def _processors_eligible(processors: Any) -> bool:
