@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import threading
@@ -22,7 +23,7 @@ from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, V
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-from conftest import run_python
+from conftest import latest_total, run_python
 from stallwatch import telemetry
 from stallwatch.instrument import histograms
 from stallwatch.instrument._common import Deferred
@@ -236,3 +237,50 @@ def test_a_reader_that_wants_delta_histograms_keeps_the_sdks():
     finally:
         cumulative.shutdown()
         delta.shutdown()
+
+
+def test_values_dropped_past_the_limit_are_reported_as_dropped_metrics(tmp_path):
+    """A hot path that keeps recording while no collection drains: what is past `limit` is lost, and
+    `stallwatch.telemetry.dropped` {metrics, queue_full} says how much, in the exported metrics."""
+    out = tmp_path / "telemetry"
+    proc = run_python(
+        f"""
+        import stallwatch
+        from opentelemetry import metrics
+        from stallwatch import telemetry
+        from stallwatch.instrument._common import Deferred
+        stallwatch.setup(file_dir={str(out)!r}, watchdog=False, metric_export_interval_ms=3_600_000)
+        deferred = Deferred(metrics.get_meter("test"), telemetry.EXECUTOR_QUEUE_DURATION, limit=3)
+        for value in range(5):  # `record`: 2 past the limit
+            deferred.record(0.001 * value, {{"stallwatch.executor.name": "pool"}})
+        values = deferred.values_for({{"stallwatch.executor.name": "pool"}})
+        for value in range(4):  # the hot path's own check, as the executor does it: 1 past the limit
+            if len(values) < deferred.limit:
+                values.append(0.002)
+            else:
+                deferred.dropped += 1
+        stallwatch.shutdown()
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    metrics_file = out / "metrics.jsonl"
+    dropped = latest_total(metrics_file, "stallwatch.telemetry.dropped")
+    assert dropped == 3
+    assert latest_total(
+        metrics_file, "stallwatch.telemetry.dropped",
+        **{"stallwatch.telemetry.signal": "metrics", "stallwatch.telemetry.drop_reason": "queue_full"},
+    ) == 3  # fmt: skip
+    assert latest_total(metrics_file, METRIC.name) == 6  # the 3 + 3 kept values, counted
+
+
+def test_the_dropped_total_never_goes_down_when_a_deferred_is_collected():
+    from stallwatch.instrument._common import dropped_values
+
+    before = dropped_values()
+    deferred = Deferred(MeterProvider().get_meter("t"), METRIC, limit=1)
+    for _ in range(3):
+        deferred.record(0.5, {})
+    assert dropped_values() == before + 2
+    del deferred
+    gc.collect()
+    assert dropped_values() == before + 2

@@ -125,7 +125,8 @@ LOOP = Attribute("stallwatch.loop", "Event loop implementation.", ("uvloop", "as
 TELEMETRY_SIGNAL = Attribute("stallwatch.telemetry.signal", "Which signal.", ("traces", "metrics", "logs"))
 DROP_REASON = Attribute(
     "stallwatch.telemetry.drop_reason",
-    "Why telemetry was dropped: `queue_full` (the exporter fell behind), `export_failed` (the backend refused "
+    "Why telemetry was dropped: `queue_full` (the exporter fell behind; for metrics, values that waited for a "
+    "collection past an instrumentation's limit of 100,000), `export_failed` (the backend refused "
     "or failed), `backend_down` (made while the last export had failed: dropped at once, see README "
     '"Guarantees"), `shutdown_timeout` (still queued when STALLWATCH_SHUTDOWN_TIMEOUT ran out).',
     ("queue_full", "export_failed", "backend_down", "shutdown_timeout"),

@@ -54,6 +54,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from .. import telemetry
 from ..instrument import histograms
+from ..instrument._common import dropped_values
 
 QUEUE_FULL, EXPORT_FAILED, BACKEND_DOWN, SHUTDOWN_TIMEOUT = telemetry.DROP_REASON.values
 BACKOFF_FIRST = 1.0  # seconds the backend is taken to be down after a failed export
@@ -78,10 +79,15 @@ class ExportGate:
             self.dropped[signal, reason] = count
 
     def observe(self, options: CallbackOptions) -> Iterable[Observation]:
-        """Callback of the `stallwatch.telemetry.dropped` observable counter."""
+        """Callback of the `stallwatch.telemetry.dropped` observable counter. Metric values that
+        instrumentations dropped before aggregation (`Deferred`) count as {metrics, queue_full}."""
+        counts = dict(self.dropped)
+        values = dropped_values()
+        if values:
+            counts["metrics", QUEUE_FULL] = counts.get(("metrics", QUEUE_FULL), 0) + values
         return [
             Observation(count, {telemetry.TELEMETRY_SIGNAL.name: signal, telemetry.DROP_REASON.name: reason})
-            for (signal, reason), count in list(self.dropped.items())
+            for (signal, reason), count in counts.items()
         ]
 
     def entering_export(self) -> None:

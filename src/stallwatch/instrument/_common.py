@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -141,6 +142,16 @@ class Counts:
         ]
 
 
+_live: weakref.WeakSet[Deferred] = weakref.WeakSet()
+_retired = [0]  # what the Deferreds already collected had dropped: the total never goes down
+
+
+def dropped_values() -> int:
+    """Histogram values dropped so far, in this process, because more than a `Deferred`'s `limit`
+    waited for a collection."""
+    return _retired[0] + sum(deferred.dropped for deferred in list(_live))
+
+
 class Deferred:
     """Histogram values recorded on a hot path by a list or deque append, aggregated at collection.
 
@@ -150,7 +161,8 @@ class Deferred:
     instruments' storages), so every value is in the same export. Two ways in: `record(value,
     attributes)`, or, on the hottest paths, a plain `list.append` to `values_for(attributes)` (one
     list per attribute set, aggregated in C at drain, see `OwnHistogram.record_values`). At most
-    `limit` values wait per way in (per list); past that they are dropped and counted in `dropped`.
+    `limit` values wait per way in (per list); past that they are dropped and counted in `dropped`
+    (`dropped_values()` sums them: `stallwatch.telemetry.dropped` {metrics, queue_full}).
     A histogram that raises is a fault of the metric's component (`stallwatch.<component>.…`,
     turned off by `STALLWATCH_INSTRUMENT_<COMPONENT>`), counted per value; it never stops the
     collection.
@@ -165,9 +177,13 @@ class Deferred:
         self._lock = threading.Lock()  # serialises drains: two must not take the same list values
         self._pid = os.getpid()
         self.limit = limit
-        self.dropped = 0
+        self.dropped = 0  # hot paths add to it (`+=`)
+        _live.add(self)
         component = metric.name.split(".")[1]
         self._owner = (component, f"STALLWATCH_INSTRUMENT_{component.upper()}")
+
+    def __del__(self) -> None:
+        _retired[0] += self.dropped
 
     def record(self, value: float, attributes: dict[str, Any]) -> None:
         if len(self._pending) < self.limit:
