@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import attrs, latest_total, metric_points, otlp_items, run_python, run_scenario
+from conftest import attrs, clean_env, latest_total, metric_points, otlp_items, run_python, run_scenario
 
 pytestmark = pytest.mark.matrix
 
@@ -192,13 +192,62 @@ def test_queue_and_run_durations_and_workers_are_recorded(telemetry_dir):
     assert 1 <= latest_total(metrics, "stallwatch.executor.workers", **{"stallwatch.executor.name": "renderer"}) <= 3
 
 
-def test_submission_span_only_inside_a_trace_and_context_reaches_the_worker(telemetry_dir):
+OTHER_RUNTIME_CONTEXT = """
+import contextvars
+from opentelemetry.context.context import Context, _RuntimeContext
+
+ATTACHED = []
+
+
+class OtherRuntimeContext(_RuntimeContext):
+    \"\"\"A runtime context that keeps the context elsewhere than the API's own one.\"\"\"
+
+    def __init__(self):
+        self._elsewhere = contextvars.ContextVar("other_runtime_context", default=Context())
+
+    def attach(self, context):
+        ATTACHED.append(context)
+        return self._elsewhere.set(context)
+
+    def get_current(self):
+        return self._elsewhere.get()
+
+    def detach(self, token):
+        self._elsewhere.reset(token)
+"""
+
+
+@pytest.fixture(params=["api_contextvar", "other_runtime_context"])
+def runtime_context(request, tmp_path) -> dict[str, str]:
+    """The environment for the API's own runtime context, or for another one chosen with
+    OTEL_PYTHON_CONTEXT (installed here as a real `opentelemetry_context` entry point), which the
+    executor reaches through the API instead of its ContextVar."""
+    if request.param == "api_contextvar":
+        return clean_env()
+    site = tmp_path / "site"
+    dist_info = site / "other_context-0.dist-info"
+    dist_info.mkdir(parents=True)
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: other-context\nVersion: 0\n")
+    (dist_info / "entry_points.txt").write_text(
+        "[opentelemetry_context]\nother_context = other_context:OtherRuntimeContext\n"
+    )
+    (site / "other_context.py").write_text(OTHER_RUNTIME_CONTEXT)
+    return clean_env(OTEL_PYTHON_CONTEXT="other_context", PYTHONPATH=str(site))
+
+
+def test_submission_span_only_inside_a_trace_and_context_reaches_the_worker(telemetry_dir, runtime_context):
     proc = run_python(
         f"""
-        import asyncio, json
+        import asyncio, json, os
         import stallwatch
         stallwatch.setup(file_dir={str(telemetry_dir)!r})
         from opentelemetry import trace
+        from stallwatch.instrument import executor
+        if os.environ.get("OTEL_PYTHON_CONTEXT"):
+            import other_context
+            assert executor._context_var is executor._ContextApi, executor._context_var
+        else:
+            assert executor._context_var is not executor._ContextApi
         tracer = trace.get_tracer("app")
 
         def seen_from_worker():
@@ -212,13 +261,18 @@ def test_submission_span_only_inside_a_trace_and_context_reaches_the_worker(tele
             return {{"inside": inside, "trace_id": trace_id, "outside": outside}}
 
         result = asyncio.run(main())
+        if os.environ.get("OTEL_PYTHON_CONTEXT"):
+            result["attached_by_other_runtime_context"] = len(other_context.ATTACHED)
         stallwatch.shutdown(timeout=5)
         print(json.dumps(result))
-        """
+        """,
+        env=runtime_context,
     )
 
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
+    if "OTEL_PYTHON_CONTEXT" in runtime_context:
+        assert result["attached_by_other_runtime_context"] >= 2  # the request span, and the traced item in the worker
     assert result["inside"] == result["trace_id"]
     assert result["outside"] == "0" * 32
     spans = otlp_items(telemetry_dir / "traces.jsonl", "spans")
