@@ -181,6 +181,68 @@ def test_rotation_keeps_two_segments_and_every_operation_still_open(tmp_path):
     assert process.interruption()[0] == "shutdown"
 
 
+def test_an_operation_that_ends_before_its_start_is_written_is_not_written_at_all(tmp_path):
+    journal = Journal(tmp_path, flush_seconds=3600)  # the flusher does not run by itself during the test
+    tracer = TracerProvider().get_tracer("t")
+
+    def start(name: str, component: str = "nebius"):
+        span = tracer.start_span(name)
+        return span, journal.span_started(span, component)
+
+    quick, quick_token = start("quick")
+    quick.end()
+    journal.span_ended(quick, started=quick_token)  # its start still buffered: neither is written
+    slow, slow_token = start("slow")
+    journal.flush()  # the start of "slow" is in the file now
+    slow.end()
+    journal.span_ended(slow, started=slow_token)
+    untokened, _ = start("untokened", "ssh")
+    untokened.end()
+    journal.span_ended(untokened)  # no token: written as before
+    start("still-open")
+    journal.close()
+
+    (process,) = scan(tmp_path)
+    assert [r["name"] for r in process.host if r["type"] == "start"] == ["slow", "untokened", "still-open"]
+    assert len([r for r in process.host if r["type"] == "end"]) == 2
+    assert all("pending" not in r for r in process.host)
+    assert [op.name for op in process.interrupted()] == ["still-open"]
+
+
+def test_ends_racing_the_flusher_never_leave_a_finished_operation_open(tmp_path):
+    """Starts and ends from several threads while the flusher writes continuously: each operation is
+    either written whole or not at all; none that ended is replayed as interrupted."""
+    journal = Journal(tmp_path, flush_seconds=0.0005)
+    tracer = TracerProvider().get_tracer("t")
+    open_names: list[str] = []
+
+    def work(worker: int) -> None:
+        for number in range(2000):
+            span = tracer.start_span(f"w{worker}-{number}")
+            token = journal.span_started(span, "nebius")
+            if number % 500 == 0:
+                open_names.append(span.name)  # left open on purpose
+                continue
+            if number % 3 == 0:
+                time.sleep(0.0005)  # some outlive a flush
+            span.end()
+            journal.span_ended(span, started=token)
+
+    threads = [threading.Thread(target=work, args=(worker,)) for worker in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    journal.close()
+
+    (process,) = scan(tmp_path)
+    starts = {r["span_id"] for r in process.host if r["type"] == "start"}
+    ends = {r["span_id"] for r in process.host if r["type"] == "end"}
+    assert ends <= starts
+    assert sorted(op.name for op in process.interrupted()) == sorted(open_names)
+    assert 0 < len(starts) < 8000  # some were written, and some elided
+
+
 def test_instrumentations_write_through_the_active_journal_and_the_ledger_chain_keeps_logging(tmp_path):
     class Chain:
         def __init__(self):

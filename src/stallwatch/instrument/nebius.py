@@ -163,8 +163,8 @@ class _Call:
 
     __slots__ = (
         "attempt_events", "attempt_started", "attempts", "code", "end_ns", "error_class", "error_type", "failed",
-        "failed_attempts", "intent", "last_attempt_end", "later", "method", "operation_id", "request_id", "resource_id",
-        "span", "started", "took", "trace_id",
+        "failed_attempts", "intent", "journaled", "last_attempt_end", "later", "method", "operation_id", "request_id",
+        "resource_id", "span", "started", "took", "trace_id",
     )  # fmt: skip
 
     def __init__(self, instruments: _Instruments, request: Any, parent: context_api.Context, start_ns: int) -> None:
@@ -181,7 +181,7 @@ class _Call:
         self.intent: ledger.Intent | None = None
         self.later: list[Callable[[], None]] = []  # the ledger's log records, emitted off the critical path
         instruments.active.add(1, method.service, method.method)
-        journal.span_started(self.span, COMPONENT)  # on disk with the intent, which is durable
+        self.journaled = journal.span_started(self.span, COMPONENT)  # on disk with the intent, which is durable
         if method.action is not None:
             context = self.span.get_span_context()
             resource_id = _request_resource_id(request) if method.action == "delete" else None
@@ -268,7 +268,7 @@ class _Call:
         if self.failed:
             span.set_status(Status(StatusCode.ERROR, f"{code}: {self.error_class}"))
         span.end(end_time=self.end_ns)
-        journal.span_ended(span)
+        journal.span_ended(span, started=self.journaled)
         method = self.method
         instruments.duration.record(
             self.took, {telemetry.RPC_SERVICE.name: method.service, telemetry.RPC_METHOD.name: method.method,

@@ -76,7 +76,7 @@ def _get_instruments() -> _Instruments:
 class _Operation:
     """One open/close/check/exec call on a tunnel, with the return code of its last ssh child."""
 
-    __slots__ = ("ended", "instruments", "phase", "returncode", "span", "started")
+    __slots__ = ("ended", "instruments", "journaled", "phase", "returncode", "span", "started")
 
     def __init__(self, phase: str, span_name: str, attributes: Mapping[str, AttributeValue]) -> None:
         self.instruments = _get_instruments()
@@ -85,7 +85,7 @@ class _Operation:
         self.returncode: int | None = None
         self.ended = False
         self.span = self.instruments.tracer.start_span(span_name, kind=SpanKind.CLIENT, attributes=attributes)
-        journal.span_started(self.span, COMPONENT, durable=phase == "open")
+        self.journaled = journal.span_started(self.span, COMPONENT, durable=phase == "open")
 
     def child_exited(self, returncode: int) -> None:
         if not self.ended:
@@ -112,7 +112,7 @@ class _Operation:
             span.set_attribute(telemetry.ERROR_TYPE.name, labels[telemetry.ERROR_TYPE.name])
             span.set_status(Status(StatusCode.ERROR, f"ssh tunnel {self.phase} failed"))
         span.end()
-        journal.span_ended(span)
+        journal.span_ended(span, started=self.journaled)
         if self.phase not in ("open", "close"):
             return
         self.instruments.durations[self.phase].record(perf_counter() - self.started)

@@ -23,7 +23,13 @@ Three kinds of record:
   flusher every `flush_seconds` (0.1 s), or at once when the deque is half full, which also stamps
   the heartbeat slot in the file's header with the time: the last evidence of life. A buffered
   record survives a SIGKILL once flushed (it is in the page cache); the flusher's period bounds
-  what a kill can lose.
+  what a kill can lose. An operation that ends before its start record was written (most calls
+  last less than a flush period) is never written at all, when its instrumentation passes the
+  start's token to `span_ended`: the journal is for what is in flight, replay has nothing to do
+  with an operation that ended, and the flusher's encoding is most of what a journaled call costs
+  (JSON and CRC of two records). Whichever comes first, the flusher or the end, takes the start
+  record's `pending` key (one `dict.pop` each, atomic under the GIL), so exactly one of them
+  decides: written (and the end is written after it) or elided (neither is).
 
 The hot path never touches the disk for a buffered record: it builds a dict and appends it. The
 file is preallocated with zeros 1 MiB at a time, so a durable record is a `pwrite` into allocated
@@ -163,16 +169,18 @@ class Journal:
 
     # ---- what instrumentations call -----------------------------------------------------------
 
-    def span_started(self, span: Any, component: str, *, durable: bool = False) -> None:
+    def span_started(self, span: Any, component: str, *, durable: bool = False) -> dict[str, Any] | None:
         """Record a span that just started: the SDK's or a `LightSpan` (no-op for one that does not record).
 
         The hot path keeps the span's immutable context, kind and a copy of its attributes; the
-        flusher turns them into JSON (ids as hex) off the caller's thread."""
+        flusher turns them into JSON (ids as hex) off the caller's thread. Returns the start's
+        token for `span_ended(started=...)` (None when nothing was recorded)."""
         if not isinstance(span, _RECORDING):
-            return
+            return None
         try:
             record = {
                 "type": "start",
+                "pending": True,  # taken by the flusher (written) or by `span_ended` (elided)
                 "component": component,
                 "name": span.name,
                 "kind": span.kind,
@@ -184,11 +192,15 @@ class Journal:
             }
         except Exception:
             self._failed()
-            return
+            return None
         self._record(record, durable)
+        return record
 
-    def span_ended(self, span: Any, *, durable: bool = False) -> None:
-        """Record that an SDK span ended, with its status and every attribute it learned."""
+    def span_ended(self, span: Any, *, durable: bool = False, started: dict[str, Any] | None = None) -> None:
+        """Record that a span ended, with its status and every attribute it learned. With `started` (what
+        `span_started` returned), an operation whose start was not written yet is not written at all."""
+        if started is not None and started.pop("pending", None) is not None:
+            return
         if not isinstance(span, _RECORDING):
             return
         try:
@@ -384,10 +396,13 @@ class Journal:
             self._failed()
 
     def _encode_each(self, state: _State, records: list[dict[str, Any]]) -> list[bytes]:
-        """The frames of `records`; one that cannot be encoded (a value whose `str()` raises, a record over
-        `frames.MAX_RECORD_BYTES`) is lost alone and reported, never the records written with it."""
+        """The frames of `records`, but for starts already ended (see `span_ended`); one that cannot be
+        encoded (a value whose `str()` raises, a record over `frames.MAX_RECORD_BYTES`) is lost alone and
+        reported, never the records written with it."""
         encoded = []
         for record in records:
+            if record["type"] == "start" and record.pop("pending", None) is None:
+                continue
             try:
                 encoded.append(self._encode(state, record))
             except Exception:
@@ -591,15 +606,18 @@ def active() -> Journal | None:
     return _active
 
 
-def span_started(span: Any, component: str, *, durable: bool = False) -> None:
-    """For instrumentations: record a started span in the active journal, if there is one."""
+def span_started(span: Any, component: str, *, durable: bool = False) -> dict[str, Any] | None:
+    """For instrumentations: record a started span in the active journal, if there is one; returns
+    the token to pass to `span_ended` (None when nothing was recorded)."""
     journal = _active
     if journal is not None:
-        journal.span_started(span, component, durable=durable)
+        return journal.span_started(span, component, durable=durable)
+    return None
 
 
-def span_ended(span: Any, *, durable: bool = False) -> None:
-    """For instrumentations: record an ended span in the active journal, if there is one."""
+def span_ended(span: Any, *, durable: bool = False, started: dict[str, Any] | None = None) -> None:
+    """For instrumentations: record an ended span in the active journal, if there is one (see
+    `Journal.span_ended` for `started`)."""
     journal = _active
     if journal is not None:
-        journal.span_ended(span, durable=durable)
+        journal.span_ended(span, durable=durable, started=started)
