@@ -35,7 +35,7 @@ from stallwatch.instrument import executor as executor_module
 from stallwatch.instrument import nebius, ssh
 from stallwatch.instrument import subprocess as spawns
 from stallwatch.instrument._common import Counts, Deferred, instrument
-from stallwatch.instrument.scrub import MAX_ARG_CHARS, MAX_ARGS, MAX_NAME_CHARS, clip_text, scrub_text
+from stallwatch.instrument.scrub import MAX_ARG_CHARS, MAX_ARGS, MAX_NAME_CHARS, TRUNCATED, clip_text, scrub_text
 from stallwatch.journal import Journal, JournalRecorder, read_segment
 
 EXAMPLES = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -145,6 +145,14 @@ def test_scrub_text_and_clip_text_take_anything(value, seed, limit):
     assert clipped is None or (isinstance(value, str) and value and len(clipped) <= bound)
     assert clip_text("computeinstance-e00abc", limit) == "computeinstance-e00abc"  # never scrubbed: an id
     assert clip_text("0af7651916cd43dd8448eb211c80319c", 512) == "0af7651916cd43dd8448eb211c80319c"
+
+
+@EXAMPLES
+@given(st.text(st.characters(max_codepoint=127), max_size=700) | st.text(max_size=700), st.integers(1, 1000))
+def test_clip_text_keeps_or_cuts_text_the_same_way_on_its_ascii_fast_path(text, limit):
+    bound = min(max(limit, 28), MAX_ARG_CHARS)
+    expected = text if len(text) <= bound else text[: bound - len(TRUNCATED)] + TRUNCATED  # (no lone surrogates here)
+    assert clip_text(text, limit) == (expected or None)
 
 
 # ---- subprocess: executable name, argument count, scrubbed arguments ------------------------------
