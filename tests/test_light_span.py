@@ -130,7 +130,7 @@ class AskingSampler(sdk_sampling.ParentBased):
         return super().should_sample(*args, **kwargs)
 
 
-@pytest.mark.parametrize("remote", [False, True], ids=["local_parent", "remote_parent"])
+@pytest.mark.parametrize("remote", [False, True, None], ids=["local_parent", "remote_parent", "root"])
 @pytest.mark.parametrize(
     "make_sampler",
     [
@@ -152,8 +152,11 @@ def test_a_sampled_parent_gets_the_samplers_answer_whether_or_not_it_is_asked(ma
     tracer_provider, exporter = provider(sampler)
     tracer = tracer_provider.get_tracer("test")
     state = trace.TraceState([("vendor", "value")])
-    parent = trace.NonRecordingSpan(SpanContext(0x1234, 0x5678, remote, TraceFlags(TraceFlags.SAMPLED), state))
-    context = trace.set_span_in_context(parent)
+    if remote is None:  # a root span: no parent, no trace state
+        context, state = otel_context.Context(), trace.TraceState()
+    else:
+        parent = trace.NonRecordingSpan(SpanContext(0x1234, 0x5678, remote, TraceFlags(TraceFlags.SAMPLED), state))
+        context = trace.set_span_in_context(parent)
     asked.clear()
     light = light_span.start(tracer, "item", context, dict(ATTRIBUTES))
     light_asked = len(asked)
@@ -167,11 +170,19 @@ def test_a_sampled_parent_gets_the_samplers_answer_whether_or_not_it_is_asked(ma
     finished = exporter.get_finished_spans()
     if recording:
         assert len(finished) == 2
-        same(*finished)
+        if remote is None:
+            assert finished[0].parent is None and finished[1].parent is None
+            assert dict(finished[0].attributes) == dict(finished[1].attributes)
+            assert finished[0].context.trace_flags == finished[1].context.trace_flags
+        else:
+            same(*finished)
     else:
         assert not finished
-    # The default sampler's answer to a sampled parent is known: it is not asked; any other is.
+    # The default sampler's answer is known for a sampled parent, and for a root span when its root
+    # sampler is ALWAYS_ON: it is not asked then; any other is.
     default = type(sampler) in (sdk_sampling.ParentBased, sdk_sampling.ParentBasedTraceIdRatio) and recording
+    if remote is None:
+        default = type(sampler) is sdk_sampling.ParentBased
     assert (light_asked == 0) == default
     if isinstance(sampler, AskingSampler):
         assert sampler.asked == 2

@@ -10,7 +10,8 @@ self-metrics, whose processors all have the stock no-op `on_start` (the SDK's ba
 processors, and subclasses that keep it); anywhere else `start()` returns the tracer's own span.
 The SDK offers no cheaper span, hence this module. With the SDK's default sampler (parent-based,
 sampling whatever has a sampled parent) and a sampled parent, the sampler is not called: its
-answer is known (record and sample, the given attributes, the parent's trace state).
+answer is known (record and sample, the given attributes, the parent's trace state); likewise for a
+root span when its root sampler is `ALWAYS_ON` (the default).
 
 Differences a user can see: none in what is exported; `on_start` is never called (it does nothing
 on the processors this path accepts); attribute values set by other code are cleaned and bounded
@@ -114,13 +115,17 @@ def start(
         random = getattr(sdk.id_generator, "is_trace_id_random", None)
         flags = _RANDOM if _RANDOM and random is not None and random() else 0
     sampler = sdk.sampler
-    if parent is not None and type(sampler) in _PARENT_BASED and parent.trace_flags & TraceFlags.SAMPLED:
+    if type(sampler) not in _PARENT_BASED:
+        delegate = None
+    elif parent is None:
+        delegate = sampler._root
+    elif parent.trace_flags & TraceFlags.SAMPLED:
         delegate = sampler._remote_parent_sampled if parent.is_remote else sampler._local_parent_sampled
     else:
         delegate = None
     if delegate is sampling.ALWAYS_ON:  # what the sampler would answer, without its three calls and result object
         flags |= TraceFlags.SAMPLED
-        span_attributes, trace_state = dict(attributes), parent.trace_state
+        span_attributes, trace_state = dict(attributes), parent.trace_state if parent is not None else None
     else:
         result = sampler.should_sample(context, trace_id, name, kind, attributes, ())
         if result.decision.is_sampled():
