@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from conftest import attrs, latest_total, metric_points, otlp_items, run_python, run_scenario
@@ -228,3 +230,35 @@ def test_unit_resource_type_names():
         """
     )
     assert proc.stdout.split() == ["compute.instance", "vpc.subnet", "odd"], proc.stderr
+
+
+def test_work_after_the_result_runs_after_the_sdks_done_callback_with_or_without_a_task():
+    """`_after_result` runs the span's end after what the SDK queued to publish the result: behind
+    the task's done callback the SDK added when it submitted the call (same iteration), or, outside
+    a task, two hops behind anything queued in the same iteration."""
+    from stallwatch.instrument import nebius
+
+    order: list[str] = []
+    loop = asyncio.new_event_loop()
+    try:
+
+        async def call() -> None:
+            nebius._after_result(asyncio.get_running_loop(), lambda _: order.append("complete"))
+
+        task = loop.create_task(call())
+        task.add_done_callback(lambda _: order.append("publish"))  # as the SDK does, before the task runs
+        loop.run_until_complete(task)
+        loop.run_until_complete(asyncio.sleep(0))
+        assert order == ["publish", "complete"]
+
+        order.clear()
+
+        def plain_callback() -> None:
+            nebius._after_result(loop, lambda _: order.append("complete"))
+            loop.call_soon(order.append, "publish")
+
+        loop.call_soon(plain_callback)
+        loop.run_until_complete(asyncio.sleep(0.01))
+        assert order == ["publish", "complete"]
+    finally:
+        loop.close()

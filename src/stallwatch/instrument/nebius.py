@@ -25,17 +25,19 @@ CPU spent in this process while a call is in flight lengthens it. Only what the 
 needs stays between the caller's await and its result:
 
 1. before the request leaves: the span is started (its ids name the journal records and the
-   ledger's records), its journal start record is queued, and a create/delete's intent is made
-   durable (one `fdatasync`, the single disk wait the ledger requires; see `stallwatch.ledger`);
+   ledger's records), its journal start record is queued (and never written if the call ends
+   first, see `stallwatch.journal.writer`), and a create/delete's intent is made durable (one
+   `fdatasync`, the single disk wait the ledger requires; see `stallwatch.ledger`);
 2. when the answer is in, before the SDK hands it to the caller: the status and ids are read, and
    a create/delete's outcome is written to the journal (a `pwrite`, synced by the journal within
    its flush period, see `stallwatch.journal.writer`);
 3. everything else runs on the SDK loop once the caller has its result: the span's attributes,
    attempt events, status and end, the journal end record, the metrics and the ledger's log
    records (the intent's log record goes out right after the request, while the call waits on the
-   network). The SDK publishes a call's result from a done callback of the task that ran it;
-   `_after_result` queues the work one loop hop behind that callback. The SDK loop runs it before
-   anything submitted later (an `sdk.close()` included), so nothing waits for a thread or a timer.
+   network). The SDK publishes a call's result from a done callback of the task that ran it,
+   added when it submitted the call; `_after_result` adds the work as a done callback of the same
+   task, so the loop runs it right after, in the same iteration and before anything submitted
+   later (an `sdk.close()` included): nothing waits for a thread or a timer.
 
 Per-method facts (span name, attributes, ledger action, resource type) are computed once per
 method. What each part costs a call against the fake server is measured by
@@ -47,6 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import importlib.metadata
 import inspect
 import logging
@@ -77,6 +80,9 @@ _WRAPPED = ("_request_with_authorization_loop", "_send", "_await_native_call")
 _ACTIONS = {"Create": "create", "Delete": "delete"}
 _GRPC_CODES = {"OK": 0, "CANCELLED": 1, "DEADLINE_EXCEEDED": 4}  # grows with each status name seen
 _STATUS_CODE = telemetry.RPC_GRPC_STATUS_CODE.name
+_ATTEMPTS, _ERROR_TYPE = telemetry.NEBIUS_ATTEMPTS.name, telemetry.ERROR_TYPE.name
+_REQUEST_ID, _TRACE_ID = telemetry.NEBIUS_REQUEST_ID.name, telemetry.NEBIUS_TRACE_ID.name
+_OPERATION_ID, _RESOURCE_ID = telemetry.CLOUD_OPERATION_ID.name, telemetry.CLOUD_RESOURCE_ID.name
 
 
 @dataclass
@@ -128,7 +134,7 @@ def resource_type(service: str) -> str:
 class _Method:
     """What every call of one RPC method shares: computed on its first call, then reused."""
 
-    __slots__ = ("action", "attributes", "method", "name", "resource_type", "service")
+    __slots__ = ("action", "attributes", "by_status", "method", "name", "resource_type", "service")
 
     def __init__(self, service: str, method: str) -> None:
         self.service = service
@@ -140,6 +146,18 @@ class _Method:
         }  # fmt: skip
         self.action = _ACTIONS.get(method)
         self.resource_type = resource_type(service)
+        self.by_status: dict[int, dict[str, Any]] = {}
+
+    def duration_attributes(self, status_code: int) -> dict[str, Any]:
+        """The attributes of `stallwatch.nebius.call.duration` for this method and status (shared, read-only)."""
+        attributes = self.by_status.get(status_code)
+        if attributes is None:
+            attributes = {
+                telemetry.RPC_SERVICE.name: self.service, telemetry.RPC_METHOD.name: self.method,
+                _STATUS_CODE: status_code,
+            }  # fmt: skip
+            self.by_status[status_code] = attributes
+        return attributes
 
 
 _methods: dict[tuple[Any, Any], _Method] = {}
@@ -163,26 +181,26 @@ class _Call:
 
     __slots__ = (
         "attempt_events", "attempt_started", "attempts", "code", "end_ns", "error_class", "error_type", "failed",
-        "failed_attempts", "intent", "journaled", "last_attempt_end", "later", "method", "operation_id", "request_id",
-        "resource_id", "span", "started", "took", "trace_id",
+        "failed_attempts", "intent", "journaled", "later", "method", "operation_id", "request_id", "resource_id",
+        "span", "started", "took", "trace_id",
     )  # fmt: skip
 
     def __init__(self, instruments: _Instruments, request: Any, parent: context_api.Context, start_ns: int) -> None:
         method = self.method = _method_of(request)
         self.span = light_span.start(
-            instruments.tracer, method.name, parent, dict(method.attributes), SpanKind.CLIENT, start_ns
+            instruments.tracer, method.name, parent, method.attributes, SpanKind.CLIENT, start_ns
         )
         self.started = time.monotonic() - (time.time_ns() - start_ns) / 1e9
         self.attempts = 0
         self.failed_attempts = 0
-        self.attempt_events: list[tuple[dict[str, Any], int]] = []
+        self.attempt_events: list[tuple[int, str, float, float, int]] = []
         self.attempt_started = 0.0
-        self.last_attempt_end: float | None = None
         self.intent: ledger.Intent | None = None
-        self.later: list[Callable[[], None]] = []  # the ledger's log records, emitted off the critical path
+        self.later: list[Callable[[], None]] | tuple[()] = ()  # the ledger's log records, emitted off the critical path
         instruments.active.add(1, method.service, method.method)
         self.journaled = journal.span_started(self.span, COMPONENT)  # on disk with the intent, which is durable
         if method.action is not None:
+            self.later = []
             context = self.span.get_span_context()
             resource_id = _request_resource_id(request) if method.action == "delete" else None
             self.intent = ledger.Intent(
@@ -196,18 +214,21 @@ class _Call:
         self.attempt_started = time.monotonic()
 
     def attempt_ended(self, code: str) -> None:
-        now = time.monotonic()
+        """Keep what the attempt's event needs; the event is built in `complete`, only if it is added."""
+        self.failed_attempts += code != "OK"
+        self.attempt_events.append((self.attempts, code, self.attempt_started, time.monotonic(), time.time_ns()))
+
+    def _attempt_event(self, index: int) -> tuple[dict[str, Any], int]:
+        number, code, started, ended, timestamp = self.attempt_events[index]
         attributes: dict[str, Any] = {
-            "attempt": self.attempts,
+            "attempt": number,
             _STATUS_CODE: _code_number(code),
             "rpc.response.status_code": code,
-            "duration_seconds": now - self.attempt_started,
+            "duration_seconds": ended - started,
         }
-        if self.last_attempt_end is not None:
-            attributes["backoff_seconds"] = self.attempt_started - self.last_attempt_end
-        self.last_attempt_end = now
-        self.failed_attempts += code != "OK"
-        self.attempt_events.append((attributes, time.time_ns()))
+        if index:
+            attributes["backoff_seconds"] = started - self.attempt_events[index - 1][3]
+        return attributes, timestamp
 
     def end(
         self,
@@ -240,27 +261,24 @@ class _Call:
 
     def complete(self, instruments: _Instruments) -> None:
         """Everything the caller need not wait for: the span's end, the metrics, the ledger's log records."""
-        self.emit_later()
+        if self.later:
+            self.emit_later()
         span, code = self.span, self.code
         if self.attempts > 1 or self.failed_attempts:  # one clean attempt says nothing the span does not
-            for event, timestamp in self.attempt_events:
-                span.add_event("stallwatch.nebius.attempt", event, timestamp)
+            for index in range(len(self.attempt_events)):
+                span.add_event("stallwatch.nebius.attempt", *self._attempt_event(index))
         number = _code_number(code)
-        attributes: dict[str, Any] = {
-            _STATUS_CODE: number,
-            "rpc.response.status_code": code,
-            telemetry.NEBIUS_ATTEMPTS.name: self.attempts,
-        }
-        for attribute, value in (
-            (telemetry.NEBIUS_REQUEST_ID, self.request_id),
-            (telemetry.NEBIUS_TRACE_ID, self.trace_id),
-            (telemetry.CLOUD_OPERATION_ID, self.operation_id),
-            (telemetry.CLOUD_RESOURCE_ID, self.resource_id),
-        ):
-            if value:
-                attributes[attribute.name] = value
+        attributes: dict[str, Any] = {_STATUS_CODE: number, "rpc.response.status_code": code, _ATTEMPTS: self.attempts}
+        if self.request_id:
+            attributes[_REQUEST_ID] = self.request_id
+        if self.trace_id:
+            attributes[_TRACE_ID] = self.trace_id
+        if self.operation_id:
+            attributes[_OPERATION_ID] = self.operation_id
+        if self.resource_id:
+            attributes[_RESOURCE_ID] = self.resource_id
         if self.failed:
-            attributes[telemetry.ERROR_TYPE.name] = self.error_type or code
+            attributes[_ERROR_TYPE] = self.error_type or code
         if isinstance(span, light_span.LightSpan):
             span.set_own_attributes(attributes)  # ids clipped to valid text, numbers: as the SDK would keep them
         else:
@@ -270,10 +288,7 @@ class _Call:
         span.end(end_time=self.end_ns)
         journal.span_ended(span, started=self.journaled)
         method = self.method
-        instruments.duration.record(
-            self.took, {telemetry.RPC_SERVICE.name: method.service, telemetry.RPC_METHOD.name: method.method,
-                        _STATUS_CODE: number}
-        )  # fmt: skip
+        instruments.duration.record(self.took, method.duration_attributes(number))
         instruments.active.add(-1, method.service, method.method)
         intent = self.intent
         if intent is not None and not self.failed:
@@ -285,7 +300,7 @@ class _Call:
         later = self.later
         while later:
             try:
-                later.pop(0)()
+                later.pop(0)()  # type: ignore[union-attr]
             except Exception:
                 FAULTS.record(COMPONENT, SETTING)
 
@@ -294,7 +309,7 @@ class _Call:
         records held in `later`. A failing recorder (e.g. a full disk) is counted; the call and its
         span go on."""
         token = context_api.attach(trace.set_span_in_context(self.span))
-        held = ledger.EMIT_LATER.set(self.later.append)
+        held = ledger.EMIT_LATER.set(self.later.append)  # type: ignore[union-attr]
         try:
             record(self.intent)  # type: ignore[arg-type]
         except Exception:
@@ -399,22 +414,26 @@ def _end(call: _Call, instruments: _Instruments, request: Any, result: Any, erro
         FAULTS.record(COMPONENT, SETTING)
         return
     try:
-        _after_result(asyncio.get_running_loop(), _complete, call, instruments)
+        _after_result(asyncio.get_running_loop(), functools.partial(_complete, call, instruments))
     except RuntimeError:  # no running loop (or it is closing): complete it now
         _complete(call, instruments)
 
 
-def _after_result(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: Any) -> None:
+def _after_result(loop: asyncio.AbstractEventLoop, callback: Callable[..., None]) -> None:
     """Run `callback` on `loop` right after the SDK hands the running call's result to its caller.
 
-    The SDK publishes the result from a done callback of the task running the call; the loop
-    queues that callback when the task finishes, after anything queued now. One more hop puts
-    `callback` behind it.
+    The SDK publishes the result from a done callback of the task running the call, added when it
+    submitted the call. A done callback added now runs after it, in the same loop iteration. Outside
+    a task (the SDK changed how it runs calls), two hops behind anything queued now do the same.
     """
-    loop.call_soon(loop.call_soon, callback, *args)
+    task = asyncio.current_task(loop)
+    if task is not None:
+        task.add_done_callback(callback)
+    else:
+        loop.call_soon(loop.call_soon, callback, None)
 
 
-def _complete(call: _Call, instruments: _Instruments) -> None:
+def _complete(call: _Call, instruments: _Instruments, _done: object = None) -> None:
     try:
         call.complete(instruments)
     except Exception:
