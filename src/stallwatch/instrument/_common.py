@@ -183,7 +183,9 @@ class Deferred:
         self._owner = (component, f"STALLWATCH_INSTRUMENT_{component.upper()}")
 
     def __del__(self) -> None:
-        _retired[0] += self.dropped
+        retired = _retired  # None once the interpreter clears this module's globals at exit
+        if retired is not None:
+            retired[0] += getattr(self, "dropped", 0)  # 0: `__init__` failed before it was set
 
     def record(self, value: float, attributes: dict[str, Any]) -> None:
         if len(self._pending) < self.limit:
