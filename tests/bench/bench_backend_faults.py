@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -193,9 +194,10 @@ def configs(protocols: tuple[str, ...]) -> list[str]:
 
 
 def run_config(config: str, seconds: float, rate: int) -> dict[str, Any]:
+    file_dir = tempfile.mkdtemp(prefix="bench_faults_")
     env = clean_env()
     env.update(STALLWATCH_WATCHDOG="false", STALLWATCH_LOG_LEVEL="INFO", STALLWATCH_SHUTDOWN_TIMEOUT="1",
-               NO_PROXY="127.0.0.1", STALLWATCH_FILE_DIR=tempfile.mkdtemp(prefix="bench_faults_"))  # fmt: skip
+               NO_PROXY="127.0.0.1", STALLWATCH_FILE_DIR=file_dir)  # fmt: skip
     collector = None
     if config == BASELINE:
         env.update(OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none", OTEL_LOGS_EXPORTER="none")
@@ -216,6 +218,7 @@ def run_config(config: str, seconds: float, rate: int) -> dict[str, Any]:
         if collector is not None:
             collector.kill()
             collector.wait()
+        shutil.rmtree(file_dir, ignore_errors=True)
     if proc.returncode != 0:
         raise RuntimeError(f"worker {config} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     run = json.loads(proc.stdout.strip().splitlines()[-1])

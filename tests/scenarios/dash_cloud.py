@@ -8,8 +8,10 @@ status, latency, calls in flight, resources created and deleted.
 """
 
 import asyncio
+import atexit
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -19,12 +21,14 @@ import stallwatch  # first: the gRPC fork guard before grpc loads
 from stallwatch.demo_incidents import command
 from stallwatch.fake_nebius import INSTANCE_SERVICE, FakeNebius, sdk_for
 
-journal_dir = tempfile.mkdtemp(prefix="dash-cloud-journal-")
+scratch = tempfile.mkdtemp(prefix="dash-cloud-")
+atexit.register(shutil.rmtree, scratch, ignore_errors=True)  # after stallwatch's own exit handlers (LIFO)
+journal_dir = os.path.join(scratch, "journal")
 with FakeNebius() as killed_cloud:
     killed_cloud.delay_next(f"{INSTANCE_SERVICE}/Create", 60)
     env = {**os.environ, "STALLWATCH_JOURNAL_DIR": journal_dir, "OTEL_METRICS_EXPORTER": "none",
            "OTEL_TRACES_EXPORTER": "none", "OTEL_LOGS_EXPORTER": "none"}  # fmt: skip
-    host = subprocess.Popen(command("create", tempfile.mkdtemp(), killed_cloud.address), env=env,
+    host = subprocess.Popen(command("create", os.path.join(scratch, "killed-host"), killed_cloud.address), env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # fmt: skip
     host.stdout.readline()  # {"creating": true}
     time.sleep(1.0)
