@@ -172,27 +172,20 @@ class Journal:
     def span_started(self, span: Any, component: str, *, durable: bool = False) -> dict[str, Any] | None:
         """Record a span that just started: the SDK's or a `LightSpan` (no-op for one that does not record).
 
-        The hot path keeps the span's immutable context, kind and a copy of its attributes; the
-        flusher turns them into JSON (ids as hex) off the caller's thread. Returns the start's
-        token for `span_ended(started=...)` (None when nothing was recorded)."""
+        The hot path keeps the span and the time; whoever writes the record (the flusher, or
+        this call for a durable one) reads the span's name, kind, ids, parent, start and
+        attributes then and turns them into JSON, so a record that is never written (see
+        `span_ended`) costs no more than that. Returns the start's token for
+        `span_ended(started=...)` (None when nothing was recorded)."""
         if not isinstance(span, _RECORDING):
             return None
-        try:
-            record = {
-                "type": "start",
-                "pending": True,  # taken by the flusher (written) or by `span_ended` (elided)
-                "component": component,
-                "name": span.name,
-                "kind": span.kind,
-                "context": span.get_span_context(),
-                "parent": span.parent,
-                "start_ns": span.start_time,
-                "mono_ns": time.monotonic_ns(),
-                "attributes": span.attributes.copy(),
-            }
-        except Exception:
-            self._failed()
-            return None
+        record = {
+            "type": "start",
+            "pending": True,  # taken by the flusher (written) or by `span_ended` (elided)
+            "component": component,
+            "span": span,
+            "mono_ns": time.monotonic_ns(),
+        }
         self._record(record, durable)
         return record
 
@@ -525,13 +518,22 @@ class Journal:
 
 def _span_fields(record: dict[str, Any]) -> dict[str, Any]:
     """A start/end record as the hot path kept it (span objects) -> JSON-ready fields, in place
-    (the record belongs to the journal once buffered)."""
-    context = record.pop("context")
+    (the record belongs to the journal once buffered). A start record's fields are read from its
+    span now: what it knows when the record is written (its attributes may have grown since it
+    started)."""
+    if record["type"] == "start":
+        span = record.pop("span")
+        context = span.get_span_context()
+        parent = span.parent
+        record["name"] = span.name
+        record["kind"] = span.kind.name
+        record["start_ns"] = span.start_time
+        record["attributes"] = span.attributes.copy()  # one C call: safe while the span's thread sets more
+    else:
+        context = record.pop("context")
     record["trace_id"] = f"{context.trace_id:032x}"
     record["span_id"] = f"{context.span_id:016x}"
     if record["type"] == "start":
-        parent = record.pop("parent")
-        record["kind"] = record["kind"].name
         record["sampled"] = context.trace_flags.sampled
         record["parent_span_id"] = f"{parent.span_id:016x}" if parent is not None else None
         record["parent_remote"] = parent.is_remote if parent is not None else False
