@@ -523,23 +523,20 @@ def _span_fields(record: dict[str, Any]) -> dict[str, Any]:
     started)."""
     if record["type"] == "start":
         span = record.pop("span")
-        context = span.get_span_context()
-        parent = span.parent
+        context, parent = span.get_span_context(), span.parent
         record["name"] = span.name
         record["kind"] = span.kind.name
         record["start_ns"] = span.start_time
         record["attributes"] = span.attributes.copy()  # one C call: safe while the span's thread sets more
-    else:
-        context = record.pop("context")
-    record["trace_id"] = f"{context.trace_id:032x}"
-    record["span_id"] = f"{context.span_id:016x}"
-    if record["type"] == "start":
         record["sampled"] = context.trace_flags.sampled
         record["parent_span_id"] = f"{parent.span_id:016x}" if parent is not None else None
         record["parent_remote"] = parent.is_remote if parent is not None else False
     else:
+        context = record.pop("context")
         record["status"] = record["status"].status_code.name
         record["error_type"] = record["attributes"].get("error.type")
+    record["trace_id"] = f"{context.trace_id:032x}"
+    record["span_id"] = f"{context.span_id:016x}"
     return record
 
 
