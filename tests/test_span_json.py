@@ -105,3 +105,28 @@ def test_dropped_attribute_event_and_link_counts_are_written_as_protobuf_writes_
     ours = encode_spans_json(spans)
     assert json.loads(ours) == json.loads(to_otlp_json(encode_spans(spans)))
     assert '"droppedAttributesCount":2' in ours and '"droppedEventsCount":1' in ours and '"droppedLinksCount":2' in ours
+
+
+def test_cached_key_and_value_texts_stay_bounded_and_write_what_the_protobuf_route_writes(monkeypatch):
+    from stallwatch.export import span_json
+
+    monkeypatch.setattr(span_json, "_CACHE_LIMIT", 8)
+    monkeypatch.setattr(span_json, "_key_texts", {})
+    monkeypatch.setattr(span_json, "_string_texts", {})
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("x")
+    long_value = "v" * (span_json._CACHED_VALUE_CHARS + 1)
+    for number in range(30):  # more distinct keys and values than the caches hold, each twice
+        attributes = {f"key.{number}": f'é "{number}"', "same": "name", "long": long_value, "n": number}
+        for _ in range(2):
+            tracer.start_span(f"s{number}", attributes=attributes).end()
+    spans = list(exporter.get_finished_spans())
+    for batch in (spans, spans):  # the second time, from what the first left in the caches
+        reference = json.loads(to_otlp_json(encode_spans(batch)))
+        keep_flags = '"flags"' in json.dumps(reference)
+        assert _flatten(json.loads(encode_spans_json(batch)), keep_flags) == _flatten(reference, keep_flags)
+        assert 0 < len(span_json._key_texts) <= 8
+        assert 0 < len(span_json._string_texts) <= 8
+    assert long_value not in span_json._string_texts

@@ -88,10 +88,47 @@ def _value_text(value: Any) -> str:
     return json.dumps(_value(value), separators=(",", ":"))
 
 
+# Attribute keys, and most string values (executor, executable and method names, statuses), repeat
+# from span to span: their escaped text is kept. Each cache is emptied when it reaches its limit, so
+# values that never repeat (ids) cost one insert each and the memory stays bounded.
+_CACHE_LIMIT = 4096
+_CACHED_VALUE_CHARS = 64
+_key_texts: dict[str, str] = {}
+_string_texts: dict[str, str] = {}
+
+
+def _key_text(key: str) -> str:
+    """`{"key":<key>,"value":`, from the cache."""
+    text = _key_texts.get(key)
+    if text is None:
+        text = '{"key":' + _string(key) + ',"value":'
+        if len(_key_texts) >= _CACHE_LIMIT:
+            _key_texts.clear()
+        _key_texts[key] = text
+    return text
+
+
+def _string_text(value: str) -> str:
+    """`{"stringValue":<value>}}`, the attribute's closing brace included; short values from the cache."""
+    text = _string_texts.get(value)
+    if text is None:
+        text = '{"stringValue":' + _string(value) + "}}"
+        if len(value) <= _CACHED_VALUE_CHARS:
+            if len(_string_texts) >= _CACHE_LIMIT:
+                _string_texts.clear()
+            _string_texts[value] = text
+    return text
+
+
 def _attributes_text(attributes: Any) -> str:
-    return ",".join(
-        ['{"key":' + _string(key) + ',"value":' + _value_text(value) + "}" for key, value in attributes.items()]
-    )
+    parts = []
+    for key, value in attributes.items():
+        key_text = _key_texts.get(key) or _key_text(key)
+        if type(value) is str:
+            parts.append(key_text + (_string_texts.get(value) or _string_text(value)))
+        else:
+            parts.append(key_text + _value_text(value) + "}")
+    return ",".join(parts)
 
 
 def _span_text(span: ReadableSpan) -> str:
