@@ -204,3 +204,19 @@ def test_none_and_unknown_values_end_as_the_protobuf_route_ends(body):
     batch = bridge.batch()
     batch[-1].log_record.body = body
     assert _outcome(encode_logs_json, batch) == _outcome(lambda b: to_otlp_json(encode_logs(b)), batch)
+
+
+def test_cached_attribute_and_body_texts_stay_bounded_and_match_the_protobuf_route(monkeypatch):
+    fallbacks = _spy_fallback(monkeypatch)
+    monkeypatch.setattr(log_json, "_CACHE_LIMIT", 4)
+    monkeypatch.setattr(log_json, "_pairs", {})
+    monkeypatch.setattr(log_json, "_bodies", {})
+    batch = _batch()
+    for _ in range(2):  # the second time from what the first left in the caches
+        assert encode_logs_json(batch) == to_otlp_json(encode_logs(batch))
+        assert 0 < len(log_json._pairs) <= 4 and 0 < len(log_json._bodies) <= 4
+    assert fallbacks == []
+    monkeypatch.setattr(log_json, "_CACHE_LIMIT", 1024)
+    encode_logs_json(batch)
+    long_values = [v for k, v in log_json._pairs if len(v) > log_json._CACHED_VALUE_CHARS]
+    assert log_json._pairs and not long_values

@@ -98,8 +98,44 @@ def _key_value(key: Any, value: Any) -> dict[str, Any]:
     return {"key": key, "value": encoded} if _text(key) else {"value": encoded}
 
 
+# Most attributes of the `logging` bridge repeat from record to record (the logger's own keys, code
+# paths, function names) and so do many bodies: the encoded form of a short string value is kept and
+# shared (`json` writes a shared dict as many times as it appears). Each cache is emptied when it
+# reaches its limit, so values that never repeat cost one insert each and the memory stays bounded.
+_CACHE_LIMIT = 1024
+_CACHED_VALUE_CHARS = 128
+_pairs: dict[tuple[str, str], dict[str, Any]] = {}
+_bodies: dict[str, dict[str, Any]] = {}
+
+
 def _attributes(attributes: Any) -> list[dict[str, Any]]:
-    return [_key_value(key, value) for key, value in attributes.items()]
+    out = []
+    for key, value in attributes.items():
+        if type(value) is str and type(key) is str:
+            pair = _pairs.get((key, value))
+            if pair is None:
+                pair = _key_value(key, value)
+                if len(value) <= _CACHED_VALUE_CHARS:
+                    if len(_pairs) >= _CACHE_LIMIT:
+                        _pairs.clear()
+                    _pairs[(key, value)] = pair
+            out.append(pair)
+        else:
+            out.append(_key_value(key, value))
+    return out
+
+
+def _body(body: Any) -> dict[str, Any]:
+    if type(body) is not str:
+        return _value(body)
+    value = _bodies.get(body)
+    if value is None:
+        value = _value(body)
+        if len(body) <= _CACHED_VALUE_CHARS:
+            if len(_bodies) >= _CACHE_LIMIT:
+                _bodies.clear()
+            _bodies[body] = value
+    return value
 
 
 def _unpack(item: Any) -> tuple[LogRecord, Any, Any, Any]:
@@ -127,7 +163,7 @@ def _record(record: LogRecord, dropped: Any) -> dict[str, Any]:
         out["severityNumber"] = severity.value
     if record.severity_text:
         out["severityText"] = _text(record.severity_text)
-    out["body"] = _value(record.body)
+    out["body"] = _body(record.body)
     if record.attributes:
         out["attributes"] = _attributes(record.attributes)
     dropped = _uint(dropped, _UINT32)
