@@ -26,6 +26,9 @@ Configurations, each its own interpreter:
 - ``discard``: stallwatch's OTLP pipeline as in every fault run (processors, queues, log handler,
   metric reader), with exporters that return success at once without encoding or sending anything:
   the baseline that isolates what a backend fault adds.
+- ``discard-traces``, ``discard-metrics``, ``discard-logs``: ``discard`` for one signal, the other
+  two exporters ``none``: what recording each signal costs the host, with no backend to fault. A
+  fault run records all three, so against ``off`` it cannot do better than these together.
 - ``healthy-http``: OTLP/HTTP to a collector that answers at once: what exporting itself costs.
 - ``<fault>-<protocol>``: OTLP to a misbehaving collector (``tests/scenarios/reliability_collectors.py``,
   in its own process): ``refuse`` (connection refused), ``silent`` (accepts, never answers), ``slow``
@@ -64,6 +67,7 @@ FAULTS = ("refuse", "silent", "slow", "error")
 PROTOCOLS = ("http", "grpc")
 BASELINE = "off"
 DISCARD = "discard"
+SIGNALS = ("traces", "metrics", "logs")
 HEALTHY = "healthy-http"
 WARMUP_SECONDS = 1.0
 SPAWN_EVERY = 50
@@ -190,7 +194,9 @@ def worker(seconds: float, rate: int, discard: bool) -> dict[str, Any]:
 
 
 def configs(protocols: tuple[str, ...]) -> list[str]:
-    return [BASELINE, DISCARD, HEALTHY] + [f"{fault}-{protocol}" for protocol in protocols for fault in FAULTS]
+    one_signal = [f"{DISCARD}-{signal}" for signal in SIGNALS]
+    faults = [f"{fault}-{protocol}" for protocol in protocols for fault in FAULTS]
+    return [BASELINE, DISCARD, *one_signal, HEALTHY, *faults]
 
 
 def run_config(config: str, seconds: float, rate: int) -> dict[str, Any]:
@@ -201,8 +207,11 @@ def run_config(config: str, seconds: float, rate: int) -> dict[str, Any]:
     collector = None
     if config == BASELINE:
         env.update(OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none", OTEL_LOGS_EXPORTER="none")
-    elif config == DISCARD:
+    elif config.startswith(DISCARD):
         env["OTEL_EXPORTER_OTLP_ENDPOINT"] = "http://127.0.0.1:9"  # never used: the exporters discard
+        kept = config.removeprefix(DISCARD).removeprefix("-")
+        if kept:
+            env.update({f"OTEL_{signal.upper()}_EXPORTER": "none" for signal in SIGNALS if signal != kept})
     else:
         fault, protocol = config.split("-")
         collector = subprocess.Popen(
@@ -299,7 +308,8 @@ def render_markdown(rows: list[Row], info: dict[str, Any], settings: dict[str, A
         "fresh interpreter; rounds are interleaved (order rotated by one per round) and samples pooled per "
         "configuration. Ratios are against `off` (every exporter `none`: the target's baseline, without any "
         "telemetry work), `discard` (the same pipeline, exporters that drop every batch at once: what a fault "
-        "adds) and `healthy-http`; target: p99 ≤ 1.05x for every fault.",
+        "adds) and `healthy-http`; target: p99 ≤ 1.05x for every fault. `discard-<signal>`: `discard` for that "
+        "signal alone, the others `none`: what recording it costs the host with no backend at all.",
         "",
         f"Machine: {info['nproc']} CPUs, Linux {info['kernel']}, Python {info['python']}; {versions}; "
         f"commit {info['git_commit']}{' (dirty)' if info['git_dirty'] else ''}; {info['date']}.",
@@ -358,7 +368,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.worker:
         seconds, rate, config = args.worker
-        print(json.dumps(worker(float(seconds), int(rate), config == DISCARD)))
+        print(json.dumps(worker(float(seconds), int(rate), config.startswith(DISCARD))))
         os._exit(0)  # the shutdown was measured; do not wait for threads it left behind
     seconds = args.seconds or (2.0 if args.quick else 8.0)
     rounds = args.rounds or (1 if args.quick else 3)

@@ -8,7 +8,7 @@ Run from the repository root (a full run takes about two minutes)::
 
 Options: ``--spawns N`` measured spawns per blocked-time run (default 200, after 10 warm-ups),
 ``--samples M`` measured round trips per series of an overhead run (default 300, after 10
-warm-ups), ``--rounds R`` (default 5), ``--quick`` (20 spawns, 50 samples, 1 round, ``rss0``
+warm-ups), ``--rounds R`` (default 10), ``--quick`` (20 spawns, 50 samples, 1 round, ``rss0``
 only), ``--out DIR`` (default ``tests/bench/results``; with ``--quick``, a fresh temporary
 directory). Writes ``subprocess.json`` (raw numbers and machine info) and ``subprocess.md`` (the
 tables) to the output directory.
@@ -582,7 +582,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--spawns", type=int, help="spawns per blocked-time run (default 200; 20 with --quick)")
     parser.add_argument("--samples", type=int, help="round trips per overhead series (default 300; 50 with --quick)")
-    parser.add_argument("--rounds", type=int, help="interleaved rounds (default 5; 1 with --quick)")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds (default 10; 1 with --quick)")
     parser.add_argument("--quick", action="store_true", help="smoke test: few spawns, one round, rss0 only")
     parser.add_argument("--out", type=Path, help="output directory (default tests/bench/results; temp with --quick)")
     parser.add_argument("--worker", nargs=3, metavar=("CONFIG", "RSS", "N"), help=argparse.SUPPRESS)
@@ -597,7 +597,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     spawns = args.spawns or (20 if args.quick else 200)
     samples = args.samples or (50 if args.quick else 300)
-    rounds = args.rounds or (1 if args.quick else 5)
+    rounds = args.rounds or (1 if args.quick else 10)
     rss_variants = ["rss0"] if args.quick else list(RSS_BYTES)
     out = args.out or (Path(tempfile.mkdtemp(prefix="bench_subprocess_")) if args.quick else DEFAULT_OUT)
     print(benchmark(spawns, samples, rounds, rss_variants, out))
