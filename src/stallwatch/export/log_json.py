@@ -108,18 +108,20 @@ _pairs: dict[tuple[str, str], dict[str, Any]] = {}
 _bodies: dict[str, dict[str, Any]] = {}
 
 
+def _kept(cache: dict[Any, dict[str, Any]], key: Any, encoded: dict[str, Any], value: str) -> dict[str, Any]:
+    """`encoded`, kept in `cache` under `key` if `value` is short."""
+    if len(value) <= _CACHED_VALUE_CHARS:
+        if len(cache) >= _CACHE_LIMIT:
+            cache.clear()
+        cache[key] = encoded
+    return encoded
+
+
 def _attributes(attributes: Any) -> list[dict[str, Any]]:
     out = []
     for key, value in attributes.items():
         if type(value) is str and type(key) is str:
-            pair = _pairs.get((key, value))
-            if pair is None:
-                pair = _key_value(key, value)
-                if len(value) <= _CACHED_VALUE_CHARS:
-                    if len(_pairs) >= _CACHE_LIMIT:
-                        _pairs.clear()
-                    _pairs[(key, value)] = pair
-            out.append(pair)
+            out.append(_pairs.get((key, value)) or _kept(_pairs, (key, value), _key_value(key, value), value))
         else:
             out.append(_key_value(key, value))
     return out
@@ -128,14 +130,7 @@ def _attributes(attributes: Any) -> list[dict[str, Any]]:
 def _body(body: Any) -> dict[str, Any]:
     if type(body) is not str:
         return _value(body)
-    value = _bodies.get(body)
-    if value is None:
-        value = _value(body)
-        if len(body) <= _CACHED_VALUE_CHARS:
-            if len(_bodies) >= _CACHE_LIMIT:
-                _bodies.clear()
-            _bodies[body] = value
-    return value
+    return _bodies.get(body) or _kept(_bodies, body, _value(body), body)
 
 
 def _unpack(item: Any) -> tuple[LogRecord, Any, Any, Any]:

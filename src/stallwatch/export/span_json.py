@@ -97,27 +97,22 @@ _key_texts: dict[str, str] = {}
 _string_texts: dict[str, str] = {}
 
 
-def _key_text(key: str) -> str:
-    """`{"key":<key>,"value":`, from the cache."""
-    text = _key_texts.get(key)
-    if text is None:
-        text = '{"key":' + _string(key) + ',"value":'
-        if len(_key_texts) >= _CACHE_LIMIT:
-            _key_texts.clear()
-        _key_texts[key] = text
+def _kept(cache: dict[str, str], key: str, text: str) -> str:
+    if len(cache) >= _CACHE_LIMIT:
+        cache.clear()
+    cache[key] = text
     return text
+
+
+def _key_text(key: str) -> str:
+    """`{"key":<key>,"value":`, kept."""
+    return _key_texts.get(key) or _kept(_key_texts, key, '{"key":' + _string(key) + ',"value":')
 
 
 def _string_text(value: str) -> str:
-    """`{"stringValue":<value>}}`, the attribute's closing brace included; short values from the cache."""
-    text = _string_texts.get(value)
-    if text is None:
-        text = '{"stringValue":' + _string(value) + "}}"
-        if len(value) <= _CACHED_VALUE_CHARS:
-            if len(_string_texts) >= _CACHE_LIMIT:
-                _string_texts.clear()
-            _string_texts[value] = text
-    return text
+    """`{"stringValue":<value>}}`, the attribute's closing brace included; kept if short."""
+    text = '{"stringValue":' + _string(value) + "}}"
+    return _kept(_string_texts, value, text) if len(value) <= _CACHED_VALUE_CHARS else text
 
 
 def _attributes_text(attributes: Any) -> str:
