@@ -446,7 +446,9 @@ def _otlp_exporter(settings: Settings, signal: str) -> Any:
     if signal == "traces":
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-        return OTLPSpanExporter(endpoint=_otlp_endpoint(settings, signal, http=True))
+        from .export.span_protobuf import with_fast_encoding
+
+        return with_fast_encoding(OTLPSpanExporter)(endpoint=_otlp_endpoint(settings, signal, http=True))
     if signal == "metrics":
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 
