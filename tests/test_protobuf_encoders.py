@@ -1,5 +1,5 @@
-"""The direct OTLP protobuf span encoder writes the SDK encoder's bytes, and the OTLP/HTTP exporter
-stallwatch builds sends them."""
+"""The direct OTLP protobuf encoders (spans, log records) write the SDK encoders' bytes, and the
+OTLP/HTTP exporters stallwatch builds send them."""
 
 from __future__ import annotations
 
@@ -9,16 +9,20 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from opentelemetry.exporter.otlp.proto.common._log_encoder import encode_logs
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.sdk.trace.export import SpanExportResult
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, TraceFlags
 
-from stallwatch.export import span_protobuf
+from stallwatch.export import log_protobuf, span_protobuf
+from test_log_json import _batch as _log_batch
+from test_log_json import _Bridge
 from test_span_json import _spans
 
 pytestmark = pytest.mark.matrix  # what the SDK's encoder writes differs across its versions
@@ -111,36 +115,10 @@ def collector() -> Iterator[tuple[str, list[tuple[str, bytes]]]]:
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/v1/traces", bodies
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1/export", bodies
     finally:
         server.shutdown()
         server.server_close()
-
-
-def test_the_http_exporter_stallwatch_builds_posts_the_encoders_bytes(collector, monkeypatch):
-    from stallwatch import pipeline
-    from stallwatch.config import Settings
-
-    endpoint, bodies = collector
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", endpoint)
-    encoded: list[int] = []
-    encode = span_protobuf.encode_spans_protobuf
-
-    def spy(spans: Any) -> bytes:
-        encoded.append(len(spans))
-        return encode(spans)
-
-    monkeypatch.setattr(span_protobuf, "encode_spans_protobuf", spy)
-    exporter = pipeline._otlp_exporter(Settings.load(), "traces")
-    assert isinstance(exporter, OTLPSpanExporter)
-    spans = _spans()
-    try:
-        assert exporter.export(spans) == SpanExportResult.SUCCESS
-    finally:
-        exporter.shutdown()
-    assert [content_type for content_type, _ in bodies] == ["application/x-protobuf"]
-    assert ExportTraceServiceRequest.FromString(bodies[0][1]) == encode_spans(spans)
-    assert encoded == ([len(spans)] if span_protobuf.matches_sdk() else [])
 
 
 def test_kept_string_attributes_stay_bounded_and_give_the_sdks_bytes(monkeypatch):
@@ -159,3 +137,97 @@ def test_kept_string_attributes_stay_bounded_and_give_the_sdks_bytes(monkeypatch
         assert span_protobuf.encode_spans_protobuf(batch) == _sdk_bytes(batch)
         assert 0 < len(span_protobuf._pairs) <= 8
     assert all(value != long_value for _, value in span_protobuf._pairs)
+
+
+# ---- log records ----------------------------------------------------------------------------------
+
+
+def _log_bytes(batch: list[Any]) -> bytes:
+    return encode_logs(batch).SerializeToString()
+
+
+def test_log_records_give_the_sdks_bytes_or_go_to_the_sdks_encoder():
+    probe = log_protobuf._probe()
+    if log_protobuf.matches_sdk():
+        assert log_protobuf.encode_logs_protobuf(probe) == _log_bytes(probe)
+        assert log_protobuf.with_fast_encoding(OTLPLogExporter) is not OTLPLogExporter
+    else:
+        assert log_protobuf.with_fast_encoding(OTLPLogExporter) is OTLPLogExporter
+    # test_log_json's batch: every body kind (mappings and None go to the SDK's encoder), exceptions,
+    # spans, scopes, equal resources in separate objects.
+    batch = _log_batch()
+    assert log_protobuf.fast_encoder(encode_logs)(batch).SerializeToString() == _log_bytes(batch)
+    written = [item for item in batch if _writes(item)]
+    assert len(written) >= 20  # all but mapping bodies and the like
+    if log_protobuf.matches_sdk():
+        assert log_protobuf.encode_logs_protobuf(written) == _log_bytes(written)
+
+
+def _writes(item: Any) -> bool:
+    try:
+        log_protobuf.encode_logs_protobuf([item])
+    except span_protobuf._Unsupported:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(
+    ("body", "extra"),
+    [("odd", {"big": 2**64}), ("odd", {"surrogate": "\ud800"}), ({"k": "v"}, {})],
+    ids=["int-overflow", "surrogate", "mapping-body"],
+)
+def test_a_log_value_it_does_not_write_sends_the_whole_batch_to_the_sdks_encoder(body, extra):
+    bridge = _Bridge()
+    bridge.provider("a", Resource({"service.name": "svc"}))
+    logger = bridge.logger("a", "app")
+    logger.info("plain")
+    logger.info(body, extra=extra)
+    batch = bridge.batch()
+    with pytest.raises(span_protobuf._Unsupported):
+        log_protobuf.encode_logs_protobuf(batch)
+    try:
+        expected = _log_bytes(batch)
+    except Exception as error:
+        with pytest.raises(type(error)):
+            log_protobuf.fast_encoder(encode_logs)(batch).SerializeToString()
+    else:
+        assert log_protobuf.fast_encoder(encode_logs)(batch).SerializeToString() == expected
+
+
+# ---- the exporters stallwatch builds ---------------------------------------------------------------
+
+_SIGNALS = {  # signal: (encoder module, its function, SDK exporter class, SDK encoder, request class, batch)
+    "traces": (span_protobuf, "encode_spans_protobuf", OTLPSpanExporter, encode_spans, ExportTraceServiceRequest,
+               _spans),
+    "logs": (log_protobuf, "encode_logs_protobuf", OTLPLogExporter, encode_logs, ExportLogsServiceRequest,
+             log_protobuf._probe),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("signal", sorted(_SIGNALS))
+def test_the_http_exporter_stallwatch_builds_posts_the_encoders_bytes(collector, monkeypatch, signal):
+    from stallwatch import pipeline
+    from stallwatch.config import Settings
+
+    module, function, exporter_class, sdk_encode, request_class, make_batch = _SIGNALS[signal]
+    endpoint, bodies = collector
+    monkeypatch.setenv(f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT", endpoint)
+    fast = module.matches_sdk()  # before the spy: the check encodes a probe batch itself
+    encoded: list[int] = []
+    encode = getattr(module, function)
+
+    def spy(batch: Any) -> bytes:
+        encoded.append(len(batch))
+        return encode(batch)
+
+    monkeypatch.setattr(module, function, spy)
+    exporter = pipeline._otlp_exporter(Settings.load(), signal)
+    assert isinstance(exporter, exporter_class)
+    batch = make_batch()
+    try:
+        exporter.export(batch)
+    finally:
+        exporter.shutdown()
+    assert [content_type for content_type, _ in bodies] == ["application/x-protobuf"]
+    assert request_class.FromString(bodies[0][1]) == sdk_encode(batch)
+    assert encoded == ([len(batch)] if fast else [])

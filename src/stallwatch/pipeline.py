@@ -455,4 +455,6 @@ def _otlp_exporter(settings: Settings, signal: str) -> Any:
         return OTLPMetricExporter(endpoint=_otlp_endpoint(settings, signal, http=True))
     from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
 
-    return OTLPLogExporter(endpoint=_otlp_endpoint(settings, signal, http=True))
+    from .export.log_protobuf import with_fast_encoding as with_fast_log_encoding
+
+    return with_fast_log_encoding(OTLPLogExporter)(endpoint=_otlp_endpoint(settings, signal, http=True))

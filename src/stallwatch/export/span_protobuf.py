@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import struct
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import cache
 from typing import Any
 
@@ -212,24 +212,20 @@ def _group(key: Any, canonical: dict[int, list[Any]], groups: list[tuple[Any, An
     return found[0]
 
 
-def encode_spans_protobuf(spans: Sequence[ReadableSpan]) -> bytes:
-    """A serialized `ExportTraceServiceRequest` for `spans`, grouped by resource and scope as the
-    SDK's encoder groups them.
-
-    Raises `_Unsupported` for a value not written here (see the module docstring)."""
-    resources: list[tuple[Resource, tuple[list[tuple[Any, list[bytes]]], dict[int, list[Any]]]]] = []
+def request(items: Iterable[tuple[Any, Any, bytes]]) -> bytes:
+    """A serialized export request (`ExportTraceServiceRequest` or `ExportLogsServiceRequest`: the
+    same layout) of (resource, scope or None, encoded item) triples, grouped by resource and scope as
+    the SDK's encoders group them."""
+    resources: list[tuple[Any, tuple[list[tuple[Any, list[bytes]]], dict[int, list[Any]]]]] = []
     canonical: dict[int, list[Any]] = {}
-    for span in spans:
-        exact = type(span) is ReadableSpan
-        resource = span._resource if exact else span.resource
-        scope = (span._instrumentation_scope if exact else span.instrumentation_scope) or None
+    for resource, scope, encoded in items:
         scopes, by_id = _group(resource, canonical, resources, lambda: ([], {}))
-        _group(scope, by_id, scopes, list).append(_span(span))
+        _group(scope, by_id, scopes, list).append(encoded)
     out = []
     for resource, (scopes, _) in resources:
         body = _field(b"\x0a", _attributes(b"\x0a", resource.attributes))
-        for scope, encoded in scopes:
-            scope_body = _field(b"\x0a", _scope(scope)) + b"".join([_field(b"\x12", item) for item in encoded])
+        for scope, encoded_items in scopes:
+            scope_body = _field(b"\x0a", _scope(scope)) + b"".join([_field(b"\x12", item) for item in encoded_items])
             if scope is not None and scope.schema_url:
                 scope_body += _field(b"\x1a", _text(scope.schema_url))
             body += _field(b"\x12", scope_body)
@@ -237,6 +233,19 @@ def encode_spans_protobuf(spans: Sequence[ReadableSpan]) -> bytes:
             body += _field(b"\x1a", _text(resource.schema_url))
         out.append(_field(b"\x0a", body))
     return b"".join(out)
+
+
+def _triple(span: ReadableSpan) -> tuple[Any, Any, bytes]:
+    exact = type(span) is ReadableSpan
+    resource = span._resource if exact else span.resource
+    scope = span._instrumentation_scope if exact else span.instrumentation_scope
+    return resource, scope or None, _span(span)
+
+
+def encode_spans_protobuf(spans: Sequence[ReadableSpan]) -> bytes:
+    """A serialized `ExportTraceServiceRequest` for `spans`. Raises `_Unsupported` for a value not
+    written here (see the module docstring)."""
+    return request(_triple(span) for span in spans)
 
 
 class _Encoded:
@@ -308,33 +317,35 @@ def matches_sdk() -> bool:
         return False
 
 
-def fast_encoder(sdk_encode: Callable[[Sequence[ReadableSpan]], Any]) -> Callable[[Sequence[ReadableSpan]], Any]:
-    """`encode_spans` for the SDK's exporter: this module's bytes, or the SDK's encoder for a batch
-    this module does not write."""
+def fallback_encoder(
+    fast: Callable[[Sequence[Any]], bytes], sdk_encode: Callable[[Sequence[Any]], Any]
+) -> Callable[[Sequence[Any]], Any]:
+    """An SDK encoder's stand-in: `fast`'s bytes, or `sdk_encode`'s result for a batch `fast` does not write."""
 
-    def encode_spans(spans: Sequence[ReadableSpan]) -> Any:
+    def encode(batch: Sequence[Any]) -> Any:
         try:
-            return _Encoded(encode_spans_protobuf(spans))
+            return _Encoded(fast(batch))
         except _Unsupported:
-            return sdk_encode(spans)
+            return sdk_encode(batch)
 
-    return encode_spans
+    return encode
 
 
-@cache
-def with_fast_encoding(exporter_class: type) -> type:
-    """A subclass of the SDK's OTLP/HTTP span exporter whose methods that call the SDK's
-    `encode_spans` (`export` since 1.28, `_serialize_spans` before) call `fast_encoder` instead:
-    the same code, run with that one global replaced. The class itself if nothing calls it, or if
-    `matches_sdk()` is False."""
-    if not matches_sdk():
-        return exporter_class
+def fast_encoder(sdk_encode: Callable[[Sequence[ReadableSpan]], Any]) -> Callable[[Sequence[ReadableSpan]], Any]:
+    """`encode_spans` for the SDK's exporter (see `fallback_encoder`)."""
+    return fallback_encoder(lambda spans: encode_spans_protobuf(spans), sdk_encode)
+
+
+def with_encoder(exporter_class: type, global_name: str, make: Callable[[Any], Any]) -> type:
+    """A subclass of an SDK OTLP/HTTP exporter whose methods that call the SDK encoder `global_name`
+    (`export`, or `_serialize_spans` in SDK 1.27) call `make(<the SDK's encoder>)` instead: the same
+    code, run with that one global replaced. The class itself if no method calls it."""
     replaced: dict[str, Any] = {}
     for name in ("export", "_serialize_spans"):
         method = getattr(exporter_class, name, None)
-        if isinstance(method, types.FunctionType) and "encode_spans" in method.__code__.co_names:
+        if isinstance(method, types.FunctionType) and global_name in method.__code__.co_names:
             namespace = dict(method.__globals__)
-            namespace["encode_spans"] = fast_encoder(method.__globals__["encode_spans"])
+            namespace[global_name] = make(method.__globals__[global_name])
             function = types.FunctionType(method.__code__, namespace, name, method.__defaults__, method.__closure__)
             function.__kwdefaults__ = method.__kwdefaults__
             function.__qualname__ = method.__qualname__
@@ -342,3 +353,12 @@ def with_fast_encoding(exporter_class: type) -> type:
     if not replaced:
         return exporter_class
     return type(exporter_class.__name__, (exporter_class,), {**replaced, "__module__": __name__})
+
+
+@cache
+def with_fast_encoding(exporter_class: type) -> type:
+    """The SDK's OTLP/HTTP span exporter, encoding with this module (see `with_encoder`), or the
+    class itself if `matches_sdk()` is False."""
+    if not matches_sdk():
+        return exporter_class
+    return with_encoder(exporter_class, "encode_spans", fast_encoder)
