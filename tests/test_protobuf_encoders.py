@@ -92,6 +92,15 @@ def test_a_value_it_does_not_write_sends_the_whole_batch_to_the_sdks_encoder(val
     assert calls == [2]
 
 
+def test_a_failure_inside_the_writer_still_exports_the_batch_as_the_sdk_would(monkeypatch):
+    def broken(span: Any) -> bytes:
+        raise RuntimeError("a bug in the writer")
+
+    monkeypatch.setattr(span_protobuf, "_span", broken)
+    spans = _spans()
+    assert span_protobuf.fast_encoder(encode_spans)(spans).SerializePartialToString() == _sdk_bytes(spans)
+
+
 class _Collector(http.server.BaseHTTPRequestHandler):
     bodies: list[tuple[str, bytes]]
 
