@@ -121,7 +121,7 @@ def _attributes(tag: bytes, attributes: Any) -> bytes:
             pair = _pairs.get((key, value)) or _string_pair(key, value)
         else:
             pair = _key_value(key, value)
-        parts.append(tag + _varint(len(pair)) + pair)
+        parts.append(_field(tag, pair))
     return b"".join(parts)
 
 
