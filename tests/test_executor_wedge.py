@@ -97,6 +97,36 @@ def test_interrupt_thread_is_scoped_to_the_running_item():
     }
 
 
+def test_an_item_ending_while_a_delivery_is_under_way_waits_for_it():
+    """An item ends without interrupt.LOCK unless a delivery concerns it or may be under way
+    (interrupt.DELIVERING): then it settles under that lock, after the delivery."""
+    proc = run_python(
+        """
+        import json, threading, time
+        import stallwatch
+        stallwatch.setup(traces_exporter="none", metrics_exporter="none", logs_exporter="none")
+        from concurrent.futures import ThreadPoolExecutor
+        from stallwatch import interrupt
+        pool = ThreadPoolExecutor(max_workers=1)
+        ident = pool.submit(threading.get_ident).result(timeout=5)
+        with interrupt.LOCK:  # as interrupt_thread() holds it, between its look-up and SetAsyncExc
+            interrupt.DELIVERING.add(ident)
+            first = pool.submit(lambda: "first").result(timeout=5)  # its future completes in the item
+            second = pool.submit(lambda: "second")
+            time.sleep(0.3)
+            held_back = not second.done()  # the worker waits for the lock, in the first item's end
+            interrupt.DELIVERING.discard(ident)
+        second_result = second.result(timeout=5)
+        with interrupt.LOCK:  # no delivery under way: items end without the lock
+            free = [pool.submit(lambda: "free").result(timeout=5) for _ in range(3)]
+        print(json.dumps({"first": first, "held_back": held_back, "second": second_result, "free": free}))
+        """
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == {"first": "first", "held_back": True, "second": "second", "free": ["free"] * 3}
+
+
 @pytest.mark.parametrize("instrumented", [True, False])
 def test_instrumentation_keeps_results_exceptions_and_order(instrumented):
     proc = run_python(

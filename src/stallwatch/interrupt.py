@@ -27,7 +27,12 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger("stallwatch")
 _real_set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
-LOCK = threading.Lock()  # held while an item's scope ends and while an interruption is delivered
+LOCK = threading.Lock()  # held while an interruption is delivered, and while an item it may concern ends
+# Idents a delivery is looking at, added (under LOCK) before it looks the item up in RUNNING. An
+# item's end takes LOCK only when a delivery concerns it or may be under way: it removes itself from
+# RUNNING, then reads its `interrupt` and this set. A delivery that finds neither was not yet looking,
+# so it will not find the item either (every step is one atomic operation under the GIL).
+DELIVERING: set[int] = set()
 RUNNING: dict[int, ItemRecord] = {}  # worker ident -> item it runs, while the item runs
 _worker_idents: set[int] = set()
 _counters: dict[str, Any] = {}
@@ -137,18 +142,22 @@ def interrupt_thread(
     else:
         ident = target.ident if isinstance(target, threading.Thread) else int(target)
     with LOCK:
-        record = RUNNING.get(ident or -1)
-        if isinstance(target, Work) and record is not target._record:
-            _count(telemetry.ASYNC_EXC_REFUSED, target._record)
-            return "refused_idle"
-        if record is None:
-            alive = any(t.ident == ident for t in threading.enumerate())
-            _count(telemetry.ASYNC_EXC_REFUSED, None)
-            return "refused_idle" if alive else "no_such_thread"
-        pending = _Pending(exc_type, "api")
-        record.interrupt = pending
-        _real_set_async_exc(ctypes.c_ulong(ident), ctypes.py_object(exc_type))
-        _count(telemetry.ASYNC_EXC_INJECTED, record)
+        DELIVERING.add(ident or -1)
+        try:
+            record = RUNNING.get(ident or -1)
+            if isinstance(target, Work) and record is not target._record:
+                _count(telemetry.ASYNC_EXC_REFUSED, target._record)
+                return "refused_idle"
+            if record is None:
+                alive = any(t.ident == ident for t in threading.enumerate())
+                _count(telemetry.ASYNC_EXC_REFUSED, None)
+                return "refused_idle" if alive else "no_such_thread"
+            pending = _Pending(exc_type, "api")
+            record.interrupt = pending
+            _real_set_async_exc(ctypes.c_ulong(ident), ctypes.py_object(exc_type))
+            _count(telemetry.ASYNC_EXC_INJECTED, record)
+        finally:
+            DELIVERING.discard(ident or -1)
     if not pending.done.wait(timeout):
         with LOCK:
             _settle(record, "revoked")
@@ -167,25 +176,34 @@ class _GuardedSetAsyncExc:
             return int(_real_set_async_exc(tid, exc))
         exc_type = exc.value if isinstance(exc, ctypes.py_object) else exc
         with LOCK:
-            record = RUNNING.get(ident)
-            if exc_type is None:  # a clear: pass it on, and forget our pending record
-                if record is not None and record.interrupt is not None and record.interrupt.outcome is None:
-                    record.interrupt.outcome = "revoked"
-                    record.interrupt.done.set()
-                return int(_real_set_async_exc(ctypes.c_ulong(ident), None))
-            if record is None or not isinstance(exc_type, type) or not issubclass(exc_type, BaseException):
-                _count(telemetry.ASYNC_EXC_REFUSED, None)
-                _log.warning(
-                    "stallwatch: refused PyThreadState_SetAsyncExc(%s) on idle executor worker %d: it would kill "
-                    "the worker and strand the next item (incidents/002). STALLWATCH_GUARD_ASYNC_EXC=false "
-                    "passes such calls through.",
-                    getattr(exc_type, "__name__", exc_type),
-                    ident,
-                )
-                return 1  # the thread exists: what the caller expects to see
-            record.interrupt = _Pending(exc_type, "raw")
-            _count(telemetry.ASYNC_EXC_INJECTED, record)
-            return int(_real_set_async_exc(ctypes.c_ulong(ident), ctypes.py_object(exc_type)))
+            DELIVERING.add(ident)
+            try:
+                return self._deliver(ident, exc_type)
+            finally:
+                DELIVERING.discard(ident)
+
+    @staticmethod
+    def _deliver(ident: int, exc_type: Any) -> int:
+        """Under LOCK, with `ident` in DELIVERING."""
+        record = RUNNING.get(ident)
+        if exc_type is None:  # a clear: pass it on, and forget our pending record
+            if record is not None and record.interrupt is not None and record.interrupt.outcome is None:
+                record.interrupt.outcome = "revoked"
+                record.interrupt.done.set()
+            return int(_real_set_async_exc(ctypes.c_ulong(ident), None))
+        if record is None or not isinstance(exc_type, type) or not issubclass(exc_type, BaseException):
+            _count(telemetry.ASYNC_EXC_REFUSED, None)
+            _log.warning(
+                "stallwatch: refused PyThreadState_SetAsyncExc(%s) on idle executor worker %d: it would kill "
+                "the worker and strand the next item (incidents/002). STALLWATCH_GUARD_ASYNC_EXC=false "
+                "passes such calls through.",
+                getattr(exc_type, "__name__", exc_type),
+                ident,
+            )
+            return 1  # the thread exists: what the caller expects to see
+        record.interrupt = _Pending(exc_type, "raw")
+        _count(telemetry.ASYNC_EXC_INJECTED, record)
+        return int(_real_set_async_exc(ctypes.c_ulong(ident), ctypes.py_object(exc_type)))
 
 
 def install(meter_: Any, guard_raw_calls: bool) -> None:

@@ -50,7 +50,7 @@ from .scrub import MAX_NAME_CHARS, clip_text, scrub_text
 
 SETTING = "STALLWATCH_INSTRUMENT_EXECUTOR"
 _log = logging.getLogger("stallwatch")
-_QUEUE_LOCK = threading.Lock()  # guards every accounting queue's put log; held only for a few lines
+_READ_LOCK_TIMEOUT = 1.0  # s; an executor's lock held longer (e.g. left held in a fork child) skips a check
 
 
 class WorkerDied(RuntimeError):
@@ -114,14 +114,18 @@ class ItemRecord(_OriginalWorkItem):  # type: ignore[misc,valid-type]
                 raise
             return None
         finally:
-            # End the item's scope under the lock a delivery holds, so none can land after it.
+            # End the item's scope so that no interruption can land after it: leave RUNNING, then,
+            # if a delivery concerns this item or may be under way, settle under the lock a delivery
+            # holds (see `interrupt.DELIVERING`; not on every item: measured, taking that lock was
+            # a fifth of what the instrumentation adds per item).
             # Robust to one landing here, at any check point of this loop.
             while True:
                 try:
-                    with interrupt.LOCK:
-                        _current_item.pop(ident, None)
-                        if self.interrupt is not None:
-                            interrupt.settle_finished(self)
+                    _current_item.pop(ident, None)
+                    if self.interrupt is not None or _delivering:
+                        with interrupt.LOCK:
+                            if self.interrupt is not None:
+                                interrupt.settle_finished(self)
                     break
                 except BaseException as exc:
                     if not interrupt.item_raised(self, exc):
@@ -172,63 +176,85 @@ class ExecutorState:
 
 
 class _AccountingQueue(queue.SimpleQueue):  # type: ignore[type-arg]
-    """The executor's work queue, logging what is put so that what was taken can be known."""
+    """The executor's work queue, logging what is put so that what was taken can be known.
+
+    The log needs no lock of its own: `submit`, the only caller putting work items, holds the
+    executor's `_shutdown_lock` (CPython 3.10 to 3.13 alike), and the readers here take it too
+    (measured: a lock of ours took a fifth of what the instrumentation adds per item). Shutdown
+    sentinels (None) are also put without it (`_worker`, `_python_exit`, the weakref callback): they
+    are appended after the put and never prune, so a reader racing with one sees at most one item
+    too few as handed out, which the next check corrects.
+    """
 
     state: ExecutorState
     log: deque[ItemRecord | None]  # what was put and may not have been dequeued yet, in order
+    lock: Any  # the executor's `_shutdown_lock`
 
     def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
-        # Stamp the item in the submitting thread, inside `submit` (None: a shutdown sentinel).
-        record = None
-        if type(item) is ItemRecord:
-            try:
-                context = _context_var.get()
-                item.executor, item.submitted, item.context = self.state, _monotonic(), context
-                if context and _tracer is not None:  # an empty context (no span, no baggage) is falsy
-                    _start_span(item, context)
-                scope = _timeout_scope.get()
-                if scope is not None:  # an execution_timeout guards this work
-                    scope.items.append(item)
-                record = item
-            except Exception:
-                item.executor = None  # run it as if stallwatch were not there
-                FAULTS.record("executor", SETTING)
-        with _QUEUE_LOCK:
+        if type(item) is not ItemRecord:  # a shutdown sentinel, or an item of an older instrumentation
             _simple_put(self, item, block, timeout)
-            log = self.log
-            # A started item was certainly dequeued (FIFO: so was all before it). Account for it
-            # now, so the log holds only what may still wait and no finished item stays alive
-            # until the next wedge check (measured: that retention cost 5-13 us/item in GC).
-            while log and (head := log[0]) is not None and head.started is not None:
-                log.popleft()
-            log.append(record)
+            self.log.append(None)
+            return
+        # Stamp the item in the submitting thread, inside `submit`.
+        record = None
+        try:
+            item.executor, item.submitted = self.state, _monotonic()
+            context = _context_var.get()
+            if context:  # an empty context (no span, no baggage) is falsy: nothing to carry over
+                item.context = context
+                if _tracer is not None:
+                    _start_span(item, context)
+            scope = _timeout_scope.get()
+            if scope is not None:  # an execution_timeout guards this work
+                scope.items.append(item)
+            record = item
+        except Exception:
+            item.executor = None  # run it as if stallwatch were not there
+            FAULTS.record("executor", SETTING)
+        _simple_put(self, item, block, timeout)
+        log = self.log
+        # A started item was certainly dequeued (FIFO: so was all before it). Account for it now,
+        # so the log holds only what may still wait and no finished item stays alive until the
+        # next wedge check (measured: that retention cost 5-13 us/item in GC).
+        while log and (head := log[0]) is not None and head.started is not None:
+            log.popleft()
+        log.append(record)
 
     def put_nowait(self, item: Any) -> None:
         self.put(item, block=False)
 
     def oldest_pending_submitted(self) -> float | None:
         """Monotonic submission time of the oldest item no worker has dequeued yet, or None."""
-        with _QUEUE_LOCK:
+        if not self.lock.acquire(timeout=_READ_LOCK_TIMEOUT):
+            return None  # held that long by a submitter: try again next time
+        try:
             # The queue holds the last qsize() items put (FIFO), the log's tail; the rest were handed out.
             for index in range(max(len(self.log) - self.qsize(), 0), len(self.log)):
                 record = self.log[index]
                 if record is not None:
                     return record.submitted
+        finally:
+            self.lock.release()
         return None
 
     def take_handed_out(self) -> list[ItemRecord]:
         """Records of items a worker has dequeued since the last call (FIFO accounting)."""
         taken: list[ItemRecord] = []
-        with _QUEUE_LOCK:
+        if not self.lock.acquire(timeout=_READ_LOCK_TIMEOUT):
+            return taken  # held that long by a submitter: try again next time
+        try:
             for _ in range(len(self.log) - self.qsize()):
                 record = self.log.popleft()
                 if record is not None:
                     taken.append(record)
+        finally:
+            self.lock.release()
         return taken
 
 
 EXECUTORS: weakref.WeakSet[ThreadPoolExecutor] = weakref.WeakSet()
 _current_item = interrupt.RUNNING  # worker thread ident -> the item it runs (kept by `interrupt`)
+_delivering = interrupt.DELIVERING
 _death_causes: dict[int, BaseException] = {}
 _instruments: dict[str, Any] = {}
 _histograms: list[Deferred] = []  # queue and run durations, in that order
@@ -302,7 +328,7 @@ def _init_wrapper(wrapped: Any, executor: ThreadPoolExecutor, args: tuple[Any, .
     try:
         state = ExecutorState(executor_name(executor), weakref.ref(executor))
         accounting = _AccountingQueue()
-        accounting.state, accounting.log = state, deque()
+        accounting.state, accounting.log, accounting.lock = state, deque(), executor._shutdown_lock  # type: ignore[attr-defined]
         executor._work_queue = accounting  # type: ignore[attr-defined]  # no worker holds the old one yet
         executor._stallwatch = state  # type: ignore[attr-defined]
         EXECUTORS.add(executor)
