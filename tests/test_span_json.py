@@ -130,3 +130,19 @@ def test_cached_key_and_value_texts_stay_bounded_and_write_what_the_protobuf_rou
         assert 0 < len(span_json._key_texts) <= 8
         assert 0 < len(span_json._string_texts) <= 8
     assert long_value not in span_json._string_texts
+
+
+def test_numbers_take_the_fast_path_only_where_it_writes_what_the_general_one_writes():
+    from stallwatch.export import span_json
+
+    values = {
+        "f": 0.1, "tiny": 5e-324, "neg": -2.5, "zero": -0.0, "nan": float("nan"), "inf": float("inf"),
+        "-inf": float("-inf"), "i": 0, "big": 2**63 - 1, "huge": 2**70, "t": True, "f0": False,
+    }  # fmt: skip
+    general = ",".join(span_json._key_text(key) + span_json._value_text(value) + "}" for key, value in values.items())
+
+    text = span_json._attributes_text(values)
+
+    assert text == general
+    parsed = json.loads("[" + text + "]")  # the non-finite ones as json.dumps writes them (NaN, Infinity)
+    assert [entry["key"] for entry in parsed] == list(values)

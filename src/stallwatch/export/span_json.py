@@ -119,8 +119,13 @@ def _attributes_text(attributes: Any) -> str:
     parts = []
     for key, value in attributes.items():
         key_text = _key_texts.get(key) or _key_text(key)
-        if type(value) is str:
+        kind = type(value)
+        if kind is str:
             parts.append(key_text + (_string_texts.get(value) or _string_text(value)))
+        elif kind is float and value - value == 0.0:  # finite (inf - inf and NaN - NaN are NaN)
+            parts.append(f'{key_text}{{"doubleValue":{value!r}}}}}')
+        elif kind is int:
+            parts.append(f'{key_text}{{"intValue":"{value}"}}}}')
         else:
             parts.append(key_text + _value_text(value) + "}")
     return ",".join(parts)
