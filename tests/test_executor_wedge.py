@@ -127,6 +127,32 @@ def test_an_item_ending_while_a_delivery_is_under_way_waits_for_it():
     assert json.loads(proc.stdout) == {"first": "first", "held_back": True, "second": "second", "free": ["free"] * 3}
 
 
+def test_without_a_gil_every_item_end_takes_the_interruption_lock():
+    """The lock-free end relies on the GIL ordering its steps; a free-threaded build always locks."""
+    proc = run_python(
+        """
+        import json, time
+        import stallwatch
+        stallwatch.setup(traces_exporter="none", metrics_exporter="none", logs_exporter="none")
+        from concurrent.futures import ThreadPoolExecutor
+        from stallwatch import interrupt
+        from stallwatch.instrument import executor
+        executor._FREE_THREADED = True  # as on a build without the GIL
+        pool = ThreadPoolExecutor(max_workers=1)
+        pool.submit(int).result(timeout=5)
+        with interrupt.LOCK:
+            first = pool.submit(lambda: "first").result(timeout=5)
+            second = pool.submit(lambda: "second")
+            time.sleep(0.3)
+            held_back = not second.done()
+        print(json.dumps({"first": first, "held_back": held_back, "second": second.result(timeout=5)}))
+        """
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == {"first": "first", "held_back": True, "second": "second"}
+
+
 @pytest.mark.parametrize("instrumented", [True, False])
 def test_instrumentation_keeps_results_exceptions_and_order(instrumented):
     proc = run_python(

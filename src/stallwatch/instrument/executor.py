@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import queue
+import sys
 import threading
 import time
 import weakref
@@ -122,7 +123,7 @@ class ItemRecord(_OriginalWorkItem):  # type: ignore[misc,valid-type]
             while True:
                 try:
                     _current_item.pop(ident, None)
-                    if self.interrupt is not None or _delivering:
+                    if self.interrupt is not None or _delivering or _FREE_THREADED:
                         with interrupt.LOCK:
                             if self.interrupt is not None:
                                 interrupt.settle_finished(self)
@@ -255,6 +256,8 @@ class _AccountingQueue(queue.SimpleQueue):  # type: ignore[type-arg]
 EXECUTORS: weakref.WeakSet[ThreadPoolExecutor] = weakref.WeakSet()
 _current_item = interrupt.RUNNING  # worker thread ident -> the item it runs (kept by `interrupt`)
 _delivering = interrupt.DELIVERING
+# The lock-free end of an item relies on the GIL ordering its steps; without one, always lock.
+_FREE_THREADED = not getattr(sys, "_is_gil_enabled", lambda: True)()
 _death_causes: dict[int, BaseException] = {}
 _instruments: dict[str, Any] = {}
 _histograms: list[Deferred] = []  # queue and run durations, in that order
