@@ -8,6 +8,7 @@ configuration table is checked against it by a test.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import re
@@ -31,6 +32,37 @@ SAMPLERS = (
     "parentbased_always_off",
     "parentbased_traceidratio",
 )
+# Variables the OpenTelemetry SDK reads itself and, for some bad values, fails on by raising instead
+# of logging and using its default: in `setup()` (the limits, the batch processors' sizes, the
+# exemplar filter), and at import for `OTEL_PROPAGATORS` and, on recent SDKs,
+# `OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT`. stallwatch checks them like its own settings (see
+# `_check_sdk_variables` and `load_opentelemetry`), so that a bad value is reported naming it.
+SDK_LIMITS = (
+    "OTEL_ATTRIBUTE_COUNT_LIMIT",
+    "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT",
+    "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT",
+    "OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT",
+    "OTEL_SPAN_EVENT_COUNT_LIMIT",
+    "OTEL_SPAN_LINK_COUNT_LIMIT",
+    "OTEL_EVENT_ATTRIBUTE_COUNT_LIMIT",
+    "OTEL_LINK_ATTRIBUTE_COUNT_LIMIT",
+    "OTEL_LOGRECORD_ATTRIBUTE_COUNT_LIMIT",
+    "OTEL_LOGRECORD_ATTRIBUTE_VALUE_LENGTH_LIMIT",
+)
+SDK_BATCH_PREFIXES = ("OTEL_BSP", "OTEL_BLRP")  # span and log record batch processors
+_SDK_BATCH_DEFAULTS = {"MAX_QUEUE_SIZE": 2048, "SCHEDULE_DELAY": 5000, "MAX_EXPORT_BATCH_SIZE": 512}
+EXEMPLAR_FILTERS = ("trace_based", "always_on", "always_off")
+SDK_VARIABLES = (
+    *SDK_LIMITS,
+    *(f"{prefix}_{name}" for prefix in SDK_BATCH_PREFIXES for name in _SDK_BATCH_DEFAULTS),
+    "OTEL_METRICS_EXEMPLAR_FILTER",
+    "OTEL_PROPAGATORS",
+)
+# The OpenTelemetry modules that read some of those when imported, and the variables each may read.
+_READ_AT_IMPORT = (("opentelemetry.propagate", ("OTEL_PROPAGATORS",)), ("opentelemetry.sdk.trace", SDK_LIMITS))
+# Variables `load_opentelemetry` removed from the environment, with the error that `Settings.load` reports.
+IMPORT_ERRORS: dict[str, str] = {}
+_log = logging.getLogger("stallwatch")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -420,6 +452,9 @@ class Settings:
         take("freeze_threshold", "STALLWATCH_FREEZE_THRESHOLD", _positive_float, None)
         take("faulthandler", "STALLWATCH_FAULTHANDLER", _bool, None)
         take("watchdog_prometheus_port", "STALLWATCH_WATCHDOG_PROMETHEUS_PORT", _port, None)
+        _check_sdk_variables(env)
+        if environ is None and IMPORT_ERRORS:
+            raise ConfigError(next(iter(IMPORT_ERRORS.values())))
         return cls(**values)
 
     def protocol_for(self, signal: str) -> str:
@@ -436,6 +471,47 @@ def strict_requested(overrides: Mapping[str, Any], environ: Mapping[str, str] | 
     return value.strip().lower() in _TRUE
 
 
+def load_opentelemetry() -> None:
+    """Import the OpenTelemetry modules that read a variable when they are imported.
+
+    They raise on a bad value (an unknown name in `OTEL_PROPAGATORS`, a negative
+    `OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT`), which would fail `import stallwatch` and with it the host.
+    Which values fail depends on the installed version, so this imports them and, when one raises,
+    removes the variable it read from `os.environ` (children then inherit the environment without
+    it), logs that at ERROR naming it, keeps the error for `setup()`, which then reports it and
+    keeps telemetry off like any bad setting, and imports again. With `STALLWATCH_STRICT=true` it
+    raises `ConfigError` instead and changes nothing. Called first thing by `import stallwatch`.
+    """
+    for module, variables in _READ_AT_IMPORT:
+        while True:
+            try:
+                importlib.import_module(module)
+                break
+            except ValueError as exc:
+                present = [variable for variable in variables if variable in os.environ]
+                named = [variable for variable in present if variable in str(exc)]
+                if not named and len(variables) == 1:  # OTEL_PROPAGATORS: OpenTelemetry names the propagator
+                    named = present
+                if not named:
+                    raise
+                errors = {
+                    variable: f"{variable}={_shown(os.environ[variable])} is invalid: OpenTelemetry "
+                    f"fails to import with it ({exc})"
+                    for variable in named
+                }
+                if strict_requested({}):
+                    raise ConfigError("; ".join(errors.values())) from exc
+                for variable, error in errors.items():
+                    del os.environ[variable]
+                    IMPORT_ERRORS[variable] = error
+                    _log.error(
+                        "stallwatch: %s; removed from this process's environment so that OpenTelemetry can "
+                        "be imported. setup() keeps telemetry off (STALLWATCH_STRICT=true fails the import "
+                        "instead).",
+                        error,
+                    )
+
+
 def env_flag(name: str, default: bool) -> bool:
     """Read a boolean `STALLWATCH_*` import-time flag; a bad value raises `ConfigError`."""
     text = os.environ.get(name)
@@ -443,6 +519,43 @@ def env_flag(name: str, default: bool) -> bool:
 
 
 # ---- parsers: each takes (raw text, setting name) and raises ConfigError naming the setting ----
+
+
+def _check_sdk_variables(env: Mapping[str, str]) -> None:
+    """The SDK-read variables (`SDK_VARIABLES`) that `setup()` would otherwise fail on, as the SDK
+    parses them: a limit is an integer ≥ 0, or empty for no limit; a batch processor's queue size,
+    delay and batch size are positive integers, the batch no larger than the queue (an empty one
+    means the default; text that is not an integer, which the SDK replaces by its default with a
+    traceback in the log, is refused too); the exemplar filter is one of `EXEMPLAR_FILTERS`, exactly."""
+    for variable in SDK_LIMITS:
+        if (text := env.get(variable)) is not None and text.strip():
+            _sdk_int(text, variable, 0, "a non-negative integer, or empty for no limit")
+    for prefix in SDK_BATCH_PREFIXES:
+        chosen = {}
+        for name, default in _SDK_BATCH_DEFAULTS.items():
+            text = env.get(f"{prefix}_{name}") or ""
+            chosen[name] = _sdk_int(text, f"{prefix}_{name}", 1, "a positive integer") if text else default
+        queue, batch = chosen["MAX_QUEUE_SIZE"], chosen["MAX_EXPORT_BATCH_SIZE"]
+        if batch > queue:  # named: the batch size if it was set, else the queue size
+            if env.get(f"{prefix}_MAX_EXPORT_BATCH_SIZE"):
+                raise _fail(f"{prefix}_MAX_EXPORT_BATCH_SIZE", env[f"{prefix}_MAX_EXPORT_BATCH_SIZE"],
+                            f"at most {prefix}_MAX_QUEUE_SIZE ({queue})")  # fmt: skip
+            raise _fail(f"{prefix}_MAX_QUEUE_SIZE", env[f"{prefix}_MAX_QUEUE_SIZE"],
+                        f"at least {prefix}_MAX_EXPORT_BATCH_SIZE ({batch}, its default)")  # fmt: skip
+    text = env.get("OTEL_METRICS_EXEMPLAR_FILTER")
+    if text is not None and text not in EXEMPLAR_FILTERS:
+        raise _fail("OTEL_METRICS_EXEMPLAR_FILTER", text, "one of " + ", ".join(EXEMPLAR_FILTERS) + " (exactly)")
+
+
+def _sdk_int(text: str, name: str, least: int, expected: str) -> int:
+    """An integer as the SDK reads it (`int(text)`), at least `least`."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise _fail(name, text, expected) from None
+    if value < least:
+        raise _fail(name, text, expected)
+    return value
 
 
 def _fail(name: str, value: object, expected: str) -> ConfigError:

@@ -7,12 +7,15 @@ import logging
 import sys
 from dataclasses import dataclass, field
 
-from ..config import ConfigError, env_flag
+from ..config import ConfigError, env_flag, load_opentelemetry
 from . import grpc_guard, guard, otel_compat
 
 _log = logging.getLogger("stallwatch.forksafe")
 # Taken when this package is first imported, before stallwatch itself loads any SDK module.
 _SDK_LOADED_BEFORE = any(name.startswith("opentelemetry.sdk") for name in sys.modules)
+# Then the OpenTelemetry modules that read variables when imported, so that a bad value cannot fail
+# the imports of the stallwatch modules after this package (see `config.load_opentelemetry`).
+load_opentelemetry()
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,194 @@
+"""The OpenTelemetry variables the SDK reads itself: a value the SDK fails on never fails
+`import stallwatch` or `setup()`, and is reported naming the variable like any bad setting.
+
+The SDK is the judge here: each candidate value is tried on the real SDK object that reads it (in
+this process) or on the real import (in a fresh interpreter), on whatever SDK version is installed,
+which is why this file runs again in the version matrix."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import clean_env, run_python
+from stallwatch import config
+from stallwatch.config import ConfigError, Settings
+
+pytestmark = pytest.mark.matrix
+
+LIMIT_VALUES = ("0", "128", " 64 ", "+7", "", "  ", "-1", "ten", "1.5", "unset")
+BATCH_VALUES = ("1", "512", "2048", "4096", "", "0", "-5", "soon")
+EXEMPLAR_VALUES = ("trace_based", "always_on", "always_off", "", "Always_Off", "sometimes")
+# Values both the SDK and stallwatch take, on every SDK version of the matrix.
+ACCEPTED = {
+    **{variable: ("0", "128", " 64 ", "+7", "", "  ") for variable in config.SDK_LIMITS},  # empty: no limit
+    **{f"{prefix}_MAX_QUEUE_SIZE": ("512", "2048") for prefix in ("OTEL_BSP", "OTEL_BLRP")},
+    **{f"{prefix}_{name}": ("1", "512") for prefix in ("OTEL_BSP", "OTEL_BLRP") for name in ("SCHEDULE_DELAY",
+                                                                                              "MAX_EXPORT_BATCH_SIZE")},
+    "OTEL_METRICS_EXEMPLAR_FILTER": ("trace_based", "always_on", "always_off"),
+}  # fmt: skip
+
+
+def _candidates() -> list[tuple[str, str]]:
+    pairs = [(variable, value) for variable in config.SDK_LIMITS for value in LIMIT_VALUES]
+    batch = [variable for variable in config.SDK_VARIABLES if variable.startswith(("OTEL_BSP_", "OTEL_BLRP_"))]
+    pairs += [(variable, value) for variable in batch for value in BATCH_VALUES]
+    return pairs + [("OTEL_METRICS_EXEMPLAR_FILTER", value) for value in EXEMPLAR_VALUES]
+
+
+def _build_what_reads(variable: str) -> None:
+    """Build the SDK objects that read `variable` from the environment, and stop them."""
+    if variable in config.SDK_LIMITS:
+        from opentelemetry.sdk import _logs
+        from opentelemetry.sdk.trace import SpanLimits
+
+        SpanLimits()
+        (getattr(_logs, "LogRecordLimits", None) or _logs.LogLimits)()  # LogLimits before SDK 1.39
+    elif variable.startswith("OTEL_BSP_"):
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+        BatchSpanProcessor(InMemorySpanExporter()).shutdown()
+    elif variable.startswith("OTEL_BLRP_"):
+        from opentelemetry.sdk._logs import export
+
+        exporter = getattr(export, "InMemoryLogRecordExporter", None) or export.InMemoryLogExporter
+        export.BatchLogRecordProcessor(exporter()).shutdown()
+    else:
+        from opentelemetry.sdk.metrics import MeterProvider
+
+        MeterProvider().shutdown()
+
+
+def _sdk_refuses(monkeypatch: pytest.MonkeyPatch, variable: str, value: str) -> bool:
+    with monkeypatch.context() as patched:
+        patched.setenv(variable, value)
+        try:
+            _build_what_reads(variable)
+        except ValueError:
+            return True
+    return False
+
+
+def test_every_value_the_sdk_refuses_is_refused_by_settings_naming_the_variable(monkeypatch):
+    refused_by_sdk = []
+    for variable, value in _candidates():
+        if _sdk_refuses(monkeypatch, variable, value):
+            refused_by_sdk.append((variable, value))
+            with pytest.raises(ConfigError) as caught:
+                Settings.load(environ={variable: value})
+            assert str(caught.value).startswith(f"{variable}={value!r} is invalid: expected "), str(caught.value)
+    # Every SDK of the matrix refuses these, so the loop above checked something.
+    assert {("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT", "-1"), ("OTEL_BSP_SCHEDULE_DELAY", "0")} <= set(refused_by_sdk)
+    assert ("OTEL_BLRP_MAX_EXPORT_BATCH_SIZE", "4096") in refused_by_sdk  # larger than the default queue
+
+
+@pytest.mark.parametrize("variable", sorted(ACCEPTED))
+def test_values_the_sdk_takes_are_taken(monkeypatch, variable):
+    for value in ACCEPTED[variable]:
+        assert not _sdk_refuses(monkeypatch, variable, value), (variable, value)
+        Settings.load(environ={variable: value})
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        ({"OTEL_BSP_MAX_QUEUE_SIZE": "100", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "200"},
+         "OTEL_BSP_MAX_EXPORT_BATCH_SIZE='200' is invalid: expected at most OTEL_BSP_MAX_QUEUE_SIZE (100)"),
+        ({"OTEL_BLRP_MAX_EXPORT_BATCH_SIZE": "4096"},
+         "OTEL_BLRP_MAX_EXPORT_BATCH_SIZE='4096' is invalid: expected at most OTEL_BLRP_MAX_QUEUE_SIZE (2048)"),
+        ({"OTEL_BSP_MAX_QUEUE_SIZE": "100"},
+         "OTEL_BSP_MAX_QUEUE_SIZE='100' is invalid: expected at least OTEL_BSP_MAX_EXPORT_BATCH_SIZE (512, its "
+         "default)"),
+    ],
+)  # fmt: skip
+def test_a_batch_larger_than_its_queue_is_refused_naming_what_was_set(environ, message):
+    with pytest.raises(ConfigError) as caught:
+        Settings.load(environ=environ)
+    assert str(caught.value) == message
+
+
+# ---- at import: the variables OpenTelemetry reads when its modules load ---------------------------
+
+_PROBE = """
+import json, os, subprocess, sys
+import stallwatch.auto
+import stallwatch
+
+variable = {variable!r}
+session = stallwatch.auto.SESSION
+child = subprocess.run([sys.executable, "-c", f"import os; print(repr(os.environ.get({{variable!r}})))"],
+                       capture_output=True, text=True, check=True)
+from opentelemetry import propagate, trace
+with trace.get_tracer("probe").start_as_current_span("request"):
+    carrier = {{}}
+    propagate.inject(carrier)
+print(json.dumps({{"error": session.error if session else "no session", "kept": os.environ.get(variable),
+                  "child": child.stdout.strip(), "guard": stallwatch.FORK_SAFETY.guard_enabled,
+                  "injected": sorted(carrier)}}))
+"""
+
+
+def _import_fails_without_stallwatch(variable: str, value: str) -> bool:
+    env = {**clean_env(), variable: value}
+    return run_python("import opentelemetry.propagate, opentelemetry.sdk.trace", env=env).returncode != 0
+
+
+def _probe(tmp_path, variable: str, value: str, **extra: str) -> tuple[int, dict, str]:
+    env = {**clean_env(), variable: value, "STALLWATCH_FILE_DIR": str(tmp_path), "STALLWATCH_WATCHDOG": "false",
+           "STALLWATCH_JOURNAL": "false", **extra}  # fmt: skip
+    proc = run_python(_PROBE.format(variable=variable), env=env)
+    lines = proc.stdout.strip().splitlines()
+    return proc.returncode, json.loads(lines[-1]) if proc.returncode == 0 else {}, proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [("OTEL_PROPAGATORS", "tracecontext,no-such-propagator"), ("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT", "-1")],
+)
+def test_a_value_opentelemetry_fails_to_import_with_never_fails_the_import(tmp_path, variable, value):
+    fails_alone = _import_fails_without_stallwatch(variable, value)
+    code, seen, stderr = _probe(tmp_path, variable, value)
+    assert code == 0, stderr
+    assert seen["guard"] is True
+    assert seen["error"].startswith(f"{variable}={value!r} is invalid"), seen
+    if fails_alone:  # removed so that OpenTelemetry loads; the children inherit the environment without it
+        assert "removed from this process's environment" in stderr and variable in stderr
+        assert seen["kept"] is None and seen["child"] == "None"
+    else:  # this SDK reads it later: it stays, and setup() still refuses it
+        assert seen["kept"] == value and seen["child"] == repr(value)
+    if variable == "OTEL_PROPAGATORS":
+        assert fails_alone  # on every SDK of the matrix
+
+
+def test_strict_fails_the_import_naming_the_variable(tmp_path):
+    code, _, stderr = _probe(tmp_path, "OTEL_PROPAGATORS", "bogus", STALLWATCH_STRICT="true")
+    assert code != 0
+    assert "ConfigError: OTEL_PROPAGATORS='bogus' is invalid: OpenTelemetry fails to import with it" in stderr
+
+
+def test_a_propagator_opentelemetry_knows_is_left_alone(tmp_path):
+    code, seen, stderr = _probe(tmp_path, "OTEL_PROPAGATORS", "tracecontext")
+    assert code == 0, stderr
+    assert seen == {"error": None, "kept": "tracecontext", "child": "'tracecontext'", "guard": True,
+                    "injected": ["traceparent"]}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"), [("OTEL_BSP_SCHEDULE_DELAY", "-5"), ("OTEL_ATTRIBUTE_COUNT_LIMIT", "-3")]
+)
+def test_setup_reports_a_value_the_sdk_would_fail_on_and_keeps_running(tmp_path, variable, value):
+    env = {**clean_env(), variable: value}
+    proc = run_python(
+        f"""
+        import json, stallwatch
+        session = stallwatch.setup(file_dir={str(tmp_path)!r}, watchdog=False, journal=False)
+        print(json.dumps({{"error": session.error}}))
+        """,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    error = json.loads(proc.stdout.strip().splitlines()[-1])["error"]
+    assert error.startswith(f"{variable}={value!r} is invalid: expected "), error
+    assert f"stallwatch: {error}. Telemetry is off; the fork guard stays on." in proc.stderr
