@@ -489,9 +489,10 @@ def load_opentelemetry() -> None:
                 break
             except ValueError as exc:
                 present = [variable for variable in variables if variable in os.environ]
+                # The error names the variable, or (OTEL_PROPAGATORS, and SDK 1.27, whose message fails to
+                # format) not: then those of the module's variables that stallwatch's own check refuses.
                 named = [variable for variable in present if variable in str(exc)]
-                if not named and len(variables) == 1:  # OTEL_PROPAGATORS: OpenTelemetry names the propagator
-                    named = present
+                named = named or [variable for variable in present if not _valid_at_import(variable)]
                 if not named:
                     raise
                 errors = {
@@ -510,6 +511,18 @@ def load_opentelemetry() -> None:
                         "instead).",
                         error,
                     )
+
+
+def _valid_at_import(variable: str) -> bool:
+    """Whether a variable OpenTelemetry reads at import passes stallwatch's own check (a limit's);
+    `OTEL_PROPAGATORS` has none, as only OpenTelemetry knows the installed propagators."""
+    if variable not in SDK_LIMITS:
+        return False
+    try:
+        _check_sdk_variables({variable: os.environ[variable]})
+    except ConfigError:
+        return False
+    return True
 
 
 def env_flag(name: str, default: bool) -> bool:
