@@ -7,8 +7,9 @@ Run from the repository root (a full run takes about five minutes)::
 
 Options: ``--seconds S`` measured seconds per run (default 8, after 1 s of warm-up), ``--rate R``
 requests per second (default 1000), ``--rounds N`` (default 3), ``--quick`` (2 s, 1 round, HTTP
-faults only), ``--out DIR`` (default ``tests/bench/results``; with ``--quick``, a fresh temporary
-directory). Writes ``backend_faults.json`` (raw numbers and machine info) and ``backend_faults.md``.
+faults only), ``--configs A,B`` (only those configurations, and ``off``), ``--out DIR`` (default
+``tests/bench/results``; with ``--quick``, a fresh temporary directory). Writes
+``backend_faults.json`` (raw numbers and machine info) and ``backend_faults.md``.
 
 The host, in a fresh interpreter, imports stallwatch first and calls ``stallwatch.setup()`` from
 the environment (the freeze watchdog off: it is another process, not the host). It then serves
@@ -29,6 +30,9 @@ Configurations, each its own interpreter:
 - ``discard-traces``, ``discard-metrics``, ``discard-logs``: ``discard`` for one signal, the other
   two exporters ``none``: what recording each signal costs the host, with no backend to fault. A
   fault run records all three, so against ``off`` it cannot do better than these together.
+- ``discard-metrics-no-exemplars``: ``discard-metrics`` with ``OTEL_METRICS_EXEMPLAR_FILTER=always_off``:
+  how much of the metrics' share is the SDK offering every measurement made inside a sampled span
+  as an exemplar (its default filter, ``trace_based``).
 - ``healthy-http``: OTLP/HTTP to a collector that answers at once: what exporting itself costs.
 - ``<fault>-<protocol>``: OTLP to a misbehaving collector (``tests/scenarios/reliability_collectors.py``,
   in its own process): ``refuse`` (connection refused), ``silent`` (accepts, never answers), ``slow``
@@ -47,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -67,6 +72,7 @@ FAULTS = ("refuse", "silent", "slow", "error")
 PROTOCOLS = ("http", "grpc")
 BASELINE = "off"
 DISCARD = "discard"
+NO_EXEMPLARS = "discard-metrics-no-exemplars"
 SIGNALS = ("traces", "metrics", "logs")
 HEALTHY = "healthy-http"
 WARMUP_SECONDS = 1.0
@@ -196,7 +202,7 @@ def worker(seconds: float, rate: int, discard: bool) -> dict[str, Any]:
 def configs(protocols: tuple[str, ...]) -> list[str]:
     one_signal = [f"{DISCARD}-{signal}" for signal in SIGNALS]
     faults = [f"{fault}-{protocol}" for protocol in protocols for fault in FAULTS]
-    return [BASELINE, DISCARD, *one_signal, HEALTHY, *faults]
+    return [BASELINE, DISCARD, *one_signal, NO_EXEMPLARS, HEALTHY, *faults]
 
 
 def run_config(config: str, seconds: float, rate: int) -> dict[str, Any]:
@@ -209,7 +215,9 @@ def run_config(config: str, seconds: float, rate: int) -> dict[str, Any]:
         env.update(OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none", OTEL_LOGS_EXPORTER="none")
     elif config.startswith(DISCARD):
         env["OTEL_EXPORTER_OTLP_ENDPOINT"] = "http://127.0.0.1:9"  # never used: the exporters discard
-        kept = config.removeprefix(DISCARD).removeprefix("-")
+        kept = config.removeprefix(DISCARD).removeprefix("-").removesuffix("-no-exemplars")
+        if config == NO_EXEMPLARS:
+            env["OTEL_METRICS_EXEMPLAR_FILTER"] = "always_off"
         if kept:
             env.update({f"OTEL_{signal.upper()}_EXPORTER": "none" for signal in SIGNALS if signal != kept})
     else:
@@ -283,13 +291,12 @@ def summarize(runs: list[dict[str, Any]], names: list[str]) -> list[Row]:
                 [p99(run["latency_ms"]) for run in mine],
             )
         )
-    base = next(row for row in rows if row.config == BASELINE)
-    discard = next(row for row in rows if row.config == DISCARD)
-    healthy = next(row for row in rows if row.config == HEALTHY)
+    by_name = {row.config: row for row in rows}
+    base, discard, healthy = by_name[BASELINE], by_name.get(DISCARD), by_name.get(HEALTHY)  # --configs may omit
     for row in rows:
         row.p99_ratio = row.p99_ms / base.p99_ms
-        row.p99_discard_ratio = row.p99_ms / discard.p99_ms
-        row.p99_healthy_ratio = row.p99_ms / healthy.p99_ms
+        row.p99_discard_ratio = row.p99_ms / discard.p99_ms if discard else float("nan")
+        row.p99_healthy_ratio = row.p99_ms / healthy.p99_ms if healthy else float("nan")
         row.p50_ratio = row.p50_ms / base.p50_ms
         row.spawn_p99_ratio = row.spawn_p99_ms / base.spawn_p99_ms
     return rows
@@ -309,7 +316,8 @@ def render_markdown(rows: list[Row], info: dict[str, Any], settings: dict[str, A
         "configuration. Ratios are against `off` (every exporter `none`: the target's baseline, without any "
         "telemetry work), `discard` (the same pipeline, exporters that drop every batch at once: what a fault "
         "adds) and `healthy-http`; target: p99 ≤ 1.05x for every fault. `discard-<signal>`: `discard` for that "
-        "signal alone, the others `none`: what recording it costs the host with no backend at all.",
+        "signal alone, the others `none`: what recording it costs the host with no backend at all; "
+        f"`{NO_EXEMPLARS}`: `discard-metrics` with `OTEL_METRICS_EXEMPLAR_FILTER=always_off`.",
         "",
         f"Machine: {info['nproc']} CPUs, Linux {info['kernel']}, Python {info['python']}; {versions}; "
         f"commit {info['git_commit']}{' (dirty)' if info['git_dirty'] else ''}; {info['date']}.",
@@ -322,7 +330,8 @@ def render_markdown(rows: list[Row], info: dict[str, Any], settings: dict[str, A
         drops = ", ".join(f"{k} {v}" for k, v in r.drops.items()) or "-"
         lines.append(
             f"| {r.config} | {r.p50_ms:.3f} | {r.p99_ms:.3f} | {r.mean_ms:.3f} | {r.max_ms:.1f} | "
-            f"{r.p99_ratio:.2f}x | {r.p50_ratio:.2f}x | {r.p99_discard_ratio:.2f}x | {r.p99_healthy_ratio:.2f}x | "
+            f"{r.p99_ratio:.2f}x | {r.p50_ratio:.2f}x | {_ratio(r.p99_discard_ratio)} | "
+            f"{_ratio(r.p99_healthy_ratio)} | "
             f"{r.spawn_p99_ms:.2f} | {r.spawn_p99_ratio:.2f}x | "
             f"{r.rss_growth_mb:.1f} | {r.shutdown_s:.2f} | {drops} |"
         )
@@ -331,9 +340,12 @@ def render_markdown(rows: list[Row], info: dict[str, Any], settings: dict[str, A
     return "\n".join(lines) + "\n"
 
 
-def benchmark(seconds: float, rate: int, rounds: int, protocols: tuple[str, ...], out: Path) -> str:
+def _ratio(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.2f}x"
+
+
+def benchmark(seconds: float, rate: int, rounds: int, names: list[str], out: Path) -> str:
     info = machine_info(VERSIONED)
-    names = configs(protocols)
     runs = []
     for number in range(rounds):
         shift = number % len(names)
@@ -344,7 +356,7 @@ def benchmark(seconds: float, rate: int, rounds: int, protocols: tuple[str, ...]
             print(f"round {number} {config:<14} p99 {p99(run['latency_ms']):7.3f} ms", file=sys.stderr)
     rows = summarize(runs, names)
     settings = {"seconds": seconds, "rate": rate, "rounds": rounds, "warmup": WARMUP_SECONDS,
-                "spawn_every": SPAWN_EVERY, "protocols": list(protocols)}  # fmt: skip
+                "spawn_every": SPAWN_EVERY, "configs": names}  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     report = {"machine": info, "settings": settings, "summary": [asdict(r) for r in rows], "runs": runs}
     (out / "backend_faults.json").write_text(json.dumps(report, indent=1) + "\n")
@@ -360,8 +372,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, help="interleaved rounds (default 3; 1 with --quick)")
     parser.add_argument("--quick", action="store_true", help="smoke test: short runs, one round, HTTP only")
     parser.add_argument("--out", type=Path, help="output directory (default tests/bench/results; temp with --quick)")
+    parser.add_argument("--configs", help=f"comma-separated configurations to run (`{BASELINE}` always runs); "
+                        f"default all: {', '.join(configs(PROTOCOLS))}")  # fmt: skip
     parser.add_argument("--worker", nargs=3, metavar=("SECONDS", "RATE", "CONFIG"), help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.configs:
+        unknown = sorted(set(args.configs.split(",")) - set(configs(PROTOCOLS)))
+        if unknown:
+            parser.error(f"unknown configuration(s) {', '.join(unknown)}; choose from {', '.join(configs(PROTOCOLS))}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -372,9 +391,12 @@ def main(argv: list[str] | None = None) -> None:
         os._exit(0)  # the shutdown was measured; do not wait for threads it left behind
     seconds = args.seconds or (2.0 if args.quick else 8.0)
     rounds = args.rounds or (1 if args.quick else 3)
-    protocols = ("http",) if args.quick else PROTOCOLS
+    names = configs(("http",) if args.quick else PROTOCOLS)
+    if args.configs:
+        chosen = set(args.configs.split(",")) | {BASELINE}
+        names = [name for name in configs(PROTOCOLS) if name in chosen]
     out = args.out or (Path(tempfile.mkdtemp(prefix="bench_faults_")) if args.quick else DEFAULT_OUT)
-    print(benchmark(seconds, args.rate, rounds, protocols, out))
+    print(benchmark(seconds, args.rate, rounds, names, out))
     print(f"results: {out / 'backend_faults.json'}, {out / 'backend_faults.md'}", file=sys.stderr)
 
 
