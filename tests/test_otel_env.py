@@ -192,3 +192,68 @@ def test_setup_reports_a_value_the_sdk_would_fail_on_and_keeps_running(tmp_path,
     error = json.loads(proc.stdout.strip().splitlines()[-1])["error"]
     assert error.startswith(f"{variable}={value!r} is invalid: expected "), error
     assert f"stallwatch: {error}. Telemetry is off; the fork guard stays on." in proc.stderr
+
+
+# ---- the OTLP exporters' own variables ---------------------------------------------------------------
+
+TIMEOUT_VALUES = ("10", "0.5", "1e3", " 7 ", "", "abc", "10s")
+
+
+def _grpc_exporter_refuses(monkeypatch: pytest.MonkeyPatch, variable: str, value: str) -> bool:
+    from opentelemetry.exporter.otlp.proto.grpc._log_exporter import OTLPLogExporter
+    from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+    with monkeypatch.context() as patched:
+        patched.setenv(variable, value)
+        try:
+            for exporter in (OTLPSpanExporter, OTLPMetricExporter, OTLPLogExporter):
+                exporter(endpoint="http://127.0.0.1:9", insecure=True).shutdown()
+        except ValueError:
+            return True
+    return False
+
+
+def test_every_timeout_the_grpc_exporters_refuse_is_refused_naming_it(monkeypatch):
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.grpc.trace_exporter", reason="the grpc extra")
+    refused = []
+    for variable in config.OTLP_TIMEOUTS:
+        for value in TIMEOUT_VALUES:
+            if _grpc_exporter_refuses(monkeypatch, variable, value):
+                refused.append((variable, value))
+                with pytest.raises(ConfigError) as caught:
+                    Settings.load(environ={variable: value})
+                assert str(caught.value).startswith(f"{variable}={value!r} is invalid: expected a number"), caught
+            else:
+                Settings.load(environ={variable: value})
+    assert ("OTEL_EXPORTER_OTLP_TIMEOUT", "abc") in refused and ("OTEL_EXPORTER_OTLP_LOGS_TIMEOUT", "10s") in refused
+
+
+def test_an_exporter_that_cannot_be_built_is_reported_naming_the_variables_set(tmp_path, monkeypatch):
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.grpc.trace_exporter", reason="the grpc extra")
+    with monkeypatch.context() as patched:  # the judge: this SDK's gRPC exporter refuses the compression
+        patched.setenv("OTEL_EXPORTER_OTLP_COMPRESSION", "bogus")
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        with pytest.raises(Exception, match="OTEL_EXPORTER_OTLP_COMPRESSION"):
+            OTLPSpanExporter(endpoint="http://127.0.0.1:9", insecure=True)
+    env = {**clean_env(), "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_EXPORTER_OTLP_COMPRESSION": "bogus",
+           "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"}  # fmt: skip
+    proc = run_python(
+        f"""
+        import json, stallwatch
+        from opentelemetry import trace
+        session = stallwatch.setup(file_dir={str(tmp_path)!r}, watchdog=False, journal=False)
+        print(json.dumps({{"error": session.error, "provider": type(trace.get_tracer_provider()).__name__}}))
+        """,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["error"].startswith(
+        "the OTLP traces exporter (grpc) cannot be built from the OTEL_EXPORTER_OTLP_* variables (set: "
+        "OTEL_EXPORTER_OTLP_COMPRESSION, OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_EXPORTER_OTLP_PROTOCOL): "
+    ), seen
+    assert "OTEL_EXPORTER_OTLP_COMPRESSION" in seen["error"].split("): ", 1)[1]  # the exporter's own words
+    assert seen["provider"] == "ProxyTracerProvider"  # nothing half-installed: telemetry is off
+    assert f"stallwatch: {seen['error']}. Telemetry is off; the fork guard stays on." in proc.stderr

@@ -34,7 +34,7 @@ SAMPLERS = (
 )
 # Variables the OpenTelemetry SDK reads itself and, for some bad values, fails on by raising instead
 # of logging and using its default: in `setup()` (the limits, the batch processors' sizes, the
-# exemplar filter), and at import for `OTEL_PROPAGATORS` and, on recent SDKs,
+# OTLP timeouts with gRPC, the exemplar filter), and at import for `OTEL_PROPAGATORS` and, on recent SDKs,
 # `OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT`. stallwatch checks them like its own settings (see
 # `_check_sdk_variables` and `load_opentelemetry`), so that a bad value is reported naming it.
 SDK_LIMITS = (
@@ -52,9 +52,11 @@ SDK_LIMITS = (
 SDK_BATCH_PREFIXES = ("OTEL_BSP", "OTEL_BLRP")  # span and log record batch processors
 _SDK_BATCH_DEFAULTS = {"MAX_QUEUE_SIZE": 2048, "SCHEDULE_DELAY": 5000, "MAX_EXPORT_BATCH_SIZE": 512}
 EXEMPLAR_FILTERS = ("trace_based", "always_on", "always_off")
+OTLP_TIMEOUTS = tuple(f"OTEL_EXPORTER_OTLP_{signal}TIMEOUT" for signal in ("", "TRACES_", "METRICS_", "LOGS_"))
 SDK_VARIABLES = (
     *SDK_LIMITS,
     *(f"{prefix}_{name}" for prefix in SDK_BATCH_PREFIXES for name in _SDK_BATCH_DEFAULTS),
+    *OTLP_TIMEOUTS,
     "OTEL_METRICS_EXEMPLAR_FILTER",
     "OTEL_PROPAGATORS",
 )
@@ -539,7 +541,8 @@ def _check_sdk_variables(env: Mapping[str, str]) -> None:
     parses them: a limit is an integer ≥ 0, or empty for no limit; a batch processor's queue size,
     delay and batch size are positive integers, the batch no larger than the queue (an empty one
     means the default; text that is not an integer, which the SDK replaces by its default with a
-    traceback in the log, is refused too); the exemplar filter is one of `EXEMPLAR_FILTERS`, exactly."""
+    traceback in the log, is refused too); an OTLP timeout is a number, even if empty; the exemplar filter is one of
+    `EXEMPLAR_FILTERS`, exactly."""
     for variable in SDK_LIMITS:
         if (text := env.get(variable)) is not None and text.strip():
             _sdk_int(text, variable, 0, "a non-negative integer, or empty for no limit")
@@ -555,6 +558,12 @@ def _check_sdk_variables(env: Mapping[str, str]) -> None:
                             f"at most {prefix}_MAX_QUEUE_SIZE ({queue})")  # fmt: skip
             raise _fail(f"{prefix}_MAX_QUEUE_SIZE", env[f"{prefix}_MAX_QUEUE_SIZE"],
                         f"at least {prefix}_MAX_EXPORT_BATCH_SIZE ({batch}, its default)")  # fmt: skip
+    for variable in OTLP_TIMEOUTS:  # the gRPC exporters raise on one that is not a number (empty too)
+        if (text := env.get(variable)) is not None:
+            try:
+                float(text)
+            except ValueError:
+                raise _fail(variable, text, "a number of seconds (what the Python OTLP exporters read)") from None
     text = env.get("OTEL_METRICS_EXEMPLAR_FILTER")
     if text is not None and text not in EXEMPLAR_FILTERS:
         raise _fail("OTEL_METRICS_EXEMPLAR_FILTER", text, "one of " + ", ".join(EXEMPLAR_FILTERS) + " (exactly)")

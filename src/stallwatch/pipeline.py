@@ -58,6 +58,7 @@ from .forksafe import grpc_guard
 from .forksafe.loop import package_version
 from .instrument import histograms
 from .instrument._common import instrument, meter
+from .instrument.scrub import scrub_text
 from .ledger import LOGGER_NAME as LEDGER_LOGGER
 
 _log = logging.getLogger("stallwatch")
@@ -423,6 +424,24 @@ def _otlp_endpoint(settings: Settings, signal: str, http: bool) -> str | None:
 
 
 def _otlp_exporter(settings: Settings, signal: str) -> Any:
+    """The OTLP exporter of `signal`. The exporters read more `OTEL_EXPORTER_OTLP_*` variables than
+    stallwatch checks, and some raise on a bad one (with gRPC, a compression other than `gzip` on
+    SDK 1.45, an unknown credential provider): any such failure becomes a `ConfigError` that names
+    the variables set, so `setup()` reports it and keeps the host running like any bad setting."""
+    try:
+        return _new_otlp_exporter(settings, signal)
+    except ConfigError:
+        raise
+    except Exception as exc:
+        prefixes = ("OTEL_EXPORTER_OTLP_", "OTEL_PYTHON_EXPORTER_OTLP_")
+        named = ", ".join(sorted(name for name in os.environ if name.startswith(prefixes))) or "none"
+        raise ConfigError(
+            f"the OTLP {signal} exporter ({settings.protocol_for(signal)}) cannot be built from the "
+            f"OTEL_EXPORTER_OTLP_* variables (set: {named}): {scrub_text(f'{type(exc).__name__}: {exc}')}"
+        ) from exc
+
+
+def _new_otlp_exporter(settings: Settings, signal: str) -> Any:
     protocol = settings.protocol_for(signal)
     if protocol == "grpc":
         try:
