@@ -357,3 +357,28 @@ def test_bad_fork_guard_flag_is_logged_and_the_guards_stay_on(variable):
     assert report["error"].startswith(f"{variable}=")
     assert report["guard_installed"] is report["guard_enabled"] is report["grpc_guard_enabled"] is True
     assert report["grpc_fork_support"] == "false"
+
+
+def test_an_unusable_file_dir_is_reported_naming_it_and_the_started_watchdog_is_stopped(tmp_path):
+    not_a_directory = tmp_path / "file"
+    not_a_directory.write_text("")
+    proc = run_python(
+        f"""
+        import json, os, stallwatch
+        session = stallwatch.setup(file_dir={str(not_a_directory / "telemetry")!r}, journal=False)
+        try:
+            left = os.waitpid(-1, os.WNOHANG)  # (0, 0) while a child (the watchdog) still runs
+        except ChildProcessError:
+            left = None
+        print(json.dumps({{"error": session.error, "watchdog_pid": session.watchdog_pid, "child": left}}))
+        """
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["error"] == (
+        f"STALLWATCH_FILE_DIR={str(not_a_directory / 'telemetry')!r} is unusable for the `file` exporter "
+        "(Not a directory): choose a writable directory, or another exporter"
+    )
+    assert seen["watchdog_pid"] is None and seen["child"] is None  # started before the pipeline, then reaped
+    assert "Traceback" not in proc.stderr

@@ -257,3 +257,27 @@ def test_an_exporter_that_cannot_be_built_is_reported_naming_the_variables_set(t
     assert "OTEL_EXPORTER_OTLP_COMPRESSION" in seen["error"].split("): ", 1)[1]  # the exporter's own words
     assert seen["provider"] == "ProxyTracerProvider"  # nothing half-installed: telemetry is off
     assert f"stallwatch: {seen['error']}. Telemetry is off; the fork guard stays on." in proc.stderr
+
+
+# ---- warnings as errors ---------------------------------------------------------------------------------
+
+
+def test_setup_works_with_warnings_as_errors(tmp_path):
+    """`-W error` (or pytest's `filterwarnings = error`) in the host: a deprecation inside the SDK that
+    stallwatch uses (SDK 1.45 deprecates its LoggingHandler) must not fail setup()."""
+    env = {**clean_env(), "PYTHONWARNINGS": "error", "STALLWATCH_FILE_DIR": str(tmp_path),
+           "STALLWATCH_WATCHDOG": "false", "STALLWATCH_JOURNAL": "false"}  # fmt: skip
+    proc = run_python(
+        """
+        import logging, stallwatch.auto, stallwatch
+        from opentelemetry import trace
+        with trace.get_tracer("probe").start_as_current_span("request"):
+            logging.getLogger("host").warning("served")
+        print(stallwatch.auto.SESSION.error, stallwatch.shutdown())
+        """,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["None", "True"], proc.stdout + proc.stderr
+    assert "served" in (tmp_path / "logs.jsonl").read_text()
+    assert '"name":"request"' in (tmp_path / "traces.jsonl").read_text()

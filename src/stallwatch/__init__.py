@@ -46,6 +46,8 @@ def setup(**overrides: Any) -> Session:
 
     A bad setting is logged at ERROR naming the variable, and telemetry stays off while the host
     keeps running; with ``strict=True`` (or ``STALLWATCH_STRICT=true``) it raises ``ConfigError``.
+    Any other failure to build the telemetry pipeline is logged the same way, with its traceback
+    (``strict`` raises it); the fork guard stays on either way.
     """
     return _session.setup(FORK_SAFETY, **overrides)
 

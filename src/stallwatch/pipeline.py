@@ -21,6 +21,7 @@ import os
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -283,7 +284,12 @@ class _LoggingHandler(LoggingHandler):
     """
 
     def __init__(self, level: int, logger_provider: LoggerProvider, processors: list[CountingLogProcessor]) -> None:
-        super().__init__(level=level, logger_provider=logger_provider)
+        with warnings.catch_warnings():
+            # SDK 1.45 deprecates this handler for the one of opentelemetry-instrumentation-logging, a
+            # package stallwatch does not use. The warning is not the host's to act on, and under
+            # `-W error` (a common pytest setting) it failed setup().
+            warnings.simplefilter("ignore", DeprecationWarning)
+            super().__init__(level=level, logger_provider=logger_provider)
         self._processors = processors
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -325,7 +331,13 @@ def _exporter(settings: Settings, signal: str, name: str, pipeline: Pipeline) ->
     """One `file`, `console` or `otlp` exporter for a signal."""
     if name == "file":
         file_exporter = {"traces": FileSpanExporter, "metrics": FileMetricExporter, "logs": FileLogExporter}[signal]
-        exporter = file_exporter(settings.file_dir)
+        try:
+            exporter = file_exporter(settings.file_dir)
+        except OSError as exc:
+            raise ConfigError(
+                f"STALLWATCH_FILE_DIR={str(settings.file_dir)!r} is unusable for the `file` exporter "
+                f"({exc.strerror or exc}): choose a writable directory, or another exporter"
+            ) from exc
         pipeline.files[signal] = exporter.path
         return exporter
     if name == "console":

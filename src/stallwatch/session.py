@@ -107,11 +107,20 @@ def _start(fork_safety: ForkSafety, overrides: dict[str, Any]) -> Session:
 
         try:
             pipeline = pipeline_module.build(settings)
-        except ConfigError as exc:
+        except Exception as exc:
+            _stop_unused_watchdog(watchdog)
             if settings.strict:
                 raise
-            _log.error("stallwatch: %s. Telemetry is off; the fork guard stays on.", exc)
-            return Session(settings, fork_safety, error=str(exc))
+            if isinstance(exc, ConfigError):
+                _log.error("stallwatch: %s. Telemetry is off; the fork guard stays on.", exc)
+            else:
+                _log.exception(
+                    "stallwatch: building the telemetry pipeline failed (%s: %s). Telemetry is off; the fork "
+                    "guard stays on (STALLWATCH_STRICT=true raises instead).",
+                    type(exc).__name__,
+                    exc,
+                )
+            return Session(settings, fork_safety, error=str(exc) if isinstance(exc, ConfigError) else repr(exc))
     _register_instruments()
     _instrument(settings)
     journal = _start_journal(settings) if settings.journal else None
@@ -234,6 +243,20 @@ def _start_watchdog(settings: Settings) -> tuple[Any, subprocess.Popen[bytes]] |
         _log.warning("stallwatch: cannot start the freeze watchdog (%s); STALLWATCH_WATCHDOG=false silences this.", exc)
         return None
     return area, process
+
+
+def _stop_unused_watchdog(watchdog: tuple[Any, subprocess.Popen[bytes]] | None) -> None:
+    """Stop the watchdog of a `setup()` that failed after starting it: no heartbeat would ever come."""
+    if watchdog is None:
+        return
+    area, process = watchdog
+    process.terminate()
+    try:
+        process.wait(timeout=1.0)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    area.close()
 
 
 def _instrument(settings: Settings) -> None:
