@@ -33,9 +33,9 @@ SAMPLERS = (
     "parentbased_traceidratio",
 )
 # Variables the OpenTelemetry SDK reads itself and, for some bad values, fails on by raising instead
-# of logging and using its default: in `setup()` (the limits, the batch processors' sizes, the
-# OTLP timeouts with gRPC, the exemplar filter), and at import for `OTEL_PROPAGATORS` and, on recent SDKs,
-# `OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT`. stallwatch checks them like its own settings (see
+# of logging and using its default: in `setup()` (the limits, the batch processors' sizes, the OTLP
+# timeouts with gRPC, the exemplar filter), and at import (`OTEL_PROPAGATORS`,
+# `OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT`). stallwatch checks them like its own settings (see
 # `_check_sdk_variables` and `load_opentelemetry`), so that a bad value is reported naming it.
 SDK_LIMITS = (
     "OTEL_ATTRIBUTE_COUNT_LIMIT",
@@ -541,8 +541,8 @@ def _check_sdk_variables(env: Mapping[str, str]) -> None:
     parses them: a limit is an integer ≥ 0, or empty for no limit; a batch processor's queue size,
     delay and batch size are positive integers, the batch no larger than the queue (an empty one
     means the default; text that is not an integer, which the SDK replaces by its default with a
-    traceback in the log, is refused too); an OTLP timeout is a number, even if empty; the exemplar filter is one of
-    `EXEMPLAR_FILTERS`, exactly."""
+    traceback in the log, is refused too); an OTLP timeout is a number, even if empty; the exemplar
+    filter is one of `EXEMPLAR_FILTERS`, exactly."""
     for variable in SDK_LIMITS:
         if (text := env.get(variable)) is not None and text.strip():
             _sdk_int(text, variable, 0, "a non-negative integer, or empty for no limit")
