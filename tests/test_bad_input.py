@@ -672,7 +672,9 @@ def test_every_wrapper_takes_hostile_input_and_keeps_its_attributes_bounded(tmp_
             for item in values:
                 assert len(str(next(iter(item.values()), ""))) <= MAX_ARG_CHARS, attribute["key"]
     for path in (tmp_path / "telemetry").glob("*.jsonl"):
-        assert "ZQ" not in path.read_text(), path
+        # The secrets seeded above, whole: log records carry source paths, and a checkout in a
+        # `mktemp -d` directory (/tmp/tmp.Nq596ZQyIj, as CI once drew) can hold the bare prefix.
+        assert not [secret for secret in ("ZQmany", "ZQsshpw") if secret in path.read_text()], path
         assert max(map(len, path.read_text().splitlines()), default=0) < 100_000, path
     (segment,) = (read_segment(path) for path in (tmp_path / "journal").glob("*.journal"))
     assert segment.corruption == [] and {"intent", "outcome"} <= {r["type"] for r in segment.records}
