@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -91,7 +92,10 @@ def _build_host_providers(out: Path) -> list[Any]:
     logger_provider = LoggerProvider(resource=resource)
     logger_provider.add_log_record_processor(BatchLogRecordProcessor(FileLogExporter(out)))
     _logs.set_logger_provider(logger_provider)
-    logging.getLogger("stallwatch.demo").addHandler(LoggingHandler(logger_provider=logger_provider))
+    with warnings.catch_warnings():  # SDK 1.45 deprecates its handler; not the demo's user's to act on
+        warnings.simplefilter("ignore", DeprecationWarning)
+        handler = LoggingHandler(logger_provider=logger_provider)
+    logging.getLogger("stallwatch.demo").addHandler(handler)
     return [tracer_provider, meter_provider, logger_provider]
 
 
