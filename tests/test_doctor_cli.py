@@ -154,6 +154,29 @@ def test_demo_rejects_bad_input(tmp_path):
     assert "--probes must be at least 1" in proc.stderr
 
 
+def test_demo_with_an_out_directory_it_cannot_create_says_so_in_one_line(tmp_path):
+    (tmp_path / "file").write_text("")
+    proc = stallwatch_cli("demo", "--out", str(tmp_path / "file" / "demo"))
+
+    assert proc.returncode == 2
+    assert proc.stderr == f"stallwatch demo: --out {tmp_path / 'file' / 'demo'} cannot be created: Not a directory\n"
+
+
+def test_doctor_import_that_fails_names_the_module_and_shows_the_modules_own_traceback(tmp_path):
+    (tmp_path / "brokenapp.py").write_text("raise RuntimeError('the app is broken')\n")
+    env = clean_env(PYTHONPATH=str(tmp_path))
+
+    missing = stallwatch_cli("doctor", "--import", "no_such_app", env=env)
+    broken = stallwatch_cli("doctor", "--import", "brokenapp", env=env)
+
+    assert missing.returncode == broken.returncode == 2
+    assert missing.stderr == (
+        "stallwatch doctor: --import no_such_app failed: ModuleNotFoundError: No module named 'no_such_app'\n"
+    )
+    assert 'brokenapp.py", line 1' in broken.stderr  # where to fix it
+    assert broken.stderr.endswith("stallwatch doctor: --import brokenapp failed: RuntimeError: the app is broken\n")
+
+
 def test_opentelemetry_instrument_gets_the_fork_aware_pipeline(tmp_path):
     app = tmp_path / "app.py"
     app.write_text(

@@ -7,6 +7,7 @@ import importlib
 import json
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import stallwatch
@@ -14,7 +15,13 @@ import stallwatch
 
 def _doctor(args: argparse.Namespace) -> int:
     for module in args.imports:
-        importlib.import_module(module)
+        try:
+            importlib.import_module(module)
+        except Exception as error:
+            if not (isinstance(error, ModuleNotFoundError) and error.name == module):
+                traceback.print_exc()  # the module itself failed: its traceback is what to fix
+            print(f"stallwatch doctor: --import {module} failed: {type(error).__name__}: {error}", file=sys.stderr)
+            return 2
     if args.setup:
         stallwatch.setup()
     report = stallwatch.doctor(probe=not args.no_probe)
@@ -25,6 +32,11 @@ def _doctor(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from . import demo
 
+    try:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        print(f"stallwatch demo: --out {args.out} cannot be created: {error.strerror or error}", file=sys.stderr)
+        return 2
     started = time.monotonic()
     result = demo.run(
         Path(args.out),
