@@ -55,6 +55,7 @@ from .export.guarded import (
     drop_early,
     leftovers,
 )
+from .export.shedding import SheddingTracerProvider
 from .forksafe import grpc_guard
 from .forksafe.loop import package_version
 from .instrument import histograms
@@ -348,7 +349,7 @@ def _exporter(settings: Settings, signal: str, name: str, pipeline: Pipeline) ->
 
 
 def _build_traces(settings: Settings, resource: Resource, pipeline: Pipeline) -> TracerProvider:
-    provider = TracerProvider(resource=resource, sampler=_sampler(settings), shutdown_on_exit=False)
+    provider = SheddingTracerProvider(resource=resource, sampler=_sampler(settings), shutdown_on_exit=False)
     for name in settings.traces_exporter:
         exporter = _exporter(settings, "traces", name, pipeline)
         processor = CountingSpanProcessor(GuardedExporter(exporter, "traces", pipeline._gate, SpanExportResult.FAILURE))

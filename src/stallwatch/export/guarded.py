@@ -31,6 +31,15 @@ dropped span while a backend is down. On the wire both are the same cumulative m
   at 1.3-1.5x that of the same host with exporters off. The SDK's exporters keep their own retries
   within one export; the back-off only stops the attempts between exports.
 
+- Shedding: a sampled span about to *start* while every span processor would drop it at its end
+  (the backend is taken to be down, or the queue is full) is not recorded at all, and is counted
+  as dropped for the reason each processor gives (`shedding()`). This is for the host's tracers
+  (`export.shedding`) and for stallwatch's hot-path spans (executor items, child processes:
+  `instrument.light_span`); spans the journal keeps in flight (Nebius calls, SSH tunnels) are
+  always recorded. Recording a span costs 10-12 µs on the host's thread (SDK 1.45 here) whatever
+  happens to it after, and after the steps above it was most of what a failing backend still cost
+  the host (`tests/bench/bench_backend_faults.py`).
+
 The exporters also give the pipeline two hooks: `ExportGate.cut_off`, set when the shutdown budget
 runs out, makes every later export fail at once without touching the network (a shutdown thread
 left behind must not keep a socket busy for the exporter's 10 s timeout per batch), and the first
@@ -294,6 +303,42 @@ def _counting_emit(name: str) -> Callable[..., None]:
 
     emit.__name__ = emit.__qualname__ = name
     return emit
+
+
+def shedding(processors: Sequence[Any] | None) -> list[str] | None:
+    """Why every span processor in `processors` would drop a sampled span now, or None.
+
+    None when there is no processor, or one that is not stallwatch's (it may keep the span). Costs
+    two reads per processor while the backend is up and the queues have room."""
+    if not processors:
+        return None
+    for processor in processors:
+        if type(processor) is not CountingSpanProcessor or not (
+            processor.guard.breaker.down_until or len(processor._bounded) >= processor._limit
+        ):
+            return None
+    reasons = [_early_drop(processor) for processor in processors]
+    return None if None in reasons else reasons  # type: ignore[return-value]
+
+
+def count_shed(processors: Sequence[CountingSpanProcessor], reasons: Sequence[str]) -> None:
+    """Count a span shed for `reasons` (what `shedding` returned) as dropped by each processor."""
+    for processor, reason in zip(processors, reasons, strict=True):
+        processor.guard.gate.drop("traces", reason, 1)
+
+
+def shed(processors: Sequence[Any]) -> bool:
+    """True, and counted, when every span processor in `processors` would drop a sampled span now."""
+    for processor in processors:  # `shedding`'s first test, inline: this runs for every hot-path span
+        if type(processor) is not CountingSpanProcessor or not (
+            processor.guard.breaker.down_until or len(processor._bounded) >= processor._limit
+        ):
+            return False
+    reasons = shedding(processors)
+    if reasons is None:
+        return False
+    count_shed(processors, reasons)  # type: ignore[arg-type]
+    return True
 
 
 def drop_early(processors: Sequence[CountingLogProcessor]) -> bool:

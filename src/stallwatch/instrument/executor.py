@@ -344,7 +344,7 @@ def _start_span(item: ItemRecord, context: otel_context.Context) -> None:
     parent = trace.get_current_span(context).get_span_context()
     if parent.is_valid and parent.trace_flags.sampled:
         state = item.executor
-        item.span = light_span.start(_tracer, state.span_name, context, state.attributes, parent=parent)
+        item.span = light_span.start(_tracer, state.span_name, context, state.attributes, parent=parent, shed=True)
 
 
 def _attach(item: ItemRecord) -> object:

@@ -36,6 +36,8 @@ from opentelemetry.sdk.util import BoundedList
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 from opentelemetry.util import types
 
+from ..export import guarded
+
 _LOCK = threading.Lock()  # guards every LightSpan's rare mutations (events, status, foreign attributes)
 _STOCK = (sdk_trace.SpanProcessor, sdk_export.BatchSpanProcessor, sdk_export.SimpleSpanProcessor)
 _NO_OP_ON_START = frozenset(stock.on_start for stock in _STOCK)  # each is `pass`
@@ -91,21 +93,30 @@ def _sdk_tracer(tracer: Any) -> sdk_trace.Tracer | None:
 _RANDOM = getattr(TraceFlags, "RANDOM_TRACE_ID", 0)  # W3C trace-context level 2 flag, SDK 1.45+
 
 
-def start(
-    tracer: trace.Tracer,
+# (trace id, trace flags, parent or None, trace state, attributes to record, recording)
+Decision = tuple[int, int, "SpanContext | None", "trace.TraceState | None", dict[str, Any], bool]
+
+
+def non_recording(sdk: sdk_trace.Tracer, decision: Decision) -> trace.NonRecordingSpan:
+    """The span the SDK hands out for a span it does not record, with a new span id."""
+    trace_id, flags, _, trace_state, _, _ = decision
+    return trace.NonRecordingSpan(
+        SpanContext(trace_id, sdk.id_generator.generate_span_id(), False, TraceFlags(flags), trace_state)
+    )
+
+
+def decide(
+    sdk: sdk_trace.Tracer,
     name: str,
     context: otel_context.Context | None,
-    attributes: dict[str, Any],
-    kind: SpanKind = SpanKind.INTERNAL,
-    start_time: int | None = None,
-    parent: SpanContext | None = None,
-) -> trace.Span:
-    """Start a span as `tracer.start_span(name, context, kind, attributes, start_time=...)` would;
-    `parent`: the span context current in `context`, when the caller has looked it up already.
-    `attributes` is copied, never kept nor changed: a caller may pass the same dict every time."""
-    sdk = _sdk_tracer(tracer)
-    if sdk is None:
-        return tracer.start_span(name, context=context, kind=kind, attributes=attributes, start_time=start_time)
+    attributes: types.Attributes,
+    kind: SpanKind,
+    links: Any,
+    parent: SpanContext | None,
+) -> Decision:
+    """Trace id, flags, trace state and attributes of a new span, as `sdk.start_span` takes them.
+
+    `parent`: the span context current in `context`, when the caller has looked it up already."""
     if parent is None:
         parent = trace.get_current_span(context).get_span_context()
     if parent is not None and parent.is_valid:
@@ -124,17 +135,37 @@ def start(
     else:
         delegate = None
     if delegate is sampling.ALWAYS_ON:  # what the sampler would answer, without its three calls and result object
+        trace_state = parent.trace_state if parent is not None else None
+        return trace_id, flags | TraceFlags.SAMPLED, parent, trace_state, dict(attributes or {}), True
+    result = sampler.should_sample(context, trace_id, name, kind, attributes, links)
+    if result.decision.is_sampled():
         flags |= TraceFlags.SAMPLED
-        span_attributes, trace_state = dict(attributes), parent.trace_state if parent is not None else None
-    else:
-        result = sampler.should_sample(context, trace_id, name, kind, attributes, ())
-        if result.decision.is_sampled():
-            flags |= TraceFlags.SAMPLED
-        trace_state = result.trace_state
-        if not result.decision.is_recording():
-            span_id = sdk.id_generator.generate_span_id()
-            return trace.NonRecordingSpan(SpanContext(trace_id, span_id, False, TraceFlags(flags), trace_state))
-        span_attributes = dict(result.attributes or {})
+    recording = result.decision.is_recording()
+    return trace_id, flags, parent, result.trace_state, dict(result.attributes or {}), recording
+
+
+def start(
+    tracer: trace.Tracer,
+    name: str,
+    context: otel_context.Context | None,
+    attributes: dict[str, Any],
+    kind: SpanKind = SpanKind.INTERNAL,
+    start_time: int | None = None,
+    parent: SpanContext | None = None,
+    shed: bool = False,
+) -> trace.Span:
+    """Start a span as `tracer.start_span(name, context, kind, attributes, start_time=...)` would;
+    `parent`: the span context current in `context`, when the caller has looked it up already.
+    `attributes` is copied, never kept nor changed: a caller may pass the same dict every time.
+    `shed`: a sampled span that every span processor would drop now is not recorded
+    (`export.guarded.shed`); not for spans the journal must see in flight."""
+    sdk = _sdk_tracer(tracer)
+    if sdk is None:
+        return tracer.start_span(name, context=context, kind=kind, attributes=attributes, start_time=start_time)
+    decision = decide(sdk, name, context, attributes, kind, (), parent)
+    trace_id, flags, parent, trace_state, span_attributes, recording = decision
+    if not recording or (shed and flags & TraceFlags.SAMPLED and guarded.shed(sdk.span_processor._span_processors)):
+        return non_recording(sdk, decision)
     span_context = SpanContext(trace_id, sdk.id_generator.generate_span_id(), False, TraceFlags(flags), trace_state)
     return LightSpan(sdk, name, kind, span_context, parent, span_attributes, start_time or time_ns())
 

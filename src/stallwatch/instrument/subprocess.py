@@ -173,7 +173,7 @@ def _build(child: _Child, state: _State | None) -> None:
     if span is None:
         if state is None:
             return
-        span = light_span.start(state.tracer, child.name, child.parent, {}, SpanKind.CLIENT, child.start_ns)
+        span = light_span.start(state.tracer, child.name, child.parent, {}, SpanKind.CLIENT, child.start_ns, shed=True)
     if isinstance(span, light_span.LightSpan):
         span.set_own_attributes(child.attributes)  # built by this module: valid and bounded
     else:
