@@ -35,6 +35,7 @@ BAD_VALUES: dict[str, tuple[str, ...]] = {
     "OTEL_METRIC_EXPORT_INTERVAL": ("-5", "0", "1.5s"),
     "OTEL_EXPORTER_PROMETHEUS_HOST": ("   ",),
     "OTEL_EXPORTER_PROMETHEUS_PORT": ("70000", "-1", "http"),
+    "STALLWATCH_SHED_SPANS": ("sometimes",),
     "STALLWATCH_PROVIDERS": ("both",),
     "STALLWATCH_FILE_DIR": ("   ",),
     "STALLWATCH_LOG_LEVEL": ("LOUD",),

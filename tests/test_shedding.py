@@ -159,9 +159,11 @@ def test_spans_shed_while_the_queue_is_full_of_a_collector_that_never_answers(mo
             pipeline.close()
 
 
-def test_an_executor_item_and_a_child_under_a_shed_request(tmp_path: Path):
+@pytest.mark.parametrize("shed", [True, False])
+def test_an_executor_item_and_a_child_under_a_shed_request(tmp_path: Path, shed: bool):
     """End to end through `setup()`: the host's request, its executor item and its child process are
-    shed, the item still runs in the request's trace, and every shed span is counted."""
+    shed, the item still runs in the request's trace, and every shed span is counted. With
+    STALLWATCH_SHED_SPANS=false they are recorded, then dropped at their end: the same counts."""
     code = f"""
 import json, subprocess
 import stallwatch
@@ -174,14 +176,20 @@ tracer.start_span("before").end()
 trace.get_tracer_provider().force_flush(5000)
 processor = session._pipeline._processors[0]
 assert processor.guard.breaker.down(), session._pipeline._gate.dropped
+
+def item():
+    span = trace.get_current_span()
+    return span.get_span_context(), span.is_recording()
+
 pool = ThreadPoolExecutor(1)
 with tracer.start_as_current_span("request") as request:
-    seen = pool.submit(lambda: trace.get_current_span().get_span_context()).result()
+    request_recording = request.is_recording()
+    seen, item_recording = pool.submit(item).result()
     subprocess.run(["/bin/true"], check=True)
 flush_spans()  # a child's span is built after it is reaped, on stallwatch's builder thread
 dropped = dict(session._pipeline._gate.dropped)
 print(json.dumps({{
-    "request_recording": request.is_recording(),
+    "request_recording": request_recording, "item_recording": item_recording,
     "request_trace": request.get_span_context().trace_id,
     "item_trace": seen.trace_id, "item_span": seen.span_id, "request_span": request.get_span_context().span_id,
     "item_sampled": seen.trace_flags.sampled,
@@ -196,14 +204,15 @@ print(json.dumps({{
             "OTEL_METRICS_EXPORTER": "none",
             "OTEL_LOGS_EXPORTER": "none",
             "STALLWATCH_WATCHDOG": "false",
+            "STALLWATCH_SHED_SPANS": str(shed).lower(),
         }
         result = run_python(code, env=clean_env(**env))
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert report["request_recording"] is False
+    assert report["request_recording"] is report["item_recording"] is not shed
     assert report["item_trace"] == report["request_trace"] and report["item_sampled"]
-    assert report["item_span"] != report["request_span"]  # the item had its own (shed) span
-    assert report["backend_down"] == 3  # the request, its item and its child
+    assert report["item_span"] != report["request_span"]  # the item had its own span
+    assert report["backend_down"] == 3  # the request, its item and its child: shed, or dropped at their end
 
 
 def test_a_provider_without_processors_records_as_the_sdk_does():

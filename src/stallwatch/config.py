@@ -149,6 +149,13 @@ OPTIONS: tuple[Option, ...] = (
         "Port of the Prometheus scrape endpoint (0 picks a free port).",
     ),
     Option(
+        "STALLWATCH_SHED_SPANS",
+        "shed_spans",
+        "`true`",
+        "While every span queue is full or the backend is down, sampled spans that start are not recorded "
+        "(ids and sampled flag kept; counted as dropped). `false` records them, to be dropped at their end.",
+    ),
+    Option(
         "STALLWATCH_PROVIDERS",
         "providers",
         "`stallwatch`",
@@ -355,6 +362,7 @@ class Settings:
     metric_export_interval_ms: int = 60000
     prometheus_host: str = "localhost"
     prometheus_port: int = 9464
+    shed_spans: bool = True
     providers: str = "stallwatch"
     file_dir: Path = field(default_factory=_default_file_dir)
     log_level: int = logging.WARNING
@@ -431,6 +439,7 @@ class Settings:
         take("metric_export_interval_ms", "OTEL_METRIC_EXPORT_INTERVAL", _positive_int, None)
         take("prometheus_host", "OTEL_EXPORTER_PROMETHEUS_HOST", _nonempty, None)
         take("prometheus_port", "OTEL_EXPORTER_PROMETHEUS_PORT", _port, None)
+        take("shed_spans", "STALLWATCH_SHED_SPANS", _bool, None)
         take("providers", "STALLWATCH_PROVIDERS", _one_of(PROVIDER_OWNERS), None)
         take("file_dir", "STALLWATCH_FILE_DIR", _path, None)
         take("log_level", "STALLWATCH_LOG_LEVEL", _log_level, None)

@@ -352,7 +352,8 @@ def _build_traces(settings: Settings, resource: Resource, pipeline: Pipeline) ->
     provider = SheddingTracerProvider(resource=resource, sampler=_sampler(settings), shutdown_on_exit=False)
     for name in settings.traces_exporter:
         exporter = _exporter(settings, "traces", name, pipeline)
-        processor = CountingSpanProcessor(GuardedExporter(exporter, "traces", pipeline._gate, SpanExportResult.FAILURE))
+        guarded = GuardedExporter(exporter, "traces", pipeline._gate, SpanExportResult.FAILURE)
+        processor = CountingSpanProcessor(guarded, shed=settings.shed_spans)
         pipeline._processors.append(processor)
         provider.add_span_processor(processor)
     return provider

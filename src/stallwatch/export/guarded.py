@@ -36,7 +36,8 @@ dropped span while a backend is down. On the wire both are the same cumulative m
   as dropped for the reason each processor gives (`shedding()`). This is for the host's tracers
   (`export.shedding`) and for stallwatch's hot-path spans (executor items, child processes:
   `instrument.light_span`); spans the journal keeps in flight (Nebius calls, SSH tunnels) are
-  always recorded. Recording a span costs 10-12 µs on the host's thread (SDK 1.45 here) whatever
+  always recorded; `STALLWATCH_SHED_SPANS=false` turns it off (`CountingSpanProcessor.sheds`).
+  Recording a span costs 10-12 µs on the host's thread (SDK 1.45 here) whatever
   happens to it after, and after the steps above it was most of what a failing backend still cost
   the host (`tests/bench/bench_backend_faults.py`).
 
@@ -261,9 +262,10 @@ def _early_drop(processor: CountingSpanProcessor | CountingLogProcessor) -> str 
 class CountingSpanProcessor(BatchSpanProcessor):
     """The stock BatchSpanProcessor (fork-aware via `forksafe.otel_compat`), counting queue-full drops."""
 
-    def __init__(self, exporter: GuardedExporter) -> None:
+    def __init__(self, exporter: GuardedExporter, shed: bool = True) -> None:
         super().__init__(exporter)  # queue size, batch size and delay from OTEL_BSP_* as in the SDK
         self.guard = exporter
+        self.sheds = shed  # STALLWATCH_SHED_SPANS: whether `shed()` may count on this processor dropping
         # The SDK keeps one deque for the processor's life (a fork child clears it): the usual case,
         # backend up and room in the queue, is told from two reads, before any call.
         self._bounded = _queue(self)
@@ -313,8 +315,10 @@ def shedding(processors: Sequence[Any] | None) -> list[str] | None:
     if not processors:
         return None
     for processor in processors:
-        if type(processor) is not CountingSpanProcessor or not (
-            processor.guard.breaker.down_until or len(processor._bounded) >= processor._limit
+        if (
+            type(processor) is not CountingSpanProcessor
+            or not processor.sheds
+            or not (processor.guard.breaker.down_until or len(processor._bounded) >= processor._limit)
         ):
             return None
     reasons = [_early_drop(processor) for processor in processors]
@@ -330,8 +334,10 @@ def count_shed(processors: Sequence[CountingSpanProcessor], reasons: Sequence[st
 def shed(processors: Sequence[Any]) -> bool:
     """True, and counted, when every span processor in `processors` would drop a sampled span now."""
     for processor in processors:  # `shedding`'s first test, inline: this runs for every hot-path span
-        if type(processor) is not CountingSpanProcessor or not (
-            processor.guard.breaker.down_until or len(processor._bounded) >= processor._limit
+        if (
+            type(processor) is not CountingSpanProcessor
+            or not processor.sheds
+            or not (processor.guard.breaker.down_until or len(processor._bounded) >= processor._limit)
         ):
             return False
     reasons = shedding(processors)
