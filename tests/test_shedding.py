@@ -24,13 +24,14 @@ from opentelemetry.trace import TraceFlags
 from conftest import SCENARIOS, clean_env, run_python
 from stallwatch import telemetry
 from stallwatch.export.guarded import BACKEND_DOWN, QUEUE_FULL, CountingSpanProcessor, ExportGate, GuardedExporter
-from stallwatch.export.shedding import SheddingTracer, SheddingTracerProvider
+from stallwatch.export.shedding import SheddingTracer, SheddingTracerProvider, exemplar_filter
 from stallwatch.instrument import light_span
 
 sys.path.insert(0, str(SCENARIOS))
 from reliability_collectors import serve
 
 pytestmark = pytest.mark.matrix
+HAS_EXEMPLARS = exemplar_filter() is not None  # SDK 1.27 has no exemplars
 
 
 class Pipeline:
@@ -188,7 +189,9 @@ with tracer.start_as_current_span("request") as request:
     subprocess.run(["/bin/true"], check=True)
 flush_spans()  # a child's span is built after it is reaped, on stallwatch's builder thread
 dropped = dict(session._pipeline._gate.dropped)
+config = getattr(session._pipeline.meter_provider, "_sdk_config", None)
 print(json.dumps({{
+    "exemplar_filter": type(getattr(config, "exemplar_filter", None)).__name__,
     "request_recording": request_recording, "item_recording": item_recording,
     "request_trace": request.get_span_context().trace_id,
     "item_trace": seen.trace_id, "item_span": seen.span_id, "request_span": request.get_span_context().span_id,
@@ -213,9 +216,37 @@ print(json.dumps({{
     assert report["item_trace"] == report["request_trace"] and report["item_sampled"]
     assert report["item_span"] != report["request_span"]  # the item had its own span
     assert report["backend_down"] == 3  # the request, its item and its child: shed, or dropped at their end
+    if HAS_EXEMPLARS:
+        assert report["exemplar_filter"] == "UnlessShed"  # see test_no_exemplar_links_to_a_shed_span
 
 
 def test_a_provider_without_processors_records_as_the_sdk_does():
     tracer = SheddingTracerProvider().get_tracer("host")
     assert type(tracer) is SheddingTracer
     assert tracer.start_span("no processor").is_recording()  # nothing would drop it: the SDK's span
+
+
+@pytest.mark.skipif(not HAS_EXEMPLARS, reason="this SDK (1.27) has no exemplars")
+def test_no_exemplar_links_to_a_shed_span(refused: Pipeline):
+    """Measurements inside a shed span offer no exemplar (it would link to a span the backend never
+    gets); inside a recorded span, or a sampled remote parent, they do, as with the SDK's filter."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from opentelemetry.trace import NonRecordingSpan, SpanContext
+
+    reader = InMemoryMetricReader()
+    orders = MeterProvider(metric_readers=[reader], exemplar_filter=exemplar_filter()).get_meter("host")
+    counter = orders.create_counter("host.orders")
+    with refused.tracer.start_as_current_span("recorded") as recorded:
+        counter.add(1, {"case": "recorded"})
+    refused.fail_an_export()
+    with refused.tracer.start_as_current_span("shed") as shed:
+        assert type(shed) is light_span.ShedSpan and shed.get_span_context().trace_flags.sampled
+        counter.add(1, {"case": "shed"})
+    remote = SpanContext(0x1234, 0x5678, is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED))
+    with trace.use_span(NonRecordingSpan(remote)):
+        counter.add(1, {"case": "remote"})
+
+    points = reader.get_metrics_data().resource_metrics[0].scope_metrics[0].metrics[0].data.data_points
+    exemplars = {point.attributes["case"]: [e.span_id for e in point.exemplars] for point in points}
+    assert exemplars == {"recorded": [recorded.get_span_context().span_id], "shed": [], "remote": [0x5678]}

@@ -55,7 +55,7 @@ from .export.guarded import (
     drop_early,
     leftovers,
 )
-from .export.shedding import SheddingTracerProvider
+from .export.shedding import SheddingTracerProvider, exemplar_filter
 from .forksafe import grpc_guard
 from .forksafe.loop import package_version
 from .instrument import histograms
@@ -372,7 +372,9 @@ def _build_metrics(settings: Settings, resource: Resource, pipeline: Pipeline) -
         )
     # Every reader gets stallwatch's own duration histograms, unless one wants them as deltas.
     histograms.activate(resource if all(_cumulative_histograms(reader) for reader in readers) else None)
-    return MeterProvider(resource=resource, metric_readers=readers, shutdown_on_exit=False)
+    chosen = exemplar_filter()
+    extra = {"exemplar_filter": chosen} if chosen is not None else {}
+    return MeterProvider(resource=resource, metric_readers=readers, shutdown_on_exit=False, **extra)
 
 
 def _cumulative_histograms(reader: MetricReader) -> bool:

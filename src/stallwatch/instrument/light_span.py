@@ -97,12 +97,18 @@ _RANDOM = getattr(TraceFlags, "RANDOM_TRACE_ID", 0)  # W3C trace-context level 2
 Decision = tuple[int, int, "SpanContext | None", "trace.TraceState | None", dict[str, Any], bool]
 
 
-def non_recording(sdk: sdk_trace.Tracer, decision: Decision) -> trace.NonRecordingSpan:
-    """The span the SDK hands out for a span it does not record, with a new span id."""
+class ShedSpan(trace.NonRecordingSpan):
+    """A sampled span stallwatch did not record because nothing would have exported it (`export.shedding`).
+
+    Its own type, so that measurements made inside it offer no exemplar (an exemplar would link to a
+    span that never reaches the backend); otherwise the API's `NonRecordingSpan`."""
+
+
+def non_recording(sdk: sdk_trace.Tracer, decision: Decision, shed: bool = False) -> trace.NonRecordingSpan:
+    """The span the SDK hands out for a span it does not record, with a new span id (`ShedSpan` if `shed`)."""
     trace_id, flags, _, trace_state, _, _ = decision
-    return trace.NonRecordingSpan(
-        SpanContext(trace_id, sdk.id_generator.generate_span_id(), False, TraceFlags(flags), trace_state)
-    )
+    context = SpanContext(trace_id, sdk.id_generator.generate_span_id(), False, TraceFlags(flags), trace_state)
+    return ShedSpan(context) if shed else trace.NonRecordingSpan(context)
 
 
 def decide(
@@ -164,8 +170,10 @@ def start(
         return tracer.start_span(name, context=context, kind=kind, attributes=attributes, start_time=start_time)
     decision = decide(sdk, name, context, attributes, kind, (), parent)
     trace_id, flags, parent, trace_state, span_attributes, recording = decision
-    if not recording or (shed and flags & TraceFlags.SAMPLED and guarded.shed(sdk.span_processor._span_processors)):
+    if not recording:
         return non_recording(sdk, decision)
+    if shed and flags & TraceFlags.SAMPLED and guarded.shed(sdk.span_processor._span_processors):
+        return non_recording(sdk, decision, shed=True)
     span_context = SpanContext(trace_id, sdk.id_generator.generate_span_id(), False, TraceFlags(flags), trace_state)
     return LightSpan(sdk, name, kind, span_context, parent, span_attributes, start_time or time_ns())
 
