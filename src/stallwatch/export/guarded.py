@@ -37,9 +37,9 @@ dropped span while a backend is down. On the wire both are the same cumulative m
   (`export.shedding`) and for stallwatch's hot-path spans (executor items, child processes:
   `instrument.light_span`); spans the journal keeps in flight (Nebius calls, SSH tunnels) are
   always recorded; `STALLWATCH_SHED_SPANS=false` turns it off (`CountingSpanProcessor.sheds`).
-  Recording a span costs 10-12 µs on the host's thread (SDK 1.45 here) whatever
-  happens to it after, and after the steps above it was most of what a failing backend still cost
-  the host (`tests/bench/bench_backend_faults.py`).
+  Recording a span costs 10-12 µs on the host's thread (SDK 1.45 here) whatever happens to it
+  after, and after the steps above it was most of what a failing backend still cost the host
+  (`tests/bench/bench_backend_faults.py`).
 
 The exporters also give the pipeline two hooks: `ExportGate.cut_off`, set when the shutdown budget
 runs out, makes every later export fail at once without touching the network (a shutdown thread

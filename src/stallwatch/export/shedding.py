@@ -101,7 +101,7 @@ def exemplar_filter() -> Any | None:
         """The SDK's trace-based exemplar filter, but for measurements made inside a shed span."""
 
         def should_sample(self, value: float, time_unix_nano: int, attributes: Any, context: Any) -> bool:
-            span = trace.get_current_span(context)  # the stock test, with one more look at the same span
+            span = trace.get_current_span(context)  # the SDK filter's test, plus the type of the span
             if span is trace.INVALID_SPAN or type(span) is light_span.ShedSpan:
                 return False
             return bool(span.get_span_context().trace_flags.sampled)
