@@ -23,7 +23,16 @@ from opentelemetry.trace import TraceFlags
 
 from conftest import SCENARIOS, clean_env, run_python
 from stallwatch import telemetry
-from stallwatch.export.guarded import BACKEND_DOWN, QUEUE_FULL, CountingSpanProcessor, ExportGate, GuardedExporter
+from stallwatch.export.guarded import (
+    BACKEND_DOWN,
+    BACKOFF_FIRST,
+    PROBE_ITEMS,
+    QUEUE_FULL,
+    CountingSpanProcessor,
+    ExportGate,
+    GuardedExporter,
+    queued,
+)
 from stallwatch.export.shedding import SheddingTracer, SheddingTracerProvider, exemplar_filter
 from stallwatch.instrument import light_span
 
@@ -92,13 +101,23 @@ def test_host_tracers_shed_while_the_backend_is_down_keeping_ids_and_the_sampled
     assert refused.dropped(BACKEND_DOWN) == before + 2
 
 
-def test_recording_resumes_when_the_back_off_ends(refused: Pipeline):
+def test_after_the_back_off_only_the_probe_is_recorded_until_it_answers(refused: Pipeline):
     refused.fail_an_export()
     assert not refused.tracer.start_span("down").is_recording()
     time.sleep(refused.processor.guard.breaker.down_until - time.monotonic() + 0.05)
-    span = refused.tracer.start_span("probe")
-    assert span.is_recording()  # the next export is the probe; the span is in it
-    span.end()
+    # The back-off is over: the next export is a probe of PROBE_ITEMS items, so that many are recorded.
+    for _ in range(PROBE_ITEMS):
+        span = refused.tracer.start_span("probe")
+        assert span.is_recording()
+        span.end()
+    assert queued(refused.processor) == PROBE_ITEMS
+    # The rest would be cut from the probe: shed until it answers.
+    before = refused.dropped(BACKEND_DOWN)
+    assert not refused.tracer.start_span("after the probe's items").is_recording()
+    assert refused.dropped(BACKEND_DOWN) == before + 1
+    # The probe fails (nothing listens): a longer back-off, with room for the next probe.
+    refused.provider.force_flush(5_000)
+    assert refused.processor.guard.breaker.down() and refused.processor.guard.breaker.backoff == 2 * BACKOFF_FIRST
 
 
 def test_unsampled_spans_are_not_counted_as_shed():

@@ -23,8 +23,12 @@ dropped span while a backend is down. On the wire both are the same cumulative m
 - `backend_down`: once an export has failed, the backend is taken to be down for a back-off
   (1 s, doubled after each failed probe up to 30 s, reset by a success). Until it ends, finished
   spans and log records are dropped at once, before they are queued (log records before they are
-  even built), and batches already queued are dropped without being encoded; when it ends, the
-  next export is a probe of at most `PROBE_ITEMS` items. Without this, every batch was encoded
+  even built), and batches already queued are dropped without being encoded. When it ends, the
+  next export is a probe of at most `PROBE_ITEMS` items, and until that probe has answered only
+  `PROBE_ITEMS` more items are queued (half-open, as circuit breakers say): the rest would be cut
+  from the probe anyway, and recording them until the batch processor's next export (up to 5 s
+  later, or once 512 are queued) made every back-off's end a burst of full-cost requests.
+  Without the back-off, every batch was encoded
   (512 spans: 10-20 ms with the GIL held) and sent to a backend known to be dead, and a host
   thread waiting for the GIL meanwhile waits up to the 5 ms switch interval: measured with
   `tests/bench/bench_backend_faults.py`, a refused or failing collector put the host's request p99
@@ -116,16 +120,34 @@ class Breaker:
     """Whether the backend is taken to be down, from the outcome of the last exports."""
 
     def __init__(self) -> None:
-        self.down_until = 0.0  # monotonic; 0.0 while the backend is up (one compare on the hot path)
+        # Monotonic end of the back-off; 0.0 while the backend is up (one compare on the hot path).
+        # It stays set after the back-off, until an export succeeds: the probe has not answered yet.
+        self.down_until = 0.0
         self.backoff = 0.0  # > 0 after a failed export: the next export is a probe
+        self.probe_room = 0  # items that may still be queued for the probe once the back-off is over
 
     def down(self) -> bool:
+        """Within the back-off: exports are not attempted."""
         until = self.down_until
         return until != 0.0 and until > time.monotonic()
+
+    def admits(self, take: bool) -> bool:
+        """Whether an item may be queued now: the backend is up, or the back-off is over and the probe
+        has room (`take`: the item is being queued and takes its place). The count is not atomic
+        across threads, so it is approximate: it only bounds work that would be wasted."""
+        until = self.down_until
+        if until == 0.0:
+            return True
+        if until > time.monotonic() or self.probe_room <= 0:
+            return False
+        if take:
+            self.probe_room -= 1
+        return True
 
     def failed(self) -> None:
         self.backoff = min(max(self.backoff * 2, BACKOFF_FIRST), BACKOFF_MAX)
         self.down_until = time.monotonic() + self.backoff
+        self.probe_room = PROBE_ITEMS
 
     def succeeded(self) -> None:
         self.backoff = 0.0
@@ -252,9 +274,11 @@ def _full(processor: Any) -> bool:
     return len(queue) >= (queue.maxlen or len(queue) + 1) and _holder(processor)._pid == os.getpid()
 
 
-def _early_drop(processor: CountingSpanProcessor | CountingLogProcessor) -> str | None:
-    """Why an item must be dropped before it is queued (`backend_down`, `queue_full`), or None."""
-    if processor.guard.breaker.down():
+def _early_drop(processor: CountingSpanProcessor | CountingLogProcessor, take: bool = True) -> str | None:
+    """Why an item must be dropped before it is queued (`backend_down`, `queue_full`), or None.
+
+    `take`: the item is being queued now (not only started or built), see `Breaker.admits`."""
+    if not processor.guard.breaker.admits(take):
         return BACKEND_DOWN
     return QUEUE_FULL if _full(processor) else None
 
@@ -321,7 +345,7 @@ def shedding(processors: Sequence[Any] | None) -> list[str] | None:
             or not (processor.guard.breaker.down_until or len(processor._bounded) >= processor._limit)
         ):
             return None
-    reasons = [_early_drop(processor) for processor in processors]
+    reasons = [_early_drop(processor, take=False) for processor in processors]
     return None if None in reasons else reasons  # type: ignore[return-value]
 
 
@@ -351,7 +375,7 @@ def drop_early(processors: Sequence[CountingLogProcessor]) -> bool:
     """True, and counted, when every log processor would drop a record: then it need not be built."""
     if not processors:
         return False
-    reasons = [_early_drop(processor) for processor in processors]
+    reasons = [_early_drop(processor, take=False) for processor in processors]
     if None in reasons:
         return False
     for processor, reason in zip(processors, reasons, strict=True):
