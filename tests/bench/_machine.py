@@ -45,7 +45,7 @@ def machine_info(versioned: tuple[str, ...]) -> dict[str, Any]:
         ).stdout.strip(),
         "git_dirty": bool(
             subprocess.run(
-                ["git", "status", "--porcelain", "--", "src"],
+                ["git", "status", "--porcelain", "--", ":/src"],
                 capture_output=True,
                 text=True,
                 check=False,
