@@ -262,3 +262,57 @@ def test_work_after_the_result_runs_after_the_sdks_done_callback_with_or_without
         assert order == ["publish", "complete"]
     finally:
         loop.close()
+
+
+def test_uninstrument_restores_the_sdk_and_instrumenting_again_wraps_it_once(tmp_path):
+    proc = run_python(
+        f"""
+        import asyncio
+        import stallwatch
+        from nebius.aio.request import Request
+        from stallwatch.instrument.nebius import NebiusInstrumentor
+
+        names = ("_request_with_authorization_loop", "_send", "_await_native_call")
+        originals = [vars(Request)[name] for name in names]
+        stallwatch.setup(file_dir={str(tmp_path)!r}, watchdog=False)
+        from nebius.api.nebius.compute.v1 import GetInstanceRequest, InstanceServiceClient
+        from nebius.aio.service_error import RequestError
+        from opentelemetry import trace
+        from stallwatch.fake_nebius import FakeNebius, sdk_for
+
+        async def call(sdk, label):
+            with trace.get_tracer("test").start_as_current_span(label):
+                try:
+                    await InstanceServiceClient(sdk).get(GetInstanceRequest(id="computeinstance-x"), timeout=5)
+                except RequestError as error:
+                    return error.status.code.name
+
+        async def main(fake):
+            instrumentor = NebiusInstrumentor()
+            async with sdk_for(fake.address) as sdk:
+                print(await call(sdk, "on"))
+                instrumentor.uninstrument()
+                print([vars(Request)[name] is original for name, original in zip(names, originals)])
+                print(await call(sdk, "off"))
+                for _ in range(3):
+                    instrumentor.instrument()
+                    instrumentor.uninstrument()
+                instrumentor.instrument()
+                print(await call(sdk, "again"))
+                instrumentor.uninstrument()
+                print([vars(Request)[name] is original for name, original in zip(names, originals)])
+
+        with FakeNebius() as fake:
+            asyncio.run(main(fake))
+        stallwatch.shutdown(10)
+        """,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    restored = "[True, True, True]"
+    assert proc.stdout.splitlines() == ["NOT_FOUND", restored, "NOT_FOUND", "NOT_FOUND", restored]
+    path = tmp_path / "traces.jsonl"
+    parents = {s["spanId"]: s["name"] for s in otlp_items(path, "spans")}
+    under = sorted(parents.get(s.get("parentSpanId")) for s in nebius_spans(path))
+    # One span per call while instrumented, none in between: re-instrumenting never stacks a second layer.
+    assert under == ["again", "on"]

@@ -143,6 +143,46 @@ def test_a_child_still_running_at_shutdown_ends_its_span_marked(tmp_path):
     assert attrs(span)["stallwatch.subprocess.running_at_shutdown"] is True
 
 
+def test_uninstrument_restores_uvloop_and_instrumenting_again_wraps_it_once(tmp_path):
+    proc = run_python(
+        f"""
+        import asyncio
+        import uvloop
+        import stallwatch
+        from stallwatch.instrument.subprocess import SubprocessInstrumentor
+
+        names = ("subprocess_exec", "subprocess_shell")
+        originals = [vars(uvloop.Loop)[name] for name in names]
+        stallwatch.setup(file_dir={str(tmp_path)!r}, watchdog=False)
+
+        async def spawn(program):
+            child = await asyncio.create_subprocess_exec(program)
+            return await child.wait()
+
+        instrumentor = SubprocessInstrumentor()
+        print(uvloop.run(spawn("true")))
+        instrumentor.uninstrument()
+        print([vars(uvloop.Loop)[name] is original for name, original in zip(names, originals)])
+        print(uvloop.run(spawn("false")))
+        for _ in range(3):
+            instrumentor.instrument()
+            instrumentor.uninstrument()
+        instrumentor.instrument()
+        print(uvloop.run(spawn("true")))
+        instrumentor.uninstrument()
+        print([vars(uvloop.Loop)[name] is original for name, original in zip(names, originals)])
+        stallwatch.shutdown(10)
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["0", "[True, True]", "1", "0", "[True, True]"]
+    spans = spans_by_case(tmp_path / "traces.jsonl")
+    # One span per uvloop child while instrumented (two `true`), none for `false` in between:
+    # re-instrumenting never stacks a second wrapper on uvloop's Loop.
+    assert sorted(span["name"] for span in spans) == ["true", "true"]
+    assert {attrs(span)["stallwatch.spawn.loop"] for span in find(spans, "true")} == {"uvloop"}
+
+
 def test_spawn_spans_and_metrics_reach_an_otlp_receiver(receiver, tmp_path):
     env = clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.url)
     run_scenario("spawn_paths.py", "on", "uvloop", str(tmp_path), env=env)

@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import wrapt
 from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
@@ -100,6 +101,25 @@ SPAWN_OBSERVER: contextvars.ContextVar[Callable[[int], None] | None] = contextva
 )
 """Set by an enclosing operation (e.g. an SSH tunnel close) to learn its children's return codes:
 the subprocess instrumentation calls it with each child's return code when the child is reaped."""
+
+
+def unwrap_method(owner: type, name: str) -> None:
+    """Remove the wrapt wrapper set on `owner.name`, leaving exactly what was there before.
+
+    OpenTelemetry's `unwrap` reads the attribute through the class, which gives a bound wrapper. For
+    a method `owner` inherits, e.g. uvloop's `Loop.subprocess_exec` (defined on its Cython base), it
+    then sets an object on `owner` that is not the original, and a later `instrument()` stacks a
+    second wrapper. Here the wrapper is read from the class's own namespace; a method that was
+    inherited is inherited again.
+    """
+    wrapper = vars(owner).get(name)
+    if not isinstance(wrapper, wrapt.FunctionWrapper):
+        return
+    original = wrapper.__wrapped__
+    if any(vars(base).get(name) is original for base in owner.__mro__[1:]):
+        delattr(owner, name)
+    else:
+        setattr(owner, name, original)
 
 
 def signal_name(number: int) -> str:

@@ -493,6 +493,8 @@ def _attempt_code(error: BaseException) -> str:
 
 def _patch(module: Any) -> None:
     global _status
+    if _instruments is None:  # uninstrumented before nebius.aio.request was imported
+        return
     request_class = getattr(module, "Request", None)
     problem = "Request is missing" if request_class is None else supported(request_class)
     if problem is not None:
@@ -540,6 +542,6 @@ class NebiusInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         _status = "off (uninstrumented)"
         module = sys.modules.get(REQUEST_MODULE)
         request_class = getattr(module, "Request", None)
-        for name in _WRAPPED:
-            if request_class is not None and isinstance(getattr(request_class, name, None), wrapt.FunctionWrapper):
-                unwrap(request_class, name)
+        if request_class is not None:
+            for name in _WRAPPED:
+                unwrap(request_class, name)  # a no-op where nothing is wrapped

@@ -52,7 +52,7 @@ from .._version import __version__
 from ..forksafe import guard
 from ..forksafe.loop import running_loop_kind
 from . import light_span, scrub
-from ._common import FAULTS, SPAWN_OBSERVER, Counts, Deferred, meter, signal_name
+from ._common import FAULTS, SPAWN_OBSERVER, Counts, Deferred, meter, signal_name, unwrap_method
 
 _log = logging.getLogger("stallwatch")
 COMPONENT = "subprocess"
@@ -70,10 +70,11 @@ class _Child:
 
     __slots__ = (
         "attributes", "blocked", "done", "end_ns", "error", "events", "exit_before_spawned", "loop", "method", "name",
-        "observer", "parent", "span", "spawned", "start_ns", "started", "status",
+        "observer", "parent", "span", "spawned", "start_ns", "started", "status", "tracer",
     )  # fmt: skip
 
-    def __init__(self, name: str, loop: str, method: str, attributes: dict[str, Any]) -> None:
+    def __init__(self, tracer: trace.Tracer, name: str, loop: str, method: str, attributes: dict[str, Any]) -> None:
+        self.tracer = tracer  # the span is built with it even if the instrumentor is turned off meanwhile
         self.name = name
         self.loop = loop
         self.method = method
@@ -158,22 +159,19 @@ class _SpanBuilder:
             self.flush()
 
     def flush(self) -> None:
-        state = _state
         ready = self._ready
         while ready:
             child = ready.popleft()
             try:
-                _build(child, state)
+                _build(child)
             except Exception:
                 _fault()
 
 
-def _build(child: _Child, state: _State | None) -> None:
+def _build(child: _Child) -> None:
     span = child.span
     if span is None:
-        if state is None:
-            return
-        span = light_span.start(state.tracer, child.name, child.parent, {}, SpanKind.CLIENT, child.start_ns, shed=True)
+        span = light_span.start(child.tracer, child.name, child.parent, {}, SpanKind.CLIENT, child.start_ns, shed=True)
     if isinstance(span, light_span.LightSpan):
         span.set_own_attributes(child.attributes)  # built by this module: valid and bounded
     else:
@@ -208,7 +206,7 @@ def _begin(state: _State, program: object, argv: Sequence[object], loop: str, me
     }
     if state.record_args:
         attributes[telemetry.PROCESS_COMMAND_ARGS.name] = scrub.scrub_args(argv, state.patterns)
-    child = _Child(name, loop, method, attributes)
+    child = _Child(state.tracer, name, loop, method, attributes)
     if state.propagate:
         child.span = state.tracer.start_span(
             name, context=child.parent, kind=SpanKind.CLIENT, start_time=child.start_ns
@@ -676,5 +674,5 @@ class SubprocessInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         for name in _LOOP_METHODS:
             unwrap(asyncio.base_events.BaseEventLoop, name)
             uvloop = sys.modules.get("uvloop")
-            if uvloop is not None and isinstance(getattr(uvloop.Loop, name, None), wrapt.FunctionWrapper):
-                unwrap(uvloop.Loop, name)
+            if uvloop is not None:
+                unwrap_method(uvloop.Loop, name)
