@@ -6,7 +6,8 @@ Run from the repository root (a full run takes about a minute)::
     .venvs/main/bin/python tests/bench/bench_nebius.py --quick    # smoke test, writes to a temp dir
 
 Options: ``--calls N`` timed calls per series and run (default 300, after 20 warm-ups), ``--rounds R``
-(default 5), ``--quick`` (40 calls, 1 round), ``--out DIR``.
+(default 5), ``--pairs P`` and ``--processes K`` for the paired part (default 30 and 4), ``--quick``
+(40 calls, 1 round, 4 pairs in 1 process), ``--out DIR``.
 
 The fake Nebius server (`stallwatch.fake_nebius`) runs in this process, on its own thread; each
 configuration runs in a fresh interpreter that imports stallwatch first, calls
@@ -22,6 +23,13 @@ configuration runs in a fresh interpreter that imports stallwatch first, calls
 Series: ``get`` (``await InstanceServiceClient.get(...)``) and ``create`` (``await ...create(...)``,
 which also writes the ledger's intent and outcome records). Runs are interleaved, rotated by one
 per round, and samples pooled per configuration. Target: at most 5 % added latency per call.
+
+The headline figure is the **paired** part (see ``_paired.py``): K fresh interpreters set up as
+``instrumented`` and each alternates P pairs of blocks of 25 calls with the Nebius instrumentor on
+and off (``NebiusInstrumentor().instrument()`` / ``.uninstrument()``), so the two sides of each
+ratio share a process; it reports the median per-pair ratio with a 95 % bootstrap interval. The
+per-configuration runs above take the cost apart (journal, export), with the noise of comparing
+separate processes.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from _machine import clean_env, machine_info
+from _paired import run_blocks, summarize, verdict
 
 CONFIGS = ("uninstrumented", "instrumented", "no_journal", "no_export")
 ENV = {
@@ -49,6 +58,8 @@ ENV = {
 }
 SERIES = ("get", "create")
 WARMUPS = 20
+BLOCK = 25
+TARGET = 1.05
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 VERSIONED = ("nebius", "grpcio", "opentelemetry-sdk", "stallwatch")
 
@@ -104,6 +115,67 @@ def worker(config: str, address: str, calls: int) -> dict[str, Any]:
         shutil.rmtree(file_dir, ignore_errors=True)
 
 
+def paired_worker(address: str, pairs: int, block: int, seed: int) -> dict[str, Any]:
+    """The `instrumented` setup, with the Nebius instrumentor switched on and off in blocks (µs per call)."""
+    import stallwatch
+
+    file_dir = tempfile.mkdtemp(prefix="bench_nebius_")
+    stallwatch.setup(file_dir=file_dir, watchdog=False, metric_export_interval_ms=3_600_000)
+    from nebius.api.nebius.common.v1 import ResourceMetadata
+    from nebius.api.nebius.compute.v1 import CreateInstanceRequest, GetInstanceRequest, InstanceServiceClient
+
+    from stallwatch.fake_nebius import sdk_for
+    from stallwatch.instrument.nebius import NebiusInstrumentor
+
+    instrumentor = NebiusInstrumentor()
+
+    def switch(on: bool) -> None:
+        if on != instrumentor.is_instrumented_by_opentelemetry:
+            instrumentor.instrument() if on else instrumentor.uninstrument()
+
+    async def main() -> dict[str, Any]:
+        async with sdk_for(address) as sdk:
+            instances = InstanceServiceClient(sdk)
+
+            async def create() -> Any:
+                return await instances.create(
+                    CreateInstanceRequest(metadata=ResourceMetadata(name="bench", parent_id="project-bench")),
+                    timeout=10,
+                )
+
+            resource = (await create()).resource_id
+
+            async def get() -> Any:
+                return await instances.get(GetInstanceRequest(id=resource), timeout=10)
+
+            result: dict[str, Any] = {}
+            for series, call in (("get", get), ("create", create)):
+                for _ in range(WARMUPS):
+                    await call()
+                result[series] = await run_blocks(call, switch, pairs, block, seed)
+            return result
+
+    try:
+        return asyncio.run(main())
+    finally:
+        stallwatch.shutdown(10)
+        shutil.rmtree(file_dir, ignore_errors=True)
+
+
+def run_paired(address: str, pairs: int, block: int, processes: int) -> dict[str, Any]:
+    collected: dict[str, list[Any]] = {series: [] for series in SERIES}
+    for number in range(processes):
+        command = [sys.executable, str(Path(__file__).resolve()), "--paired-worker", address, str(pairs), str(block),
+                   str(number)]  # fmt: skip
+        proc = subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=600, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"paired worker failed ({proc.returncode}):\n{proc.stderr}")
+        for series, found in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+            collected[series] += found
+        print(f"paired process {number + 1}/{processes} done", file=sys.stderr)
+    return {series: {**summarize(found), "blocks": found} for series, found in collected.items()}
+
+
 def run_worker(config: str, address: str, calls: int) -> dict[str, Any]:
     env = {**clean_env(), **ENV.get(config, {})}
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", config, address, str(calls)]
@@ -113,7 +185,7 @@ def run_worker(config: str, address: str, calls: int) -> dict[str, Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def summarize_runs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for series in SERIES:
         base: dict[str, float] = {}
@@ -136,7 +208,9 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def render_markdown(rows: list[dict[str, Any]], info: dict[str, Any], settings: dict[str, Any]) -> str:
+def render_markdown(
+    rows: list[dict[str, Any]], paired: dict[str, Any], info: dict[str, Any], settings: dict[str, Any]
+) -> str:
     versions = ", ".join(f"{name} {version}" for name, version in info["versions"].items())
     lines = [
         "# Nebius instrumentation overhead: one SDK call against the fake server on loopback",
@@ -150,6 +224,21 @@ def render_markdown(rows: list[dict[str, Any]], info: dict[str, Any], settings: 
         f"Machine: {info['nproc']} CPUs, Linux {info['kernel']}, Python {info['python']}; {versions}; "
         f"commit {info['git_commit']}; {info['date']}.",
         "",
+        f"**Paired** ({settings['processes']} interpreters x {settings['pairs']} pairs of blocks of {BLOCK} calls, "
+        "the Nebius instrumentor switched on and off inside each; see `_paired.py`): median per-pair ratio "
+        "on / off, its 95 % bootstrap interval, and the median added per call.",
+        "",
+        f"| series | off p50 ms | on p50 ms | ratio | 95 % interval | added ms | ≤ {TARGET} |",
+        "|---|---|---|---|---|---|---|",
+        *(
+            f"| {series} | {p['off_p50_us'] / 1000:.3f} | {p['on_p50_us'] / 1000:.3f} | {p['ratio']:.3f}x "
+            f"| {p['ratio_ci95'][0]:.3f} to {p['ratio_ci95'][1]:.3f} | {p['added_us'] / 1000:+.3f} "
+            f"| {verdict(p, TARGET)} |"
+            for series, p in paired.items()
+        ),
+        "",
+        "Per configuration, each in its own interpreter (interleaved rounds, samples pooled):",
+        "",
         "| series | config | p50 ms | p99 ms | mean ms | p50 ratio | p99 ratio | mean ratio | round p50s |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -162,7 +251,7 @@ def render_markdown(rows: list[dict[str, Any]], info: dict[str, Any], settings: 
     return "\n".join(lines) + "\n"
 
 
-def benchmark(calls: int, rounds: int, out: Path) -> str:
+def benchmark(calls: int, rounds: int, pairs: int, processes: int, block: int, out: Path) -> str:
     import stallwatch  # noqa: F401 - the gRPC fork guard before grpc loads in this process
     from stallwatch.fake_nebius import FakeNebius
 
@@ -176,12 +265,14 @@ def benchmark(calls: int, rounds: int, out: Path) -> str:
                 run["round"] = number
                 runs.append(run)
                 print(f"round {number} {config:<15} get p50 {statistics.median(run['get_ms']):.3f} ms", file=sys.stderr)
-    rows = summarize(runs)
-    settings = {"calls": calls, "rounds": rounds, "warmups": WARMUPS}
+        paired = run_paired(fake.address, pairs, block, processes)
+    rows = summarize_runs(runs)
+    settings = {"calls": calls, "rounds": rounds, "warmups": WARMUPS, "pairs": pairs, "processes": processes,
+                "block": block}  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
-    (out / "nebius.json").write_text(json.dumps({"machine": info, "settings": settings, "summary": rows,
-                                                 "runs": runs}, indent=1) + "\n")  # fmt: skip
-    markdown = render_markdown(rows, info, settings)
+    (out / "nebius.json").write_text(json.dumps({"machine": info, "settings": settings, "paired": paired,
+                                                 "summary": rows, "runs": runs}, indent=1) + "\n")  # fmt: skip
+    markdown = render_markdown(rows, paired, info, settings)
     (out / "nebius.md").write_text(markdown)
     return markdown
 
@@ -192,17 +283,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, help="interleaved rounds (default 5; 1 with --quick)")
     parser.add_argument("--quick", action="store_true", help="smoke test")
     parser.add_argument("--out", type=Path, help="output directory (default tests/bench/results; temp with --quick)")
+    parser.add_argument("--pairs", type=int, help="paired: block pairs per interpreter (default 30; 4 with --quick)")
+    parser.add_argument("--processes", type=int, help="paired part: interpreters (default 4; 1 with --quick)")
     parser.add_argument("--worker", nargs=3, metavar=("CONFIG", "ADDRESS", "N"), help=argparse.SUPPRESS)
+    paired_metavar = ("ADDRESS", "PAIRS", "BLOCK", "SEED")
+    parser.add_argument("--paired-worker", nargs=4, metavar=paired_metavar, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.worker:
-        config, address, calls = args.worker
-        print(json.dumps(worker(config, address, int(calls))))
+    if args.worker or args.paired_worker:
+        if args.worker:
+            config, address, calls = args.worker
+            print(json.dumps(worker(config, address, int(calls))))
+        else:
+            address, pairs, block, seed = args.paired_worker
+            print(json.dumps(paired_worker(address, int(pairs), int(block), int(seed))))
         sys.stdout.flush()
         os._exit(0)
     calls = args.calls or (40 if args.quick else 300)
     rounds = args.rounds or (1 if args.quick else 5)
+    pairs = args.pairs or (4 if args.quick else 30)
+    processes = args.processes or (1 if args.quick else 4)
+    block = 10 if args.quick else BLOCK
     out = args.out or (Path(tempfile.mkdtemp(prefix="bench_nebius_")) if args.quick else DEFAULT_OUT)
-    print(benchmark(calls, rounds, out))
+    print(benchmark(calls, rounds, pairs, processes, block, out))
     print(f"results: {out / 'nebius.json'}, {out / 'nebius.md'}", file=sys.stderr)
 
 
