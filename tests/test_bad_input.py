@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from opentelemetry import context as context_api
-from opentelemetry import metrics, trace
+from opentelemetry import metrics
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -158,24 +158,8 @@ def test_clip_text_keeps_or_cuts_text_the_same_way_on_its_ascii_fast_path(text, 
 # ---- subprocess: executable name, argument count, scrubbed arguments ------------------------------
 
 
-def _spawn_state(record_args: bool) -> spawns._State:
-    meter = metrics.NoOpMeter("test")
-    duration = Deferred(meter, telemetry.SUBPROCESS_SPAWN_DURATION)
-    return spawns._State(
-        tracer=trace.NoOpTracer(),
-        spawn_duration=duration,
-        exits=Counts(meter, telemetry.SUBPROCESS_EXITS),
-        active=Counts(meter, telemetry.SUBPROCESS_ACTIVE),
-        record_args=record_args,
-        patterns=(),
-        propagate=False,
-    )
-
-
-def _spawn_attributes(state: spawns._State, program: object, argv: list[object]) -> dict[str, Any]:
-    child = spawns._begin(state, program, argv, "asyncio", "vfork")
-    spawns._forget(child)
-    return child.attributes
+def _spawn_attributes(record_args: bool, program: object, argv: list[object]) -> dict[str, Any]:
+    return spawns.describe(program, argv, "asyncio", record_args)[1]
 
 
 COMMANDS = st.one_of(
@@ -188,13 +172,12 @@ COMMANDS = st.one_of(
 @given(COMMANDS, st.lists(seeded(), min_size=1, max_size=3), st.booleans(), st.booleans())
 def test_spawn_attributes_from_any_command_line(argv, seeds, shell, record_args):
     command = ["/usr/bin/tool", *argv[:3], *(word for words, _ in seeds for word in words), *argv[3:]]
-    state = _spawn_state(record_args)
     if shell:  # Popen("...", shell=True): one command string
         text = " ".join(str(word) if isinstance(word, str) else "x" for word in command)
         program, recorded = spawns._popen_command((text,), {"shell": True})
     else:
         program, recorded = spawns._popen_command((command,), {"executable": argv[0]})
-    attributes = _spawn_attributes(state, program, recorded)
+    attributes = _spawn_attributes(record_args, program, recorded)
     method = spawns.popen_method((command,), {"preexec_fn": argv[0], "user": argv[-1]})
 
     assert method in ("fork", "vfork")
@@ -210,7 +193,7 @@ def test_spawn_attributes_from_any_command_line(argv, seeds, shell, record_args)
     "program", [None, 42, Hostile(), b"/bin/\xff", NON_UTF8_PATH, SURROGATES, HUGE, "", "PGPASSWORD=ZQx psql"]
 )
 def test_spawn_attributes_from_an_odd_program(program):
-    attributes = _spawn_attributes(_spawn_state(True), program, [program, "--token=ZQtoken-1"])
+    attributes = _spawn_attributes(True, program, [program, "--token=ZQtoken-1"])
     check_attributes(attributes)
     assert "ZQ" not in repr(attributes)
 

@@ -45,14 +45,15 @@ from opentelemetry import context as context_api
 from opentelemetry import propagate, trace
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]
 from opentelemetry.instrumentation.utils import unwrap
+from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from .. import telemetry
 from .._version import __version__
 from ..forksafe import guard
-from ..forksafe.loop import running_loop_kind
+from ..forksafe.loop import loop_kind
 from . import light_span, scrub
-from ._common import FAULTS, SPAWN_OBSERVER, Counts, Deferred, meter, signal_name, unwrap_method
+from ._common import FAULTS, SPAWN_OBSERVER, Counts, Deferred, instrument, meter, signal_name, unwrap_method
 
 _log = logging.getLogger("stallwatch")
 COMPONENT = "subprocess"
@@ -66,30 +67,44 @@ _LOOP_METHODS = ("subprocess_exec", "subprocess_shell")
 
 
 class _Child:
-    """One spawned child: what its span will say, gathered from the spawn call until it is reaped."""
+    """One spawned child: what its span will say, gathered from the spawn call until it is reaped.
+
+    The calling thread only takes the clock, the parent context and references: to the call's
+    arguments and the running loop before the spawn (`_begin`), the pid and the blocked time after
+    it (`_spawned`), the return code at the exit (`_exited`). Right after a spawn every instruction
+    runs with the caches cold (the measured cost of the same code is about four times its warm
+    cost), so the executable name, the attributes, the metrics and the span are all worked out on
+    the builder's thread (`_measure`, `_build`).
+    """
 
     __slots__ = (
-        "attributes", "blocked", "done", "end_ns", "error", "events", "exit_before_spawned", "loop", "method", "name",
-        "observer", "parent", "span", "spawned", "start_ns", "started", "status", "tracer",
+        "attributes", "blocked", "built", "command", "done", "end_ns", "error", "exit_before_spawned", "lived", "loop",
+        "measured", "method", "name", "observer", "parent", "pid", "popen_args", "returncode", "span", "spawned",
+        "start_ns", "started", "tracer",
     )  # fmt: skip
 
-    def __init__(self, tracer: trace.Tracer, name: str, loop: str, method: str, attributes: dict[str, Any]) -> None:
+    def __init__(self, tracer: trace.Tracer, loop: str | asyncio.AbstractEventLoop | None, method: str | None) -> None:
         self.tracer = tracer  # the span is built with it even if the instrumentor is turned off meanwhile
-        self.name = name
-        self.loop = loop
-        self.method = method
-        self.attributes = attributes
+        self.loop = loop  # its kind (`uvloop`, `asyncio`, `none`) once measured
+        self.method = method  # None: worked out from `popen_args` once the spawn is over
+        self.command: tuple[object, Sequence[object]] | None = None  # (program, argv) until described
+        self.popen_args: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # a Popen's arguments, likewise
         self.parent = context_api.get_current()
         self.start_ns = time_ns()
         self.started = perf_counter()
+        self.name = "?"
+        self.attributes: dict[str, Any] = {}
         self.end_ns = 0
+        self.lived = 0.0
+        self.returncode: int | None = None
         self.span: trace.Span | None = None  # built eagerly only when TRACEPARENT must reach the child
-        self.events: list[tuple[str, dict[str, Any], int]] = []
-        self.status: Status | None = None
         self.error: BaseException | None = None
         self.blocked = 0.0
+        self.pid: int | None = None
         self.spawned = False
         self.done = False
+        self.measured = False
+        self.built = False
         self.exit_before_spawned: int | None = None
         self.observer = SPAWN_OBSERVER.get()
 
@@ -99,7 +114,7 @@ class _State:
     tracer: trace.Tracer
     spawn_duration: Deferred
     exits: Counts
-    active: Counts
+    active: Any  # the observable instrument that reads `_open`
     record_args: bool
     patterns: tuple[Any, ...]
     propagate: bool
@@ -124,20 +139,23 @@ def _fault() -> None:
 
 
 class _SpanBuilder:
-    """Turns finished children into spans on its own thread, every `INTERVAL` seconds.
+    """Works out each child's attributes, metrics and span on its own thread, every `INTERVAL` seconds.
 
     Building an SDK span (attribute checks, locks, ids, the processor hand-off) costs 30-60 µs on
-    the calling thread, which under uvloop is the event loop. The calling thread only records plain
-    facts, and this thread builds each span with the original timestamps and parent context.
-    The thread starts on first use in each process (a fork child that lives on starts its own),
-    never in a fork handler. `flush()` builds what is waiting, in the caller's thread (at shutdown).
+    the calling thread, which under uvloop is the event loop, and naming and describing the child
+    costs 20 µs more right after a spawn (see `_Child`). The calling thread only submits the child
+    after its spawn and after its exit; this thread does the rest with the original timestamps and
+    parent context. It starts on first use in each process (a fork child that lives on starts its
+    own), never in a fork handler. `flush()` does what is waiting in the caller's thread (at
+    shutdown, and before the subprocess metrics are collected); flushes never overlap.
     """
 
     INTERVAL = 0.05
 
     def __init__(self) -> None:
         self._ready: deque[_Child] = deque()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # starting the thread
+        self._flushing = threading.Lock()  # one flush at a time
         self._pid = 0
 
     def submit(self, child: _Child) -> None:
@@ -150,7 +168,7 @@ class _SpanBuilder:
             if self._pid == os.getpid():
                 return
             self._pid = os.getpid()
-            self._lock = threading.Lock()
+            self._lock, self._flushing = threading.Lock(), threading.Lock()  # a fork child's own
         threading.Thread(target=self._run, name="stallwatch-spawn-spans", daemon=True).start()
 
     def _run(self) -> None:
@@ -159,16 +177,41 @@ class _SpanBuilder:
             self.flush()
 
     def flush(self) -> None:
+        """Measure and build everything submitted so far."""
+        if self._pid != os.getpid():
+            self._start()
         ready = self._ready
-        while ready:
-            child = ready.popleft()
-            try:
-                _build(child)
-            except Exception:
-                _fault()
+        with self._flushing:
+            while ready:
+                child = ready.popleft()
+                try:
+                    if not child.measured:
+                        child.measured = True
+                        _measure(child)
+                    if child.done and not child.built:
+                        child.built = True
+                        _build(child)
+                except Exception:
+                    _fault()
+
+
+def _measure(child: _Child) -> None:
+    """A spawned (or failed) child: its name and attributes, and the spawn's duration metric."""
+    state = _state
+    _describe(child, state)
+    attributes = child.attributes
+    if child.spawned or child.error is not None:
+        attributes[telemetry.SPAWN_BLOCKED.name] = child.blocked
+        attributes[telemetry.SPAWN_METHOD.name] = child.method
+        if child.pid is not None:
+            attributes[telemetry.PROCESS_PID.name] = child.pid
+        if state is not None:
+            state.spawn_duration.record(child.blocked, _duration_attributes(child))
+    _spawned_names.add(child.name)
 
 
 def _build(child: _Child) -> None:
+    _exit_attributes(child)
     span = child.span
     if span is None:
         span = light_span.start(child.tracer, child.name, child.parent, {}, SpanKind.CLIENT, child.start_ns, shed=True)
@@ -176,13 +219,36 @@ def _build(child: _Child) -> None:
         span.set_own_attributes(child.attributes)  # built by this module: valid and bounded
     else:
         span.set_attributes(child.attributes)
-    for name, attributes, timestamp in child.events:
-        span.add_event(name, attributes, timestamp)
+    returncode = child.returncode
+    if returncode is not None and returncode < 0 and child.lived < EARLY_SIGNAL_SECONDS:
+        event = {telemetry.EXIT_SIGNAL.name: child.attributes[telemetry.EXIT_SIGNAL.name], "seconds": child.lived}
+        span.add_event("stallwatch.subprocess.early_signal", event, child.end_ns)
     if child.error is not None:
         span.record_exception(child.error, timestamp=child.end_ns)
-    if child.status is not None:
-        span.set_status(child.status)
+        span.set_status(Status(StatusCode.ERROR, f"spawn failed: {type(child.error).__qualname__}"))
+    elif returncode is not None and returncode < 0:
+        span.set_status(Status(StatusCode.ERROR, f"killed by {child.attributes[telemetry.EXIT_SIGNAL.name]}"))
+    elif returncode:
+        span.set_status(Status(StatusCode.ERROR, f"exit code {returncode}"))
     span.end(end_time=child.end_ns)
+
+
+def _exit_attributes(child: _Child) -> None:
+    """The exit's attributes and count, from the return code `_exited` stamped."""
+    returncode = child.returncode
+    if returncode is None:
+        return
+    attributes = child.attributes
+    attributes[telemetry.PROCESS_EXIT_CODE.name] = returncode
+    signal = None
+    if returncode < 0:
+        signal = signal_name(-returncode)
+        attributes[telemetry.EXIT_SIGNAL.name] = attributes[telemetry.ERROR_TYPE.name] = signal
+    elif returncode:
+        attributes[telemetry.ERROR_TYPE.name] = str(returncode)
+    state = _state
+    if state is not None:
+        state.exits.add(1, child.name, "signal" if signal else "code", signal)
 
 
 _BUILDER = _SpanBuilder()
@@ -196,7 +262,24 @@ def flush_spans() -> None:
 # ---- the child's life: begin, spawned, exited ----------------------------------------------------
 
 
-def _begin(state: _State, program: object, argv: Sequence[object], loop: str, method: str) -> _Child:
+def _begin(state: _State, loop: str | asyncio.AbstractEventLoop | None, method: str | None) -> _Child:
+    """Before the spawn: the clock and the parent context (the caller sets `command` or `popen_args`)."""
+    child = _Child(state.tracer, loop, method)
+    _open[id(child)] = child
+    return child
+
+
+def _start_span_now(state: _State, child: _Child, program: object) -> None:
+    """With propagation on, the span starts before the spawn: its context goes into TRACEPARENT."""
+    child.name = scrub.executable_name(program)
+    child.span = state.tracer.start_span(
+        child.name, context=child.parent, kind=SpanKind.CLIENT, start_time=child.start_ns
+    )
+
+
+def describe(program: object, argv: Sequence[object], loop: str, record_args: bool,
+             patterns: Sequence[Any] = ()) -> tuple[str, dict[str, Any]]:  # fmt: skip
+    """The executable name and the span attributes of a spawn of `argv` (scrubbed, bounded)."""
     name = scrub.executable_name(program)
     attributes: dict[str, Any] = {
         telemetry.PROCESS_EXECUTABLE_NAME.name: name,
@@ -204,83 +287,75 @@ def _begin(state: _State, program: object, argv: Sequence[object], loop: str, me
         telemetry.SPAWN_LOOP.name: loop,
         telemetry.GRPC_ACTIVE.name: guard.grpc_active(),
     }
-    if state.record_args:
-        attributes[telemetry.PROCESS_COMMAND_ARGS.name] = scrub.scrub_args(argv, state.patterns)
-    child = _Child(state.tracer, name, loop, method, attributes)
-    if state.propagate:
-        child.span = state.tracer.start_span(
-            name, context=child.parent, kind=SpanKind.CLIENT, start_time=child.start_ns
-        )
-    _open[id(child)] = child
-    return child
+    if record_args:
+        attributes[telemetry.PROCESS_COMMAND_ARGS.name] = scrub.scrub_args(argv, patterns)
+    return name, attributes
 
 
-def _record_blocked(state: _State, child: _Child, blocked: float, pid: int | None) -> None:
-    child.blocked = blocked
-    attributes = child.attributes
-    attributes[telemetry.SPAWN_BLOCKED.name] = blocked
-    attributes[telemetry.SPAWN_METHOD.name] = child.method
-    if pid is not None:
-        attributes[telemetry.PROCESS_PID.name] = pid
-    state.spawn_duration.record(
-        blocked,
-        {
-            telemetry.PROCESS_EXECUTABLE_NAME.name: child.name,
-            telemetry.SPAWN_LOOP.name: child.loop,
-            telemetry.SPAWN_METHOD.name: child.method,
-        },
-    )
+def _describe(child: _Child, state: _State | None) -> None:
+    """Fill in the child's name, attributes, loop kind and method from the references the calling
+    thread kept, then drop them (the host's argument lists are not held for the child's life)."""
+    command, popen_args = child.command, child.popen_args
+    child.command = child.popen_args = None
+    if command is None:
+        command = _popen_command(*popen_args) if popen_args is not None else ("?", ())
+    if child.method is None:
+        child.method = popen_method(*popen_args) if popen_args is not None else "vfork"
+    if not isinstance(child.loop, str):
+        child.loop = loop_kind(child.loop)
+    record_args = state is not None and state.record_args
+    child.name, attributes = describe(command[0], command[1], child.loop, record_args,
+                                      state.patterns if state is not None else ())  # fmt: skip
+    child.attributes.update(attributes)
+
+
+_DURATION_KEYS: dict[tuple[str, str, str], dict[str, Any]] = {}  # attribute dicts, reused (bounded below)
+
+
+def _duration_attributes(child: _Child) -> dict[str, Any]:
+    key = (child.name, str(child.loop), child.method or "?")
+    attributes = _DURATION_KEYS.get(key)
+    if attributes is None:
+        attributes = {
+            telemetry.PROCESS_EXECUTABLE_NAME.name: key[0],
+            telemetry.SPAWN_LOOP.name: key[1],
+            telemetry.SPAWN_METHOD.name: key[2],
+        }
+        if len(_DURATION_KEYS) < 1024:
+            _DURATION_KEYS[key] = attributes
+    return attributes
 
 
 def _spawned(child: _Child, pid: int, blocked: float) -> None:
-    state = _state
-    if state is None:
-        return
-    _record_blocked(state, child, blocked, pid)
-    state.active.add(1, child.name)
+    """Right after the spawn call returned: the facts; the builder works out the rest (see `_Child`)."""
+    child.pid = pid
+    child.blocked = blocked
     child.spawned = True
+    _BUILDER.submit(child)
     if child.exit_before_spawned is not None:
         _exited(child, child.exit_before_spawned)
 
 
 def _spawn_failed(child: _Child, error: BaseException, blocked: float) -> None:
     _forget(child)
-    state = _state
-    if state is not None:
-        _record_blocked(state, child, blocked, None)
     child.attributes[telemetry.ERROR_TYPE.name] = type(error).__qualname__
+    child.blocked = blocked
     child.error = error
-    child.status = Status(StatusCode.ERROR, f"spawn failed: {type(error).__qualname__}")
     child.end_ns = time_ns()
     _BUILDER.submit(child)
 
 
 def _exited(child: _Child, returncode: int) -> None:
+    """The child was reaped: stamp the time and the return code; the rest waits for `_build`."""
     if not child.spawned:  # the loop reported the exit before the spawn call returned
         child.exit_before_spawned = returncode
         return
     if child.done:
         return
-    _forget(child)
-    state = _state
-    attributes = child.attributes
-    attributes[telemetry.PROCESS_EXIT_CODE.name] = returncode
-    signal = None
     child.end_ns = time_ns()
-    if returncode < 0:
-        signal = signal_name(-returncode)
-        attributes[telemetry.EXIT_SIGNAL.name] = attributes[telemetry.ERROR_TYPE.name] = signal
-        child.status = Status(StatusCode.ERROR, f"killed by {signal}")
-        lived = perf_counter() - child.started
-        if lived < EARLY_SIGNAL_SECONDS:
-            event = {telemetry.EXIT_SIGNAL.name: signal, "seconds": lived}
-            child.events.append(("stallwatch.subprocess.early_signal", event, child.end_ns))
-    elif returncode:
-        attributes[telemetry.ERROR_TYPE.name] = str(returncode)
-        child.status = Status(StatusCode.ERROR, f"exit code {returncode}")
-    if state is not None:
-        state.exits.add(1, child.name, "signal" if signal else "code", signal)
-        state.active.add(-1, child.name)
+    child.lived = perf_counter() - child.started
+    child.returncode = returncode
+    _forget(child)
     _BUILDER.submit(child)
     if child.observer is not None:
         child.observer(returncode)
@@ -289,6 +364,28 @@ def _exited(child: _Child, returncode: int) -> None:
 def _forget(child: _Child) -> None:
     child.done = True
     _open.pop(id(child), None)
+
+
+_spawned_names: set[str] = set()  # every executable name measured in this process: its `active` series
+
+
+class _Active:
+    """`stallwatch.subprocess.active`, read from `_open` when collected: children spawned and not
+    reaped, per executable name (0 for a name spawned before, so its series goes back to 0)."""
+
+    def __init__(self, meter_: Any, before: Callable[[], None]) -> None:
+        self._before = before
+        self.instrument = instrument(meter_, telemetry.SUBPROCESS_ACTIVE, self._observe)
+
+    def _observe(self, options: CallbackOptions) -> Iterable[Observation]:
+        _BUILDER.flush()  # every child spawned so far has its name
+        self._before()
+        counts = dict.fromkeys(list(_spawned_names), 0)
+        for child in list(_open.values()):
+            if child.measured and child.spawned and not child.done:
+                counts[child.name] = counts.get(child.name, 0) + 1
+        key = telemetry.PROCESS_EXECUTABLE_NAME.name
+        return [Observation(count, {key: name}) for name, count in counts.items()]
 
 
 def end_open_spans() -> int:
@@ -386,7 +483,7 @@ def _materialized(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[
 def _popen_init(wrapped: Callable[..., None], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     outer = _in_loop_spawn.get()
     if outer is not None:  # a loop's spawn (standard loop, or uvloop's vfork route): the loop's span counts
-        outer.method = popen_method(args, kwargs)
+        outer.method, outer.popen_args = None, (args, kwargs)  # the method is worked out after the spawn
         token = _in_popen.set(outer)
         try:
             return wrapped(*args, **kwargs)
@@ -397,10 +494,13 @@ def _popen_init(wrapped: Callable[..., None], instance: Any, args: tuple[Any, ..
     if state is not None:
         args, kwargs = _materialized(args, kwargs)
         try:
-            program, argv = _popen_command(args, kwargs)
-            child = _begin(state, program, argv, running_loop_kind(), popen_method(args, kwargs))
-            if state.propagate and len(args) <= _POPEN_POSITIONS["env"]:
-                kwargs = {**kwargs, "env": _environment_with_context(kwargs.get("env"), child)}
+            child = _begin(state, asyncio.events._get_running_loop(), None)
+            child.popen_args = (args, kwargs)
+            if state.propagate:
+                _start_span_now(state, child, _popen_command(args, kwargs)[0])
+                if len(args) <= _POPEN_POSITIONS["env"]:
+                    kwargs = {**kwargs, "env": _environment_with_context(kwargs.get("env"), child)}
+                    child.popen_args = (args, kwargs)
         except Exception:
             _fault()
     if child is None:
@@ -458,9 +558,12 @@ def _posix_spawn(wrapped: Callable[..., int], instance: Any, args: tuple[Any, ..
     child = None
     if state is not None:
         try:
-            child = _begin(state, args[0], list(args[1]), running_loop_kind(), "posix_spawn")
-            if state.propagate and len(args) > 2:
-                args = (args[0], args[1], _environment_with_context(args[2], child), *args[3:])
+            child = _begin(state, asyncio.events._get_running_loop(), "posix_spawn")
+            child.command = (args[0], args[1])
+            if state.propagate:
+                _start_span_now(state, child, args[0])
+                if len(args) > 2:
+                    args = (args[0], args[1], _environment_with_context(args[2], child), *args[3:])
         except Exception:
             _fault()
     if child is None:
@@ -579,10 +682,11 @@ def _loop_wrapper(loop: str, shell: bool) -> Callable[..., Coroutine[Any, Any, A
         child = None
         if state is not None and len(args) >= 2:
             try:
-                program, argv = (args[1], [args[1]]) if shell else (args[1], list(args[1:]))
-                child = _begin(state, program, argv, loop, "fork" if loop == "uvloop" else "vfork")
+                child = _begin(state, loop, "fork" if loop == "uvloop" else "vfork")
+                child.command = (args[1], args[1:2] if shell else args[1:])
                 args = (_watching_factory(args[0], child), *args[1:])
                 if state.propagate:
+                    _start_span_now(state, child, args[1])
                     kwargs = {**kwargs, "env": _environment_with_context(kwargs.get("env"), child)}
             except Exception:
                 _fault()
@@ -642,8 +746,8 @@ class SubprocessInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         _state = _State(
             tracer=trace.get_tracer(telemetry.INSTRUMENTATION_SCOPE, __version__, kwargs.get("tracer_provider")),
             spawn_duration=spawn_duration,
-            exits=Counts(meter_, telemetry.SUBPROCESS_EXITS),
-            active=Counts(meter_, telemetry.SUBPROCESS_ACTIVE, before=spawn_duration.drain),
+            exits=Counts(meter_, telemetry.SUBPROCESS_EXITS, before=flush_spans),  # counted as spans are built
+            active=_Active(meter_, before=spawn_duration.drain),
             record_args=settings.record_args,
             patterns=settings.scrub_patterns,
             propagate=settings.propagate_to_children,
