@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from conftest import attrs, latest_total, metric_points, otlp_items, run_python, run_scenario
@@ -232,36 +230,53 @@ def test_unit_resource_type_names():
     assert proc.stdout.split() == ["compute.instance", "vpc.subnet", "odd"], proc.stderr
 
 
-def test_work_after_the_result_runs_after_the_sdks_done_callback_with_or_without_a_task():
-    """`_after_result` runs the span's end after what the SDK queued to publish the result: behind
-    the task's done callback the SDK added when it submitted the call (same iteration), or, outside
-    a task, two hops behind anything queued in the same iteration."""
-    from stallwatch.instrument import nebius
+@pytest.mark.parametrize("within", ["timer", "shutdown"])
+def test_a_call_is_completed_off_the_callers_path_and_never_lost(within, tmp_path):
+    """A call's span is completed while the next call waits on the network, else by the loop's timer
+    (`COMPLETE_WITHIN`), else at shutdown; each span keeps its own end time."""
+    proc = run_python(
+        f"""
+        import asyncio, time
+        import stallwatch
+        stallwatch.setup(file_dir={str(tmp_path)!r}, watchdog=False)
+        from nebius.api.nebius.compute.v1 import GetInstanceRequest, InstanceServiceClient
+        from nebius.aio.service_error import RequestError
+        from opentelemetry import trace
+        from stallwatch.fake_nebius import FakeNebius, sdk_for
+        from stallwatch.instrument import nebius
 
-    order: list[str] = []
-    loop = asyncio.new_event_loop()
-    try:
+        nebius.COMPLETE_WITHIN = {0.05 if within == "timer" else 3600}
 
-        async def call() -> None:
-            nebius._after_result(asyncio.get_running_loop(), lambda _: order.append("complete"))
+        async def call(sdk, label):
+            with trace.get_tracer("test").start_as_current_span(label):
+                try:
+                    await InstanceServiceClient(sdk).get(GetInstanceRequest(id="computeinstance-x"), timeout=5)
+                except RequestError:
+                    pass
+            return len(nebius._waiting)
 
-        task = loop.create_task(call())
-        task.add_done_callback(lambda _: order.append("publish"))  # as the SDK does, before the task runs
-        loop.run_until_complete(task)
-        loop.run_until_complete(asyncio.sleep(0))
-        assert order == ["publish", "complete"]
+        async def main(fake):
+            async with sdk_for(fake.address) as sdk:
+                print(await call(sdk, "first"), await call(sdk, "second"))
+                await asyncio.sleep(0.5)
+                print(len(nebius._waiting))
 
-        order.clear()
-
-        def plain_callback() -> None:
-            nebius._after_result(loop, lambda _: order.append("complete"))
-            loop.call_soon(order.append, "publish")
-
-        loop.call_soon(plain_callback)
-        loop.run_until_complete(asyncio.sleep(0.01))
-        assert order == ["publish", "complete"]
-    finally:
-        loop.close()
+        with FakeNebius() as fake:
+            asyncio.run(main(fake))
+        stallwatch.shutdown(10)
+        """,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    # After each call its own completion waits; the second call completed the first.
+    assert proc.stdout.splitlines() == ["1 1", "0" if within == "timer" else "1"]
+    path = tmp_path / "traces.jsonl"
+    callers = {s["spanId"]: s for s in otlp_items(path, "spans") if s["name"] in ("first", "second")}
+    spans = {callers[s["parentSpanId"]]["name"]: s for s in nebius_spans(path)}
+    assert sorted(spans) == ["first", "second"]
+    for label, span in spans.items():  # the span ends when the call did, inside its caller's span
+        assert int(span["endTimeUnixNano"]) <= int(callers[span["parentSpanId"]]["endTimeUnixNano"]), label
+    assert int(spans["first"]["endTimeUnixNano"]) <= int(spans["second"]["startTimeUnixNano"])
 
 
 def test_uninstrument_restores_the_sdk_and_instrumenting_again_wraps_it_once(tmp_path):

@@ -313,6 +313,9 @@ def shutdown(timeout: float | None = None) -> bool:
         from .instrument import subprocess as subprocess_instrumentation
 
         subprocess_instrumentation.end_open_spans()  # and builds the spans still waiting
+    nebius_instrumentation = sys.modules.get("stallwatch.instrument.nebius")
+    if nebius_instrumentation is not None:
+        nebius_instrumentation.complete_waiting()  # calls that ended and were not completed yet
     if session._journal is not None:
         from . import journal
 

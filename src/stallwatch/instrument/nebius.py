@@ -31,13 +31,13 @@ needs stays between the caller's await and its result:
 2. when the answer is in, before the SDK hands it to the caller: the status and ids are read, and
    a create/delete's outcome is written to the journal (a `pwrite`, synced by the journal within
    its flush period, see `stallwatch.journal.writer`);
-3. everything else runs on the SDK loop once the caller has its result: the span's attributes,
-   attempt events, status and end, the journal end record, the metrics and the ledger's log
-   records (the intent's log record goes out right after the request, while the call waits on the
-   network). The SDK publishes a call's result from a done callback of the task that ran it,
-   added when it submitted the call; `_after_result` adds the work as a done callback of the same
-   task, so the loop runs it right after, in the same iteration and before anything submitted
-   later (an `sdk.close()` included): nothing waits for a thread or a timer.
+3. everything else (the span's attributes, attempt events, status and end, the journal end
+   record, the metrics and the ledger's log records) runs on the SDK loop later, off the caller's
+   path. The caller's thread wakes up when the SDK publishes the result, and it needs the GIL the
+   SDK loop would hold while completing the call (about 100 µs for a create, measured), so the
+   completion waits in `_waiting` until the next call's request is on the network (the intent's
+   log record goes out then too), or `COMPLETE_WITHIN` seconds on the loop's timer when no call
+   follows, or `stallwatch.shutdown()` (`complete_waiting`), whichever comes first.
 
 Per-method facts (span name, attributes, ledger action, resource type) are computed once per
 method. What each part costs a call against the fake server is measured by
@@ -49,12 +49,12 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import functools
 import importlib.metadata
 import inspect
 import logging
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Collection, Coroutine
 from dataclasses import dataclass
 from typing import Any
@@ -406,38 +406,54 @@ async def _run(
 
 
 def _end(call: _Call, instruments: _Instruments, request: Any, result: Any, error: BaseException | None) -> None:
-    """Finish the call now and complete it once the caller has its result (see the module docstring)."""
+    """Finish the call now and complete it later, off the caller's path (see the module docstring)."""
     end_ns, took = time.time_ns(), time.monotonic() - call.started
     try:
         call.finish(request, result, error, end_ns, took)
     except Exception:
         FAULTS.record(COMPONENT, SETTING)
         return
+    _waiting.append((call, instruments))
     try:
-        _after_result(asyncio.get_running_loop(), functools.partial(_complete, call, instruments))
-    except RuntimeError:  # no running loop (or it is closing): complete it now
-        _complete(call, instruments)
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # no running loop: complete it now
+        complete_waiting()
+        return
+    global _timer_loop
+    if _timer_loop is not loop:
+        _timer_loop = loop
+        try:
+            loop.call_later(COMPLETE_WITHIN, _timer_fired, loop)
+        except RuntimeError:  # the loop is closing
+            _timer_loop = None
+            complete_waiting()
 
 
-def _after_result(loop: asyncio.AbstractEventLoop, callback: Callable[..., None]) -> None:
-    """Run `callback` on `loop` right after the SDK hands the running call's result to its caller.
-
-    The SDK publishes the result from a done callback of the task running the call, added when it
-    submitted the call. A done callback added now runs after it, in the same loop iteration. Outside
-    a task (the SDK changed how it runs calls), two hops behind anything queued now do the same.
-    """
-    task = asyncio.current_task(loop)
-    if task is not None:
-        task.add_done_callback(callback)
-    else:
-        loop.call_soon(loop.call_soon, callback, None)
+COMPLETE_WITHIN = 0.05
+"""Seconds after which a finished call is completed on its loop if no other call came to do it."""
+_waiting: deque[tuple[_Call, _Instruments]] = deque()  # finished calls whose completion is still to run
+_timer_loop: asyncio.AbstractEventLoop | None = None  # the loop with a completion timer pending
 
 
-def _complete(call: _Call, instruments: _Instruments, _done: object = None) -> None:
-    try:
-        call.complete(instruments)
-    except Exception:
-        FAULTS.record(COMPONENT, SETTING)
+def _timer_fired(loop: asyncio.AbstractEventLoop) -> None:
+    global _timer_loop
+    if _timer_loop is loop:
+        _timer_loop = None
+    complete_waiting()
+
+
+def complete_waiting() -> None:
+    """Complete every finished call still waiting: spans, metrics, log records (shutdown calls it)."""
+    waiting = _waiting
+    while waiting:
+        try:
+            call, instruments = waiting.popleft()
+        except IndexError:  # another thread took the last one
+            return
+        try:
+            call.complete(instruments)
+        except Exception:
+            FAULTS.record(COMPONENT, SETTING)
 
 
 def _send_wrapper(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
@@ -454,7 +470,7 @@ async def _attempt_wrapper(wrapped: Callable[..., Any], instance: Any, args: Any
     call = _current.get()
     if call is None:
         return await wrapped(*args, **kwargs)
-    if call.later:  # the intent's log record: emitted while this attempt waits on the network
+    if call.later or _waiting:  # the intent's log record, earlier calls' completions: while this one waits
         _emit_soon(call)
     try:
         result = await wrapped(*args, **kwargs)
@@ -467,9 +483,14 @@ async def _attempt_wrapper(wrapped: Callable[..., Any], instance: Any, args: Any
 
 def _emit_soon(call: _Call) -> None:
     try:
-        asyncio.get_running_loop().call_soon(call.emit_later)
+        asyncio.get_running_loop().call_soon(_while_on_the_network, call)
     except RuntimeError:
-        call.emit_later()
+        _while_on_the_network(call)
+
+
+def _while_on_the_network(call: _Call) -> None:
+    call.emit_later()
+    complete_waiting()
 
 
 def _attempt_ended(call: _Call, error: BaseException | None) -> None:
