@@ -53,6 +53,13 @@ the subprocess instrumentation on unless the configuration says otherwise.
    series (outside every figure) and once after it (inside the CPU figure only, reported apart as
    "of which export"), so the CPU figure includes exporting the series' own spans.
 
+3. Paired overhead, the headline of part 2 (see ``_paired.py``): K fresh interpreters set up as
+   ``instrumented`` alternate P pairs of blocks of 25 round trips (each series of part 2) with the
+   subprocess instrumentor switched on and off (``SubprocessInstrumentor().instrument()`` /
+   ``.uninstrument()``), so both sides of each ratio share a process and a moment; reported: the
+   median per-pair ratio with its 95 % bootstrap interval. ``--pairs P`` (default 30; 4 with
+   ``--quick``) and ``--processes K`` (default 4; 1 with ``--quick``).
+
 The runs are interleaved: every round runs all (configuration, rss) pairs of both parts, in an
 order rotated by one each round, and samples are pooled per configuration across rounds, so
 background noise on a shared machine hits all of them alike.
@@ -76,6 +83,7 @@ from pathlib import Path
 from typing import Any
 
 from _machine import clean_env, machine_info
+from _paired import run_blocks, summarize, verdict
 from bench_spawn import Ticker, p99, touch_memory, vm_rss_mb
 
 BLOCKED_CONFIGS = ("uvloop_native", "uvloop_vfork", "asyncio")
@@ -280,6 +288,58 @@ def worker(config: str, rss: str, count: int) -> dict[str, Any]:
     return result
 
 
+PAIRED_SERIES = ("async_roundtrip", "sync_run")
+BLOCK = 25
+
+
+def paired_worker(pairs: int, seed: int) -> dict[str, Any]:
+    """The `instrumented` setup, with the subprocess instrumentor switched on and off in blocks (µs)."""
+    import stallwatch
+
+    file_dir = tempfile.mkdtemp(prefix="bench_subprocess_")
+    stallwatch.setup(file_dir=file_dir, watchdog=False, metric_export_interval_ms=3600000)
+    from stallwatch.instrument.subprocess import SubprocessInstrumentor
+
+    instrumentor = SubprocessInstrumentor()
+
+    def switch(on: bool) -> None:
+        if on != instrumentor.is_instrumented_by_opentelemetry:
+            instrumentor.instrument() if on else instrumentor.uninstrument()
+
+    async def roundtrip() -> None:
+        await roundtrip_once()
+
+    async def run() -> None:  # subprocess.run from a coroutine, as a server's blocking helper would
+        run_once()
+
+    async def main() -> dict[str, Any]:
+        result: dict[str, Any] = {}
+        for series, call in zip(PAIRED_SERIES, (roundtrip, run), strict=True):
+            for _ in range(WARMUPS):
+                await call()
+            result[series] = await run_blocks(call, switch, pairs, BLOCK, seed)
+        return result
+
+    try:
+        return run_loop("asyncio", main())
+    finally:
+        stallwatch.shutdown(10)
+        shutil.rmtree(file_dir, ignore_errors=True)
+
+
+def run_paired(pairs: int, processes: int) -> dict[str, Any]:
+    collected: dict[str, list[Any]] = {series: [] for series in PAIRED_SERIES}
+    for number in range(processes):
+        command = [sys.executable, str(Path(__file__).resolve()), "--paired-worker", str(pairs), str(number)]
+        proc = subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=900, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"paired worker failed ({proc.returncode}):\n{proc.stderr}")
+        for series, found in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+            collected[series] += found
+        print(f"paired process {number + 1}/{processes} done", file=sys.stderr)
+    return {series: {**summarize(found), "blocks": found} for series, found in collected.items()}
+
+
 # ---- runner: interleaved rounds of workers, aggregation, report -------------------------------
 
 
@@ -438,7 +498,11 @@ def method_checks(rows: list[BlockedRow], overhead: list[OverheadRow]) -> list[s
 
 
 def render_markdown(
-    rows: list[BlockedRow], overhead: list[OverheadRow], info: dict[str, Any], settings: dict[str, Any]
+    rows: list[BlockedRow],
+    overhead: list[OverheadRow],
+    paired: dict[str, Any],
+    info: dict[str, Any],
+    settings: dict[str, Any],
 ) -> str:
     versions = ", ".join(f"{name} {version}" for name, version in info["versions"].items())
     ratio = {(r.config, r.rss): r for r in rows}
@@ -492,6 +556,25 @@ def render_markdown(
         "",
         "## 2. Wrapper overhead: instrumented / uninstrumented (rss0)",
         "",
+        f"**Paired** ({settings['processes']} interpreters x {settings['pairs']} pairs of blocks of "
+        f"{BLOCK} round trips, the subprocess instrumentor switched on and off inside each; see "
+        "`_paired.py`): median per-pair ratio on / off, its 95 % bootstrap interval, and the median "
+        "added per round trip.",
+        "",
+        f"| series | off p50 µs | on p50 µs | ratio | 95 % interval | added µs | ≤ {OVERHEAD_TARGET:.2f} |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for series, found in paired.items():
+        low, high = found["ratio_ci95"]
+        lines.append(
+            f"| {SERIES_TITLES[series]} | {found['off_p50_us']:.0f} | {found['on_p50_us']:.0f} "
+            f"| {found['ratio']:.3f}x | {low:.3f} to {high:.3f} | {found['added_us']:+.1f} "
+            f"| {verdict(found, OVERHEAD_TARGET)} |"
+        )
+    lines += [
+        "",
+        "Per configuration, each in its own interpreter:",
+        "",
         "`instrumented`: the setup above; `uninstrumented`: the same setup with "
         "`STALLWATCH_INSTRUMENT_SUBPROCESS=false`. Both series run in the same worker (the async one "
         "first, on a standard asyncio loop). Target: ratio of p50 and of mean ≤ "
@@ -543,7 +626,9 @@ def render_markdown(
     return "\n".join(lines) + "\n"
 
 
-def benchmark(spawns: int, samples: int, rounds: int, rss_variants: list[str], out: Path) -> str:
+def benchmark(
+    spawns: int, samples: int, rounds: int, rss_variants: list[str], pairs: int, processes: int, out: Path
+) -> str:
     """Run every round, write subprocess.json and subprocess.md into `out`, return the markdown."""
     info = machine_info(VERSIONED)
     runs = []
@@ -558,22 +643,25 @@ def benchmark(spawns: int, samples: int, rounds: int, rss_variants: list[str], o
         else:
             detail = ", ".join(f"{series} p50 {statistics.median(run[f'{series}_ms']):.3f} ms" for series in SERIES)
         print(f"round {number} {config:<14} {rss:<5} {detail}", file=sys.stderr)
+    paired = run_paired(pairs, processes)
     blocked_runs = [run for run in runs if run["config"] in BLOCKED_CONFIGS]
     overhead_runs = [run for run in runs if run["config"] in OVERHEAD_CONFIGS]
     rows = summarize_blocked(blocked_runs, rss_variants)
     overhead = summarize_overhead(overhead_runs)
-    settings = {"spawns": spawns, "samples": samples, "warmups": WARMUPS, "rounds": rounds, "rss": rss_variants}
+    settings = {"spawns": spawns, "samples": samples, "warmups": WARMUPS, "rounds": rounds, "rss": rss_variants,
+                "pairs": pairs, "processes": processes}  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     report = {
         "machine": info,
         "settings": settings,
         "blocked": [asdict(r) for r in rows],
         "overhead": [asdict(r) for r in overhead],
+        "paired": paired,
         "checks": method_checks(rows, overhead),
         "runs": runs,
     }
     (out / "subprocess.json").write_text(json.dumps(report, indent=1) + "\n")
-    markdown = render_markdown(rows, overhead, info, settings)
+    markdown = render_markdown(rows, overhead, paired, info, settings)
     (out / "subprocess.md").write_text(markdown)
     return markdown
 
@@ -585,7 +673,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, help="interleaved rounds (default 10; 1 with --quick)")
     parser.add_argument("--quick", action="store_true", help="smoke test: few spawns, one round, rss0 only")
     parser.add_argument("--out", type=Path, help="output directory (default tests/bench/results; temp with --quick)")
+    parser.add_argument("--pairs", type=int, help="on/off block pairs per paired process (default 30; 4 with --quick)")
+    parser.add_argument("--processes", type=int, help="paired interpreters (default 4; 1 with --quick)")
     parser.add_argument("--worker", nargs=3, metavar=("CONFIG", "RSS", "N"), help=argparse.SUPPRESS)
+    parser.add_argument("--paired-worker", nargs=2, metavar=("PAIRS", "SEED"), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -595,12 +686,18 @@ def main(argv: list[str] | None = None) -> None:
         config, rss, count = args.worker
         print(json.dumps(worker(config, rss, int(count))))
         return
+    if args.paired_worker:
+        pairs, seed = args.paired_worker
+        print(json.dumps(paired_worker(int(pairs), int(seed))))
+        return
     spawns = args.spawns or (20 if args.quick else 200)
     samples = args.samples or (50 if args.quick else 300)
     rounds = args.rounds or (1 if args.quick else 10)
     rss_variants = ["rss0"] if args.quick else list(RSS_BYTES)
     out = args.out or (Path(tempfile.mkdtemp(prefix="bench_subprocess_")) if args.quick else DEFAULT_OUT)
-    print(benchmark(spawns, samples, rounds, rss_variants, out))
+    pairs = args.pairs or (4 if args.quick else 30)
+    processes = args.processes or (1 if args.quick else 4)
+    print(benchmark(spawns, samples, rounds, rss_variants, pairs, processes, out))
     print(f"results: {out / 'subprocess.json'}, {out / 'subprocess.md'}", file=sys.stderr)
 
 
