@@ -143,6 +143,36 @@ def test_a_child_still_running_at_shutdown_ends_its_span_marked(tmp_path):
     assert attrs(span)["stallwatch.subprocess.running_at_shutdown"] is True
 
 
+def test_a_fork_child_that_lives_on_never_reports_its_parents_children(tmp_path):
+    """The parent's running child and its finished, not yet built one are the parent's: a fork child
+    exiting normally (stallwatch's shutdown at exit) must not end or report them again."""
+    proc = run_python(
+        f"""
+        import os, subprocess, sys
+        import stallwatch
+        from stallwatch.instrument import subprocess as spawns
+        spawns._SpanBuilder.INTERVAL = 3600  # the finished child waits to be built, as between two builds
+        stallwatch.setup(file_dir={str(tmp_path)!r}, watchdog=False)
+        subprocess.run(["true"])
+        running = subprocess.Popen(["sleep", "2"])
+        pid = os.fork()
+        if pid == 0:
+            subprocess.run(["echo"], stdout=subprocess.DEVNULL)  # the child's own: reported
+            sys.exit(0)
+        print(os.waitpid(pid, 0)[1])
+        print(running.wait())
+        stallwatch.shutdown(10)
+        """,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["0", "0"]
+    spans = spans_by_case(tmp_path / "traces.jsonl")
+    assert sorted(s["name"] for s in spans) == ["echo", "sleep", "true"]
+    (sleep,) = find(spans, "sleep")
+    assert "stallwatch.subprocess.running_at_shutdown" not in attrs(sleep)
+
+
 def test_uninstrument_restores_uvloop_and_instrumenting_again_wraps_it_once(tmp_path):
     proc = run_python(
         f"""

@@ -155,8 +155,9 @@ class _SpanBuilder:
     def __init__(self) -> None:
         self._ready: deque[_Child] = deque()
         self._lock = threading.Lock()  # starting the thread
-        self._flushing = threading.Lock()  # one flush at a time
-        self._pid = 0
+        self._flushing = threading.RLock()  # one flush at a time (re-entrant: a span's export may collect)
+        self._pid = 0  # the process whose builder thread runs
+        self._flushing_pid = os.getpid()  # the process `_flushing` was made in
 
     def submit(self, child: _Child) -> None:
         self._ready.append(child)
@@ -168,7 +169,7 @@ class _SpanBuilder:
             if self._pid == os.getpid():
                 return
             self._pid = os.getpid()
-            self._lock, self._flushing = threading.Lock(), threading.Lock()  # a fork child's own
+            self._lock = threading.Lock()  # a fork child's own
         threading.Thread(target=self._run, name="stallwatch-spawn-spans", daemon=True).start()
 
     def _run(self) -> None:
@@ -178,8 +179,8 @@ class _SpanBuilder:
 
     def flush(self) -> None:
         """Measure and build everything submitted so far."""
-        if self._pid != os.getpid():
-            self._start()
+        if self._flushing_pid != os.getpid():  # a fork child: a parent's thread may have held it
+            self._flushing_pid, self._flushing = os.getpid(), threading.RLock()
         ready = self._ready
         with self._flushing:
             while ready:
@@ -252,6 +253,26 @@ def _exit_attributes(child: _Child) -> None:
 
 
 _BUILDER = _SpanBuilder()
+
+
+class _SpawnDurations(Deferred):
+    """`stallwatch.subprocess.spawn.duration`, recorded by the builder: each collection (whichever
+    way it drains the values) builds what is waiting first, so no spawn's value is a collection late."""
+
+    def drain(self) -> None:
+        _BUILDER.flush()
+        super().drain()
+
+
+def _forget_the_parents_children() -> None:
+    """In a fork child that lives on: the parent's children, open or waiting to be built, are the
+    parent's to report; this process would otherwise end them again at its own shutdown."""
+    _open.clear()
+    _by_pid.clear()
+    _BUILDER._ready.clear()
+
+
+os.register_at_fork(after_in_child=_forget_the_parents_children)  # starts nothing: clears three maps
 
 
 def flush_spans() -> None:
@@ -378,8 +399,7 @@ class _Active:
         self.instrument = instrument(meter_, telemetry.SUBPROCESS_ACTIVE, self._observe)
 
     def _observe(self, options: CallbackOptions) -> Iterable[Observation]:
-        _BUILDER.flush()  # every child spawned so far has its name
-        self._before()
+        self._before()  # builds what is waiting: every child spawned so far has its name
         counts = dict.fromkeys(list(_spawned_names), 0)
         for child in list(_open.values()):
             if child.measured and child.spawned and not child.done:
@@ -742,7 +762,7 @@ class SubprocessInstrumentor(BaseInstrumentor):  # type: ignore[misc]
             return
         meter_ = meter(kwargs.get("meter_provider"))
         FAULTS.bind(meter_)
-        spawn_duration = Deferred(meter_, telemetry.SUBPROCESS_SPAWN_DURATION)
+        spawn_duration = _SpawnDurations(meter_, telemetry.SUBPROCESS_SPAWN_DURATION)
         _state = _State(
             tracer=trace.get_tracer(telemetry.INSTRUMENTATION_SCOPE, __version__, kwargs.get("tracer_provider")),
             spawn_duration=spawn_duration,
