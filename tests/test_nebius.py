@@ -279,6 +279,42 @@ def test_a_call_is_completed_off_the_callers_path_and_never_lost(within, tmp_pat
     assert int(spans["first"]["endTimeUnixNano"]) <= int(spans["second"]["startTimeUnixNano"])
 
 
+def test_a_fork_child_that_lives_on_never_completes_its_parents_calls(tmp_path):
+    proc = run_python(
+        f"""
+        import asyncio, os, sys
+        import stallwatch
+        stallwatch.setup(file_dir={str(tmp_path)!r}, watchdog=False)
+        from nebius.api.nebius.compute.v1 import GetInstanceRequest, InstanceServiceClient
+        from nebius.aio.service_error import RequestError
+        from stallwatch.fake_nebius import FakeNebius, sdk_for
+        from stallwatch.instrument import nebius
+
+        nebius.COMPLETE_WITHIN = 3600  # the call waits to be completed when the process forks
+
+        async def main(fake):
+            async with sdk_for(fake.address) as sdk:
+                try:
+                    await InstanceServiceClient(sdk).get(GetInstanceRequest(id="computeinstance-x"), timeout=5)
+                except RequestError:
+                    pass
+                pid = os.fork()
+                if pid == 0:
+                    stallwatch.shutdown(5)  # as at the fork child's exit
+                    os._exit(0)
+                print(os.waitpid(pid, 0)[1], len(nebius._waiting))
+
+        with FakeNebius() as fake:
+            asyncio.run(main(fake))
+        stallwatch.shutdown(10)
+        """,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["0", "1"]
+    assert [s["name"] for s in nebius_spans(tmp_path / "traces.jsonl")] == [f"{INSTANCES}/Get"]
+
+
 def test_uninstrument_restores_the_sdk_and_instrumenting_again_wraps_it_once(tmp_path):
     proc = run_python(
         f"""

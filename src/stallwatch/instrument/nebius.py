@@ -52,6 +52,7 @@ import contextvars
 import importlib.metadata
 import inspect
 import logging
+import os
 import sys
 import time
 from collections import deque
@@ -433,6 +434,17 @@ COMPLETE_WITHIN = 0.05
 """Seconds after which a finished call is completed on its loop if no other call came to do it."""
 _waiting: deque[tuple[_Call, _Instruments]] = deque()  # finished calls whose completion is still to run
 _timer_loop: asyncio.AbstractEventLoop | None = None  # the loop with a completion timer pending
+
+
+def _forget_the_parents_calls() -> None:
+    """In a fork child that lives on: the parent completes its own calls; this process would
+    otherwise export them again at its shutdown."""
+    global _timer_loop
+    _waiting.clear()
+    _timer_loop = None
+
+
+os.register_at_fork(after_in_child=_forget_the_parents_calls)  # starts nothing
 
 
 def _timer_fired(loop: asyncio.AbstractEventLoop) -> None:
