@@ -14,11 +14,16 @@ export a few µs of CPU per call, against calls of hundreds of µs to millisecon
 
 from __future__ import annotations
 
+import json
 import random
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
+
+from _machine import clean_env
 
 BOOTSTRAP_SAMPLES = 2000
 
@@ -56,6 +61,16 @@ async def run_blocks(
     return result
 
 
+def switch_for(instrumentor: Any) -> Callable[[bool], None]:
+    """`switch` for `run_blocks`: turns an OpenTelemetry `BaseInstrumentor` on or off."""
+
+    def switch(on: bool) -> None:
+        if on != instrumentor.is_instrumented_by_opentelemetry:
+            instrumentor.instrument() if on else instrumentor.uninstrument()
+
+    return switch
+
+
 def summarize(pairs: list[tuple[list[float], list[float]]], seed: int = 0) -> dict[str, Any]:
     """Median per-pair ratio with its 95 % bootstrap interval, the median µs added, and the medians."""
     ratios = [statistics.median(on) / statistics.median(off) for on, off in pairs]
@@ -78,3 +93,17 @@ def verdict(summary: dict[str, Any], target: float) -> str:
     if high <= target:
         return "met"
     return "**not met**" if low > target else "undecided"
+
+
+def run_processes(commands: Sequence[list[str]], timeout: float) -> dict[str, Any]:
+    """Run each paired worker (a fresh interpreter whose last stdout line is JSON {series: pairs}),
+    pool the pairs per series and summarize them; the raw pairs stay under "blocks"."""
+    collected: dict[str, list[Any]] = {}
+    for number, command in enumerate(commands):
+        proc = subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=timeout, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"paired worker failed ({proc.returncode}):\n{proc.stderr}")
+        for series, found in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+            collected.setdefault(series, []).extend(found)
+        print(f"paired process {number + 1}/{len(commands)} done", file=sys.stderr)
+    return {series: {**summarize(found), "blocks": found} for series, found in collected.items()}

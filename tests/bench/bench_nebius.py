@@ -44,11 +44,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from _machine import clean_env, machine_info
-from _paired import run_blocks, summarize, verdict
+from _paired import run_blocks, run_processes, switch_for, verdict
 
 CONFIGS = ("uninstrumented", "instrumented", "no_journal", "no_export")
 ENV = {
@@ -68,6 +69,34 @@ def p99(samples: list[float]) -> float:
     return statistics.quantiles(samples, n=100, method="inclusive")[98]
 
 
+async def drive(address: str, measure: Callable[[Callable[[], Awaitable[Any]]], Awaitable[Any]]) -> dict[str, Any]:
+    """Each series against the fake server: `WARMUPS` calls, then what `measure(call)` returns."""
+    from nebius.api.nebius.common.v1 import ResourceMetadata
+    from nebius.api.nebius.compute.v1 import CreateInstanceRequest, GetInstanceRequest, InstanceServiceClient
+
+    from stallwatch.fake_nebius import sdk_for
+
+    async with sdk_for(address) as sdk:
+        instances = InstanceServiceClient(sdk)
+
+        async def create() -> Any:
+            return await instances.create(
+                CreateInstanceRequest(metadata=ResourceMetadata(name="bench", parent_id="project-bench")), timeout=10
+            )
+
+        resource = (await create()).resource_id
+
+        async def get() -> Any:
+            return await instances.get(GetInstanceRequest(id=resource), timeout=10)
+
+        result: dict[str, Any] = {}
+        for series, call in zip(SERIES, (get, create), strict=True):
+            for _ in range(WARMUPS):
+                await call()
+            result[series] = await measure(call)
+        return result
+
+
 def worker(config: str, address: str, calls: int) -> dict[str, Any]:
     """One configuration in this fresh interpreter: per-call latency of each series, in ms."""
     import stallwatch
@@ -76,40 +105,18 @@ def worker(config: str, address: str, calls: int) -> dict[str, Any]:
     exporters = {f"{signal}_exporter": "none" for signal in ("traces", "metrics", "logs")}
     stallwatch.setup(file_dir=file_dir, watchdog=False, metric_export_interval_ms=3_600_000,
                      **(exporters if config == "no_export" else {}))  # fmt: skip
-    from nebius.api.nebius.common.v1 import ResourceMetadata
-    from nebius.api.nebius.compute.v1 import CreateInstanceRequest, GetInstanceRequest, InstanceServiceClient
 
-    from stallwatch.fake_nebius import sdk_for
-
-    async def main() -> dict[str, Any]:
-        async with sdk_for(address) as sdk:
-            instances = InstanceServiceClient(sdk)
-
-            async def create() -> Any:
-                return await instances.create(
-                    CreateInstanceRequest(metadata=ResourceMetadata(name="bench", parent_id="project-bench")),
-                    timeout=10,
-                )
-
-            resource = (await create()).resource_id
-
-            async def get() -> Any:
-                return await instances.get(GetInstanceRequest(id=resource), timeout=10)
-
-            result: dict[str, Any] = {}
-            for series, call in (("get", get), ("create", create)):
-                for _ in range(WARMUPS):
-                    await call()
-                times = []
-                for _ in range(calls):
-                    start = time.perf_counter()
-                    await call()
-                    times.append((time.perf_counter() - start) * 1000)
-                result[f"{series}_ms"] = times
-            return result
+    async def timed(call: Callable[[], Awaitable[Any]]) -> list[float]:
+        times = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            await call()
+            times.append((time.perf_counter() - start) * 1000)
+        return times
 
     try:
-        return {"config": config, **asyncio.run(main())}
+        found = asyncio.run(drive(address, timed))
+        return {"config": config, **{f"{series}_ms": times for series, times in found.items()}}
     finally:
         stallwatch.shutdown(10)
         shutil.rmtree(file_dir, ignore_errors=True)
@@ -121,59 +128,21 @@ def paired_worker(address: str, pairs: int, block: int, seed: int) -> dict[str, 
 
     file_dir = tempfile.mkdtemp(prefix="bench_nebius_")
     stallwatch.setup(file_dir=file_dir, watchdog=False, metric_export_interval_ms=3_600_000)
-    from nebius.api.nebius.common.v1 import ResourceMetadata
-    from nebius.api.nebius.compute.v1 import CreateInstanceRequest, GetInstanceRequest, InstanceServiceClient
-
-    from stallwatch.fake_nebius import sdk_for
     from stallwatch.instrument.nebius import NebiusInstrumentor
 
-    instrumentor = NebiusInstrumentor()
-
-    def switch(on: bool) -> None:
-        if on != instrumentor.is_instrumented_by_opentelemetry:
-            instrumentor.instrument() if on else instrumentor.uninstrument()
-
-    async def main() -> dict[str, Any]:
-        async with sdk_for(address) as sdk:
-            instances = InstanceServiceClient(sdk)
-
-            async def create() -> Any:
-                return await instances.create(
-                    CreateInstanceRequest(metadata=ResourceMetadata(name="bench", parent_id="project-bench")),
-                    timeout=10,
-                )
-
-            resource = (await create()).resource_id
-
-            async def get() -> Any:
-                return await instances.get(GetInstanceRequest(id=resource), timeout=10)
-
-            result: dict[str, Any] = {}
-            for series, call in (("get", get), ("create", create)):
-                for _ in range(WARMUPS):
-                    await call()
-                result[series] = await run_blocks(call, switch, pairs, block, seed)
-            return result
-
+    switch = switch_for(NebiusInstrumentor())
     try:
-        return asyncio.run(main())
+        return asyncio.run(drive(address, lambda call: run_blocks(call, switch, pairs, block, seed)))
     finally:
         stallwatch.shutdown(10)
         shutil.rmtree(file_dir, ignore_errors=True)
 
 
 def run_paired(address: str, pairs: int, block: int, processes: int) -> dict[str, Any]:
-    collected: dict[str, list[Any]] = {series: [] for series in SERIES}
-    for number in range(processes):
-        command = [sys.executable, str(Path(__file__).resolve()), "--paired-worker", address, str(pairs), str(block),
-                   str(number)]  # fmt: skip
-        proc = subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=600, check=False)
-        if proc.returncode != 0:
-            raise RuntimeError(f"paired worker failed ({proc.returncode}):\n{proc.stderr}")
-        for series, found in json.loads(proc.stdout.strip().splitlines()[-1]).items():
-            collected[series] += found
-        print(f"paired process {number + 1}/{processes} done", file=sys.stderr)
-    return {series: {**summarize(found), "blocks": found} for series, found in collected.items()}
+    me = str(Path(__file__).resolve())
+    commands = [[sys.executable, me, "--paired-worker", address, str(pairs), str(block), str(number)]
+                for number in range(processes)]  # fmt: skip
+    return run_processes(commands, timeout=600)
 
 
 def run_worker(config: str, address: str, calls: int) -> dict[str, Any]:

@@ -83,7 +83,7 @@ from pathlib import Path
 from typing import Any
 
 from _machine import clean_env, machine_info
-from _paired import run_blocks, summarize, verdict
+from _paired import run_blocks, run_processes, switch_for, verdict
 from bench_spawn import Ticker, p99, touch_memory, vm_rss_mb
 
 BLOCKED_CONFIGS = ("uvloop_native", "uvloop_vfork", "asyncio")
@@ -300,11 +300,7 @@ def paired_worker(pairs: int, seed: int) -> dict[str, Any]:
     stallwatch.setup(file_dir=file_dir, watchdog=False, metric_export_interval_ms=3600000)
     from stallwatch.instrument.subprocess import SubprocessInstrumentor
 
-    instrumentor = SubprocessInstrumentor()
-
-    def switch(on: bool) -> None:
-        if on != instrumentor.is_instrumented_by_opentelemetry:
-            instrumentor.instrument() if on else instrumentor.uninstrument()
+    switch = switch_for(SubprocessInstrumentor())
 
     async def roundtrip() -> None:
         await roundtrip_once()
@@ -328,16 +324,8 @@ def paired_worker(pairs: int, seed: int) -> dict[str, Any]:
 
 
 def run_paired(pairs: int, processes: int) -> dict[str, Any]:
-    collected: dict[str, list[Any]] = {series: [] for series in PAIRED_SERIES}
-    for number in range(processes):
-        command = [sys.executable, str(Path(__file__).resolve()), "--paired-worker", str(pairs), str(number)]
-        proc = subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=900, check=False)
-        if proc.returncode != 0:
-            raise RuntimeError(f"paired worker failed ({proc.returncode}):\n{proc.stderr}")
-        for series, found in json.loads(proc.stdout.strip().splitlines()[-1]).items():
-            collected[series] += found
-        print(f"paired process {number + 1}/{processes} done", file=sys.stderr)
-    return {series: {**summarize(found), "blocks": found} for series, found in collected.items()}
+    me = str(Path(__file__).resolve())
+    return run_processes([[sys.executable, me, "--paired-worker", str(pairs), str(n)] for n in range(processes)], 900)
 
 
 # ---- runner: interleaved rounds of workers, aggregation, report -------------------------------
