@@ -9,7 +9,8 @@ Usage: python journal_child.py MODE JOURNAL_DIR [ARGS...]
   create a span (buffered start), a durable intent, the request, the answer, a durable outcome,
   a buffered end; tiny random pauses in between so a SIGKILL lands anywhere.
 - `nebius DIR ADDRESS`: creates through the real Nebius SDK against `FakeNebius` at ADDRESS, with
-  `stallwatch.setup()` instrumenting the SDK and the journal as the ledger's recorder, until killed.
+  `stallwatch.setup()` instrumenting the SDK and the journal as the ledger's recorder, until killed
+  (prints `ready` once its first create is answered).
 - `watchdog DIR HOST_PID`: the watchdog role for HOST_PID: a freeze, a heartbeat, then waits for
   the host to die (pidfd) and records `host_killed`.
 - `burst DIR N`: N operations (start+end buffered, one durable intent+outcome each), close.
@@ -108,10 +109,11 @@ def nebius_creates(journal_dir: str, address: str) -> None:
     async def create_forever() -> None:
         async with sdk_for(address) as sdk:
             instances = InstanceServiceClient(sdk)
-            print("ready", flush=True)
             for number in range(1_000_000):
                 metadata = ResourceMetadata(name=f"vm-{number}", parent_id="project-e00test")
                 await instances.create(CreateInstanceRequest(metadata=metadata), timeout=5)
+                if number == 0:  # the channel is up and a create went through: kills land among creates
+                    print("ready", flush=True)
 
     asyncio.run(create_forever())
 
