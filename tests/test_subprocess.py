@@ -144,11 +144,11 @@ def test_a_child_still_running_at_shutdown_ends_its_span_marked(tmp_path):
 
 
 def test_a_fork_child_that_lives_on_never_reports_its_parents_children(tmp_path):
-    """The parent's running child and its finished, not yet built one are the parent's: a fork child
-    exiting normally (stallwatch's shutdown at exit) must not end or report them again."""
+    """The parent's running child and its finished, not yet built one are the parent's: a fork child's
+    own shutdown must not end or report them again."""
     proc = run_python(
         f"""
-        import os, subprocess, sys
+        import os, subprocess
         import stallwatch
         from stallwatch.instrument import subprocess as spawns
         spawns._SpanBuilder.INTERVAL = 3600  # the finished child waits to be built, as between two builds
@@ -158,7 +158,8 @@ def test_a_fork_child_that_lives_on_never_reports_its_parents_children(tmp_path)
         pid = os.fork()
         if pid == 0:
             subprocess.run(["echo"], stdout=subprocess.DEVNULL)  # the child's own: reported
-            sys.exit(0)
+            stallwatch.shutdown(10)
+            os._exit(0)
         print(os.waitpid(pid, 0)[1])
         print(running.wait())
         stallwatch.shutdown(10)
