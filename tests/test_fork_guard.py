@@ -63,6 +63,46 @@ def test_forked_child_starts_no_thread_until_it_uses_telemetry_then_exports(mode
         assert spans["child-pool work item"]["parentSpanId"] == spans["child-work"]["spanId"]
 
 
+_CHILD_TELEMETRY_AT_EXIT = """
+import atexit, json, logging, os, subprocess, sys, warnings
+import stallwatch
+from opentelemetry import metrics, trace
+
+stallwatch.setup(file_dir={file_dir!r}, watchdog=False)
+
+def at_exit():  # registered after setup(): runs before stallwatch's own shutdown at exit
+    with trace.get_tracer("host").start_as_current_span("child-at-exit"):
+        subprocess.run(["true"])
+    logging.getLogger("host").warning("child says goodbye")
+    metrics.get_meter("host").create_counter("host.exits").add(1, {{"who": "child"}})
+
+warnings.filterwarnings("ignore", "This process .* is multi-threaded", DeprecationWarning)  # Python 3.12+
+pid = os.fork()
+if pid == 0:
+    atexit.register(at_exit)
+    sys.exit(0)  # the child's first telemetry happens while the interpreter exits
+_, status = os.waitpid(pid, 0)
+print(json.dumps({{"exit_status": os.waitstatus_to_exitcode(status)}}), flush=True)
+os._exit(0)
+"""
+
+
+def test_a_fork_child_whose_first_telemetry_happens_at_exit_exports_it_and_prints_nothing(telemetry_dir):
+    # Python 3.12 refuses new threads once exit begins, so the child's export workers cannot
+    # restart then: before the fix its span, log record and metric were lost and the refusal
+    # printed a traceback from the log handler and from stallwatch's atexit shutdown.
+    env = clean_env(STALLWATCH_INSTRUMENT_SUBPROCESS="true")
+    proc = run_python(_CHILD_TELEMETRY_AT_EXIT.format(file_dir=str(telemetry_dir)), env=env, timeout=60)
+
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1]) == {"exit_status": 0}
+    assert proc.stderr.splitlines() == ["child says goodbye"]  # the host's own warning (Python's lastResort)
+    spans = {span["name"]: span for span in otlp_items(telemetry_dir / "traces.jsonl", "spans")}
+    assert spans["true"]["parentSpanId"] == spans["child-at-exit"]["spanId"]
+    assert "child says goodbye" in (telemetry_dir / "logs.jsonl").read_text()
+    assert '"child"' in (telemetry_dir / "metrics.jsonl").read_text()
+
+
 def test_stock_sdk_starts_threads_in_forked_child(telemetry_dir):
     child = run_scenario("fork_child_probe.py", "stock", str(telemetry_dir))
 

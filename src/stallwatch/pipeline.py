@@ -56,10 +56,10 @@ from .export.guarded import (
     leftovers,
 )
 from .export.shedding import SheddingTracerProvider, exemplar_filter
-from .forksafe import grpc_guard
+from .forksafe import grpc_guard, guard
 from .forksafe.loop import package_version
 from .instrument import histograms
-from .instrument._common import instrument, meter
+from .instrument._common import FAULTS, instrument, meter
 from .instrument.scrub import scrub_text
 from .ledger import LOGGER_NAME as LEDGER_LOGGER
 
@@ -166,6 +166,10 @@ class Pipeline:
         self._gate = ExportGate(self._closer.start)
 
     def _stop(self) -> None:
+        try:
+            guard.drain_pending()  # a fork child's telemetry made at exit, where no worker could start
+        except Exception:
+            _log.warning("stallwatch: exporting a fork child's telemetry at exit failed", exc_info=True)
         for provider in (self.tracer_provider, self.meter_provider, self.logger_provider):
             if provider is None:
                 continue
@@ -294,8 +298,11 @@ class _LoggingHandler(LoggingHandler):
         self._processors = processors
 
     def emit(self, record: logging.LogRecord) -> None:
-        if not drop_early(self._processors):
-            super().emit(record)
+        try:
+            if not drop_early(self._processors):
+                super().emit(record)
+        except Exception:  # the SDK failing must not reach the host's logging call
+            FAULTS.record("logs", "OTEL_LOGS_EXPORTER", "a log record could not be handed to OpenTelemetry", off="none")
 
     def flush(self) -> None:
         return

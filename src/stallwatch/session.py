@@ -329,4 +329,12 @@ def shutdown(timeout: float | None = None) -> bool:
 
 def _shutdown_at_exit() -> None:
     # Also runs in a forked child that lives on and exits normally: it flushes its own telemetry.
-    shutdown()
+    try:
+        shutdown()
+    except Exception as exc:  # the host's exit must not print a traceback of ours
+        _log.warning(
+            "stallwatch: telemetry shutdown at exit failed (%s: %s); what was not exported is lost. "
+            "STALLWATCH_SHUTDOWN_TIMEOUT bounds it; OTEL_SDK_DISABLED=true turns telemetry off.",
+            type(exc).__name__,
+            exc,
+        )

@@ -47,8 +47,20 @@ class _ForkState:
         self.handlers_skipped = 0
         self.guarded_handlers = 0  # callables registered through the guard (skipped per exec-bound fork)
         self.workers_deferred = 0
-        self.pending: list[tuple[weakref.ReferenceType[Any], Callable[[Any], object]]] = []
+        self.pending: list[_Deferred] = []
         self.restart_lock = threading.Lock()
+        self.exiting = False  # interpreter exit began: no deferred worker restarts from now on
+        self.drain_wanted = False  # telemetry was made after that: `drain_pending()` exports it
+
+
+@dataclass
+class _Deferred:
+    """A worker restart deferred in a fork child: `restart(obj)` starts its thread; `drain(obj)`,
+    when given, exports what `obj` holds on the calling thread instead."""
+
+    ref: weakref.ReferenceType[Any]
+    restart: Callable[[Any], object]
+    drain: Callable[[Any], object] | None
 
 
 STATE = _ForkState()
@@ -181,6 +193,7 @@ def _after_in_child() -> None:
         return  # a child about to exec does no work at all
     STATE.restart_lock = threading.Lock()
     STATE.pending = []
+    STATE.drain_wanted = False
     STATE.fork_counts = {}
     STATE.handlers_skipped = 0
     STATE.workers_deferred = 0
@@ -189,22 +202,61 @@ def _after_in_child() -> None:
 # ---- deferred worker restarts ------------------------------------------------------------------
 
 
-def defer(obj: object, restart: Callable[[Any], object]) -> None:
-    """Remember to run `restart(obj)` on first telemetry use in this (forked) process."""
-    STATE.pending.append((weakref.ref(obj), restart))
+def defer(obj: object, restart: Callable[[Any], object], drain: Callable[[Any], object] | None = None) -> None:
+    """Remember to run `restart(obj)` on first telemetry use in this (forked) process.
+
+    `drain(obj)` is for a restart that starts a thread: at interpreter exit (Python 3.12 refuses
+    new threads there) the restart is skipped and `drain_pending()` exports on the calling thread.
+    """
+    STATE.pending.append(_Deferred(weakref.ref(obj), restart, drain))
     STATE.workers_deferred += 1
 
 
+def is_deferred(obj: object) -> bool:
+    """True while `obj` waits for its restart (or, at exit, for its drain)."""
+    return any(entry.ref() is obj for entry in STATE.pending)
+
+
 def restart_pending() -> None:
-    """Run every deferred restart once; called on first use of telemetry in a fork child."""
+    """Run every deferred restart once; called on first use of telemetry in a fork child.
+
+    Once interpreter exit began, restarts that would start a thread stay deferred, for
+    `drain_pending()`; the others (resource detection) still run.
+    """
     if STATE.child_exec_bound or STATE.in_child_handler:
         return
     with STATE.restart_lock:
-        pending, STATE.pending = STATE.pending, []
-    for ref, restart in pending:
-        obj = ref()
+        if STATE.exiting:
+            STATE.drain_wanted = True
+            run = [entry for entry in STATE.pending if entry.drain is None]
+            STATE.pending = [entry for entry in STATE.pending if entry.drain is not None]
+        else:
+            run, STATE.pending = STATE.pending, []
+    for entry in run:
+        obj = entry.ref()
         if obj is not None:
-            restart(obj)
+            entry.restart(obj)
+
+
+def drain_pending() -> None:
+    """Export, on this thread, what the workers left deferred at exit hold (see `defer`).
+
+    Does nothing unless telemetry was made after interpreter exit began, in a fork child whose
+    workers had not restarted yet: the case where no worker thread can take it.
+    """
+    with STATE.restart_lock:
+        if not STATE.drain_wanted:
+            return
+        STATE.drain_wanted = False
+        drains = [entry for entry in STATE.pending if entry.drain is not None]
+    for entry in drains:
+        obj = entry.ref()
+        if obj is not None and entry.drain is not None:
+            entry.drain(obj)
+
+
+def _interpreter_exiting() -> None:
+    STATE.exiting = True
 
 
 # ---- marking exec-bound forks -------------------------------------------------------------------
@@ -265,6 +317,11 @@ def install() -> None:
         return
     _installed = True
     _original_register_at_fork(before=_before_fork, after_in_parent=_after_in_parent, after_in_child=_after_in_child)
+    # Runs when interpreter exit begins, before every `atexit` callback (the host's included), in
+    # the parent and in each fork child: the hook concurrent.futures uses for the same reason.
+    register_exit = getattr(threading, "_register_atexit", None)
+    if register_exit is not None:
+        register_exit(_interpreter_exiting)
     wrapt.wrap_function_wrapper(os, "register_at_fork", _register_at_fork)
     wrapt.wrap_function_wrapper(subprocess.Popen, "_execute_child", _mark_preexec_popen)
     wrapt.register_post_import_hook(_patch_uvloop, "uvloop")

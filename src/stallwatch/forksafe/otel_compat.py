@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .guard import STATE, defer, restart_pending
+from .guard import STATE, defer, is_deferred, restart_pending
 
 _log = logging.getLogger("stallwatch.forksafe")
 
@@ -61,8 +61,12 @@ def _patch(cls: type, name: str, make: Callable[[Method], Method]) -> None:
     _PATCHES.append(_Patch(cls, name, original))
 
 
-def _reinit_patch(reset: Callable[[Any], None]) -> Callable[[Method], Method]:
-    """A replacement `_at_fork_reinit`: defer in a handler, restart everything on first use."""
+def _reinit_patch(reset: Callable[[Any], None], drain: Callable[[Any], object]) -> Callable[[Method], Method]:
+    """A replacement `_at_fork_reinit`: defer in a handler, restart everything on first use.
+
+    `drain` exports what the object holds on the calling thread, for a fork child whose
+    telemetry starts at interpreter exit, where Python 3.12 refuses the restart's thread.
+    """
 
     def make(original: Method) -> Method:
         def _at_fork_reinit(self: Any) -> None:
@@ -70,11 +74,11 @@ def _reinit_patch(reset: Callable[[Any], None]) -> Callable[[Method], Method]:
                 return
             if STATE.in_child_handler:
                 reset(self)
-                defer(self, original)
+                defer(self, original, drain)
                 return
-            deferred_here = any(ref() is self for ref, _ in STATE.pending)
+            deferred_here = is_deferred(self)
             restart_pending()
-            if not deferred_here:
+            if not deferred_here and not STATE.exiting:
                 original(self)  # a fork whose handlers never ran (C-level fork): the stock restart
 
         return _at_fork_reinit
@@ -104,9 +108,21 @@ def _reset_legacy_log_processor(self: Any) -> None:
     from opentelemetry.sdk._logs._internal import export
     from opentelemetry.util._once import Once
 
-    self._condition = threading.Condition(threading.Lock())
+    if hasattr(self, "_export_lock"):  # 1.33 (`_export_lock`, `_worker_awaken`)
+        self._export_lock = threading.Lock()
+        self._worker_awaken = threading.Event()
+    else:  # up to 1.32
+        self._condition = threading.Condition(threading.Lock())
     self._queue.clear()
     export._BSP_RESET_ONCE = Once()  # type: ignore[attr-defined]
+
+
+def _drain_legacy_log_processor(self: Any) -> None:
+    drain = getattr(self, "_drain_queue", None)  # up to 1.32; 1.33's force_flush exports inline
+    if drain is not None:
+        drain()
+    else:
+        self.force_flush()
 
 
 def _reset_metric_reader(self: Any) -> None:
@@ -179,7 +195,7 @@ def _targets() -> list[tuple[str, str, str, Callable[[Method], Method]]]:
                 "opentelemetry.sdk._shared_internal",
                 "BatchProcessor",
                 "_at_fork_reinit",
-                _reinit_patch(_reset_batch_processor),
+                _reinit_patch(_reset_batch_processor, lambda processor: processor.force_flush()),  # inline
             )
         )
     else:
@@ -188,7 +204,7 @@ def _targets() -> list[tuple[str, str, str, Callable[[Method], Method]]]:
                 "opentelemetry.sdk.trace.export",
                 "BatchSpanProcessor",
                 "_at_fork_reinit",
-                _reinit_patch(_reset_legacy_span_processor),
+                _reinit_patch(_reset_legacy_span_processor, lambda processor: processor._drain_queue()),
             )
         )
         targets.append(
@@ -196,7 +212,7 @@ def _targets() -> list[tuple[str, str, str, Callable[[Method], Method]]]:
                 "opentelemetry.sdk._logs._internal.export",
                 "BatchLogRecordProcessor",
                 "_at_fork_reinit",
-                _reinit_patch(_reset_legacy_log_processor),
+                _reinit_patch(_reset_legacy_log_processor, _drain_legacy_log_processor),
             )
         )
     targets.append(
@@ -204,7 +220,7 @@ def _targets() -> list[tuple[str, str, str, Callable[[Method], Method]]]:
             "opentelemetry.sdk.metrics._internal.export",
             "PeriodicExportingMetricReader",
             "_at_fork_reinit",
-            _reinit_patch(_reset_metric_reader),
+            _reinit_patch(_reset_metric_reader, lambda reader: reader.collect()),
         )
     )
     targets.append(

@@ -59,30 +59,41 @@ class Faults:
         self._lock = threading.Lock()
         self._warned: set[str] = set()
         self._counter: Any = None
+        self._meter: Meter | None = None
 
     def bind(self, meter_: Meter) -> None:
+        """Count on `meter_` from now on. Binding the same meter again does nothing: SDKs up to
+        1.33 warn on stderr when an instrument is created twice (`setup()` and each instrumentor
+        bind)."""
+        if meter_ is self._meter:
+            return
         self._counter = instrument(meter_, telemetry.INSTRUMENTATION_ERRORS)
+        self._meter = meter_
 
-    def record(self, component: str, setting: str, problem: str | None = None, count: int = 1) -> None:
+    def record(
+        self, component: str, setting: str, problem: str | None = None, count: int = 1, off: str = "false"
+    ) -> None:
         """Call from an `except Exception` block inside a wrapper, or with `problem` saying what failed;
-        `count`: how many failed items this one failure stands for."""
+        `count`: how many failed items this one failure stands for; `setting=off` turns the part off."""
         with self._lock:
             first = component not in self._warned
             self._warned.add(component)
         if first and problem is None:
             _log.warning(
                 "stallwatch: %s instrumentation failed; the host's call went ahead unchanged. "
-                "Set %s=false to turn this part off.",
+                "Set %s=%s to turn this part off.",
                 component,
                 setting,
+                off,
                 exc_info=True,
             )
         elif first:
             _log.warning(
-                "stallwatch: %s: %s. Set %s=false to turn this part off.",
+                "stallwatch: %s: %s. Set %s=%s to turn this part off.",
                 component,
                 problem,
                 setting,
+                off,
                 exc_info=sys.exc_info()[0] is not None,
             )
         counter = self._counter

@@ -170,7 +170,13 @@ class _SpanBuilder:
                 return
             self._pid = os.getpid()
             self._lock = threading.Lock()  # a fork child's own
-        threading.Thread(target=self._run, name="stallwatch-spawn-spans", daemon=True).start()
+        try:
+            threading.Thread(target=self._run, name="stallwatch-spawn-spans", daemon=True).start()
+        except RuntimeError:
+            if not guard.STATE.exiting:
+                self._pid = 0  # try again with the next child
+                raise
+            # Python 3.12 refuses new threads at exit: stallwatch's shutdown builds what waits.
 
     def _run(self) -> None:
         while True:
