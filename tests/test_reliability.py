@@ -346,6 +346,31 @@ def test_the_host_exits_within_the_shutdown_timeout_when_the_collector_never_ans
     assert "Traceback" not in proc.stderr  # e.g. logging.shutdown() refused a thread at exit (3.12+)
 
 
+_AFTER_SHUTDOWN = """
+import logging, subprocess
+import stallwatch
+from opentelemetry import trace
+
+stallwatch.setup(file_dir={file_dir!r}, watchdog=False)
+stallwatch.shutdown()
+with trace.get_tracer("host").start_as_current_span("after shutdown"):
+    subprocess.run(["true"])
+logging.getLogger("host").info("after shutdown")
+print("done")
+"""
+
+
+@pytest.mark.matrix
+def test_telemetry_made_after_shutdown_is_dropped_without_a_word(telemetry_dir: Path):
+    # SDKs up to 1.33 log "Already shutdown, dropping span." at WARNING for each span ended after
+    # shutdown: a host that spawns during its own teardown got one line per child.
+    env = clean_env(STALLWATCH_INSTRUMENT_SUBPROCESS="true")
+    proc = run_python(_AFTER_SHUTDOWN.format(file_dir=str(telemetry_dir)), env=env, timeout=60)
+
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "done\n", "")
+    assert "after shutdown" not in (telemetry_dir / "traces.jsonl").read_text()
+
+
 _STOCK_HOST = """
 import json, time
 from opentelemetry import trace

@@ -110,6 +110,7 @@ class _BusyGrpc:
         self.calls = 0
         self._stop = threading.Event()
         self._server: Any = None
+        self._client: threading.Thread | None = None
 
     def __enter__(self) -> _BusyGrpc:
         import importlib.util
@@ -137,12 +138,15 @@ class _BusyGrpc:
                     self.calls += 1
                     ready.set()
 
-        threading.Thread(target=asyncio.run, args=(client(),), name="demo-grpc-client", daemon=True).start()
+        self._client = threading.Thread(target=asyncio.run, args=(client(),), name="demo-grpc-client", daemon=True)
+        self._client.start()
         ready.wait(10)
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
+        if self._client is not None:
+            self._client.join(10)  # its call in flight ends before the server goes (else: UNAVAILABLE)
         if self._server is not None:
             self._server.stop(0)
 
@@ -259,7 +263,8 @@ def run(out: Path, probes: int = 20, progress: Callable[[str], None] | None = No
     for name in ("traces.jsonl", "metrics.jsonl", "logs.jsonl"):  # this run's files only
         (out / name).unlink(missing_ok=True)
     shutil.rmtree(out / "journal", ignore_errors=True)
-    from . import setup
+    from . import setup, shutdown
+    from .instrument.subprocess import SubprocessInstrumentor
 
     say(f"[1/5] health probes spawning children on a uvloop-style server ({probes} probes) ...")
 
@@ -281,6 +286,8 @@ def run(out: Path, probes: int = 20, progress: Callable[[str], None] | None = No
     for (fork_kind, _grpc, _loop), count in guard.fork_counts():
         forks[fork_kind] = forks.get(fork_kind, 0) + count
     logging.getLogger("stallwatch.demo").warning("demo finished: %d probes answered", answered)
+    shutdown()  # builds the child spans still waiting, before the providers below stop
+    SubprocessInstrumentor().uninstrument()  # the stages below spawn their own hosts: not this host's children
     for provider in providers:
         provider.shutdown()
     traces = out / "traces.jsonl"

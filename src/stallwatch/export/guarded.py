@@ -294,11 +294,18 @@ class CountingSpanProcessor(BatchSpanProcessor):
         # backend up and room in the queue, is told from two reads, before any call.
         self._bounded = _queue(self)
         self._limit = self._bounded.maxlen or sys.maxsize
+        self.closed = False
+
+    def shutdown(self) -> None:
+        self.closed = True
+        super().shutdown()
 
     def on_end(self, span: Any) -> None:
-        if (self.guard.breaker.down_until or len(self._bounded) >= self._limit) and (
+        if (self.closed or self.guard.breaker.down_until or len(self._bounded) >= self._limit) and (
             span.context and span.context.trace_flags.sampled
         ):
+            if self.closed:  # a span after shutdown: SDKs up to 1.33 log a WARNING for each one
+                return
             reason = _early_drop(self)
             if reason is not None:
                 self.guard.gate.drop("traces", reason, 1)
