@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import run_scenario
+from conftest import clean_env, run_scenario
 
 pytestmark = pytest.mark.matrix
 
@@ -18,9 +18,11 @@ def test_the_incident_semantics_wedge_the_pool():
     assert counts["worker_died"] == counts["wedged"]
 
 
+@pytest.mark.parametrize("run", ["replicated", "stock"])  # see executor._STOCK_RUN
 @pytest.mark.parametrize("mode", ["guard", "api"])
-def test_no_wedge_in_200_randomised_trials(mode):
-    counts = run_scenario("executor_stress.py", mode, "200", "1234", timeout=300)
+def test_no_wedge_in_200_randomised_trials(mode, run):
+    env = clean_env(STOCK_RUN="1" if run == "stock" else "0")
+    counts = run_scenario("executor_stress.py", mode, "200", "1234", env=env, timeout=300)
 
     assert counts["rst_trials"] > 40 and counts["kill_first_trials"] > 40  # both orders, both closes
     assert counts["wedged"] == 0

@@ -97,60 +97,52 @@ def test_interrupt_thread_is_scoped_to_the_running_item():
     }
 
 
-def test_an_item_ending_while_a_delivery_is_under_way_waits_for_it():
+# `ItemRecord.run` replicates the stock `_WorkItem.run` of CPython 3.10-3.13 and ends an item's
+# scope before its future completes; on another `run` it wraps the stock one and ends the scope after
+# (`executor._STOCK_RUN`). Both are tested here, whichever this interpreter uses.
+_PATHS = {"replicated": True, "stock": False}
+_HELD_BACK = """
+import json, threading, time
+import stallwatch
+stallwatch.setup(traces_exporter="none", metrics_exporter="none", logs_exporter="none")
+from concurrent.futures import ThreadPoolExecutor
+from stallwatch import interrupt
+from stallwatch.instrument import executor
+executor._STOCK_RUN = {replicated}
+executor._FREE_THREADED = {free_threaded}  # True: as on a build without the GIL
+pool = ThreadPoolExecutor(max_workers=1)
+ident = pool.submit(threading.get_ident).result(timeout=5)
+ran = threading.Event()
+with interrupt.LOCK:  # as interrupt_thread() holds it, between its look-up and SetAsyncExc
+    if not {free_threaded}:
+        interrupt.DELIVERING.add(ident)
+    first = pool.submit(lambda: ran.set() or "first")
+    second = pool.submit(lambda: "second")
+    time.sleep(0.3)
+    seen = {{"ran": ran.is_set(), "first_done": first.done(), "second_done": second.done()}}
+    interrupt.DELIVERING.discard(ident)
+seen["results"] = [first.result(timeout=5), second.result(timeout=5)]
+if not {free_threaded}:
+    with interrupt.LOCK:  # no delivery under way: items end without the lock
+        seen["free"] = [pool.submit(lambda: "free").result(timeout=5) for _ in range(3)]
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.parametrize("path", _PATHS)
+@pytest.mark.parametrize("free_threaded", [False, True], ids=["gil", "free_threaded"])
+def test_an_item_ending_while_a_delivery_may_be_under_way_waits_for_it(path: str, free_threaded: bool):
     """An item ends without interrupt.LOCK unless a delivery concerns it or may be under way
-    (interrupt.DELIVERING): then it settles under that lock, after the delivery."""
-    proc = run_python(
-        """
-        import json, threading, time
-        import stallwatch
-        stallwatch.setup(traces_exporter="none", metrics_exporter="none", logs_exporter="none")
-        from concurrent.futures import ThreadPoolExecutor
-        from stallwatch import interrupt
-        pool = ThreadPoolExecutor(max_workers=1)
-        ident = pool.submit(threading.get_ident).result(timeout=5)
-        with interrupt.LOCK:  # as interrupt_thread() holds it, between its look-up and SetAsyncExc
-            interrupt.DELIVERING.add(ident)
-            first = pool.submit(lambda: "first").result(timeout=5)  # its future completes in the item
-            second = pool.submit(lambda: "second")
-            time.sleep(0.3)
-            held_back = not second.done()  # the worker waits for the lock, in the first item's end
-            interrupt.DELIVERING.discard(ident)
-        second_result = second.result(timeout=5)
-        with interrupt.LOCK:  # no delivery under way: items end without the lock
-            free = [pool.submit(lambda: "free").result(timeout=5) for _ in range(3)]
-        print(json.dumps({"first": first, "held_back": held_back, "second": second_result, "free": free}))
-        """
-    )
+    (interrupt.DELIVERING), or there is no GIL to order its steps: then it settles under that lock,
+    after the delivery. The replicated `run` settles before the future completes, the stock one after."""
+    proc = run_python(_HELD_BACK.format(replicated=_PATHS[path], free_threaded=free_threaded))
 
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout) == {"first": "first", "held_back": True, "second": "second", "free": ["free"] * 3}
-
-
-def test_without_a_gil_every_item_end_takes_the_interruption_lock():
-    """The lock-free end relies on the GIL ordering its steps; a free-threaded build always locks."""
-    proc = run_python(
-        """
-        import json, time
-        import stallwatch
-        stallwatch.setup(traces_exporter="none", metrics_exporter="none", logs_exporter="none")
-        from concurrent.futures import ThreadPoolExecutor
-        from stallwatch import interrupt
-        from stallwatch.instrument import executor
-        executor._FREE_THREADED = True  # as on a build without the GIL
-        pool = ThreadPoolExecutor(max_workers=1)
-        pool.submit(int).result(timeout=5)
-        with interrupt.LOCK:
-            first = pool.submit(lambda: "first").result(timeout=5)
-            second = pool.submit(lambda: "second")
-            time.sleep(0.3)
-            held_back = not second.done()
-        print(json.dumps({"first": first, "held_back": held_back, "second": second.result(timeout=5)}))
-        """
-    )
-
-    assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout) == {"first": "first", "held_back": True, "second": "second"}
+    seen = json.loads(proc.stdout)
+    assert seen.pop("results") == ["first", "second"]
+    assert seen.pop("free", ["free"] * 3) == ["free"] * 3
+    # The work ran, and its end waited for the lock: the worker is held, so the second item waits too.
+    assert seen == {"ran": True, "first_done": path == "stock", "second_done": False}
 
 
 @pytest.mark.parametrize("instrumented", [True, False])

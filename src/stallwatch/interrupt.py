@@ -81,24 +81,27 @@ def worker_stopped() -> None:
     _worker_idents.discard(threading.get_ident())
 
 
-def item_raised(record: ItemRecord, exc: BaseException) -> bool:
-    """An exception escaped `_WorkItem.run`: True if it is our interruption (then it is handled)."""
+def is_ours(record: ItemRecord, exc: BaseException) -> bool:
+    """True if `exc` is the interruption scheduled for this item."""
     pending = record.interrupt
-    if pending is None or not isinstance(exc, pending.exc_type):
+    return pending is not None and isinstance(exc, pending.exc_type)
+
+
+def item_raised(record: ItemRecord, exc: BaseException) -> bool:
+    """An exception escaped the stock `_WorkItem.run`: True if it is our interruption (then it is handled)."""
+    if not is_ours(record, exc):
         return False
     if not record.future.done():
         record.future.set_exception(exc)  # it landed outside the item's try: complete the future
     return True
 
 
-def settle_finished(record: ItemRecord) -> None:
-    """Under LOCK, as the item's scope ends (`ItemRecord.run`): an interruption still pending is
-    revoked; one that landed is recorded as delivered."""
+def settle_finished(record: ItemRecord, outcome: BaseException | None) -> None:
+    """Under LOCK, as the item's scope ends (`ItemRecord.run`), `outcome` being the exception the
+    item ended with: an interruption still pending is revoked; one that landed is recorded as delivered."""
     pending = record.interrupt
     if pending is not None:  # `_settle` decides only once
-        future = record.future
-        landed = future.done() and isinstance(future.exception(), pending.exc_type)
-        _settle(record, "delivered" if landed else "revoked")
+        _settle(record, "delivered" if isinstance(outcome, pending.exc_type) else "revoked")
 
 
 # ---- public API ---------------------------------------------------------------------------------

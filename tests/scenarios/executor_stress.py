@@ -1,6 +1,6 @@
 """Scenario: incidents/002's race, randomised: a stale async SystemExit against a pooled worker.
 
-Usage: python executor_stress.py {naive|guard|api} TRIALS SEED
+Usage: [STOCK_RUN=1] python executor_stress.py {naive|guard|api} TRIALS SEED
 Each trial: a 1-worker pool; item A parks in recv on a socket; after a random 0-4 ms gap the
 peer is closed cleanly (EOF) or with a reset (RST), and SystemExit is injected into A's worker
 before or after that (random order) -- with raw ctypes as NDIF's kill_thread does (naive: no
@@ -23,6 +23,10 @@ if mode != "naive":
     import stallwatch
 
     stallwatch.setup(traces_exporter="none", metrics_exporter="none", logs_exporter="none")
+    if os.environ.get("STOCK_RUN") == "1":  # the path for a `_WorkItem.run` stallwatch does not replicate
+        from stallwatch.instrument import executor
+
+        executor._STOCK_RUN = False
 
 from concurrent.futures import ThreadPoolExecutor, wait
 
