@@ -48,6 +48,14 @@ wedge detector, the span exporter) shows up in the wall time. The stallwatch con
 timing once the freeze watchdog (another process, pinned to the same CPU) has finished starting:
 before, its one-time start-up fell into the timed repeats (wall time far above CPU time).
 
+Paired, unpinned (``--pairs P``, default 20, ``--processes K``, default 3; see ``_paired.py``):
+K fresh interpreters set up as ``stallwatch`` alternate P pairs of blocks of 200 items of the
+``submit`` and ``to_thread`` workloads with the executor instrumentor switched on and off (each
+block on pools made after the switch, so that they are instrumented exactly when it is on), free to
+run on every CPU as a server's threads are. There the awaiting thread is woken on another CPU
+and may wait for the GIL while the worker finishes: what a pinned run cannot show. Reported: the
+median per-pair ratio with its 95 % bootstrap interval and the median µs added per item.
+
 Reported: µs per item, the median of all timed repeats pooled across rounds; per workload, the
 added µs per item (``stallwatch`` minus ``bare``, target ≤ 2 µs) and the ratio
 ``stallwatch_traced`` / ``bare_traced`` (target ≤ 1.5x). Also per repeat: the process CPU time
@@ -79,6 +87,7 @@ from pathlib import Path
 from typing import Any
 
 from _machine import clean_env, machine_info
+from _paired import run_blocks, run_processes, switch_for
 
 CONFIGS = ("bare", "stallwatch", "bare_traced", "stallwatch_traced")
 WORKLOADS = ("submit", "batch", "to_thread")
@@ -417,8 +426,83 @@ def source_digest() -> str:
     return digest.hexdigest()[:12]
 
 
+# ---- paired, unpinned: the instrumentor on and off inside one interpreter ----------------------
+
+PAIRED_SERIES = ("submit", "to_thread")
+PAIRED_BLOCK = 200
+
+
+def paired_worker(pairs: int, seed: int) -> dict[str, Any]:
+    """The `stallwatch` setup, the executor instrumentor switched on and off in blocks (µs per item)."""
+    import stallwatch
+
+    stallwatch.setup(traces_exporter="none", metrics_exporter="none", logs_exporter="none", watchdog=False)
+    from stallwatch.instrument.executor import ExecutorInstrumentor
+
+    toggle = switch_for(ExecutorInstrumentor())
+    pools: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
+
+    def switch(on: bool) -> None:
+        toggle(on)
+        previous = list(pools.values())
+        pools["submit"] = concurrent.futures.ThreadPoolExecutor(max_workers=MAX_WORKERS["submit"])
+        pools["to_thread"] = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="asyncio")
+        asyncio.get_running_loop().set_default_executor(pools["to_thread"])
+        for pool in previous:
+            pool.shutdown(wait=True)
+
+    async def submit() -> None:
+        pools["submit"].submit(noop).result()
+
+    async def to_thread() -> None:
+        await asyncio.to_thread(noop)
+
+    async def main() -> dict[str, Any]:
+        switch(True)
+        result: dict[str, Any] = {}
+        for series, call in zip(PAIRED_SERIES, (submit, to_thread), strict=True):
+            for _ in range(WARMUP_ITEMS):
+                await call()
+            result[series] = await run_blocks(call, switch, pairs, PAIRED_BLOCK, seed, settle=20)
+        return result
+
+    try:
+        return asyncio.run(main())
+    finally:
+        stallwatch.shutdown(10)
+
+
+def run_paired(pairs: int, processes: int) -> dict[str, Any]:
+    me = str(Path(__file__).resolve())
+    return run_processes([[sys.executable, me, "--paired-worker", str(pairs), str(n)] for n in range(processes)], 900)
+
+
+def render_paired(paired: dict[str, Any]) -> list[str]:
+    lines = [
+        "**Paired, unpinned** (interpreters x pairs of blocks of "
+        f"{PAIRED_BLOCK} items, the executor instrumentor switched on and off inside each, every thread free to "
+        "run on any CPU; see `_paired.py`): median per-pair ratio on / off, its 95 % bootstrap interval, and "
+        "the median µs added per item.",
+        "",
+        f"| workload | pairs | off p50 µs | on p50 µs | ratio | 95 % interval | added µs | ≤ {TARGET_ADDED_US:g} µs |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for series, found in paired.items():
+        low, high = found["ratio_ci95"]
+        met = "met" if found["added_us"] <= TARGET_ADDED_US else "**not met**"
+        lines.append(
+            f"| {series} | {found['pairs']} | {found['off_p50_us']:.1f} | {found['on_p50_us']:.1f} | "
+            f"{found['ratio']:.3f}x | {low:.3f} to {high:.3f} | {found['added_us']:+.2f} | {met} |"
+        )
+    return [*lines, ""]
+
+
 def render_markdown(
-    rows: list[Row], comparisons: list[Comparison], info: dict[str, Any], settings: dict[str, Any]
+    rows: list[Row],
+    comparisons: list[Comparison],
+    info: dict[str, Any],
+    settings: dict[str, Any],
+    paired: dict[str, Any],
 ) -> str:
     versions = ", ".join(f"{name} {version}" for name, version in info["versions"].items())
     dirty = " (with uncommitted changes in src/)" if info["git_dirty"] else ""
@@ -448,7 +532,10 @@ def render_markdown(
             f"{info['source_digest_end']} at the end): the runs mix two versions of stallwatch.**",
             "",
         ]
+    lines += render_paired(paired)
     lines += [
+        "Pinned, one interpreter per configuration:",
+        "",
         "| workload | bare µs | stallwatch µs | added µs | ratio | ≤ 2 µs "
         "| bare_traced µs | stallwatch_traced µs | added µs | ratio | ≤ 1.5x | ratio without export |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -490,9 +577,10 @@ def render_markdown(
     return "\n".join(lines) + "\n"
 
 
-def benchmark(items: int, repeats: int, rounds: int, cpu: int, out: Path) -> str:
+def benchmark(items: int, repeats: int, rounds: int, cpu: int, out: Path, pairs: int, processes: int) -> str:
     """Run every round, write executor.json and executor.md into `out`, return the markdown."""
     info = {**machine_info(VERSIONED), "source_digest": source_digest()}
+    paired = run_paired(pairs, processes)
     runs = []
     for number, config, workload in schedule(rounds):
         run = run_worker(config, workload, items, repeats, cpu)
@@ -513,18 +601,21 @@ def benchmark(items: int, repeats: int, rounds: int, cpu: int, out: Path) -> str
         "rounds": rounds,
         "batch": BATCH,
         "cpu": cpu,
+        "pairs": pairs,
+        "processes": processes,
     }
     out.mkdir(parents=True, exist_ok=True)
     report = {
         "machine": info,
         "settings": settings,
         "targets": {"added_us": TARGET_ADDED_US, "traced_ratio": TARGET_TRACED_RATIO},
+        "paired": paired,
         "comparison": [asdict(c) for c in comparisons],
         "summary": [asdict(r) for r in rows],
         "runs": runs,
     }
     (out / "executor.json").write_text(json.dumps(report, indent=1) + "\n")
-    markdown = render_markdown(rows, comparisons, info, settings)
+    markdown = render_markdown(rows, comparisons, info, settings, paired)
     (out / "executor.md").write_text(markdown)
     return markdown
 
@@ -537,6 +628,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="smoke test: fewer items and repeats, one round")
     parser.add_argument("--no-pin", action="store_true", help="do not pin each worker to one CPU")
     parser.add_argument("--out", type=Path, help="output directory (default tests/bench/results; temp with --quick)")
+    parser.add_argument("--pairs", type=int, help="on/off block pairs per paired process (default 20; 4 with --quick)")
+    parser.add_argument("--processes", type=int, help="paired interpreters (default 3; 1 with --quick)")
+    parser.add_argument("--paired-worker", nargs=2, metavar=("PAIRS", "SEED"), help=argparse.SUPPRESS)
     parser.add_argument(
         "--worker", nargs=5, metavar=("CONFIG", "WORKLOAD", "ITEMS", "REPEATS", "CPU"), help=argparse.SUPPRESS
     )
@@ -549,12 +643,18 @@ def main(argv: list[str] | None = None) -> None:
         config, workload, items, repeats, cpu = args.worker
         print(json.dumps(worker(config, workload, int(items), int(repeats), int(cpu))))
         return
+    if args.paired_worker:
+        pairs, seed = args.paired_worker
+        print(json.dumps(paired_worker(int(pairs), int(seed))))
+        return
     items = args.items or (500 if args.quick else 2000)
     repeats = args.repeats or (3 if args.quick else 5)
     rounds = args.rounds or (1 if args.quick else 5)
     cpu = -1 if args.no_pin else max(os.sched_getaffinity(0))
     out = args.out or (Path(tempfile.mkdtemp(prefix="bench_executor_")) if args.quick else DEFAULT_OUT)
-    print(benchmark(items, repeats, rounds, cpu, out))
+    pairs = args.pairs or (4 if args.quick else 20)
+    processes = args.processes or (1 if args.quick else 3)
+    print(benchmark(items, repeats, rounds, cpu, out, pairs, processes))
     print(f"results: {out / 'executor.json'}, {out / 'executor.md'}", file=sys.stderr)
 
 
