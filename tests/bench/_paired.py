@@ -95,6 +95,21 @@ def verdict(summary: dict[str, Any], target: float) -> str:
     return "**not met**" if low > target else "undecided"
 
 
+def table(paired: dict[str, Any], title: Callable[[str], str], target: str, judge: Callable[[dict], str]) -> list[str]:
+    """Markdown table lines, one row per series of `paired`; the last column is `judge(summary)`."""
+    lines = [
+        f"| series | pairs | off p50 µs | on p50 µs | ratio | 95 % interval | added µs | {target} |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for series, found in paired.items():
+        low, high = found["ratio_ci95"]
+        lines.append(
+            f"| {title(series)} | {found['pairs']} | {found['off_p50_us']:.1f} | {found['on_p50_us']:.1f} "
+            f"| {found['ratio']:.3f}x | {low:.3f} to {high:.3f} | {found['added_us']:+.1f} | {judge(found)} |"
+        )
+    return lines
+
+
 def run_processes(commands: Sequence[list[str]], timeout: float) -> dict[str, Any]:
     """Run each paired worker (a fresh interpreter whose last stdout line is JSON {series: pairs}),
     pool the pairs per series and summarize them; the raw pairs stay under "blocks"."""

@@ -87,7 +87,7 @@ from pathlib import Path
 from typing import Any
 
 from _machine import clean_env, machine_info
-from _paired import run_blocks, run_processes, switch_for
+from _paired import run_blocks, run_processes, switch_for, table
 
 CONFIGS = ("bare", "stallwatch", "bare_traced", "stallwatch_traced")
 WORKLOADS = ("submit", "batch", "to_thread")
@@ -484,16 +484,13 @@ def render_paired(paired: dict[str, Any]) -> list[str]:
         "run on any CPU; see `_paired.py`): median per-pair ratio on / off, its 95 % bootstrap interval, and "
         "the median µs added per item.",
         "",
-        f"| workload | pairs | off p50 µs | on p50 µs | ratio | 95 % interval | added µs | ≤ {TARGET_ADDED_US:g} µs |",
-        "|---|---|---|---|---|---|---|---|",
     ]
-    for series, found in paired.items():
-        low, high = found["ratio_ci95"]
-        met = "met" if found["added_us"] <= TARGET_ADDED_US else "**not met**"
-        lines.append(
-            f"| {series} | {found['pairs']} | {found['off_p50_us']:.1f} | {found['on_p50_us']:.1f} | "
-            f"{found['ratio']:.3f}x | {low:.3f} to {high:.3f} | {found['added_us']:+.2f} | {met} |"
-        )
+    lines += table(
+        paired,
+        lambda series: series,
+        f"≤ {TARGET_ADDED_US:g} µs",
+        lambda found: "met" if found["added_us"] <= TARGET_ADDED_US else "**not met**",
+    )
     return [*lines, ""]
 
 

@@ -83,7 +83,7 @@ from pathlib import Path
 from typing import Any
 
 from _machine import clean_env, machine_info
-from _paired import run_blocks, run_processes, switch_for, verdict
+from _paired import run_blocks, run_processes, switch_for, table, verdict
 from bench_spawn import Ticker, p99, touch_memory, vm_rss_mb
 
 BLOCKED_CONFIGS = ("uvloop_native", "uvloop_vfork", "asyncio")
@@ -549,16 +549,10 @@ def render_markdown(
         "`_paired.py`): median per-pair ratio on / off, its 95 % bootstrap interval, and the median "
         "added per round trip.",
         "",
-        f"| series | off p50 µs | on p50 µs | ratio | 95 % interval | added µs | ≤ {OVERHEAD_TARGET:.2f} |",
-        "|---|---|---|---|---|---|---|",
     ]
-    for series, found in paired.items():
-        low, high = found["ratio_ci95"]
-        lines.append(
-            f"| {SERIES_TITLES[series]} | {found['off_p50_us']:.0f} | {found['on_p50_us']:.0f} "
-            f"| {found['ratio']:.3f}x | {low:.3f} to {high:.3f} | {found['added_us']:+.1f} "
-            f"| {verdict(found, OVERHEAD_TARGET)} |"
-        )
+    lines += table(
+        paired, SERIES_TITLES.__getitem__, f"≤ {OVERHEAD_TARGET:.2f}", lambda found: verdict(found, OVERHEAD_TARGET)
+    )
     lines += [
         "",
         "Per configuration, each in its own interpreter:",
