@@ -608,3 +608,41 @@ def test_a_shutdown_inside_the_event_loop_leaves_the_loop_alone(tmp_path):
 
     assert result["faulted"] == result["reference"] == ["returned", "served"]
     assert "Traceback" not in stderr
+
+
+# ---- the OpenTelemetry log handler ----------------------------------------------------------------
+
+_LOG_HANDLER_FAULT = """
+import json, logging
+import stallwatch
+from opentelemetry.sdk._logs import LoggingHandler
+
+stallwatch.setup(file_dir={file_dir!r}, watchdog=False, metric_export_interval_ms=3600000)
+
+def broken(self, record):
+    raise RuntimeError("the SDK failed to translate a record")
+
+LoggingHandler._translate = broken  # the fault: the SDK raising inside the handler stallwatch installs
+returned = [logging.getLogger("host").warning("host line %d", n) for n in range(3)]
+from opentelemetry import metrics
+metrics.get_meter_provider().force_flush()
+stallwatch.shutdown(10)
+print(json.dumps({{"returned": returned}}))
+"""
+
+
+def test_a_log_handler_fault_never_reaches_the_hosts_logging_call(tmp_path):
+    # Before, the SDK's exception went up into the host's `logger.warning()` (Python's Handler.handle
+    # does not catch what emit raises): seen at exit on Python 3.12, where a thread start failed.
+    result, stderr = run_child(_LOG_HANDLER_FAULT.format(file_dir=str(tmp_path)))
+
+    assert result == {"returned": [None, None, None]}
+    assert [line for line in stderr.splitlines() if line.startswith("host line")] == [
+        f"host line {n}" for n in range(3)
+    ]
+    assert stderr.count("Set OTEL_LOGS_EXPORTER=none to turn this part off") == 1, stderr
+    # Each host record, and stallwatch's own warning about them, failed in the handler and was counted.
+    errors = latest_total(
+        tmp_path / "metrics.jsonl", "stallwatch.instrumentation.errors", **{"stallwatch.component": "logs"}
+    )
+    assert errors == 4
