@@ -172,6 +172,7 @@ def test_injected_into_stallwatchs_scope_a_new_scope_or_a_new_resource(monkeypat
     assert entry.resource == refreshed and entry.scope_metrics[0].metrics[0].name == METRIC.name
 
 
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")  # our fork, on 3.12+
 def test_a_fork_child_starts_its_own_counts():
     import os
 
