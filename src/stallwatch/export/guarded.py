@@ -180,10 +180,12 @@ class GuardedExporter:
         try:
             result = self.inner.export(batch)
         except Exception:
+            self.in_flight = 0
             self._count_failure(len(batch))
             raise  # the SDK's worker logs it, as without stallwatch
-        finally:
-            self.in_flight = 0
+        # Not on a BaseException: the shutdown's deadline stopping an export on the exiting thread
+        # leaves the batch in flight, for the count of what the backend never took.
+        self.in_flight = 0
         if _failed(result):
             self._count_failure(len(batch))
         else:
