@@ -379,6 +379,29 @@ def test_telemetry_made_after_shutdown_is_dropped_without_a_word(telemetry_dir: 
     assert "after shutdown" not in (telemetry_dir / "traces.jsonl").read_text()
 
 
+_HOST_PROVIDERS = """
+import subprocess
+import stallwatch
+from opentelemetry import metrics
+from opentelemetry.sdk.metrics import MeterProvider
+
+stallwatch.setup(providers="host", watchdog=False)
+metrics.set_meter_provider(MeterProvider())  # the host's own, installed after setup()
+subprocess.run(["true"])
+print("done")
+"""
+
+
+@pytest.mark.matrix
+def test_setup_with_the_hosts_providers_prints_nothing():
+    # setup() and each instrumentor bound stallwatch's fault counter to the proxy provider through
+    # a new proxy meter each: SDK 1.27 printed "An instrument ... has been created already" three
+    # times when the host installed its provider (seen in `stallwatch demo`).
+    proc = run_python(_HOST_PROVIDERS, env=clean_env(STALLWATCH_INSTRUMENT_SUBPROCESS="true"), timeout=60)
+
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "done\n", "")
+
+
 _STOCK_HOST = """
 import json, time
 from opentelemetry import trace

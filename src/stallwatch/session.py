@@ -145,7 +145,7 @@ def _register_instruments() -> None:
     from .instrument._common import FAULTS
 
     meter = metrics.get_meter(telemetry.INSTRUMENTATION_SCOPE, __version__)
-    FAULTS.bind(meter)
+    FAULTS.bind()
 
     def observe_forks(options: CallbackOptions) -> Iterable[Observation]:
         return [

@@ -59,16 +59,19 @@ class Faults:
         self._lock = threading.Lock()
         self._warned: set[str] = set()
         self._counter: Any = None
-        self._meter: Meter | None = None
+        self._provider: Any = None
 
-    def bind(self, meter_: Meter) -> None:
-        """Count on `meter_` from now on. Binding the same meter again does nothing: SDKs up to
-        1.33 warn on stderr when an instrument is created twice (`setup()` and each instrumentor
-        bind)."""
-        if meter_ is self._meter:
+    def bind(self, meter_provider: Any = None) -> None:
+        """Count on `meter_provider` (default: the global one, perhaps still a proxy) from now on.
+
+        Binding the same provider again does nothing: `setup()` and each instrumentor bind, and
+        SDKs up to 1.33 warn on stderr when an instrument is created twice.
+        """
+        provider = meter_provider if meter_provider is not None else metrics.get_meter_provider()
+        if provider is self._provider:
             return
-        self._counter = instrument(meter_, telemetry.INSTRUMENTATION_ERRORS)
-        self._meter = meter_
+        self._counter = instrument(meter(provider), telemetry.INSTRUMENTATION_ERRORS)
+        self._provider = provider
 
     def record(
         self, component: str, setting: str, problem: str | None = None, count: int = 1, off: str = "false"

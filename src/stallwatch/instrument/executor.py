@@ -559,7 +559,7 @@ class ExecutorInstrumentor(BaseInstrumentor):  # type: ignore[misc]
             _log.error("stallwatch: %s; executor instrumentation stays off.", exc)
             return
         meter_ = meter(kwargs.get("meter_provider"))
-        FAULTS.bind(meter_)
+        FAULTS.bind(kwargs.get("meter_provider"))
         _tracer = trace.get_tracer(telemetry.INSTRUMENTATION_SCOPE, tracer_provider=kwargs.get("tracer_provider"))
         _histograms[:] = [
             Deferred(meter_, telemetry.EXECUTOR_QUEUE_DURATION, _HISTOGRAM_LIMIT),

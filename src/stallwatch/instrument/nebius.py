@@ -557,7 +557,7 @@ class NebiusInstrumentor(BaseInstrumentor):  # type: ignore[misc]
     def _instrument(self, **kwargs: Any) -> None:
         global _instruments, _status
         meter_ = meter(kwargs.get("meter_provider"))
-        FAULTS.bind(meter_)
+        FAULTS.bind(kwargs.get("meter_provider"))
         duration = Deferred(meter_, telemetry.NEBIUS_CALL_DURATION)
         _instruments = _Instruments(
             tracer=trace.get_tracer(telemetry.INSTRUMENTATION_SCOPE, __version__, kwargs.get("tracer_provider")),

@@ -767,7 +767,7 @@ class SubprocessInstrumentor(BaseInstrumentor):  # type: ignore[misc]
             _log.error("stallwatch: %s; subprocess instrumentation stays off.", error)
             return
         meter_ = meter(kwargs.get("meter_provider"))
-        FAULTS.bind(meter_)
+        FAULTS.bind(kwargs.get("meter_provider"))
         spawn_duration = _SpawnDurations(meter_, telemetry.SUBPROCESS_SPAWN_DURATION)
         _state = _State(
             tracer=trace.get_tracer(telemetry.INSTRUMENTATION_SCOPE, __version__, kwargs.get("tracer_provider")),
