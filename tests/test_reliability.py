@@ -163,10 +163,20 @@ def test_queue_full_and_failed_exports_are_counted_per_signal(fault: str, teleme
 
     if fault == "error" and hasattr(OTLPSpanExporter, "_MAX_RETRY_TIMEOUT"):
         pytest.skip("this SDK retries a 503 for 63 s whatever the export timeout: too long for a test")
+    # A batch is a full queue, and nothing is exported before the queue is full: the first export,
+    # whose failure takes the backend to be down (then spans are dropped as `backend_down` before
+    # they are queued), cannot start before the flood has filled the queue. With smaller batches
+    # that export raced the flood, and now and then (1 run in 6 to 8 here) failed before the
+    # queue was ever full.
+    fill_first = {
+        f"OTEL_{processor}_{name}": value
+        for processor in ("BSP", "BLRP")
+        for name, value in (("MAX_EXPORT_BATCH_SIZE", "256"), ("SCHEDULE_DELAY", "1000"))
+    }
     with serve(fault, "http") as endpoint:
         host_report(
             _FLOOD_HOST.format(file_dir=str(telemetry_dir), items=1000),
-            env(endpoint, OTEL_EXPORTER_OTLP_TIMEOUT="1", **_BUSY_EXPORT),
+            env(endpoint, OTEL_EXPORTER_OTLP_TIMEOUT="1", **{**_BUSY_EXPORT, **fill_first}),
         )
 
     metrics_file = telemetry_dir / "metrics.jsonl"
