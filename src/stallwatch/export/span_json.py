@@ -153,11 +153,17 @@ def _span_text(span: ReadableSpan) -> str:
         )  # fmt: skip
         span_status = span.status
         dropped = (span.dropped_attributes, span.dropped_events, span.dropped_links)
-    parts = [f'{{"traceId":"{context.trace_id:032x}","spanId":"{context.span_id:016x}"']
+    parts = [
+        '{"traceId":"'
+        + context.trace_id.to_bytes(16, "big").hex()
+        + '","spanId":"'
+        + context.span_id.to_bytes(8, "big").hex()
+        + '"'
+    ]
     if context.trace_state:
         parts.append(',"traceState":' + _string(context.trace_state.to_header()))
     if parent is not None:
-        parts.append(f',"parentSpanId":"{parent.span_id:016x}"')
+        parts.append(',"parentSpanId":"' + parent.span_id.to_bytes(8, "big").hex() + '"')
     parts.append(
         f',"name":{_string(name)},"kind":{_KIND.get(kind, 1)}'
         f',"startTimeUnixNano":"{start or 0}","endTimeUnixNano":"{end or 0}"'
@@ -180,7 +186,10 @@ def _span_text(span: ReadableSpan) -> str:
         links = []
         for link in span_links:
             linked = link.context
-            entry: dict[str, Any] = {"traceId": f"{linked.trace_id:032x}", "spanId": f"{linked.span_id:016x}"}
+            entry: dict[str, Any] = {
+                "traceId": linked.trace_id.to_bytes(16, "big").hex(),
+                "spanId": linked.span_id.to_bytes(8, "big").hex(),
+            }
             if link.attributes:
                 entry["attributes"] = _attributes(link.attributes)
             entry["flags"] = _flags(linked)
