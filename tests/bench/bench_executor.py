@@ -54,7 +54,11 @@ K fresh interpreters set up as ``stallwatch`` alternate P pairs of blocks of 200
 block on pools made after the switch, so that they are instrumented exactly when it is on), free to
 run on every CPU as a server's threads are. There the awaiting thread is woken on another CPU
 and may wait for the GIL while the worker finishes: what a pinned run cannot show. Reported: the
-median per-pair ratio with its 95 % bootstrap interval and the median µs added per item.
+median per-pair ratio with its 95 % bootstrap interval and the median µs added per item. A third
+series, ``submit_floor``, measures a floor for this design the same way: a bare pool whose queue
+stamps and logs each put and whose items read the clock at start and end, mark the running item
+and keep their two durations (``_FloorQueue``, ``_FloorItem``), i.e. the queue accounting and
+timings issue 4 asks for without context propagation, interruption scope, spans or fault handling.
 
 Reported: µs per item, the median of all timed repeats pooled across rounds; per workload, the
 added µs per item (``stallwatch`` minus ``bare``, target ≤ 2 µs) and the ratio
@@ -71,17 +75,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import concurrent.futures
 import hashlib
 import json
 import os
+import queue
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import thread as cf_thread
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -432,6 +440,56 @@ PAIRED_SERIES = ("submit", "to_thread")
 PAIRED_BLOCK = 200
 
 
+class _FloorQueue(queue.SimpleQueue):  # type: ignore[type-arg]
+    """The `floor` series' work queue: stamps and logs each put, nothing else."""
+
+    log: collections.deque[Any]
+
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+        if item is not None:  # None: a shutdown sentinel
+            item.submitted = time.monotonic()
+        queue.SimpleQueue.put(self, item, block, timeout)
+        self.log.append(item)
+
+
+class _FloorItem(cf_thread._WorkItem):  # type: ignore[misc,name-defined]
+    """The `floor` series' work item: the clock at start and end, the running item marked, two
+    durations kept; no context, no interruption scope, no span, no fault handling."""
+
+    submitted = 0.0
+    running: dict[int, Any] = {}
+    durations: list[float] = []
+
+    def run(self) -> None:
+        started = time.monotonic()
+        ident = threading.get_ident()
+        future = self.future
+        if not future.set_running_or_notify_cancel():
+            return
+        self.running[ident] = self
+        try:
+            result = self.fn(*self.args, **self.kwargs)
+        except BaseException as exc:
+            self.running.pop(ident, None)
+            future.set_exception(exc)
+        else:
+            self.running.pop(ident, None)
+            durations = self.durations
+            if len(durations) > 100_000:
+                durations.clear()
+            durations.append(started - self.submitted)
+            durations.append(time.monotonic() - started)
+            future.set_result(result)
+
+
+def floor_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """A one-worker pool whose items run `_FloorItem`'s bookkeeping (see `paired_worker`)."""
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=MAX_WORKERS["submit"])
+    pool._work_queue = _FloorQueue()  # type: ignore[attr-defined]  # no worker holds the old one yet
+    pool._work_queue.log = collections.deque(maxlen=64)  # type: ignore[attr-defined]
+    return pool
+
+
 def paired_worker(pairs: int, seed: int) -> dict[str, Any]:
     """The `stallwatch` setup, the executor instrumentor switched on and off in blocks (µs per item)."""
     import stallwatch
@@ -440,6 +498,7 @@ def paired_worker(pairs: int, seed: int) -> dict[str, Any]:
     from stallwatch.instrument.executor import ExecutorInstrumentor
 
     toggle = switch_for(ExecutorInstrumentor())
+    original_item = cf_thread._WorkItem
     pools: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
 
     def switch(on: bool) -> None:
@@ -457,6 +516,16 @@ def paired_worker(pairs: int, seed: int) -> dict[str, Any]:
     async def to_thread() -> None:
         await asyncio.to_thread(noop)
 
+    def switch_floor(on: bool) -> None:
+        previous = pools.get("floor")
+        cf_thread._WorkItem = _FloorItem if on else original_item  # what `submit` makes (read per call)
+        pools["floor"] = floor_pool() if on else concurrent.futures.ThreadPoolExecutor(MAX_WORKERS["submit"])
+        if previous is not None:
+            previous.shutdown(wait=True)
+
+    async def submit_floor() -> None:
+        pools["floor"].submit(noop).result()
+
     async def main() -> dict[str, Any]:
         switch(True)
         result: dict[str, Any] = {}
@@ -464,6 +533,12 @@ def paired_worker(pairs: int, seed: int) -> dict[str, Any]:
             for _ in range(WARMUP_ITEMS):
                 await call()
             result[series] = await run_blocks(call, switch, pairs, PAIRED_BLOCK, seed, settle=20)
+        switch(False)  # the floor series runs on the stock executor, stallwatch's instrumentor off
+        switch_floor(True)
+        for _ in range(WARMUP_ITEMS):
+            await submit_floor()
+        result["submit_floor"] = await run_blocks(submit_floor, switch_floor, pairs, PAIRED_BLOCK, seed, settle=20)
+        switch_floor(False)
         return result
 
     try:
@@ -482,7 +557,9 @@ def render_paired(paired: dict[str, Any]) -> list[str]:
         "**Paired, unpinned** (interpreters x pairs of blocks of "
         f"{PAIRED_BLOCK} items, the executor instrumentor switched on and off inside each, every thread free to "
         "run on any CPU; see `_paired.py`): median per-pair ratio on / off, its 95 % bootstrap interval, and "
-        "the median µs added per item.",
+        "the median µs added per item. `submit_floor`: the same pairs for a floor of this design instead "
+        "of stallwatch (a queue that stamps and logs each put, items that time themselves and mark "
+        "themselves running; nothing else, see the module docstring).",
         "",
     ]
     lines += table(
