@@ -56,18 +56,43 @@ def silent() -> Iterator[str]:
 # ---- 1. nothing on the host thread waits on export ----------------------------------------------
 
 _STEADY_HOST = """
-import json, logging, statistics, time
+import importlib, json, logging, threading, time
 import stallwatch
 from opentelemetry import metrics, trace
+
+# Every OTLP export is recorded: the thread it runs on, and whether it is still waiting on the collector.
+exports = {{"threads": set(), "in_flight": 0, "started": 0}}
+lock = threading.Lock()
+
+def watch(cls):
+    export = cls.export
+
+    def recorded(self, *args, **kwargs):
+        with lock:
+            exports["threads"].add(threading.get_ident())
+            exports["started"] += 1
+            exports["in_flight"] += 1
+        try:
+            return export(self, *args, **kwargs)
+        finally:
+            with lock:
+                exports["in_flight"] -= 1
+
+    cls.export = recorded
+
+package = "opentelemetry.exporter.otlp.proto.{protocol}"
+for module, name in (("trace_exporter", "OTLPSpanExporter"), ("_log_exporter", "OTLPLogExporter"),
+                     ("metric_exporter", "OTLPMetricExporter")):
+    watch(getattr(importlib.import_module(package + "." + module), name))
 
 stallwatch.setup(file_dir={file_dir!r})
 logging.getLogger().setLevel(logging.INFO)
 tracer, log = trace.get_tracer("host"), logging.getLogger("host")
 orders = metrics.get_meter("host").create_counter("host.orders")
 calls = {{"span": [], "log": [], "counter": []}}
+during_export = 0
 clock = time.perf_counter
-deadline = time.monotonic() + {seconds}
-while time.monotonic() < deadline:
+for _ in range({batches}):
     for _ in range(50):
         t0 = clock()
         tracer.start_span("op").end()
@@ -79,9 +104,11 @@ while time.monotonic() < deadline:
         calls["span"].append(t1 - t0)
         calls["log"].append(t2 - t1)
         calls["counter"].append(t3 - t2)
+        during_export += exports["in_flight"] > 0
     time.sleep(0.001)
-report = {{kind: {{"n": len(d), "max_ms": max(d) * 1e3, "p99_ms": statistics.quantiles(d, n=100)[98] * 1e3,
-                   "over_5ms": sum(t > 0.005 for t in d)}} for kind, d in calls.items()}}
+report = {{kind: {{"n": len(d), "max_ms": max(d) * 1e3}} for kind, d in calls.items()}}
+report["exports"] = {{"started": exports["started"], "during_export": during_export,
+                      "on_host_thread": threading.get_ident() in exports["threads"]}}
 time.sleep(0.5)  # one more metric export for the file, with the drops counted so far
 print(json.dumps(report), flush=True)
 """
@@ -102,31 +129,48 @@ _BUSY_EXPORT = {
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_host_calls_never_wait_on_a_collector_that_never_answers(protocol: str, telemetry_dir: Path):
+    """The collector holds every export for the whole export timeout (10 s); the host's 6,000 spans,
+    log records and counter adds (about 2 s of work) go on meanwhile, none of them on an export.
+
+    What waiting costs the host's latency, percentile by percentile, is the backend-faults
+    benchmark's measure (`silent-http`, `silent-grpc` against exporters off): a percentile bound
+    here failed CI on a loaded runner (p99 2.0 ms against 0.15 ms on an idle machine) while no call
+    waited on export, so this test checks the waiting itself.
+    """
     if protocol == "grpc":
         pytest.importorskip("opentelemetry.exporter.otlp.proto.grpc")
+    batches = 120
     with serve("silent", protocol) as endpoint:
         report, _, _ = host_report(
-            _STEADY_HOST.format(file_dir=str(telemetry_dir), seconds=2.0),
+            _STEADY_HOST.format(file_dir=str(telemetry_dir), batches=batches, protocol=protocol),
             env(
-                endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf" if protocol == "http" else "grpc", **_BUSY_EXPORT
+                endpoint,
+                OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf" if protocol == "http" else "grpc",
+                OTEL_EXPORTER_OTLP_TIMEOUT="10",
+                **_BUSY_EXPORT,
             ),
         )
 
+    made = batches * 50
+    exports = report.pop("exports")
+    # No export ran on the host's thread, and exports were waiting on the collector (which never
+    # answers) for nearly all of the host's calls: the first batch leaves after 64 spans or 50 ms.
+    assert not exports["on_host_thread"], report
+    assert exports["started"] >= 2, exports  # traces and logs at least; metrics every 200 ms
+    assert exports["during_export"] >= 0.8 * made, exports
     for kind, stats in report.items():
-        assert stats["n"] > 5_000, report
-        assert stats["p99_ms"] < 1.0, (kind, report)
-        # Waiting on export would take the collector's whole answer time: 10 s (the export timeout)
-        # here. What remains is the GIL handed to an export worker or the metric reader for up to
-        # the 5 ms switch interval (measured max 4-8 ms), and rare scheduler stalls of this shared
-        # 2-CPU machine (up to 50 ms, also with the garbage collector off).
-        assert stats["over_5ms"] <= stats["n"] / 1000, (kind, report)
+        assert stats["n"] == made, report
+        # Waiting on export would take the collector's whole answer time: the 10 s export timeout.
+        # What remains is the GIL handed to an export worker or the metric reader for up to the
+        # 5 ms switch interval, and scheduler stalls of this shared 2-CPU machine (up to 50 ms
+        # measured, also with the garbage collector off).
         assert stats["max_ms"] < 100.0, (kind, report)
     metrics_file = telemetry_dir / "metrics.jsonl"
     # Queues have limits: what did not fit is counted, never kept.
     for signal in ("traces", "logs"):
         queue_full = latest_total(metrics_file, DROPPED, **{
             "stallwatch.telemetry.signal": signal, "stallwatch.telemetry.drop_reason": "queue_full"})  # fmt: skip
-        assert queue_full > report["span"]["n"] / 2, (signal, queue_full)
+        assert queue_full > made / 2, (signal, queue_full)
 
 
 # ---- 2. every drop is counted -------------------------------------------------------------------
