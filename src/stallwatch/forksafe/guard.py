@@ -248,11 +248,11 @@ def drain_pending() -> None:
         if not STATE.drain_wanted:
             return
         STATE.drain_wanted = False
-        drains = [entry for entry in STATE.pending if entry.drain is not None]
-    for entry in drains:
-        obj = entry.ref()
-        if obj is not None and entry.drain is not None:
-            entry.drain(obj)
+        drains = [(entry.ref, entry.drain) for entry in STATE.pending if entry.drain is not None]
+    for ref, drain in drains:
+        obj = ref()
+        if obj is not None:
+            drain(obj)
 
 
 def _interpreter_exiting() -> None:
