@@ -159,7 +159,6 @@ def test_host_calls_never_wait_on_a_collector_that_never_answers(protocol: str, 
     assert exports["started"] >= 2, exports  # traces and logs at least; metrics every 200 ms
     assert exports["during_export"] >= 0.8 * made, exports
     for kind, stats in report.items():
-        assert stats["n"] == made, report
         # Waiting on export would take the collector's whole answer time: the 10 s export timeout.
         # What remains is the GIL handed to an export worker or the metric reader for up to the
         # 5 ms switch interval, and scheduler stalls of this shared 2-CPU machine (up to 50 ms
