@@ -5,7 +5,9 @@ uvloop spawns of /bin/true (SPAWNS) while a grpc.aio client hammers a local gRPC
 items (ITEMS, through asyncio.to_thread and a ThreadPoolExecutor), and TUNNELS open/close pairs of a
 tunnel-like class (instrumented with stallwatch.instrument_tunnel) whose open and close each spawn
 a child. Prints one JSON line: host errors, RSS after warm-up and at the end, threads, file
-descriptors and stallwatch's shared-memory files before and after shutdown.
+descriptors, stallwatch's shared-memory files before and after shutdown, and any freeze the
+watchdog reported meanwhile (a loaded machine can block the loop past the threshold: reported, not
+an error).
 """
 
 import glob
@@ -132,7 +134,8 @@ result = loop.run_until_complete(main())
 loop.close()
 stop.set()
 server.stop(0)
-result["shm_before_shutdown"] = len(shm_files())
+result["shm_before_shutdown"] = [os.path.basename(name) for name in shm_files()]
+result["freezes_reported"] = [open(name).read() for name in shm_files() if name.endswith(".freezes")]
 stallwatch.shutdown(10)
 result["shm_after_shutdown"] = shm_files()
 result["errors"] = errors
