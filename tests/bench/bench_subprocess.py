@@ -59,6 +59,9 @@ the subprocess instrumentation on unless the configuration says otherwise.
    ``.uninstrument()``), so both sides of each ratio share a process and a moment; reported: the
    median per-pair ratio with its 95 % bootstrap interval. ``--pairs P`` (default 30; 4 with
    ``--quick``) and ``--processes K`` (default 4; 1 with ``--quick``).
+   The same interpreters then run ``subprocess.run`` pairs with two floors switched on and off
+   in place of the instrumentor (``PopenFloor``): a wrapper that only times the spawn, and one
+   that also keeps what a span per child needs and builds nothing.
 
 The runs are interleaved: every round runs all (configuration, rss) pairs of both parts, in an
 order rotated by one each round, and samples are pooled per configuration across rounds, so
@@ -93,6 +96,8 @@ SERIES_TITLES = {
     "async_spawn_call": "`await create_subprocess_exec(...)` alone, timed inside the same round trips (asyncio loop)",
     "async_roundtrip": "`await create_subprocess_exec(...)` + `await proc.wait()` (asyncio loop)",
     "sync_run": '`subprocess.run(["/bin/true"])`',
+    "sync_run_floor_clock": '`subprocess.run(["/bin/true"])`, floor: a wrapper that only times the spawn',
+    "sync_run_floor_capture": '`subprocess.run(["/bin/true"])`, floor: a wrapper that keeps what a span needs',
 }
 # stallwatch.spawn.loop of each series' spans
 SERIES_LOOP = {"async_spawn_call": "asyncio", "async_roundtrip": "asyncio", "sync_run": "none"}
@@ -289,7 +294,75 @@ def worker(config: str, rss: str, count: int) -> dict[str, Any]:
 
 
 PAIRED_SERIES = ("async_roundtrip", "sync_run")
+# Floors for `subprocess.run`, switched on and off like the instrumentor (stallwatch's own
+# instrumentor off meanwhile): what any wrapper of Popen costs right after a spawn.
+FLOOR_SERIES = ("sync_run_floor_clock", "sync_run_floor_capture")
 BLOCK = 25
+
+
+class PopenFloor:
+    """Wrappers of `Popen.__init__` and `Popen._handle_exitstatus` (wrapt, as stallwatch's) that do
+    only the least a span per child needs, for the paired floor series.
+
+    `clock`: two clock reads around the spawn kept on the Popen, and the exit's time and code
+    appended to a deque. `capture`: also what stallwatch's calling thread must keep for the span it
+    builds elsewhere: the caller's OpenTelemetry context, the running loop, the arguments, the
+    start's wall time, the pid, a context variable set during the spawn (how stallwatch tells a
+    Popen's own posix_spawn apart); the record goes to a deque at the spawn and again at the exit.
+    Nothing is built from the records.
+    """
+
+    def __init__(self, capture: bool) -> None:
+        import contextvars
+        from collections import deque
+
+        self.capture = capture
+        self.records: deque[Any] = deque(maxlen=64)  # about what stallwatch's builder holds between its runs
+        self.inside: contextvars.ContextVar[Any] = contextvars.ContextVar("floor_inside", default=None)
+        self.on = False
+
+    def _init(self, wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not self.capture:
+            start = time.perf_counter()
+            wrapped(*args, **kwargs)
+            instance._floor = (start, time.perf_counter())
+            return
+        from asyncio.events import _get_running_loop
+
+        from opentelemetry import context
+
+        record = [args, kwargs, context.get_current(), _get_running_loop(), time.time_ns(), 0.0, 0.0, None]
+        token = self.inside.set(record)
+        start = time.perf_counter()
+        wrapped(*args, **kwargs)
+        record[6] = time.perf_counter() - start
+        self.inside.reset(token)
+        record[5], record[7] = start, instance.pid
+        instance._floor = record
+        self.records.append(record)
+
+    def _reaped(self, wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        result = wrapped(*args, **kwargs)
+        if instance.returncode is not None:
+            record = getattr(instance, "_floor", None)
+            if record is not None:
+                instance._floor = None
+                self.records.append((record, instance.returncode, time.time_ns(), time.perf_counter()))
+        return result
+
+    def switch(self, on: bool) -> None:
+        import wrapt
+        from opentelemetry.instrumentation.utils import unwrap
+
+        if on == self.on:
+            return
+        self.on = on
+        if on:
+            wrapt.wrap_function_wrapper(subprocess.Popen, "__init__", self._init)
+            wrapt.wrap_function_wrapper(subprocess.Popen, "_handle_exitstatus", self._reaped)
+        else:
+            unwrap(subprocess.Popen, "__init__")
+            unwrap(subprocess.Popen, "_handle_exitstatus")
 
 
 def paired_worker(pairs: int, seed: int) -> dict[str, Any]:
@@ -314,6 +387,10 @@ def paired_worker(pairs: int, seed: int) -> dict[str, Any]:
             for _ in range(WARMUPS):
                 await call()
             result[series] = await run_blocks(call, switch, pairs, BLOCK, seed)
+        switch(False)
+        for series, floor in zip(FLOOR_SERIES, (PopenFloor(capture=False), PopenFloor(capture=True)), strict=True):
+            result[series] = await run_blocks(run, floor.switch, pairs, BLOCK, seed)
+            floor.switch(False)
         return result
 
     try:
@@ -553,6 +630,14 @@ def render_markdown(
     lines += table(
         paired, SERIES_TITLES.__getitem__, f"≤ {OVERHEAD_TARGET:.2f}", lambda found: verdict(found, OVERHEAD_TARGET)
     )
+    lines += [
+        "",
+        "The two floor rows switch a bare-minimum wrapper of `Popen` on and off instead of the "
+        "instrumentor (which stays off for them): `clock` only times the spawn, `capture` also keeps "
+        "what stallwatch's calling thread must keep for a span per child (the caller's context, loop, "
+        "arguments, start time, pid, return code) and builds nothing (`PopenFloor`). A floor at or "
+        "above the target means no wrapper of this kind can meet it on this machine.",
+    ]
     lines += [
         "",
         "Per configuration, each in its own interpreter:",
