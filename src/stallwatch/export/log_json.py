@@ -32,6 +32,8 @@ from opentelemetry.exporter.otlp.proto.common._log_encoder import encode_logs
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
+from . import plain_attributes
+
 try:  # opentelemetry-sdk 1.39 and later
     from opentelemetry.sdk._logs import ReadableLogRecord as _BatchItem
 
@@ -119,7 +121,7 @@ def _kept(cache: dict[Any, dict[str, Any]], key: Any, encoded: dict[str, Any], v
 
 def _attributes(attributes: Any) -> list[dict[str, Any]]:
     out = []
-    for key, value in attributes.items():
+    for key, value in plain_attributes(attributes).items():
         if type(value) is str and type(key) is str:
             out.append(_pairs.get((key, value)) or _kept(_pairs, (key, value), _key_value(key, value), value))
         else:

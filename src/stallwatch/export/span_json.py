@@ -29,6 +29,8 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.util import BoundedList
 from opentelemetry.trace import SpanKind, StatusCode
 
+from . import plain_attributes
+
 _KIND = {SpanKind.INTERNAL: 1, SpanKind.SERVER: 2, SpanKind.CLIENT: 3, SpanKind.PRODUCER: 4, SpanKind.CONSUMER: 5}
 _STATUS = {StatusCode.UNSET: 0, StatusCode.OK: 1, StatusCode.ERROR: 2}
 _HAS_IS_REMOTE = 0x100
@@ -117,7 +119,7 @@ def _string_text(value: str) -> str:
 
 def _attributes_text(attributes: Any) -> str:
     parts = []
-    for key, value in attributes.items():
+    for key, value in plain_attributes(attributes).items():
         key_text = _key_texts.get(key) or _key_text(key)
         kind = type(value)
         if kind is str:
@@ -146,6 +148,7 @@ def _span_text(span: ReadableSpan) -> str:
             span_events.dropped if isinstance(span_events, BoundedList) else 0,
             span_links.dropped if isinstance(span_links, BoundedList) else 0,
         )
+        attributes = plain_attributes(attributes)
     else:
         context, parent, name, kind = span.get_span_context(), span.parent, span.name, span.kind
         start, end, attributes, span_events, span_links = (

@@ -31,6 +31,8 @@ from opentelemetry.sdk.util import BoundedList
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 
+from . import plain_attributes
+
 _INT64 = 2**63
 _KIND = {SpanKind.INTERNAL: 1, SpanKind.SERVER: 2, SpanKind.CLIENT: 3, SpanKind.PRODUCER: 4, SpanKind.CONSUMER: 5}
 _HAS_IS_REMOTE = 0x100
@@ -113,6 +115,7 @@ def _string_pair(key: str, value: str) -> bytes:
 
 
 def _attributes(tag: bytes, attributes: Any) -> bytes:
+    attributes = plain_attributes(attributes)
     if not attributes:
         return b""
     parts = []
