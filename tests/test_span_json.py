@@ -146,3 +146,19 @@ def test_numbers_take_the_fast_path_only_where_it_writes_what_the_general_one_wr
     assert text == general
     parsed = json.loads("[" + text + "]")  # the non-finite ones as json.dumps writes them (NaN, Infinity)
     assert [entry["key"] for entry in parsed] == list(values)
+
+
+def test_the_encoder_loads_from_its_file_alone_as_the_executor_benchmark_loads_it():
+    """`tests/bench/bench_executor.py` gives its stallwatch-free traced baseline this same encoder by
+    loading `span_json.py` outside the package, so the file must import nothing of stallwatch."""
+    import importlib.util
+    from pathlib import Path
+
+    import stallwatch.export.span_json as packaged
+
+    spec = importlib.util.spec_from_file_location("standalone_span_json", Path(packaged.__file__))
+    assert spec is not None and spec.loader is not None
+    standalone = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(standalone)
+    spans = _spans()
+    assert standalone.encode_spans_json(spans) == encode_spans_json(spans)

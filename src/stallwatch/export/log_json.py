@@ -32,7 +32,7 @@ from opentelemetry.exporter.otlp.proto.common._log_encoder import encode_logs
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-from . import plain_attributes
+from .span_json import plain_attributes
 
 try:  # opentelemetry-sdk 1.39 and later
     from opentelemetry.sdk._logs import ReadableLogRecord as _BatchItem

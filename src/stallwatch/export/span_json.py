@@ -29,14 +29,25 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.util import BoundedList
 from opentelemetry.trace import SpanKind, StatusCode
 
-from . import plain_attributes
-
 _KIND = {SpanKind.INTERNAL: 1, SpanKind.SERVER: 2, SpanKind.CLIENT: 3, SpanKind.PRODUCER: 4, SpanKind.CONSUMER: 5}
 _STATUS = {StatusCode.UNSET: 0, StatusCode.OK: 1, StatusCode.ERROR: 2}
 _HAS_IS_REMOTE = 0x100
 _IS_REMOTE = 0x200
 _string: Any = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]  # what json.dumps uses for str
 _FLAGS_TEXT = {_HAS_IS_REMOTE: str(_HAS_IS_REMOTE), _HAS_IS_REMOTE | _IS_REMOTE: str(_HAS_IS_REMOTE | _IS_REMOTE)}
+
+
+def plain_attributes(attributes: Any) -> Any:
+    """The dict inside an SDK `BoundedAttributes`, for the encoders to read; anything else as it is.
+
+    A `BoundedAttributes` is a `MutableMapping` whose `items()`, iteration and `len()` go through
+    Python methods and a lock: 1.95 µs against 0.33 µs to walk three attributes here. A finished
+    span's or log record's attributes are immutable, so reading the dict directly is safe. (Here,
+    not in the package: the executor benchmark loads this file alone.)
+    """
+    if type(attributes) is BoundedAttributes:
+        return getattr(attributes, "_dict", attributes)
+    return attributes
 
 
 def _value(value: Any) -> dict[str, Any]:
