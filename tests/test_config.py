@@ -40,6 +40,7 @@ BAD_VALUES: dict[str, tuple[str, ...]] = {
     "STALLWATCH_FILE_DIR": ("   ",),
     "STALLWATCH_LOG_LEVEL": ("LOUD",),
     "STALLWATCH_SHUTDOWN_TIMEOUT": ("-1", "0", "inf", "nan", "abc"),
+    "STALLWATCH_SLOW_EXPORT_SECONDS": ("-1", "-0.5", "inf", "nan", "1e10", "abc"),
     "STALLWATCH_STRICT": ("perhaps",),
     "STALLWATCH_INSTRUMENT_EXECUTOR": ("sometimes",),
     "STALLWATCH_EXECUTOR_HEAL": ("2",),

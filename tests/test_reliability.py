@@ -261,9 +261,10 @@ print(json.dumps({{"made": made, "dropped": dropped}}), flush=True)
 
 class _RecoveringCollector:
     """OTLP/HTTP trace collector answering 503 for `down_seconds` after its first request, then 200;
-    it records, per request, whether it failed it and how many spans it carried."""
+    it records, per request, whether it failed it and how many spans it carried. With `slow`, it
+    answers 200 throughout, after `slow` seconds during the first `down_seconds` instead."""
 
-    def __init__(self, down_seconds: float) -> None:
+    def __init__(self, down_seconds: float, slow: float = 0.0) -> None:
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
         from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -282,7 +283,9 @@ class _RecoveringCollector:
                     request = ExportTraceServiceRequest.FromString(body)
                     spans = sum(len(s.spans) for r in request.resource_spans for s in r.scope_spans)
                     collector.requests.append((failing, spans))
-                    status = 503 if failing else 200
+                    status = 503 if failing and not slow else 200
+                    if failing and slow:
+                        time.sleep(slow)
                 self.send_response(status)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
@@ -340,6 +343,47 @@ def test_a_failing_collector_is_backed_off_from_then_probed_and_export_resumes(t
     # Nothing unaccounted for: every span was delivered or counted as dropped, with its reason.
     lost = sum(report["dropped"].values())
     assert sum(delivered) + lost == report["made"], (report, collector.requests)
+
+
+@pytest.mark.parametrize("slow_export_seconds", ["0.3", "0"])
+def test_a_slow_collector_is_backed_off_from_like_a_failing_one(slow_export_seconds: str, telemetry_dir: Path):
+    """A collector that answers every request, but only after 0.6 s, for its first 3 s: with
+    STALLWATCH_SLOW_EXPORT_SECONDS=0.3 the host backs off from it as from a failing one, so it
+    records and sends it probes only, until it answers fast again; with 0, it sends it every batch."""
+    from stallwatch.export.guarded import PROBE_ITEMS
+
+    collector = _RecoveringCollector(down_seconds=3.0, slow=0.6)
+    try:
+        report, _, _ = host_report(
+            _RECOVERY_HOST.format(file_dir=str(telemetry_dir), seconds=7.0),
+            env(
+                collector.endpoint,
+                STALLWATCH_SLOW_EXPORT_SECONDS=slow_export_seconds,
+                OTEL_METRICS_EXPORTER="none",
+                OTEL_LOGS_EXPORTER="none",
+                OTEL_BSP_SCHEDULE_DELAY="100",
+                OTEL_BSP_MAX_EXPORT_BATCH_SIZE="128",
+            ),
+        )
+    finally:
+        collector.close()
+
+    slow = [spans for in_slow_phase, spans in collector.requests if in_slow_phase]
+    fast = [spans for in_slow_phase, spans in collector.requests if not in_slow_phase]
+    assert fast and max(fast) > PROBE_ITEMS, collector.requests  # full batches once it answers fast
+    assert "export_failed" not in report["dropped"] and "backend_down" not in report["dropped"], report
+    # Every span was delivered (the slow collector took all it was sent) or counted as dropped.
+    assert sum(slow) + sum(fast) + sum(report["dropped"].values()) == report["made"], (report, collector.requests)
+    if slow_export_seconds == "0":  # a batch about every 0.6 s, all full: about 5 of 128 spans
+        assert sum(1 for spans in slow if spans > PROBE_ITEMS) >= 3, collector.requests
+        assert "backend_slow" not in report["dropped"], report
+        return
+    # The first batch, then after a 1 s back-off a probe of at most PROBE_ITEMS spans (slow again:
+    # a 2 s back-off, by whose end the collector answers fast).
+    assert 1 <= len(slow) <= 3, collector.requests
+    assert all(spans <= PROBE_ITEMS for spans in slow[1:]), collector.requests
+    assert fast[0] <= PROBE_ITEMS, collector.requests  # the probe that finds it fast again
+    assert report["dropped"].get("backend_slow", 0) > 0, report
 
 
 # ---- 3. shutdown is bounded however the host exits ----------------------------------------------

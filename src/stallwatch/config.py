@@ -156,6 +156,15 @@ OPTIONS: tuple[Option, ...] = (
         "(ids and sampled flag kept; counted as dropped). `false` records them, to be dropped at their end.",
     ),
     Option(
+        "STALLWATCH_SLOW_EXPORT_SECONDS",
+        "slow_export_seconds",
+        "`1.0`",
+        "A span or log export that succeeds but takes longer than this takes the backend to be "
+        "overloaded: it is backed off from as from a failing one (new items dropped at once, counted "
+        "as `backend_slow`, then a small probe). `0` turns this off: a slow backend then gets every "
+        "batch, at the cost of recording them on the host's threads.",
+    ),
+    Option(
         "STALLWATCH_PROVIDERS",
         "providers",
         "`stallwatch`",
@@ -367,6 +376,7 @@ class Settings:
     file_dir: Path = field(default_factory=_default_file_dir)
     log_level: int = logging.WARNING
     shutdown_timeout: float = 1.0
+    slow_export_seconds: float = 1.0
     strict: bool = False
     instrument_executor: bool = True
     executor_heal: bool = False
@@ -440,6 +450,7 @@ class Settings:
         take("prometheus_host", "OTEL_EXPORTER_PROMETHEUS_HOST", _nonempty, None)
         take("prometheus_port", "OTEL_EXPORTER_PROMETHEUS_PORT", _port, None)
         take("shed_spans", "STALLWATCH_SHED_SPANS", _bool, None)
+        take("slow_export_seconds", "STALLWATCH_SLOW_EXPORT_SECONDS", _seconds_or_zero, None)
         take("providers", "STALLWATCH_PROVIDERS", _one_of(PROVIDER_OWNERS), None)
         take("file_dir", "STALLWATCH_FILE_DIR", _path, None)
         take("log_level", "STALLWATCH_LOG_LEVEL", _log_level, None)
@@ -706,6 +717,7 @@ _ratio = _number(float, 0.0, 1.0, "a number between 0 and 1")
 _positive_int = _number(int, 0, float("inf"), "a positive whole number", open_low=True)
 _positive_float = _number(float, 0.0, 1e9, "a positive, finite number of seconds", open_low=True)
 _port = _number(int, 0, 65535, "a port number in 0..65535")
+_seconds_or_zero = _number(float, 0.0, 1e9, "a finite number of seconds, 0 or more")
 
 
 def _path(text: str, name: str) -> Path:

@@ -359,7 +359,9 @@ def _build_traces(settings: Settings, resource: Resource, pipeline: Pipeline) ->
     provider = SheddingTracerProvider(resource=resource, sampler=_sampler(settings), shutdown_on_exit=False)
     for name in settings.traces_exporter:
         exporter = _exporter(settings, "traces", name, pipeline)
-        guarded = GuardedExporter(exporter, "traces", pipeline._gate, SpanExportResult.FAILURE)
+        guarded = GuardedExporter(
+            exporter, "traces", pipeline._gate, SpanExportResult.FAILURE, settings.slow_export_seconds
+        )
         processor = CountingSpanProcessor(guarded, shed=settings.shed_spans)
         pipeline._processors.append(processor)
         provider.add_span_processor(processor)
@@ -403,7 +405,9 @@ def _build_logs(settings: Settings, resource: Resource, pipeline: Pipeline) -> L
     provider = LoggerProvider(resource=resource, shutdown_on_exit=False)
     for name in settings.logs_exporter:
         exporter = _exporter(settings, "logs", name, pipeline)
-        processor = CountingLogProcessor(GuardedExporter(exporter, "logs", pipeline._gate, LogExportResult.FAILURE))
+        slow = settings.slow_export_seconds
+        guarded = GuardedExporter(exporter, "logs", pipeline._gate, LogExportResult.FAILURE, slow)
+        processor = CountingLogProcessor(guarded)
         pipeline._processors.append(processor)
         provider.add_log_record_processor(processor)
     return provider

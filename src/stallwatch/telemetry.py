@@ -128,10 +128,11 @@ DROP_REASON = Attribute(
     "Why telemetry was dropped: `queue_full` (the exporter fell behind; for metrics, values that waited for a "
     "collection past an instrumentation's limit of 100,000), `export_failed` (the backend refused "
     "or failed), `backend_down` (made while the last export had failed: dropped at once, see README "
-    '"Guarantees"), `shutdown_timeout` (still queued when STALLWATCH_SHUTDOWN_TIMEOUT ran out). A sampled span '
-    "that starts while every span queue is full or the backend is down is not recorded at all, and counted "
-    "with that reason.",
-    ("queue_full", "export_failed", "backend_down", "shutdown_timeout"),
+    '"Guarantees"), `shutdown_timeout` (still queued when STALLWATCH_SHUTDOWN_TIMEOUT ran out), `backend_slow` '
+    "(made while the last export took longer than STALLWATCH_SLOW_EXPORT_SECONDS: dropped at once). A sampled "
+    "span that starts while every span queue is full or the backend is down or slow is not recorded at all, "
+    "and counted with that reason.",
+    ("queue_full", "export_failed", "backend_down", "shutdown_timeout", "backend_slow"),
 )
 INSTRUMENTATION_COMPONENT = Attribute(
     "stallwatch.component", "Which part of stallwatch failed (e.g. `executor`); its setting turns it off."

@@ -34,6 +34,12 @@ dropped span while a backend is down. On the wire both are the same cumulative m
   `tests/bench/bench_backend_faults.py`, a refused or failing collector put the host's request p99
   at 1.3-1.5x that of the same host with exporters off. The SDK's exporters keep their own retries
   within one export; the back-off only stops the attempts between exports.
+- `backend_slow`: an export that succeeds but took longer than `STALLWATCH_SLOW_EXPORT_SECONDS`
+  (default 1 s; 0 turns this off) backs off the same way, as circuit breakers treat slow calls:
+  a collector that takes seconds per request is overloaded, and the host paid to record every item
+  it did take (a 2 s collector takes a 512-item batch every 2 s; recording those cost the host's
+  requests 1.25x their p99 with exporters off). Its batch was delivered, so nothing of it counts
+  as lost; what is dropped during the back-off counts as `backend_slow`.
 
 - Shedding: a sampled span about to *start* while every span processor would drop it at its end
   (the backend is taken to be down, or the queue is full) is not recorded at all, and is counted
@@ -70,7 +76,7 @@ from .. import telemetry
 from ..instrument import histograms
 from ..instrument._common import dropped_values
 
-QUEUE_FULL, EXPORT_FAILED, BACKEND_DOWN, SHUTDOWN_TIMEOUT = telemetry.DROP_REASON.values
+QUEUE_FULL, EXPORT_FAILED, BACKEND_DOWN, SHUTDOWN_TIMEOUT, BACKEND_SLOW = telemetry.DROP_REASON.values
 BACKOFF_FIRST = 1.0  # seconds the backend is taken to be down after a failed export
 BACKOFF_MAX = 30.0  # the back-off doubles after each failed probe, up to this
 PROBE_ITEMS = 16  # the first export after a back-off sends at most this many items
@@ -117,7 +123,7 @@ def _failed(result: Any) -> bool:
 
 
 class Breaker:
-    """Whether the backend is taken to be down, from the outcome of the last exports."""
+    """Whether the backend is taken to be down (or overloaded), from the outcome of the last exports."""
 
     def __init__(self) -> None:
         # Monotonic end of the back-off; 0.0 while the backend is up (one compare on the hot path).
@@ -125,6 +131,7 @@ class Breaker:
         self.down_until = 0.0
         self.backoff = 0.0  # > 0 after a failed export: the next export is a probe
         self.probe_room = 0  # items that may still be queued for the probe once the back-off is over
+        self.reason = BACKEND_DOWN  # what items dropped during the back-off are counted as
 
     def down(self) -> bool:
         """Within the back-off: exports are not attempted."""
@@ -144,7 +151,9 @@ class Breaker:
             self.probe_room -= 1
         return True
 
-    def failed(self) -> None:
+    def failed(self, reason: str = BACKEND_DOWN) -> None:
+        """An export failed (`backend_down`), or succeeded too slowly (`backend_slow`): back off."""
+        self.reason = reason
         self.backoff = min(max(self.backoff * 2, BACKOFF_FIRST), BACKOFF_MAX)
         self.down_until = time.monotonic() + self.backoff
         self.probe_room = PROBE_ITEMS
@@ -155,11 +164,12 @@ class Breaker:
 
 
 class GuardedExporter:
-    """Wraps a span or log exporter: counts failed batches, backs off from a failing backend,
-    fails fast once cut off."""
+    """Wraps a span or log exporter: counts failed batches, backs off from a failing backend and
+    from one whose exports succeed only after `slow_seconds` (0: never), fails fast once cut off."""
 
-    def __init__(self, inner: Any, signal: str, gate: ExportGate, failure: Any) -> None:
+    def __init__(self, inner: Any, signal: str, gate: ExportGate, failure: Any, slow_seconds: float = 0.0) -> None:
         self.inner = inner
+        self.slow_seconds = slow_seconds
         self.signal = signal
         self.gate = gate
         self.in_flight = 0
@@ -170,13 +180,14 @@ class GuardedExporter:
         if self.gate.cut_off:
             return self._failure  # already counted as shutdown_timeout leftovers
         if self.breaker.down():
-            self.gate.drop(self.signal, BACKEND_DOWN, len(batch))
+            self.gate.drop(self.signal, self.breaker.reason, len(batch))
             return self._failure
         self.gate.entering_export()
         if self.breaker.backoff and len(batch) > PROBE_ITEMS:
-            self.gate.drop(self.signal, BACKEND_DOWN, len(batch) - PROBE_ITEMS)
+            self.gate.drop(self.signal, self.breaker.reason, len(batch) - PROBE_ITEMS)
             batch = batch[:PROBE_ITEMS]
         self.in_flight = len(batch)
+        started = time.monotonic()
         try:
             result = self.inner.export(batch)
         except Exception:
@@ -188,12 +199,14 @@ class GuardedExporter:
         self.in_flight = 0
         if _failed(result):
             self._count_failure(len(batch))
+        elif 0 < self.slow_seconds < time.monotonic() - started:
+            self.breaker.failed(BACKEND_SLOW)  # delivered: nothing of this batch is counted as lost
         else:
             self.breaker.succeeded()
         return result
 
     def _count_failure(self, count: int) -> None:
-        self.breaker.failed()
+        self.breaker.failed(BACKEND_DOWN)
         if not self.gate.cut_off:
             self.gate.drop(self.signal, EXPORT_FAILED, count)
 
@@ -277,11 +290,12 @@ def _full(processor: Any) -> bool:
 
 
 def _early_drop(processor: CountingSpanProcessor | CountingLogProcessor, take: bool = True) -> str | None:
-    """Why an item must be dropped before it is queued (`backend_down`, `queue_full`), or None.
+    """Why an item must be dropped before it is queued (`backend_down`, `backend_slow`, `queue_full`), or None.
 
     `take`: the item is being queued now (not only started or built), see `Breaker.admits`."""
-    if not processor.guard.breaker.admits(take):
-        return BACKEND_DOWN
+    breaker = processor.guard.breaker
+    if not breaker.admits(take):
+        return breaker.reason
     return QUEUE_FULL if _full(processor) else None
 
 
