@@ -303,6 +303,26 @@ class _RecoveringCollector:
         self.server.server_close()
 
 
+def _recovery_run(collector: _RecoveringCollector, telemetry_dir: Path, seconds: float, **extra: str) -> dict:
+    """`_RECOVERY_HOST` for `seconds` against `collector` (spans only, a batch of at most 128 due
+    every 100 ms), then the collector closed; returns the host's report."""
+    try:
+        report, _, _ = host_report(
+            _RECOVERY_HOST.format(file_dir=str(telemetry_dir), seconds=seconds),
+            env(
+                collector.endpoint,
+                OTEL_METRICS_EXPORTER="none",
+                OTEL_LOGS_EXPORTER="none",
+                OTEL_BSP_SCHEDULE_DELAY="100",
+                OTEL_BSP_MAX_EXPORT_BATCH_SIZE="128",
+                **extra,
+            ),
+        )
+    finally:
+        collector.close()
+    return report
+
+
 def test_a_failing_collector_is_backed_off_from_then_probed_and_export_resumes(telemetry_dir: Path):
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
@@ -311,20 +331,7 @@ def test_a_failing_collector_is_backed_off_from_then_probed_and_export_resumes(t
     if hasattr(OTLPSpanExporter, "_MAX_RETRY_TIMEOUT"):
         pytest.skip("this SDK retries a 503 for 63 s whatever the export timeout: too long for a test")
     collector = _RecoveringCollector(down_seconds=2.0)
-    try:
-        report, _, _ = host_report(
-            _RECOVERY_HOST.format(file_dir=str(telemetry_dir), seconds=6.0),
-            env(
-                collector.endpoint,
-                OTEL_EXPORTER_OTLP_TIMEOUT="1",
-                OTEL_METRICS_EXPORTER="none",
-                OTEL_LOGS_EXPORTER="none",
-                OTEL_BSP_SCHEDULE_DELAY="100",
-                OTEL_BSP_MAX_EXPORT_BATCH_SIZE="128",
-            ),
-        )
-    finally:
-        collector.close()
+    report = _recovery_run(collector, telemetry_dir, 6.0, OTEL_EXPORTER_OTLP_TIMEOUT="1")
 
     failed = [spans for failing, spans in collector.requests if failing]
     delivered = [spans for failing, spans in collector.requests if not failing]
@@ -353,20 +360,7 @@ def test_a_slow_collector_is_backed_off_from_like_a_failing_one(slow_export_seco
     from stallwatch.export.guarded import PROBE_ITEMS
 
     collector = _RecoveringCollector(down_seconds=3.0, slow=0.6)
-    try:
-        report, _, _ = host_report(
-            _RECOVERY_HOST.format(file_dir=str(telemetry_dir), seconds=7.0),
-            env(
-                collector.endpoint,
-                STALLWATCH_SLOW_EXPORT_SECONDS=slow_export_seconds,
-                OTEL_METRICS_EXPORTER="none",
-                OTEL_LOGS_EXPORTER="none",
-                OTEL_BSP_SCHEDULE_DELAY="100",
-                OTEL_BSP_MAX_EXPORT_BATCH_SIZE="128",
-            ),
-        )
-    finally:
-        collector.close()
+    report = _recovery_run(collector, telemetry_dir, 7.0, STALLWATCH_SLOW_EXPORT_SECONDS=slow_export_seconds)
 
     slow = [spans for in_slow_phase, spans in collector.requests if in_slow_phase]
     fast = [spans for in_slow_phase, spans in collector.requests if not in_slow_phase]
