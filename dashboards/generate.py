@@ -292,6 +292,20 @@ FREEZES = Dashboard(
             (Query(f"sum by (job, instance) ({series(t.SSH_TUNNEL_ACTIVE)})", "{{instance}}"),),
         ),
         Panel(
+            "Telemetry dropped by signal and reason",
+            "Spans, log records and metric exports stallwatch dropped rather than hold the host up: backend_down "
+            "(the last export failed), backend_slow (it took longer than STALLWATCH_SLOW_EXPORT_SECONDS), "
+            "queue_full (the exporter fell behind), export_failed, shutdown_timeout. Traces and logs of those "
+            "moments are missing from the other panels' backends.",
+            "ops",
+            (
+                Query(
+                    rate(t.TELEMETRY_DROPPED, t.TELEMETRY_SIGNAL, t.DROP_REASON),
+                    legend_of(t.TELEMETRY_SIGNAL, t.DROP_REASON),
+                ),
+            ),
+        ),
+        Panel(
             "Long spawns and freezes (traces)",
             "Spawn spans that blocked their thread over 100 ms and the watchdog's freeze spans, newest first. "
             "A freeze span links to the span that was running when the host froze.",

@@ -219,6 +219,7 @@ PANEL_SCENARIOS = {
     "SSH tunnel open/close latency p50/p99": "ssh",
     "SSH tunnel failures by phase and exit signal": "ssh",
     "Active SSH tunnels": "ssh",
+    "Telemetry dropped by signal and reason": "ssh",
     "Executor pending, running and workers vs max": "wedge",
     "Oldest pending age": "wedge",
     "Queue wait and run time p99": "wedge",

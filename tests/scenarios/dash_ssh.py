@@ -2,14 +2,22 @@
 
 Usage: python dash_ssh.py USER HOST PORT IDENTITY HTTP_PORT SOCK_DIR
 Opens and closes tunnels twice, then opens one, SIGKILLs its ssh master and closes it (a failure).
+Its spans go to an OTLP endpoint that refuses connections, so that the telemetry-dropped panel shows
+the failed export and what was dropped after it.
 """
+
+import os
+import socket
 
 import stallwatch
 
-stallwatch.setup(watchdog=False)
+with socket.socket() as closed:  # a loopback port nothing listens on: connections are refused
+    closed.bind(("127.0.0.1", 0))
+    refused = f"http://127.0.0.1:{closed.getsockname()[1]}"
+os.environ["OTEL_EXPORTER_OTLP_TIMEOUT"] = "1"  # the failed export ends within the scenario
+stallwatch.setup(watchdog=False, traces_exporter="otlp", otlp_endpoint=refused)
 
 import asyncio
-import os
 import re
 import signal
 import subprocess
@@ -20,6 +28,7 @@ from pathlib import Path
 from dash_common import done, ready
 from dstack._internal.core.services.ssh import tunnel as tunnel_module
 from dstack._internal.utils.path import FilePath
+from opentelemetry import trace
 
 user, host, port, identity, http_port, sock_dir = sys.argv[1:]
 
@@ -68,6 +77,10 @@ async def main() -> None:
 async def run() -> None:
     await asyncio.to_thread(ready)
     await main()
+    trace.get_tracer_provider().force_flush(5000)  # the tunnels' spans: one export, refused
+    for index in range(20):  # made while the backend is taken to be down: dropped at once
+        with trace.get_tracer("dash").start_as_current_span(f"after the failure {index}"):
+            await asyncio.sleep(0.05)
     await asyncio.to_thread(done)
 
 
