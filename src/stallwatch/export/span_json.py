@@ -130,7 +130,7 @@ def _string_text(value: str) -> str:
 
 def _attributes_text(attributes: Any) -> str:
     parts = []
-    for key, value in plain_attributes(attributes).items():
+    for key, value in attributes.items():
         key_text = _key_texts.get(key) or _key_text(key)
         kind = type(value)
         if kind is str:
@@ -159,7 +159,6 @@ def _span_text(span: ReadableSpan) -> str:
             span_events.dropped if isinstance(span_events, BoundedList) else 0,
             span_links.dropped if isinstance(span_links, BoundedList) else 0,
         )
-        attributes = plain_attributes(attributes)
     else:
         context, parent, name, kind = span.get_span_context(), span.parent, span.name, span.kind
         start, end, attributes, span_events, span_links = (
@@ -167,6 +166,7 @@ def _span_text(span: ReadableSpan) -> str:
         )  # fmt: skip
         span_status = span.status
         dropped = (span.dropped_attributes, span.dropped_events, span.dropped_links)
+    attributes = plain_attributes(attributes)  # read once here, for `if attributes` and the walk
     parts = [
         '{"traceId":"'
         + context.trace_id.to_bytes(16, "big").hex()
