@@ -10,16 +10,21 @@ however it exits, on every CPython the matrix runs.
 
 from __future__ import annotations
 
+import importlib
 import json
+import logging
 import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from conftest import SCENARIOS, clean_env, latest_total, run_python
+from stallwatch.export import log_protobuf
+from test_span_json import _spans
 
 sys.path.insert(0, str(SCENARIOS))
 from reliability_collectors import serve
@@ -532,3 +537,56 @@ def test_grpc_host_exits_within_the_shutdown_timeout_when_the_collector_never_an
     work_done = json.loads(proc.stdout.splitlines()[0])["work_done"]
     assert exited - work_done < SHUTDOWN_TIMEOUT + EXIT_SLACK, (exited - work_done, proc.stderr)
     assert "dropped 100 spans" in proc.stderr
+
+
+# ---- a retried gRPC export is encoded once -------------------------------------------------------
+
+_GRPC_EXPORTERS = {  # signal: (SDK gRPC exporter module, the encoder it calls, its exporter class, a batch)
+    "traces": ("opentelemetry.exporter.otlp.proto.grpc.trace_exporter", "encode_spans", "OTLPSpanExporter", _spans),
+    "logs": ("opentelemetry.exporter.otlp.proto.grpc._log_exporter", "encode_logs", "OTLPLogExporter",
+             log_protobuf._probe),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("built_by", ["stallwatch", "sdk"])
+@pytest.mark.parametrize("signal", sorted(_GRPC_EXPORTERS))
+def test_a_grpc_export_retried_after_unavailable_encodes_its_batch_once(signal, built_by, monkeypatch, caplog):
+    """The SDK's gRPC exporters encode the batch again for every retry, on the export thread under
+    the host's GIL (`export/encode_once.py`: in the fault bench, bursts of 11 ms requests at each
+    retry). Those stallwatch builds encode it once. `sdk`, the control: the SDK's own class, against
+    the same collector answering UNAVAILABLE, encodes it once per attempt."""
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.grpc")
+    from stallwatch import pipeline
+    from stallwatch.config import Settings
+
+    module_name, function, class_name, make_batch = _GRPC_EXPORTERS[signal]
+    module = importlib.import_module(module_name)
+    encode = getattr(module, function)
+    encoded: list[int] = []
+
+    def spy(batch: Any) -> Any:  # the SDK's encoder, counted
+        encoded.append(len(batch))
+        return encode(batch)
+
+    monkeypatch.setattr(module, function, spy)
+    batch = make_batch()
+    with serve("error", "grpc") as endpoint:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "2.5")  # a retry after about 1 s, then the deadline
+        if built_by == "stallwatch":
+            exporter = pipeline._otlp_exporter(Settings.load(), signal)
+        else:
+            exporter = getattr(module, class_name)(endpoint=endpoint)
+        with caplog.at_level(logging.WARNING, logger="opentelemetry.exporter.otlp.proto.grpc.exporter"):
+            try:
+                result = exporter.export(batch)
+            finally:
+                exporter.shutdown()
+
+    retries = sum("retrying in" in record.getMessage() for record in caplog.records)
+    assert result.name == "FAILURE"
+    assert retries >= 1, [record.getMessage() for record in caplog.records]
+    attempts = 1 if built_by == "stallwatch" else retries + 1
+    assert encoded == [len(batch)] * attempts
+    assert isinstance(exporter, getattr(module, class_name))

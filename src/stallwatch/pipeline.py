@@ -488,7 +488,9 @@ def _new_otlp_exporter(settings: Settings, signal: str) -> Any:
             raise ConfigError(
                 "OTEL_EXPORTER_OTLP_PROTOCOL=grpc needs the grpc extra: pip install 'stallwatch[grpc]'"
             ) from exc
-        return GrpcExporter(endpoint=_otlp_endpoint(settings, signal, http=False))
+        from .export.encode_once import encode_once
+
+        return encode_once(GrpcExporter)(endpoint=_otlp_endpoint(settings, signal, http=False))
     if signal == "traces":
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
