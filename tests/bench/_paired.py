@@ -75,15 +75,22 @@ def summarize(pairs: list[tuple[list[float], list[float]]], seed: int = 0) -> di
     """Median per-pair ratio with its 95 % bootstrap interval, the median µs added, and the medians."""
     ratios = [statistics.median(on) / statistics.median(off) for on, off in pairs]
     added = [statistics.median(on) - statistics.median(off) for on, off in pairs]
-    rng = random.Random(seed)
-    boots = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(BOOTSTRAP_SAMPLES))
     return {
         "pairs": len(pairs),
-        "ratio": statistics.median(ratios),
-        "ratio_ci95": [boots[int(0.025 * BOOTSTRAP_SAMPLES)], boots[int(0.975 * BOOTSTRAP_SAMPLES) - 1]],
+        **ratio_interval(ratios, seed),
         "added_us": statistics.median(added),
         "on_p50_us": statistics.median([us for on, _ in pairs for us in on]),
         "off_p50_us": statistics.median([us for _, off in pairs for us in off]),
+    }
+
+
+def ratio_interval(ratios: Sequence[float], seed: int = 0) -> dict[str, Any]:
+    """The median of per-pair `ratios` and its 95 % bootstrap interval (resampled pairs)."""
+    rng = random.Random(seed)
+    boots = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(BOOTSTRAP_SAMPLES))
+    return {
+        "ratio": statistics.median(ratios),
+        "ratio_ci95": [boots[int(0.025 * BOOTSTRAP_SAMPLES)], boots[int(0.975 * BOOTSTRAP_SAMPLES) - 1]],
     }
 
 

@@ -11,6 +11,17 @@ faults only), ``--configs A,B`` (only those configurations, and ``off``), ``--ou
 ``tests/bench/results``; with ``--quick``, a fresh temporary directory). Writes
 ``backend_faults.json`` (raw numbers and machine info) and ``backend_faults.md``.
 
+Paired (``--pairs N``; ``--seconds`` then defaults to 4): the target's verdict with a confidence
+interval. Rounds of a whole run rotate through fifteen configurations, so ``off`` and a fault run
+minutes apart; on this shared VM the p99 of ``off`` alone moves by ±25 % between rounds, more than
+the 5 % the target allows. Here each configuration (default: the eight faults and
+``discard-metrics``, or ``--configs``) runs N times right next to an ``off`` run, in a seeded random
+order within the pair, pairs rotating through the configurations; ``off`` is also paired with
+``off``, the control: what the noise alone gives. Each pair gives one ratio, p99 of the
+configuration / p99 of its ``off``; reported: the median ratio with its 95 % bootstrap interval
+(``_paired.py``), ``met`` when the whole interval is at or under 1.05x, ``not met`` when it is all
+above, else ``undecided`` (no verdict under five pairs). Writes ``backend_faults_paired.{json,md}``.
+
 The host, in a fresh interpreter, imports stallwatch first and calls ``stallwatch.setup()`` from
 the environment (the freeze watchdog off: it is another process, not the host). It then serves
 "requests" at a steady rate on its main thread; one request is a server span with a child span, an
@@ -53,6 +64,7 @@ import argparse
 import json
 import math
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -65,6 +77,7 @@ from pathlib import Path
 from typing import Any
 
 from _machine import clean_env, machine_info
+from _paired import ratio_interval, verdict
 
 HERE = Path(__file__).resolve().parent
 COLLECTORS = HERE.parent / "scenarios" / "reliability_collectors.py"
@@ -78,6 +91,9 @@ HEALTHY = "healthy-http"
 WARMUP_SECONDS = 1.0
 SPAWN_EVERY = 50
 DEFAULT_OUT = HERE / "results"
+TARGET = 1.05
+PAIRED_SECONDS = 4.0
+MIN_PAIRS = 5  # below this a bootstrap interval says nothing: no verdict
 VERSIONED = ("grpcio", "opentelemetry-api", "opentelemetry-sdk", "opentelemetry-exporter-otlp-proto-http",
              "opentelemetry-exporter-otlp-proto-grpc", "stallwatch")  # fmt: skip
 
@@ -365,6 +381,97 @@ def benchmark(seconds: float, rate: int, rounds: int, names: list[str], out: Pat
     return markdown
 
 
+def paired_benchmark(seconds: float, rate: int, pairs: int, names: list[str], out: Path, seed: int = 0) -> str:
+    """Each configuration, `pairs` times next to an `off` run: per-pair p99 ratios (see the docstring).
+    `off` itself is paired with `off`: the control, whose ratios show what the noise alone gives."""
+    info = machine_info(VERSIONED)
+    rng = random.Random(seed)
+    runs: list[dict[str, Any]] = []
+    for number in range(pairs):
+        shift = number % len(names)
+        for config in names[shift:] + names[:shift]:
+            roles = [("tested", config), ("baseline", BASELINE)]
+            rng.shuffle(roles)
+            pair = {}
+            for role, name in roles:
+                pair[role] = run = run_config(name, seconds, rate)
+                run.update(pair_number=number, against=config, role=role)
+                runs.append(run)
+            ratio = p99(pair["tested"]["latency_ms"]) / p99(pair["baseline"]["latency_ms"])
+            print(f"pair {number + 1}/{pairs} {config:<16} p99 / off {ratio:.3f}", file=sys.stderr)
+    summary = summarize_pairs(runs, names)
+    settings = {"seconds": seconds, "rate": rate, "pairs": pairs, "warmup": WARMUP_SECONDS,
+                "spawn_every": SPAWN_EVERY, "configs": names, "seed": seed, "target": TARGET}  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"machine": info, "settings": settings, "summary": summary, "runs": runs}
+    (out / "backend_faults_paired.json").write_text(json.dumps(report, indent=1) + "\n")
+    markdown = render_paired(summary, info, settings)
+    (out / "backend_faults_paired.md").write_text(markdown)
+    return markdown
+
+
+def summarize_pairs(runs: list[dict[str, Any]], names: list[str]) -> dict[str, dict[str, Any]]:
+    """Per configuration: the per-pair ratios to its `off` run, their median and interval, and the verdict."""
+    summary = {}
+    for config in names:
+        pairs: dict[int, dict[str, dict[str, Any]]] = {}
+        for run in runs:
+            if run["against"] == config:
+                pairs.setdefault(run["pair_number"], {})[run["role"]] = run
+        p99s = [(p99(pair["tested"]["latency_ms"]), p99(pair["baseline"]["latency_ms"])) for pair in pairs.values()]
+        p50_ratios = [
+            statistics.median(pair["tested"]["latency_ms"]) / statistics.median(pair["baseline"]["latency_ms"])
+            for pair in pairs.values()
+        ]
+        found = {"pairs": len(p99s), **ratio_interval([on / off for on, off in p99s])}
+        summary[config] = {
+            **found,
+            "verdict": verdict(found, TARGET) if len(p99s) >= MIN_PAIRS else f"fewer than {MIN_PAIRS} pairs",
+            "p99_ms": statistics.median(on for on, _ in p99s),
+            "off_p99_ms": statistics.median(off for _, off in p99s),
+            "p50_ratio": statistics.median(p50_ratios),
+            "pair_ratios": [on / off for on, off in p99s],
+            "drops": dict(sum((Counter(pair["tested"]["drops"]) for pair in pairs.values()), Counter())),
+        }
+    return summary
+
+
+def render_paired(summary: dict[str, dict[str, Any]], info: dict[str, Any], settings: dict[str, Any]) -> str:
+    versions = ", ".join(f"{name} {version}" for name, version in info["versions"].items())
+    lines = [
+        "# Backend faults, paired: request p99 of each configuration against an `off` run next to it",
+        "",
+        f"Generated by `.venv/bin/python tests/bench/bench_backend_faults.py --pairs {settings['pairs']}` "
+        f"(rate={settings['rate']}/s, {settings['seconds']} s measured after {settings['warmup']} s warm-up; "
+        "the request as in `backend_faults.md`). Each configuration ran "
+        f"{settings['pairs']} times, each time right next to a run with every exporter `none` (`off`), in a "
+        f"seeded random order (seed {settings['seed']}). Ratio: the median over pairs of p99 / p99 of its `off` "
+        f"run, with a 95 % bootstrap interval; target ≤ {settings['target']:.2f}x: `met` when the whole "
+        "interval is at or under it, `not met` when it is all above, else `undecided`. `off` against `off`: the "
+        "control, what the noise alone gives. `discard-metrics`: "
+        "only metrics recorded, exported to an exporter that drops them at once: what keeping the host's own "
+        "metrics costs it with no backend to fault.",
+        "",
+        f"Machine: {info['nproc']} CPUs, Linux {info['kernel']}, Python {info['python']}; {versions}; "
+        f"commit {info['git_commit']}{' (dirty)' if info['git_dirty'] else ''}; {info['date']}.",
+        "",
+        f"| config | pairs | `off` p99 ms | p99 ms | p99 / `off` | 95 % interval | ≤ {settings['target']:.2f}x "
+        "| p50 / `off` | drops counted |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for config, found in summary.items():
+        low, high = found["ratio_ci95"]
+        drops = ", ".join(f"{k} {v}" for k, v in sorted(found["drops"].items())) or "-"
+        lines.append(
+            f"| {config} | {found['pairs']} | {found['off_p99_ms']:.3f} | {found['p99_ms']:.3f} | "
+            f"{found['ratio']:.3f}x | {low:.3f} to {high:.3f} | {found['verdict']} | {found['p50_ratio']:.3f}x | "
+            f"{drops} |"
+        )
+    lines += ["", "p99 / `off` of each pair, in pair order, to show the noise:", ""]
+    lines += [f"- {name}: " + ", ".join(f"{r:.2f}" for r in found["pair_ratios"]) for name, found in summary.items()]
+    return "\n".join(lines) + "\n"
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--seconds", type=float, help="measured seconds per run (default 8; 2 with --quick)")
@@ -374,6 +481,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, help="output directory (default tests/bench/results; temp with --quick)")
     parser.add_argument("--configs", help=f"comma-separated configurations to run (`{BASELINE}` always runs); "
                         f"default all: {', '.join(configs(PROTOCOLS))}")  # fmt: skip
+    parser.add_argument("--pairs", type=int, help="paired mode: runs of each configuration next to an `off` run")
     parser.add_argument("--worker", nargs=3, metavar=("SECONDS", "RATE", "CONFIG"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.configs:
@@ -389,13 +497,21 @@ def main(argv: list[str] | None = None) -> None:
         seconds, rate, config = args.worker
         print(json.dumps(worker(float(seconds), int(rate), config.startswith(DISCARD))))
         os._exit(0)  # the shutdown was measured; do not wait for threads it left behind
-    seconds = args.seconds or (2.0 if args.quick else 8.0)
-    rounds = args.rounds or (1 if args.quick else 3)
     names = configs(("http",) if args.quick else PROTOCOLS)
     if args.configs:
         chosen = set(args.configs.split(",")) | {BASELINE}
         names = [name for name in configs(PROTOCOLS) if name in chosen]
     out = args.out or (Path(tempfile.mkdtemp(prefix="bench_faults_")) if args.quick else DEFAULT_OUT)
+    if args.pairs:
+        if not args.configs:
+            names = [BASELINE, f"{DISCARD}-metrics", *(name for name in names if name.split("-")[0] in FAULTS)]
+        names = [BASELINE, *(name for name in names if name != BASELINE)]  # the control first
+        seconds = args.seconds or (2.0 if args.quick else PAIRED_SECONDS)
+        print(paired_benchmark(seconds, args.rate, args.pairs, names, out))
+        print(f"results: {out / 'backend_faults_paired.json'}, {out / 'backend_faults_paired.md'}", file=sys.stderr)
+        return
+    seconds = args.seconds or (2.0 if args.quick else 8.0)
+    rounds = args.rounds or (1 if args.quick else 3)
     print(benchmark(seconds, args.rate, rounds, names, out))
     print(f"results: {out / 'backend_faults.json'}, {out / 'backend_faults.md'}", file=sys.stderr)
 
