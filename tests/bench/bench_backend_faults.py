@@ -15,12 +15,14 @@ Paired (``--pairs N``; ``--seconds`` then defaults to 4): the target's verdict w
 interval. Rounds of a whole run rotate through fifteen configurations, so ``off`` and a fault run
 minutes apart; on this shared VM the p99 of ``off`` alone moves by ±25 % between rounds, more than
 the 5 % the target allows. Here each configuration (default: the eight faults and
-``discard-metrics``, or ``--configs``) runs N times right next to an ``off`` run, in a seeded random
-order within the pair, pairs rotating through the configurations; ``off`` is also paired with
-``off``, the control: what the noise alone gives. Each pair gives one ratio, p99 of the
-configuration / p99 of its ``off``; reported: the median ratio with its 95 % bootstrap interval
-(``_paired.py``), ``met`` when the whole interval is at or under 1.05x, ``not met`` when it is all
-above, else ``undecided`` (no verdict under five pairs). Writes ``backend_faults_paired.{json,md}``.
+``discard-metrics``, or ``--configs``) runs N times right next to a baseline run (``--baseline``,
+default ``off``), first in half of its pairs and second in the others, pairs rotating through the
+configurations; the baseline is also paired with itself, the control: what the noise alone gives.
+Each pair gives one ratio, p99 of the configuration / p99 of its baseline run; reported: the
+median ratio with its 95 % bootstrap interval (``_paired.py``), ``met`` when the whole interval is
+at or under 1.05x, ``not met`` when it is all above, else ``undecided`` (no verdict under five
+pairs). ``--baseline discard-metrics`` asks what a fault adds to the recording that goes on
+whatever the backend does. Writes ``backend_faults_paired.{json,md}``.
 
 The host, in a fresh interpreter, imports stallwatch first and calls ``stallwatch.setup()`` from
 the environment (the freeze watchdog off: it is another process, not the host). It then serves
@@ -64,7 +66,6 @@ import argparse
 import json
 import math
 import os
-import random
 import shutil
 import statistics
 import subprocess
@@ -381,27 +382,27 @@ def benchmark(seconds: float, rate: int, rounds: int, names: list[str], out: Pat
     return markdown
 
 
-def paired_benchmark(seconds: float, rate: int, pairs: int, names: list[str], out: Path, seed: int = 0) -> str:
-    """Each configuration, `pairs` times next to an `off` run: per-pair p99 ratios (see the docstring).
-    `off` itself is paired with `off`: the control, whose ratios show what the noise alone gives."""
+def paired_benchmark(seconds: float, rate: int, pairs: int, names: list[str], out: Path, baseline: str) -> str:
+    """Each configuration, `pairs` times next to a `baseline` run: per-pair p99 ratios (see the docstring).
+    `baseline` itself is paired with itself: the control, whose ratios show what the noise alone gives."""
     info = machine_info(VERSIONED)
-    rng = random.Random(seed)
     runs: list[dict[str, Any]] = []
     for number in range(pairs):
         shift = number % len(names)
-        for config in names[shift:] + names[:shift]:
-            roles = [("tested", config), ("baseline", BASELINE)]
-            rng.shuffle(roles)
+        for place, config in enumerate(names[shift:] + names[:shift]):
+            roles = [("tested", config), ("baseline", baseline)]
+            if (number + place) % 2:  # each order in half the pairs of every configuration
+                roles.reverse()
             pair = {}
             for role, name in roles:
                 pair[role] = run = run_config(name, seconds, rate)
                 run.update(pair_number=number, against=config, role=role)
                 runs.append(run)
             ratio = p99(pair["tested"]["latency_ms"]) / p99(pair["baseline"]["latency_ms"])
-            print(f"pair {number + 1}/{pairs} {config:<16} p99 / off {ratio:.3f}", file=sys.stderr)
+            print(f"pair {number + 1}/{pairs} {config:<16} p99 / {baseline} {ratio:.3f}", file=sys.stderr)
     summary = summarize_pairs(runs, names)
     settings = {"seconds": seconds, "rate": rate, "pairs": pairs, "warmup": WARMUP_SECONDS,
-                "spawn_every": SPAWN_EVERY, "configs": names, "seed": seed, "target": TARGET}  # fmt: skip
+                "spawn_every": SPAWN_EVERY, "configs": names, "baseline": baseline, "target": TARGET}  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     report = {"machine": info, "settings": settings, "summary": summary, "runs": runs}
     (out / "backend_faults_paired.json").write_text(json.dumps(report, indent=1) + "\n")
@@ -411,7 +412,7 @@ def paired_benchmark(seconds: float, rate: int, pairs: int, names: list[str], ou
 
 
 def summarize_pairs(runs: list[dict[str, Any]], names: list[str]) -> dict[str, dict[str, Any]]:
-    """Per configuration: the per-pair ratios to its `off` run, their median and interval, and the verdict."""
+    """Per configuration: the per-pair ratios to its baseline run, their median and interval, and the verdict."""
     summary = {}
     for config in names:
         pairs: dict[int, dict[str, dict[str, Any]]] = {}
@@ -428,7 +429,7 @@ def summarize_pairs(runs: list[dict[str, Any]], names: list[str]) -> dict[str, d
             **found,
             "verdict": verdict(found, TARGET) if len(p99s) >= MIN_PAIRS else f"fewer than {MIN_PAIRS} pairs",
             "p99_ms": statistics.median(on for on, _ in p99s),
-            "off_p99_ms": statistics.median(off for _, off in p99s),
+            "baseline_p99_ms": statistics.median(off for _, off in p99s),
             "p50_ratio": statistics.median(p50_ratios),
             "pair_ratios": [on / off for on, off in p99s],
             "drops": dict(sum((Counter(pair["tested"]["drops"]) for pair in pairs.values()), Counter())),
@@ -438,36 +439,37 @@ def summarize_pairs(runs: list[dict[str, Any]], names: list[str]) -> dict[str, d
 
 def render_paired(summary: dict[str, dict[str, Any]], info: dict[str, Any], settings: dict[str, Any]) -> str:
     versions = ", ".join(f"{name} {version}" for name, version in info["versions"].items())
+    base = settings["baseline"]
+    option = "" if base == BASELINE else f" --baseline {base}"
     lines = [
-        "# Backend faults, paired: request p99 of each configuration against an `off` run next to it",
+        f"# Backend faults, paired: request p99 of each configuration against a `{base}` run next to it",
         "",
-        f"Generated by `.venv/bin/python tests/bench/bench_backend_faults.py --pairs {settings['pairs']}` "
+        f"Generated by `.venv/bin/python tests/bench/bench_backend_faults.py --pairs {settings['pairs']}{option}` "
         f"(rate={settings['rate']}/s, {settings['seconds']} s measured after {settings['warmup']} s warm-up; "
-        "the request as in `backend_faults.md`). Each configuration ran "
-        f"{settings['pairs']} times, each time right next to a run with every exporter `none` (`off`), in a "
-        f"seeded random order (seed {settings['seed']}). Ratio: the median over pairs of p99 / p99 of its `off` "
-        f"run, with a 95 % bootstrap interval; target ≤ {settings['target']:.2f}x: `met` when the whole "
-        "interval is at or under it, `not met` when it is all above, else `undecided`. `off` against `off`: the "
-        "control, what the noise alone gives. `discard-metrics`: "
-        "only metrics recorded, exported to an exporter that drops them at once: what keeping the host's own "
-        "metrics costs it with no backend to fault.",
+        f"the request as in `backend_faults.md`). Each configuration ran {settings['pairs']} times, each time "
+        f"right next to a `{base}` run, first in half the pairs and second in the others. Ratio: the median over "
+        f"pairs of p99 / p99 of its `{base}` run, with a 95 % bootstrap interval; target ≤ "
+        f"{settings['target']:.2f}x: `met` when the whole interval is at or under it, `not met` when it is all "
+        f"above, else `undecided`. `{base}` against `{base}`: the control, what the noise alone gives. "
+        "`off`: every exporter `none`. `discard-metrics`: only metrics recorded, exported to an exporter that "
+        "drops them at once: what keeping the host's own metrics costs it with no backend to fault.",
         "",
         f"Machine: {info['nproc']} CPUs, Linux {info['kernel']}, Python {info['python']}; {versions}; "
         f"commit {info['git_commit']}{' (dirty)' if info['git_dirty'] else ''}; {info['date']}.",
         "",
-        f"| config | pairs | `off` p99 ms | p99 ms | p99 / `off` | 95 % interval | ≤ {settings['target']:.2f}x "
-        "| p50 / `off` | drops counted |",
+        f"| config | pairs | `{base}` p99 ms | p99 ms | p99 / `{base}` | 95 % interval | "
+        f"≤ {settings['target']:.2f}x | p50 / `{base}` | drops counted |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for config, found in summary.items():
         low, high = found["ratio_ci95"]
         drops = ", ".join(f"{k} {v}" for k, v in sorted(found["drops"].items())) or "-"
         lines.append(
-            f"| {config} | {found['pairs']} | {found['off_p99_ms']:.3f} | {found['p99_ms']:.3f} | "
+            f"| {config} | {found['pairs']} | {found['baseline_p99_ms']:.3f} | {found['p99_ms']:.3f} | "
             f"{found['ratio']:.3f}x | {low:.3f} to {high:.3f} | {found['verdict']} | {found['p50_ratio']:.3f}x | "
             f"{drops} |"
         )
-    lines += ["", "p99 / `off` of each pair, in pair order, to show the noise:", ""]
+    lines += ["", f"p99 / `{base}` of each pair, in pair order, to show the noise:", ""]
     lines += [f"- {name}: " + ", ".join(f"{r:.2f}" for r in found["pair_ratios"]) for name, found in summary.items()]
     return "\n".join(lines) + "\n"
 
@@ -481,7 +483,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, help="output directory (default tests/bench/results; temp with --quick)")
     parser.add_argument("--configs", help=f"comma-separated configurations to run (`{BASELINE}` always runs); "
                         f"default all: {', '.join(configs(PROTOCOLS))}")  # fmt: skip
-    parser.add_argument("--pairs", type=int, help="paired mode: runs of each configuration next to an `off` run")
+    parser.add_argument("--pairs", type=int, help="paired mode: runs of each configuration next to a baseline run")
+    parser.add_argument("--baseline", default=BASELINE, choices=configs(PROTOCOLS),
+                        help=f"paired mode: the configuration each runs next to (default `{BASELINE}`)")  # fmt: skip
     parser.add_argument("--worker", nargs=3, metavar=("SECONDS", "RATE", "CONFIG"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.configs:
@@ -504,10 +508,10 @@ def main(argv: list[str] | None = None) -> None:
     out = args.out or (Path(tempfile.mkdtemp(prefix="bench_faults_")) if args.quick else DEFAULT_OUT)
     if args.pairs:
         if not args.configs:
-            names = [BASELINE, f"{DISCARD}-metrics", *(name for name in names if name.split("-")[0] in FAULTS)]
-        names = [BASELINE, *(name for name in names if name != BASELINE)]  # the control first
+            names = [f"{DISCARD}-metrics", *(name for name in names if name.split("-")[0] in FAULTS)]
+        names = [args.baseline, *(name for name in names if name not in (args.baseline, BASELINE))]  # control first
         seconds = args.seconds or (2.0 if args.quick else PAIRED_SECONDS)
-        print(paired_benchmark(seconds, args.rate, args.pairs, names, out))
+        print(paired_benchmark(seconds, args.rate, args.pairs, names, out, args.baseline))
         print(f"results: {out / 'backend_faults_paired.json'}, {out / 'backend_faults_paired.md'}", file=sys.stderr)
         return
     seconds = args.seconds or (2.0 if args.quick else 8.0)
