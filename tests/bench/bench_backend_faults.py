@@ -404,11 +404,20 @@ def paired_benchmark(seconds: float, rate: int, pairs: int, names: list[str], ou
     settings = {"seconds": seconds, "rate": rate, "pairs": pairs, "warmup": WARMUP_SECONDS,
                 "spawn_every": SPAWN_EVERY, "configs": names, "baseline": baseline, "target": TARGET}  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
-    report = {"machine": info, "settings": settings, "summary": summary, "runs": runs}
+    report = {"machine": info, "settings": settings, "summary": summary, "runs": [compact(run) for run in runs]}
     (out / "backend_faults_paired.json").write_text(json.dumps(report, indent=1) + "\n")
     markdown = render_paired(summary, info, settings)
     (out / "backend_faults_paired.md").write_text(markdown)
     return markdown
+
+
+def compact(run: dict[str, Any]) -> dict[str, Any]:
+    """A run without its samples (a paired run has 200 of 4,000 each: 20 MB), with what the pairs use."""
+    latency, spawns = run["latency_ms"], run["spawn_ms"]
+    kept = {key: value for key, value in run.items() if key not in ("latency_ms", "spawn_ms")}
+    kept.update(samples=len(latency), p50_ms=statistics.median(latency), p99_ms=p99(latency),
+                max_ms=max(latency), spawn_p99_ms=p99(spawns) if len(spawns) > 1 else None)  # fmt: skip
+    return kept
 
 
 def summarize_pairs(runs: list[dict[str, Any]], names: list[str]) -> dict[str, dict[str, Any]]:
