@@ -490,7 +490,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, help="interleaved rounds (default 3; 1 with --quick)")
     parser.add_argument("--quick", action="store_true", help="smoke test: short runs, one round, HTTP only")
     parser.add_argument("--out", type=Path, help="output directory (default tests/bench/results; temp with --quick)")
-    parser.add_argument("--configs", help=f"comma-separated configurations to run (`{BASELINE}` always runs); "
+    parser.add_argument("--configs", help=f"comma-separated configurations to run (`{BASELINE}`, or the paired "
+                        "baseline, always runs); "
                         f"default all: {', '.join(configs(PROTOCOLS))}")  # fmt: skip
     parser.add_argument("--pairs", type=int, help="paired mode: runs of each configuration next to a baseline run")
     parser.add_argument("--baseline", default=BASELINE, choices=configs(PROTOCOLS),
@@ -512,13 +513,13 @@ def main(argv: list[str] | None = None) -> None:
         os._exit(0)  # the shutdown was measured; do not wait for threads it left behind
     names = configs(("http",) if args.quick else PROTOCOLS)
     if args.configs:
-        chosen = set(args.configs.split(",")) | {BASELINE}
+        chosen = set(args.configs.split(",")) | ({args.baseline} if args.pairs else {BASELINE})
         names = [name for name in configs(PROTOCOLS) if name in chosen]
     out = args.out or (Path(tempfile.mkdtemp(prefix="bench_faults_")) if args.quick else DEFAULT_OUT)
     if args.pairs:
         if not args.configs:
             names = [f"{DISCARD}-metrics", *(name for name in names if name.split("-")[0] in FAULTS)]
-        names = [args.baseline, *(name for name in names if name not in (args.baseline, BASELINE))]  # control first
+        names = [args.baseline, *(name for name in names if name != args.baseline)]  # the control first
         seconds = args.seconds or (2.0 if args.quick else PAIRED_SECONDS)
         print(paired_benchmark(seconds, args.rate, args.pairs, names, out, args.baseline))
         print(f"results: {out / 'backend_faults_paired.json'}, {out / 'backend_faults_paired.md'}", file=sys.stderr)
