@@ -3,6 +3,7 @@ them, decision for decision (real SDK TracerProvider, samplers and processors)."
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from typing import Any
@@ -10,11 +11,11 @@ from typing import Any
 import pytest
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.sdk.trace import SpanLimits, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace import sampling as sdk_sampling
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 
 from stallwatch.instrument import light_span
 
@@ -71,6 +72,33 @@ def test_a_plain_work_item_span_is_exported_as_the_sdk_would():
     light, stock = both_ways(*provider(), lambda span: None)
     same(light, stock)
     assert light.context.span_id != stock.context.span_id
+    # The processors get the light span itself, a ReadableSpan like the SDK's copy of its span.
+    assert type(light) is light_span.LightSpan and isinstance(light, ReadableSpan)
+    as_json = [json.loads(span.to_json()) for span in (light, stock)]
+    for document in as_json:
+        for varying in ("context", "start_time", "end_time"):
+            del document[varying]
+    assert as_json[0] == as_json[1]
+
+
+@pytest.mark.parametrize("trace_state", [None, TraceState([("vendor", "value")])], ids=["no_state", "state"])
+@pytest.mark.parametrize(
+    "ids",
+    [(1, 1), (2**128 - 1, 2**64 - 1), (0, 5), (5, 0), (2**128, 5), (5, 2**64), (0xABC, 0xDEF)],
+    ids=["smallest", "largest", "no_trace", "no_span", "trace_too_big", "span_too_big", "plain"],
+)
+@pytest.mark.parametrize("flags", [0, 1, 2, 3, 255])
+def test_its_span_context_is_the_one_the_api_builds(ids, flags, trace_state):
+    built = light_span._span_context(ids[0], ids[1], flags, trace_state)
+    stock = SpanContext(ids[0], ids[1], False, TraceFlags(flags), trace_state)
+    assert type(built) is SpanContext
+    assert tuple(built) == tuple(stock)
+    assert [type(field) for field in built] == [type(field) for field in stock]
+    assert (built.is_valid, built.trace_flags, built.trace_state) == (
+        stock.is_valid,
+        stock.trace_flags,
+        stock.trace_state,
+    )
 
 
 def test_what_other_code_sets_on_it_is_kept_cleaned_and_bounded_as_the_sdk_does():

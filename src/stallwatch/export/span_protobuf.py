@@ -24,14 +24,13 @@ from collections.abc import Callable, Iterable, Sequence
 from functools import cache
 from typing import Any
 
-from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan
-from opentelemetry.sdk.util import BoundedList
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 
-from .span_json import plain_attributes
+from .span_json import FIELD_READABLE, plain_attributes
+from .span_json import dropped as span_dropped
 
 _INT64 = 2**63
 _KIND = {SpanKind.INTERNAL: 1, SpanKind.SERVER: 2, SpanKind.CLIENT: 3, SpanKind.PRODUCER: 4, SpanKind.CONSUMER: 5}
@@ -136,18 +135,14 @@ def _flags(other: SpanContext | None) -> int:
     return _HAS_IS_REMOTE | (_IS_REMOTE if other is not None and other.is_remote else 0)
 
 
-def _dropped(collection: Any) -> int:
-    return collection.dropped if isinstance(collection, (BoundedAttributes, BoundedList)) else 0
-
-
 def _span(span: ReadableSpan) -> bytes:
-    if type(span) is ReadableSpan:  # its fields, read without the properties (see `span_json`)
+    if type(span) in FIELD_READABLE:  # its fields, read without the properties (see `span_json`)
         context, parent, name, kind = span._context, span._parent, span._name, span._kind
         start, end, attributes, events, links = (
             span._start_time, span._end_time, span._attributes, span._events, span._links,
         )  # fmt: skip
         status = span._status
-        dropped = (_dropped(attributes), _dropped(events), _dropped(links))
+        dropped = (span_dropped(attributes), span_dropped(events), span_dropped(links))
     else:
         context, parent, name, kind = span.get_span_context(), span.parent, span.name, span.kind
         start, end, attributes, events, links = span.start_time, span.end_time, span.attributes, span.events, span.links
@@ -240,7 +235,7 @@ def request(items: Iterable[tuple[Any, Any, bytes]]) -> bytes:
 
 
 def _triple(span: ReadableSpan) -> tuple[Any, Any, bytes]:
-    exact = type(span) is ReadableSpan
+    exact = type(span) in FIELD_READABLE
     resource = span._resource if exact else span.resource
     scope = span._instrumentation_scope if exact else span.instrumentation_scope
     return resource, scope or None, _span(span)
