@@ -142,7 +142,7 @@ def _check_stall(executor: Any, state: ex.ExecutorState, now: float) -> None:
         _stalled.discard(id(executor))
         return
     waiting = list(getattr(work_queue, "log", ()))
-    oldest = min((r.submitted for r in waiting if r is not None), default=now)
+    oldest = min((r.submitted / 1e9 for r in waiting if r is not None), default=now)
     if now - oldest >= SETTINGS.queue_stall_seconds and id(executor) not in _stalled:
         _stalled.add(id(executor))
         _report(
@@ -184,7 +184,7 @@ def _orphan(
     record.orphaned = True
     ex._add(telemetry.EXECUTOR_ORPHANED, 1, state.attributes)
     what = "dequeued it and died before running it" if dequeued_only else "died while running it"
-    age = time.monotonic() - record.submitted
+    age = time.monotonic() - record.submitted / 1e9
     _report(
         "orphaned_item",
         state,

@@ -41,7 +41,9 @@ from opentelemetry import trace
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]
 from opentelemetry.instrumentation.utils import unwrap
 from opentelemetry.metrics import CallbackOptions, Observation
-from opentelemetry.trace import Span, Status, StatusCode
+from opentelemetry.sdk import trace as sdk_trace
+from opentelemetry.trace import Span, Status, StatusCode, TraceFlags
+from opentelemetry.trace.propagation import _SPAN_KEY
 
 from .. import interrupt, telemetry
 from .. import timeout as execution_timeouts
@@ -80,14 +82,17 @@ class ItemRecord(_OriginalWorkItem):  # type: ignore[misc,valid-type]
     which is not accounted), `submitted`, `context`, `span`; then in the worker: `started`,
     `thread`, `finished`; by the wedge check: `dequeued_seen`, `orphaned`; by `interrupt`:
     `interrupt`. Class attributes are the defaults: a field costs nothing until it is set.
+    `submitted` and `started` are `time.monotonic_ns()` readings: a duration in seconds made from
+    two of them is the float nearest to a whole number of ns, which `repr` (the span encoders)
+    writes in half the time it takes for an arbitrary float (measured: 0.64 against 1.25 µs).
     """
 
     executor: ExecutorState | None = None
-    submitted: float = 0.0
+    submitted: int = 0
     context: otel_context.Context | None = None
     span: Span | None = None
     dequeued_seen: float | None = None  # when the wedge check first saw it handed out
-    started: float | None = None
+    started: int | None = None
     thread: threading.Thread | None = None
     finished: bool = False
     orphaned: bool = False
@@ -107,7 +112,7 @@ class ItemRecord(_OriginalWorkItem):  # type: ignore[misc,valid-type]
             return _OriginalWorkItem.run(self, *args)
         if self.orphaned:
             return None  # already failed with WorkerDied: running it now would kill this worker too
-        self.started = started = _monotonic()
+        self.started = started = _monotonic_ns()
         ident = _get_ident()
         self.thread = _threads.get(ident) or threading.current_thread()
         if args or not _STOCK_RUN:
@@ -149,7 +154,7 @@ class ItemRecord(_OriginalWorkItem):  # type: ignore[misc,valid-type]
                 outcome = None  # break the reference cycle with the exception, as the stock `run` does
         return None
 
-    def _run_stock(self, state: ExecutorState, started: float, ident: int, args: tuple[Any, ...]) -> Any:
+    def _run_stock(self, state: ExecutorState, started: int, ident: int, args: tuple[Any, ...]) -> Any:
         """The stock `run`, in the item's scope; the scope ends and the bookkeeping runs afterwards."""
         _current_item[ident] = self
         token = _attach(self) if self.span is not None or self.context else None
@@ -187,7 +192,7 @@ class ItemRecord(_OriginalWorkItem):  # type: ignore[misc,valid-type]
                         outcome = _future_outcome(self.future)
                     interrupt.settle_finished(self, outcome if isinstance(outcome, BaseException) else None)
 
-    def _finish(self, state: ExecutorState, started: float, token: object) -> None:
+    def _finish(self, state: ExecutorState, started: int, token: object) -> None:
         """The item is over: context back, durations, span, and what `execution_timeout` watches."""
         try:
             if token is not None:
@@ -195,17 +200,18 @@ class ItemRecord(_OriginalWorkItem):  # type: ignore[misc,valid-type]
             self.finished = True
             if execution_timeouts.OVERDUE:
                 execution_timeouts.item_finished(self)
-            ran = _monotonic() - started
+            ran = (_monotonic_ns() - started) / 1e9
+            waited = (started - self.submitted) / 1e9
             if _histograms:
                 waits, runs = state.durations
                 if len(waits) < _HISTOGRAM_LIMIT:
-                    waits.append(started - self.submitted)
+                    waits.append(waited)
                     runs.append(ran)
                 else:
                     _histograms[0].dropped += 1
                     _histograms[1].dropped += 1
             if self.span is not None:
-                _end_span(self.span, started - self.submitted, ran)
+                _end_span(self.span, waited, ran)
         except Exception:
             FAULTS.record("executor", SETTING)
 
@@ -274,7 +280,7 @@ class _AccountingQueue(queue.SimpleQueue):  # type: ignore[type-arg]
         # Stamp the item in the submitting thread, inside `submit`.
         record = None
         try:
-            item.executor, item.submitted = self.state, _monotonic()
+            item.executor, item.submitted = self.state, _monotonic_ns()
             context = _context_var.get()
             if context:  # an empty context (no span, no baggage) is falsy: nothing to carry over
                 item.context = context
@@ -308,7 +314,7 @@ class _AccountingQueue(queue.SimpleQueue):  # type: ignore[type-arg]
             for index in range(max(len(self.log) - self.qsize(), 0), len(self.log)):
                 record = self.log[index]
                 if record is not None:
-                    return record.submitted
+                    return record.submitted / 1e9
         finally:
             self.lock.release()
         return None
@@ -337,7 +343,7 @@ _death_causes: dict[int, BaseException] = {}
 _instruments: dict[str, Any] = {}
 _histograms: list[Deferred] = []  # queue and run durations, in that order
 _HISTOGRAM_LIMIT = 100_000  # durations waiting per pool for the next drain; past that they are dropped
-_monotonic = time.monotonic
+_monotonic_ns = time.monotonic_ns
 _get_ident = threading.get_ident
 _threads: dict[int, threading.Thread] = threading._active  # type: ignore[attr-defined]  # current_thread() reads it
 _simple_put = queue.SimpleQueue.put
@@ -360,6 +366,13 @@ _context_var: Any = getattr(otel_context._RUNTIME_CONTEXT, "_current_context", N
 if not isinstance(_context_var, contextvars.ContextVar):
     _context_var = _ContextApi
 _tracer: trace.Tracer | None = None
+# Span types told without `isinstance` against the API's abstract `Span` (0.5 µs per item)
+_SPAN_TYPES = frozenset(
+    {sdk_trace.Span, sdk_trace._Span, light_span.LightSpan, trace.NonRecordingSpan, light_span.ShedSpan}
+)
+_SAMPLED = TraceFlags.SAMPLED
+_QUEUE_SECONDS = telemetry.WORK_ITEM_QUEUE_SECONDS.name
+_RUN_SECONDS = telemetry.WORK_ITEM_RUN_SECONDS.name
 
 
 def executor_name(executor: ThreadPoolExecutor) -> str:
@@ -415,9 +428,16 @@ def _init_wrapper(wrapped: Any, executor: ThreadPoolExecutor, args: tuple[Any, .
 
 
 def _start_span(item: ItemRecord, context: otel_context.Context) -> None:
-    """In the submitting thread: the item's span, when the submitter is inside a sampled trace."""
-    parent = trace.get_current_span(context).get_span_context()
-    if parent.is_valid and parent.trace_flags.sampled:
+    """In the submitting thread: the item's span, when the submitter is inside a sampled trace.
+
+    What `trace.get_current_span(context).get_span_context()` and its `is_valid` and
+    `trace_flags.sampled` give, read from the context and the `SpanContext` tuple directly (six
+    Python calls fewer per item; the tuple's layout is the same from API 1.27 to 1.45)."""
+    current = context.get(_SPAN_KEY)
+    if current is None or not (type(current) in _SPAN_TYPES or isinstance(current, Span)):
+        return
+    parent = current.get_span_context()
+    if parent[5] and parent[3] & _SAMPLED:  # is_valid, trace_flags
         state = item.executor
         item.span = light_span.start(_tracer, state.span_name, context, state.attributes, parent=parent, shed=True)
 
@@ -427,18 +447,20 @@ def _attach(item: ItemRecord) -> object:
     try:
         if item.span is None:
             return _context_var.set(item.context)
-        return _context_var.set(trace.set_span_in_context(item.span, item.context))
+        # `trace.set_span_in_context(item.span, item.context)`, with one copy of the context, not two
+        return _context_var.set(otel_context.Context({**item.context, _SPAN_KEY: item.span}))
     except Exception:
         FAULTS.record("executor", SETTING)
         return None
 
 
 def _end_span(span: Span, queue_seconds: float, run_seconds: float) -> None:
-    durations = {"stallwatch.executor.queue_seconds": queue_seconds, "stallwatch.executor.run_seconds": run_seconds}
-    if isinstance(span, light_span.LightSpan):
-        span.set_own_attributes(durations)
+    if type(span) is light_span.LightSpan:
+        attributes = span._attributes  # the dict given at its start: the durations are valid values
+        attributes[_QUEUE_SECONDS] = queue_seconds
+        attributes[_RUN_SECONDS] = run_seconds
     else:
-        span.set_attributes(durations)
+        span.set_attributes({_QUEUE_SECONDS: queue_seconds, _RUN_SECONDS: run_seconds})
     span.end()
 
 
