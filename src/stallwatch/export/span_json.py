@@ -27,14 +27,16 @@ from typing import Any
 from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.util import BoundedList
-from opentelemetry.trace import SpanKind, StatusCode
+from opentelemetry.trace import DEFAULT_TRACE_STATE, SpanContext, SpanKind, StatusCode
 
 _KIND = {SpanKind.INTERNAL: 1, SpanKind.SERVER: 2, SpanKind.CLIENT: 3, SpanKind.PRODUCER: 4, SpanKind.CONSUMER: 5}
 _STATUS = {StatusCode.UNSET: 0, StatusCode.OK: 1, StatusCode.ERROR: 2}
 _HAS_IS_REMOTE = 0x100
 _IS_REMOTE = 0x200
 _string: Any = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]  # what json.dumps uses for str
-_FLAGS_TEXT = {_HAS_IS_REMOTE: str(_HAS_IS_REMOTE), _HAS_IS_REMOTE | _IS_REMOTE: str(_HAS_IS_REMOTE | _IS_REMOTE)}
+# A span's closing `flags`, by whether its parent is remote (`_flags`)
+_FLAGS_END = {False: f',"flags":{_HAS_IS_REMOTE}}}', True: f',"flags":{_HAS_IS_REMOTE | _IS_REMOTE}}}'}
+_KIND_BY_ID = {id(kind): number for kind, number in _KIND.items()}  # an enum member's hash is a Python call
 
 
 # Span types whose `ReadableSpan` fields the encoders read directly: the SDK's finished span, and
@@ -179,19 +181,23 @@ def _span_text(span: ReadableSpan) -> str:
         span_status = span.status
         counts = (span.dropped_attributes, span.dropped_events, span.dropped_links)
     attributes = plain_attributes(attributes)  # read once here, for `if attributes` and the walk
+    if type(context) is SpanContext:  # the tuple unpacked at once, not through its properties
+        trace_id, span_id, _, _, trace_state, _ = context
+    else:
+        trace_id, span_id, trace_state = context.trace_id, context.span_id, context.trace_state
     parts = [
-        '{"traceId":"'
-        + context.trace_id.to_bytes(16, "big").hex()
-        + '","spanId":"'
-        + context.span_id.to_bytes(8, "big").hex()
-        + '"'
+        '{"traceId":"' + trace_id.to_bytes(16, "big").hex() + '","spanId":"' + span_id.to_bytes(8, "big").hex() + '"'
     ]
-    if context.trace_state:
-        parts.append(',"traceState":' + _string(context.trace_state.to_header()))
+    if trace_state is not DEFAULT_TRACE_STATE and trace_state:  # the shared empty one, told without its len()
+        parts.append(',"traceState":' + _string(trace_state.to_header()))
+    remote = False
     if parent is not None:
-        parts.append(',"parentSpanId":"' + parent.span_id.to_bytes(8, "big").hex() + '"')
+        parent_id, remote = (
+            (parent[1], parent[2]) if type(parent) is SpanContext else (parent.span_id, parent.is_remote)
+        )
+        parts.append(',"parentSpanId":"' + parent_id.to_bytes(8, "big").hex() + '"')
     parts.append(
-        f',"name":{_string(name)},"kind":{_KIND.get(kind, 1)}'
+        f',"name":{_string(name)},"kind":{_KIND_BY_ID.get(id(kind), 1)}'
         f',"startTimeUnixNano":"{start or 0}","endTimeUnixNano":"{end or 0}"'
     )
     if attributes:
@@ -232,7 +238,7 @@ def _span_text(span: ReadableSpan) -> str:
         parts.append(',"status":' + json.dumps(status, separators=(",", ":")))
     else:
         parts.append(',"status":{}')
-    parts.append(',"flags":' + _FLAGS_TEXT[_flags(parent)] + "}")
+    parts.append(_FLAGS_END[bool(remote)])
     return "".join(parts)
 
 
