@@ -298,15 +298,24 @@ def test_submission_span_only_inside_a_trace_and_context_reaches_the_worker(tele
             assert executor._context_var is not executor._ContextApi
         tracer = trace.get_tracer("app")
 
+        from opentelemetry import baggage, context
+
         def seen_from_worker():
-            return format(trace.get_current_span().get_span_context().trace_id, "032x")
+            current = trace.get_current_span().get_span_context()
+            return format(current.trace_id, "032x"), format(current.span_id, "016x"), baggage.get_baggage("tenant")
 
         async def main():
             with tracer.start_as_current_span("request") as request:
-                inside = await asyncio.to_thread(seen_from_worker)
+                token = context.attach(baggage.set_baggage("tenant", "t-1"))
+                inside, inside_span, inside_baggage = await asyncio.to_thread(seen_from_worker)
+                # run_in_executor runs the function in the worker's own contextvars, unlike to_thread
+                _, plain_span, plain_baggage = await asyncio.get_running_loop().run_in_executor(None, seen_from_worker)
+                context.detach(token)
                 trace_id = format(request.get_span_context().trace_id, "032x")
-            outside = await asyncio.to_thread(seen_from_worker)  # no trace: no span, no context
-            return {{"inside": inside, "trace_id": trace_id, "outside": outside}}
+            outside, _, outside_baggage = await asyncio.to_thread(seen_from_worker)  # no trace: no span, no context
+            return {{"inside": inside, "trace_id": trace_id, "outside": outside,
+                     "item_spans": [inside_span, plain_span],
+                     "baggage": [inside_baggage, plain_baggage, outside_baggage]}}
 
         result = asyncio.run(main())
         if os.environ.get("OTEL_PYTHON_CONTEXT"):
@@ -325,10 +334,14 @@ def test_submission_span_only_inside_a_trace_and_context_reaches_the_worker(tele
     assert result["outside"] == "0" * 32
     spans = otlp_items(telemetry_dir / "traces.jsonl", "spans")
     work = [s for s in spans if s["name"] == "asyncio-default work item"]
-    assert len(work) == 1
-    assert work[0]["traceId"] == result["trace_id"]
+    assert len(work) == 2
     parent = next(s for s in spans if s["name"] == "request")
-    assert work[0]["parentSpanId"] == parent["spanId"]
+    for item in work:
+        assert item["traceId"] == result["trace_id"]
+        assert item["parentSpanId"] == parent["spanId"]
+    # each item's span is the current span in its worker, for either way of running the function
+    assert sorted(item["spanId"] for item in work) == sorted(result["item_spans"])
+    assert result["baggage"] == ["t-1", "t-1", None]  # the rest of the submitter's context came along, and only there
     assert {"stallwatch.executor.queue_seconds", "stallwatch.executor.run_seconds"} <= set(attrs(work[0]))
 
 

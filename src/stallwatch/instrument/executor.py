@@ -33,6 +33,7 @@ from collections.abc import Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import thread as cf_thread
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import wrapt
@@ -196,7 +197,10 @@ class ItemRecord(_OriginalWorkItem):  # type: ignore[misc,valid-type]
         """The item is over: context back, durations, span, and what `execution_timeout` watches."""
         try:
             if token is not None:
-                _context_var.reset(token)
+                if type(token) is _InContext:
+                    token.reset()
+                else:
+                    _context_var.reset(token)
             self.finished = True
             if execution_timeouts.OVERDUE:
                 execution_timeouts.item_finished(self)
@@ -371,6 +375,8 @@ _SPAN_TYPES = frozenset(
     {sdk_trace.Span, sdk_trace._Span, light_span.LightSpan, trace.NonRecordingSpan, light_span.ShedSpan}
 )
 _SAMPLED = TraceFlags.SAMPLED
+_LightSpan = light_span.LightSpan
+_dict_set = dict.__setitem__
 _QUEUE_SECONDS = telemetry.WORK_ITEM_QUEUE_SECONDS.name
 _RUN_SECONDS = telemetry.WORK_ITEM_RUN_SECONDS.name
 
@@ -447,15 +453,37 @@ def _attach(item: ItemRecord) -> object:
     try:
         if item.span is None:
             return _context_var.set(item.context)
-        # `trace.set_span_in_context(item.span, item.context)`, with one copy of the context, not two
-        return _context_var.set(otel_context.Context({**item.context, _SPAN_KEY: item.span}))
+        # `trace.set_span_in_context(item.span, item.context)` with one copy of the context, not
+        # two (`set_value` copies it, then `Context()` copies that): the key is set in the copy,
+        # which nothing else holds yet, past the immutable Context's `__setitem__`
+        context = otel_context.Context(item.context)
+        _dict_set(context, _SPAN_KEY, item.span)
+        fn = item.fn
+        if type(fn) is partial and type(getattr(fn.func, "__self__", None)) is contextvars.Context:
+            # `asyncio.to_thread`: the function runs in a copy of the submitter's contextvars
+            # (`partial(ctx.run, func)`), where a context set in the worker's own is not seen.
+            # Set it in that copy, for the item's span to be current in there too.
+            entered = fn.func.__self__
+            return _InContext(entered, entered.run(_context_var.set, context))
+        return _context_var.set(context)
     except Exception:
         FAULTS.record("executor", SETTING)
         return None
 
 
+@dataclass(frozen=True)
+class _InContext:
+    """A context set inside the contextvars `Context` a work item runs its function in."""
+
+    entered: contextvars.Context
+    token: contextvars.Token[Any]
+
+    def reset(self) -> None:
+        self.entered.run(_context_var.reset, self.token)  # in there: the copy may outlive the item
+
+
 def _end_span(span: Span, queue_seconds: float, run_seconds: float) -> None:
-    if type(span) is light_span.LightSpan:
+    if type(span) is _LightSpan:
         attributes = span._attributes  # the dict given at its start: the durations are valid values
         attributes[_QUEUE_SECONDS] = queue_seconds
         attributes[_RUN_SECONDS] = run_seconds

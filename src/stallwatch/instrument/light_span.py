@@ -193,12 +193,24 @@ def start(
     sdk = _sdk_tracer(tracer)
     if sdk is None:
         return tracer.start_span(name, context=context, kind=kind, attributes=attributes, start_time=start_time)
-    decision = decide(sdk, name, context, attributes, kind, (), parent)
-    trace_id, flags, parent, trace_state, span_attributes, recording = decision
-    if not recording:
-        return non_recording(sdk, decision)
+    sampler = sdk.sampler
+    if (
+        parent is not None
+        and parent[5]  # is_valid
+        and parent[3] & _SAMPLED  # trace_flags
+        and not parent[2]  # is_remote
+        and type(sampler) in _PARENT_BASED
+        and sampler._local_parent_sampled is sampling.ALWAYS_ON
+    ):  # a sampled local parent and the default sampler: `decide`'s known answer, without the call
+        trace_id, flags, trace_state = parent[0], parent[3] & _RANDOM | _SAMPLED, parent[4]
+        span_attributes = dict(attributes)
+    else:
+        decision = decide(sdk, name, context, attributes, kind, (), parent)
+        trace_id, flags, parent, trace_state, span_attributes, recording = decision
+        if not recording:
+            return non_recording(sdk, decision)
     if shed and flags & _SAMPLED and guarded.shed(sdk.span_processor._span_processors):
-        return non_recording(sdk, decision, shed=True)
+        return non_recording(sdk, (trace_id, flags, parent, trace_state, span_attributes, True), shed=True)
     span_context = _span_context(trace_id, sdk.id_generator.generate_span_id(), flags, trace_state)
     return LightSpan(sdk, name, kind, span_context, parent, span_attributes, start_time or time_ns())
 
