@@ -42,6 +42,7 @@ _KIND_BY_ID = {id(kind): number for kind, number in _KIND.items()}  # an enum me
 # Span types whose `ReadableSpan` fields the encoders read directly: the SDK's finished span, and
 # `instrument.light_span.LightSpan`, which adds itself (this file imports nothing of stallwatch).
 FIELD_READABLE: set[type] = {ReadableSpan}
+_NONE_DROPPED = (0, 0, 0)
 
 
 def dropped(collection: Any) -> int:
@@ -172,7 +173,10 @@ def _span_text(span: ReadableSpan) -> str:
             span._start_time, span._end_time, span._attributes, span._events, span._links,
         )  # fmt: skip
         span_status = span._status
-        counts = (dropped(attributes), dropped(span_events), dropped(span_links))
+        if type(attributes) is dict and type(span_events) is tuple and type(span_links) is tuple:
+            counts = _NONE_DROPPED  # a light span's, with nothing set on it by other code
+        else:
+            counts = (dropped(attributes), dropped(span_events), dropped(span_links))
     else:
         context, parent, name, kind = span.get_span_context(), span.parent, span.name, span.kind
         start, end, attributes, span_events, span_links = (
