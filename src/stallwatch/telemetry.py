@@ -536,7 +536,7 @@ WORK_ITEM_RUN_SECONDS = Attribute("stallwatch.executor.run_seconds", "How long a
 WORK_ITEM_SPAN = Span(
     "{stallwatch.executor.name} work item", "INTERNAL",
     "One executor work item submitted inside a sampled trace, from submission to completion, in the "
-    "submitter's trace (its context reaches the worker).",
+    "submitter's trace (its context reaches the worker, where this span is the current one).",
     (EXECUTOR_NAME, WORK_ITEM_QUEUE_SECONDS, WORK_ITEM_RUN_SECONDS),
     ("`stallwatch.wedge` when the item is orphaned: `stallwatch.wedge.kind`, `message`.",),
 )  # fmt: skip
