@@ -12,14 +12,15 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from opentelemetry import propagate, trace
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-from opentelemetry.sdk.trace import sampling
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
+from opentelemetry.sdk.trace import ReadableSpan, sampling
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import TraceFlags
+from opentelemetry.trace import SpanContext, TraceFlags
 
 from conftest import SCENARIOS, clean_env, run_python
 from stallwatch import telemetry
@@ -269,3 +270,33 @@ def test_no_exemplar_links_to_a_shed_span(refused: Pipeline):
     points = reader.get_metrics_data().resource_metrics[0].scope_metrics[0].metrics[0].data.data_points
     exemplars = {point.attributes["case"]: [e.span_id for e in point.exemplars] for point in points}
     assert exemplars == {"recorded": [recorded.get_span_context().span_id], "shed": [], "remote": [0x5678]}
+
+
+def test_the_processor_passes_on_and_drops_what_the_sdks_own_does():
+    """`CountingSpanProcessor.on_end` with the backend up (its SDK 1.34+ shortcut to the batch
+    processor included) against the SDK's `BatchSpanProcessor`: a sampled span reaches the
+    exporter, an unsampled one does not, and a `ReadableSpan` given no context is dropped quietly
+    or raises, as the SDK's does (it raises up to SDK 1.33)."""
+
+    def run(processor: BatchSpanProcessor, exporter: InMemorySpanExporter) -> tuple[list[Any], list[str]]:
+        outcomes: list[Any] = []
+        for name, context in contexts.items():
+            try:
+                processor.on_end(ReadableSpan(name=name, context=context))
+                outcomes.append(None)
+            except Exception as exc:  # compared with what the SDK's processor raises
+                outcomes.append(type(exc))
+        assert processor.force_flush(5_000)
+        processor.shutdown()
+        return outcomes, [span.name for span in exporter.get_finished_spans()]
+
+    contexts = {
+        "sampled": SpanContext(1, 2, False, TraceFlags(TraceFlags.SAMPLED)),
+        "unsampled": SpanContext(1, 3, False, TraceFlags(TraceFlags.DEFAULT)),
+        "no context": None,
+    }
+    ours, theirs = InMemorySpanExporter(), InMemorySpanExporter()
+    gate = ExportGate(lambda: None)
+    counted = run(CountingSpanProcessor(GuardedExporter(ours, "traces", gate, SpanExportResult.FAILURE)), ours)
+    assert counted == run(BatchSpanProcessor(theirs), theirs)
+    assert counted[1] == ["sampled"]

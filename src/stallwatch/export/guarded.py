@@ -331,7 +331,8 @@ class CountingSpanProcessor(BatchSpanProcessor):
         if _STOCK_ON_END and type(span) in FIELD_READABLE:
             # The stock `on_end`: a sampled span goes to the batch processor. Its context read
             # from the field and the tuple, not through three properties, for every span.
-            if span._context[3] & _SAMPLED:
+            context = span._context
+            if context and context[3] & _SAMPLED:  # a ReadableSpan may be given no context: dropped
                 self._batch_processor.emit(span)
             return
         BatchSpanProcessor.on_end(self, span)
