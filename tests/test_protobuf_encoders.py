@@ -23,7 +23,7 @@ from opentelemetry.trace import SpanContext, TraceFlags
 from stallwatch.export import log_protobuf, span_protobuf
 from test_log_json import _batch as _log_batch
 from test_log_json import _Bridge
-from test_span_json import _spans
+from test_span_json import _light_spans, _spans
 
 pytestmark = pytest.mark.matrix  # what the SDK's encoder writes differs across its versions
 
@@ -64,6 +64,13 @@ def test_sdk_made_spans_and_equal_resources_in_separate_objects_give_the_sdks_by
     assert [[s.name for s in ss.spans] for rs in request.resource_spans for ss in rs.scope_spans] == [
         ["a", "c", "e"], ["d"], ["b"]
     ]  # fmt: skip
+
+
+def test_light_spans_give_the_sdks_bytes():
+    if not span_protobuf.matches_sdk():
+        pytest.skip("this SDK's encoder writes otherwise (see the first test)")
+    spans = _light_spans()
+    assert span_protobuf.encode_spans_protobuf(spans) == _sdk_bytes(spans)
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.resources import Resource
@@ -15,6 +16,7 @@ from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode,
 
 from stallwatch.export.file import to_otlp_json
 from stallwatch.export.span_json import encode_spans_json
+from stallwatch.instrument import light_span
 
 pytestmark = pytest.mark.matrix  # the protobuf route differs across SDK versions
 
@@ -41,6 +43,37 @@ def _spans() -> list:
             tracer.start_span(kind.name, kind=kind).end()
     tracer.start_span("remote child", context=trace.set_span_in_context(trace.NonRecordingSpan(remote))).end()
     return list(exporter.get_finished_spans())
+
+
+def _light_spans() -> list:
+    """Light spans as the processors get them (they are their own `ReadableSpan`): an executor-like
+    item with its durations, one that other code changed in every way, a root client span with its
+    own start, and one under a remote parent with a trace state."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(resource=Resource.create({"service.name": "svc"}), span_limits=SpanLimits(max_events=1))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("stallwatch", "0.1")
+    remote = SpanContext(0xAB, 0xCD, is_remote=True, trace_flags=TraceFlags(1), trace_state=TraceState([("k", "v")]))
+    with tracer.start_as_current_span("request") as request:
+        context = trace.set_span_in_context(request)
+        item = light_span.start(tracer, "pool work item", context, {"stallwatch.executor.name": "pool"})
+        item.set_own_attributes(
+            {"stallwatch.executor.queue_seconds": 102933 / 1e9, "stallwatch.executor.run_seconds": 2.5e-05}
+        )
+        item.end()
+        changed = light_span.start(tracer, "changed", context, {"a": 1})
+        changed.set_attributes({"s": "x", "l": [1, 2]})
+        changed.add_event("first", {"k": 1})
+        changed.add_event("second")  # past max_events: the first is dropped, and counted
+        changed.add_link(remote, {"why": "test"})
+        changed.set_status(Status(StatusCode.ERROR, "boom"))
+        changed.update_name("changed again")
+        changed.end()
+    light_span.start(tracer, "true", otel_context.Context(), {"process.pid": 7}, SpanKind.CLIENT, 1_000).end(2_000)
+    light_span.start(tracer, "remote child", trace.set_span_in_context(trace.NonRecordingSpan(remote)), {}).end()
+    spans = [span for span in exporter.get_finished_spans() if span.name != "request"]
+    assert [type(span) for span in spans] == [light_span.LightSpan] * 4
+    return spans
 
 
 def _flatten(document: dict, keep_flags: bool) -> list[tuple[str, str, str]]:
@@ -162,3 +195,14 @@ def test_the_encoder_loads_from_its_file_alone_as_the_executor_benchmark_loads_i
     spec.loader.exec_module(standalone)
     spans = _spans()
     assert standalone.encode_spans_json(spans) == encode_spans_json(spans)
+
+
+def test_light_spans_are_written_as_the_protobuf_route_writes_them():
+    """Light spans are read through their fields (`FIELD_READABLE`), the SDK's encoder reads their properties."""
+    spans = _light_spans()
+    reference = json.loads(to_otlp_json(encode_spans(spans)))
+    ours = json.loads(encode_spans_json(spans))
+    keep_flags = '"flags"' in json.dumps(reference)
+    assert _flatten(ours, keep_flags) == _flatten(reference, keep_flags)
+    item = next(span for span in ours["resourceSpans"][0]["scopeSpans"][0]["spans"] if span["name"] == "pool work item")
+    assert {"key": "stallwatch.executor.queue_seconds", "value": {"doubleValue": 0.000102933}} in item["attributes"]
