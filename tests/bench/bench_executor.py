@@ -121,7 +121,7 @@ def noop() -> None:
 def make_file_exporter(directory: Path) -> Any:
     """A span exporter doing what stallwatch's `FileSpanExporter` does, without importing stallwatch:
     the same OTLP/JSON encoder (`stallwatch/export/span_json.py`, loaded from its file, which imports
-    nothing of stallwatch), one `os.write` per batch."""
+    nothing of stallwatch), one `os.writev` per batch."""
     import importlib.util
 
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
@@ -137,7 +137,7 @@ def make_file_exporter(directory: Path) -> Any:
             self._fd = os.open(directory / "traces.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
 
         def export(self, spans: Sequence[Any]) -> SpanExportResult:
-            os.write(self._fd, (span_json.encode_spans_json(spans) + "\n").encode())
+            os.writev(self._fd, (span_json.encode_spans_json(spans).encode(), b"\n"))
             return SpanExportResult.SUCCESS
 
         def shutdown(self) -> None:

@@ -9,8 +9,8 @@ the numerous ones, are written by `span_json` and `log_json` straight from the S
 minute by default), and the rare log batch holding something `log_json` does not write itself, take
 that protobuf route: the SDK's OTLP encoder and protobuf's JSON printer (`to_otlp_json`), fixing
 only the id encoding (protobuf prints bytes as base64, OTLP/JSON wants hex). Each line is a single
-`write()` on an `O_APPEND` descriptor, so a forked child that lives on appends whole lines to the
-same file as its parent.
+`writev()` (the line and its newline) on an `O_APPEND` descriptor, so a forked child that lives on
+appends whole lines to the same file as its parent.
 """
 
 from __future__ import annotations
@@ -66,13 +66,13 @@ class _AppendFile:
     def append(self, line: str) -> bool:
         if self._fd is None:
             return False
-        data = (line + "\n").encode()
+        data = line.encode()  # the newline is written beside it, not appended to a copy of the line
         try:
-            written = os.write(self._fd, data)
+            written = os.writev(self._fd, (data, b"\n"))
         except OSError:
             _log.warning("stallwatch: cannot write %s; check STALLWATCH_FILE_DIR", self.path, exc_info=True)
             return False
-        return written == len(data)
+        return written == len(data) + 1
 
     def close(self) -> None:
         if self._fd is not None:

