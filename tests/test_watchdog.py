@@ -59,13 +59,16 @@ def test_a_loop_blocked_by_sync_code_is_not_a_held_gil(telemetry_dir):
     assert float(lag["max"]) >= 1.9  # the loop ran its heartbeat ~2 s late
 
 
-def test_host_killed_during_a_freeze_is_recorded_and_the_watchdog_leaves(telemetry_dir):
+def test_host_killed_during_a_freeze_is_recorded_and_the_watchdog_leaves(telemetry_dir, tmp_path):
+    runtime = tmp_path / "run"  # where the heartbeat file lives (it would be /dev/shm)
+    runtime.mkdir()
     host = subprocess.Popen(
         [sys.executable, str(SCENARIOS / "freeze_probe.py"), str(telemetry_dir), "20"],
-        env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        env=clean_env(XDG_RUNTIME_DIR=str(runtime)), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )  # fmt: skip
     watchdog_pid = json.loads(host.stdout.readline())["watchdog_pid"]
     time.sleep(2.5)  # frozen for ~2 s by now, as a load balancer's health check would find it
+    assert [p.suffix for p in runtime.iterdir()] == [".hb"]
     host.send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
     # The host stays a zombie until we reap it: the watchdog reads its wait status from /proc meanwhile.
@@ -79,6 +82,7 @@ def test_host_killed_during_a_freeze_is_recorded_and_the_watchdog_leaves(telemet
     assert attrs(span)["stallwatch.freeze.outcome"] == "host_killed"
     assert attrs(span)["stallwatch.freeze.kind"] == "gil_held"
     assert attrs(span)["stallwatch.freeze.host.exit_signal"] == "SIGKILL"
+    assert list(runtime.iterdir()) == []  # the watchdog removed what the killed host could not
 
 
 def _running(pid: int) -> bool:
@@ -88,6 +92,60 @@ def _running(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+_HOST = """
+import json, os, stallwatch, sys
+session = stallwatch.setup(traces_exporter="none", metrics_exporter="none", logs_exporter="none")
+from stallwatch.detect import heartbeat
+print(json.dumps({"watchdog": session.watchdog_pid, "heartbeat": str(heartbeat.AREA.path)}), flush=True)
+sys.stdin.readline()
+print(json.dumps({"shutdown": stallwatch.shutdown()}), flush=True)
+"""
+
+
+def _start_host(runtime: Path, **settings: str) -> tuple[subprocess.Popen[str], dict]:
+    host = subprocess.Popen([sys.executable, "-c", _HOST], env=clean_env(XDG_RUNTIME_DIR=str(runtime), **settings),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    return host, json.loads(host.stdout.readline())
+
+
+def _age(path: Path, seconds: float) -> None:
+    then = time.time() - seconds
+    os.utime(path, (then, then))
+
+
+def test_setup_removes_the_heartbeat_files_of_hosts_killed_with_their_watchdog(tmp_path):
+    # systemd stopping a unit kills the host and its watchdog together: nobody removes the files.
+    runtime = tmp_path / "run"
+    runtime.mkdir()
+    dead, dead_info = _start_host(runtime, STALLWATCH_FAULTHANDLER="true")
+    dead_hb = Path(dead_info["heartbeat"])
+    dead_hb.with_suffix(".freezes").write_text("{}\n")  # a freeze report the host never read
+    os.kill(dead_info["watchdog"], signal.SIGKILL)
+    dead.kill()
+    dead.wait(10)
+    live, live_info = _start_host(runtime)
+    live_hb = Path(live_info["heartbeat"])
+    young = runtime / "stallwatch-1-00000000.hb"  # unlocked, but as young as a file a host is making
+    young.write_bytes(b"")
+    others = [runtime / "stallwatch-notes.txt", runtime / "other.hb"]
+    for path in others:
+        path.write_text("not stallwatch's")
+    for path in [*runtime.iterdir()]:
+        if path != young:
+            _age(path, 60)  # older than SWEEP_AGE_SECONDS: only the lock tells the live from the dead
+    left = {p.name for p in runtime.iterdir()}
+    assert {dead_hb.name, dead_hb.with_suffix(".stacks").name, dead_hb.with_suffix(".freezes").name} <= left
+
+    new, new_info = _start_host(runtime)
+
+    kept = {live_hb.name, young.name, Path(new_info["heartbeat"]).name, *(p.name for p in others)}
+    assert {p.name for p in runtime.iterdir()} == kept
+    for host in (live, new):
+        out, _ = host.communicate("\n", timeout=30)
+        assert json.loads(out)["shutdown"] is True
+    assert {p.name for p in runtime.iterdir()} == {young.name, *(p.name for p in others)}
 
 
 def test_a_killed_watchdog_leaves_the_host_unaffected():

@@ -231,6 +231,9 @@ def _start_watchdog(settings: Settings) -> tuple[Any, subprocess.Popen[bytes]] |
     from .detect import heartbeat
 
     try:
+        swept = heartbeat.sweep(heartbeat.area_directory())
+        if swept:
+            _log.debug("stallwatch: removed the heartbeat files of %d hosts that are gone", swept)
         area = heartbeat.HeartbeatArea()
         command = [sys.executable, "-m", "stallwatch.detect.watchdog", "--pid", str(os.getpid()),
                    "--heartbeat", str(area.path), "--threshold", str(settings.freeze_threshold)]  # fmt: skip

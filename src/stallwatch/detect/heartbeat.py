@@ -8,6 +8,11 @@ the interpreter runs: `loop_blocked`). Before each exec-bound spawn the host als
 spawns and the current span, so the watchdog can name the frozen operation. Each field is an
 aligned 8-byte store or a fixed byte range, written without locks; the watchdog tolerates a torn
 read by re-reading. No library does this, hence the hand-written layout.
+
+The host holds an exclusive `flock` on its heartbeat file while it lives; the kernel drops it when
+the host (and any forked child still holding the descriptor) is gone, even on SIGKILL. The watchdog
+removes the files when the host exits; `sweep()` at the next `setup()` removes what a host and its
+watchdog left when both were killed (systemd stopping the whole unit), so /dev/shm never fills up.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import faulthandler
+import fcntl
 import json
 import mmap
 import os
@@ -37,6 +43,7 @@ OFFSET_INTERP, OFFSET_LOOP, OFFSET_SPAWN = 16, 24, 32
 OFFSET_LOOP_KIND = 40
 OFFSET_COMMAND, OFFSET_TRACE, OFFSET_SPAN = 48, 304, 320
 FLAG_LOOP_TRACKED = 1
+SWEEP_AGE_SECONDS = 10.0  # an unlocked file younger than this may be one a host is creating now
 LOOP_KINDS = {"none": 0, "asyncio": 1, "uvloop": 2}
 BEAT_SECONDS = 0.1
 
@@ -49,6 +56,42 @@ def area_directory() -> Path:
     return Path(tempfile.gettempdir())
 
 
+def remove_files(path: Path) -> None:
+    """Remove a heartbeat file and its companions: the freeze reports and the stacks."""
+    for each in (path, report_path(path), stacks_path(path)):
+        each.unlink(missing_ok=True)
+
+
+def sweep(directory: Path) -> int:
+    """Remove the heartbeat files in `directory` whose host is gone; return how many hosts' files.
+
+    A file is in use while some process holds its lock (`HeartbeatArea`); one that nobody locks and
+    that is older than `SWEEP_AGE_SECONDS` belongs to a host that died without `shutdown()`.
+    Another user's files are left alone (the open fails). Never raises.
+    """
+    removed = 0
+    try:
+        candidates = list(directory.glob("stallwatch-*-*.hb"))
+    except OSError:
+        return 0
+    for path in candidates:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if time.time() - os.fstat(fd).st_mtime < SWEEP_AGE_SECONDS:
+                continue
+            remove_files(path)
+            removed += 1
+        except OSError:  # locked: its host lives (BlockingIOError), or it vanished meanwhile
+            continue
+        finally:
+            os.close(fd)
+    return removed
+
+
 class HeartbeatArea:
     """The host's side: creates the file and writes into it.
 
@@ -58,18 +101,21 @@ class HeartbeatArea:
 
     def __init__(self, path: Path | None = None) -> None:
         self.path = path or area_directory() / f"stallwatch-{os.getpid()}-{os.urandom(4).hex()}.hb"
-        self._map, self.inode = self._create()
+        self._fd, self._map, self.inode = self._create()
         now = time.monotonic_ns()
         self.owner = os.getpid()  # a forked child shares the mapping: it must never write to it
         self._map[:] = LAYOUT.pack(MAGIC, self.owner, 0, now, now, 0, 0, 0, b"", b"", b"")
 
-    def _create(self) -> tuple[mmap.mmap, int]:
+    def _create(self) -> tuple[int, mmap.mmap, int]:
+        """Create the file, locked (held open for the lock: see `sweep`) and mapped."""
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.ftruncate(fd, LAYOUT.size)
-            return mmap.mmap(fd, LAYOUT.size), os.fstat(fd).st_ino
-        finally:
+            return fd, mmap.mmap(fd, LAYOUT.size), os.fstat(fd).st_ino
+        except BaseException:
             os.close(fd)
+            raise
 
     def recreate(self) -> None:
         """Make the file again at its path, with the current contents: the watchdog reads it by name.
@@ -77,10 +123,11 @@ class HeartbeatArea:
         For a file removed under the running host (a /dev/shm or tmp cleaner). Raises OSError when
         the path cannot be created (e.g. something else took the name).
         """
-        new, inode = self._create()
+        fd, new, inode = self._create()
         new[:] = self._map[:]
         # The old mapping is left to the garbage collector: a writer may hold it for one more store.
-        self._map, self.inode = new, inode
+        old, (self._fd, self._map, self.inode) = self._fd, (fd, new, inode)
+        os.close(old)
 
     @property
     def writable(self) -> bool:
@@ -119,9 +166,12 @@ class HeartbeatArea:
         self._store(OFFSET_SPAWN, 0)
 
     def close(self) -> None:
-        if self.writable:
+        """Unmap, remove and unlock the file (once; in a fork child, nothing)."""
+        if self.writable and self._fd >= 0:
             self._map.close()
             self.path.unlink(missing_ok=True)
+            fd, self._fd = self._fd, -1
+            os.close(fd)
 
 
 def report_path(path: Path) -> Path:
@@ -307,8 +357,7 @@ def stop() -> None:
         _stacks_file = None
     if area is not None:
         area.close()
-        for extra in (report_path(area.path), stacks_path(area.path)):
-            extra.unlink(missing_ok=True)
+        remove_files(area.path)
 
 
 def _watch_loops() -> None:

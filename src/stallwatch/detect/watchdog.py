@@ -9,7 +9,7 @@ is `loop_blocked`. It then reads `/proc` to say what the host waits on, exports 
 record and `stallwatch.freeze.active` at once through its own pipeline (same exporter settings),
 and at the thaw a `stallwatch.freeze` span covering the freeze plus `stallwatch.freeze.duration`.
 It exits within a poll interval of the host's exit (a pidfd); a freeze still open then is recorded
-with outcome `host_killed`.
+with outcome `host_killed`, and the host's heartbeat files are removed.
 """
 
 from __future__ import annotations
@@ -406,11 +406,12 @@ def main(argv: list[str] | None = None) -> int:
         telemetry = FreezeTelemetry(args.pid, args.heartbeat, journal)
         Watchdog(args.pid, args.heartbeat, args.threshold, telemetry).run()
     except ProcessLookupError:
-        return 0
+        pass
     finally:
         if journal is not None:
             journal.close()
         stallwatch.shutdown()
+    heartbeat.remove_files(args.heartbeat)  # the host is gone: a killed host could not remove them
     return 0
 
 
