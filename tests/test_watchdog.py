@@ -148,6 +148,35 @@ def test_setup_removes_the_heartbeat_files_of_hosts_killed_with_their_watchdog(t
     assert {p.name for p in runtime.iterdir()} == {young.name, *(p.name for p in others)}
 
 
+def test_a_host_that_execs_another_program_is_not_reported_frozen(telemetry_dir, tmp_path):
+    # A launcher that sets stallwatch up and then execs the server: the heartbeats stop, and the
+    # watchdog used to report a `gil_held` freeze for as long as the new program ran.
+    runtime = tmp_path / "run"
+    runtime.mkdir()
+    code = (
+        "import os, sys, stallwatch\n"
+        f"session = stallwatch.setup(file_dir={str(telemetry_dir)!r}, freeze_threshold=0.3)\n"
+        "print(session.watchdog_pid, flush=True)\n"
+        "os.execv(sys.executable, [sys.executable, '-c', 'import sys, time; sys.stdin.readline()'])\n"
+    )
+    env = clean_env(XDG_RUNTIME_DIR=str(runtime))
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+    host = subprocess.Popen([sys.executable, "-c", code], env=env, text=True, **pipes)
+    watchdog_pid = int(host.stdout.readline())
+    deadline = time.monotonic() + 10
+    while _running(watchdog_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    watchdog_left = not _running(watchdog_pid)
+    time.sleep(1.0)  # three thresholds more of the new program running
+    host_alive = host.poll() is None
+    _, stderr = host.communicate("\n", timeout=10)
+
+    assert watchdog_left and host_alive
+    assert "freeze" not in stderr
+    assert [r for r in log_records(telemetry_dir / "logs.jsonl") if "freeze" in r["body"]["stringValue"]] == []
+    assert list(runtime.iterdir()) == []
+
+
 def test_a_killed_watchdog_leaves_the_host_unaffected():
     proc = subprocess.run(
         [sys.executable, "-c", (

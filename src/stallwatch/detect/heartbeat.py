@@ -62,6 +62,23 @@ def remove_files(path: Path) -> None:
         each.unlink(missing_ok=True)
 
 
+def in_use(path: Path) -> bool:
+    """Whether a process holds the lock of the heartbeat file at `path`: its host, or a child the
+    host forked that has not exec'd. False once the host has exec'd another program (the descriptor
+    is close-on-exec) or died. True when it cannot be told (no such file, no access)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # released by the close below
+        return False
+    except OSError:  # BlockingIOError: the host's exclusive lock
+        return True
+    finally:
+        os.close(fd)
+
+
 def sweep(directory: Path) -> int:
     """Remove the heartbeat files in `directory` whose host is gone; return how many hosts' files.
 
@@ -110,7 +127,7 @@ class HeartbeatArea:
         """Create the file, locked (held open for the lock: see `sweep`) and mapped."""
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX)  # waits only for a `sweep` or `in_use` that opened it this instant
             os.ftruncate(fd, LAYOUT.size)
             return fd, mmap.mmap(fd, LAYOUT.size), os.fstat(fd).st_ino
         except BaseException:

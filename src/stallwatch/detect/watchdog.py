@@ -9,7 +9,9 @@ is `loop_blocked`. It then reads `/proc` to say what the host waits on, exports 
 record and `stallwatch.freeze.active` at once through its own pipeline (same exporter settings),
 and at the thaw a `stallwatch.freeze` span covering the freeze plus `stallwatch.freeze.duration`.
 It exits within a poll interval of the host's exit (a pidfd); a freeze still open then is recorded
-with outcome `host_killed`, and the host's heartbeat files are removed.
+with outcome `host_killed`, and the host's heartbeat files are removed. It also leaves, without
+reporting a freeze, when the heartbeats stop because the host exec'd another program: the host no
+longer holds its heartbeat file's lock (`heartbeat.in_use`), which it does for as long as it lives.
 """
 
 from __future__ import annotations
@@ -210,14 +212,17 @@ class Watchdog:
         self.threshold_ns = int(threshold * 1e9)
         self.telemetry = telemetry
         self.freeze: Freeze | None = None
+        self.host_left = False  # the host exec'd another program: nothing of stallwatch's is left to watch
 
     def run(self) -> None:
         pidfd = os.pidfd_open(self.pid)
         try:
-            while not select.select([pidfd], [], [], POLL_SECONDS)[0]:
+            while not self.host_left and not select.select([pidfd], [], [], POLL_SECONDS)[0]:
                 self.check()
         finally:
             os.close(pidfd)
+        if self.host_left:
+            _log.info("stallwatch: host %d exec'd another program; its freeze watchdog leaves", self.pid)
         if self.freeze is not None:
             self.freeze.host_exit = host_exit_status(self.pid)
             self.thaw(outcome="host_killed")
@@ -244,6 +249,10 @@ class Watchdog:
         if self.freeze is not None and self.freeze.kind != kind and kind == "gil_held":
             self.freeze.kind = kind  # a blocked loop that turned into a held GIL
             self.freeze.diagnosed_at = 0.0  # report the new kind at once
+        if not heartbeat.in_use(self.heartbeat_path):  # stale because nobody writes it any more
+            self.host_left = True
+            self.thaw(outcome="thawed")
+            return
         if self.freeze is None:
             last = snapshot["interpreter_ns"] if kind == "gil_held" else snapshot["loop_ns"]
             wall = time.time_ns() - (now - last)
