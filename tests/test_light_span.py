@@ -93,6 +93,9 @@ def test_its_span_context_is_the_one_the_api_builds(ids, flags, trace_state):
     stock = SpanContext(ids[0], ids[1], False, TraceFlags(flags), trace_state)
     assert type(built) is SpanContext
     assert tuple(built) == tuple(stock)
+    # The layout light_span, executor, guarded and span_json unpack, on this SDK.
+    fields = (stock.trace_id, stock.span_id, stock.is_remote, stock.trace_flags, stock.trace_state, stock.is_valid)
+    assert tuple(stock) == fields
     assert [type(field) for field in built] == [type(field) for field in stock]
     assert (built.is_valid, built.trace_flags, built.trace_state) == (
         stock.is_valid,

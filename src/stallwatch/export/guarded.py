@@ -332,8 +332,10 @@ class CountingSpanProcessor(BatchSpanProcessor):
             # The stock `on_end`: a sampled span goes to the batch processor. Its context read
             # from the field and the tuple, not through three properties, for every span.
             context = span._context
-            if context and context[3] & _SAMPLED:  # a ReadableSpan may be given no context: dropped
-                self._batch_processor.emit(span)
+            if context:  # a ReadableSpan may be given no context: then it is dropped
+                _, _, _, flags, _, _ = context  # the `SpanContext` tuple's layout
+                if flags & _SAMPLED:
+                    self._batch_processor.emit(span)
             return
         BatchSpanProcessor.on_end(self, span)
 
@@ -400,13 +402,6 @@ def count_shed(processors: Sequence[CountingSpanProcessor], reasons: Sequence[st
 
 def shed(processors: Sequence[Any]) -> bool:
     """True, and counted, when every span processor in `processors` would drop a sampled span now."""
-    for processor in processors:  # `shedding`'s first test, inline: this runs for every hot-path span
-        if (
-            type(processor) is not CountingSpanProcessor
-            or not processor.sheds
-            or not (processor.guard.breaker.down_until or len(processor._bounded) >= processor._limit)
-        ):
-            return False
     reasons = shedding(processors)
     if reasons is None:
         return False

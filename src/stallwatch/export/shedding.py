@@ -39,7 +39,6 @@ from .. import telemetry
 from ..instrument import light_span
 from . import guarded
 
-_COUNTING = guarded.CountingSpanProcessor
 _sdk_start_span = sdk_trace.Tracer.start_span
 
 
@@ -58,20 +57,12 @@ class SheddingTracer(sdk_trace.Tracer):
         set_status_on_exception: bool = True,
     ) -> trace.Span:
         processors = getattr(self.span_processor, "_span_processors", None)
-        for processor in processors or ():  # `guarded.shedding`'s first test, inline: it runs for every span
-            if (
-                type(processor) is not _COUNTING
-                or not processor.sheds
-                or not (processor.guard.breaker.down_until or len(processor._bounded) >= processor._limit)
-            ):
-                break
-        else:
-            reasons = guarded.shedding(processors)
-            if reasons is not None and self._as_sdk():
-                decision = light_span.decide(self, name, context, attributes, kind, links or (), None)
-                if decision[1] & TraceFlags.SAMPLED:
-                    guarded.count_shed(processors, reasons)  # type: ignore[arg-type]
-                    return light_span.non_recording(self, decision, shed=True)
+        reasons = guarded.shedding(processors)
+        if reasons is not None and self._as_sdk():
+            decision = light_span.decide(self, name, context, attributes, kind, links or (), None)
+            if decision[1] & TraceFlags.SAMPLED:
+                guarded.count_shed(processors, reasons)  # type: ignore[arg-type]
+                return light_span.non_recording(self, decision, shed=True)
         return _sdk_start_span(
             self, name, context, kind, attributes, links, start_time, record_exception, set_status_on_exception
         )

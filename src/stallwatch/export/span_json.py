@@ -196,9 +196,10 @@ def _span_text(span: ReadableSpan) -> str:
         parts.append(',"traceState":' + _string(trace_state.to_header()))
     remote = False
     if parent is not None:
-        parent_id, remote = (
-            (parent[1], parent[2]) if type(parent) is SpanContext else (parent.span_id, parent.is_remote)
-        )
+        if type(parent) is SpanContext:
+            _, parent_id, remote, _, _, _ = parent
+        else:
+            parent_id, remote = parent.span_id, parent.is_remote
         parts.append(',"parentSpanId":"' + parent_id.to_bytes(8, "big").hex() + '"')
     parts.append(
         f',"name":{_string(name)},"kind":{_KIND_BY_ID.get(id(kind), 1)}'

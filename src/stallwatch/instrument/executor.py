@@ -443,7 +443,8 @@ def _start_span(item: ItemRecord, context: otel_context.Context) -> None:
     if current is None or not (type(current) in _SPAN_TYPES or isinstance(current, Span)):
         return
     parent = current.get_span_context()
-    if parent[5] and parent[3] & _SAMPLED:  # is_valid, trace_flags
+    _, _, _, flags, _, valid = parent  # the `SpanContext` tuple's layout
+    if valid and flags & _SAMPLED:
         state = item.executor
         item.span = light_span.start(_tracer, state.span_name, context, state.attributes, parent=parent, shed=True)
 

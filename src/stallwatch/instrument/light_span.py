@@ -195,15 +195,17 @@ def start(
     if sdk is None:
         return tracer.start_span(name, context=context, kind=kind, attributes=attributes, start_time=start_time)
     sampler = sdk.sampler
+    if parent is not None:
+        parent_trace_id, _, parent_remote, parent_flags, parent_state, parent_valid = parent  # the tuple's layout
     if (
         parent is not None
-        and parent[5]  # is_valid
-        and parent[3] & _SAMPLED  # trace_flags
-        and not parent[2]  # is_remote
+        and parent_valid
+        and parent_flags & _SAMPLED
+        and not parent_remote
         and type(sampler) in _PARENT_BASED
         and sampler._local_parent_sampled is sampling.ALWAYS_ON
     ):  # a sampled local parent and the default sampler: `decide`'s known answer, without the call
-        trace_id, flags, trace_state = parent[0], parent[3] & _RANDOM | _SAMPLED, parent[4]
+        trace_id, flags, trace_state = parent_trace_id, parent_flags & _RANDOM | _SAMPLED, parent_state
         span_attributes = dict(attributes)
     else:
         decision = decide(sdk, name, context, attributes, kind, (), parent)
