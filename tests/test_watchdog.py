@@ -177,6 +177,40 @@ def test_a_host_that_execs_another_program_is_not_reported_frozen(telemetry_dir,
     assert list(runtime.iterdir()) == []
 
 
+def test_a_fork_child_exiting_normally_leaves_its_parents_heartbeat_files_and_watchdog(tmp_path):
+    # The child's exit runs stallwatch's shutdown (atexit), which used to remove the parent's
+    # stacks and freeze-report files, and for one commit its heartbeat file too.
+    runtime = tmp_path / "run"
+    runtime.mkdir()
+    code = (
+        "import json, os, sys, time, stallwatch\n"
+        "session = stallwatch.setup(traces_exporter='none', metrics_exporter='none', logs_exporter='none',\n"
+        "                           faulthandler=True)\n"
+        "from stallwatch.detect import heartbeat\n"
+        "heartbeat.report_path(heartbeat.AREA.path).write_text('')  # as the watchdog makes it\n"
+        "before = sorted(os.listdir(os.environ['XDG_RUNTIME_DIR']))\n"
+        "child = os.fork()\n"
+        "if child == 0:\n"
+        "    sys.exit(0)  # a worker that lives on, then exits through the interpreter's exit\n"
+        "os.waitpid(child, 0)\n"
+        "time.sleep(0.5)  # five heartbeats: the host would see a removed file and make it again\n"
+        "after = sorted(os.listdir(os.environ['XDG_RUNTIME_DIR']))\n"
+        "alive = session._watchdog[1].poll() is None\n"
+        "print(json.dumps({'before': before, 'after': after, 'watchdog_alive': alive,\n"
+        "                  'shutdown': stallwatch.shutdown()}))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=clean_env(XDG_RUNTIME_DIR=str(runtime)),
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert [Path(name).suffix for name in result["before"]] == [".freezes", ".hb", ".stacks"]
+    assert result["after"] == result["before"]
+    assert result["watchdog_alive"] and result["shutdown"]
+    assert "heartbeat file" not in proc.stderr
+    assert list(runtime.iterdir()) == []
+
+
 def test_a_killed_watchdog_leaves_the_host_unaffected():
     proc = subprocess.run(
         [sys.executable, "-c", (

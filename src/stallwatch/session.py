@@ -310,8 +310,10 @@ def shutdown(timeout: float | None = None) -> bool:
     if session._watchdog is not None:
         from .detect import heartbeat
 
+        area, watchdog = session._watchdog
         heartbeat.stop()
-        session._watchdog[1].terminate()
+        if area.writable:  # not in a fork child that lives on: the watchdog is its parent's
+            watchdog.terminate()
     if session.settings is not None and session.settings.instrument_subprocess:
         from .instrument import subprocess as subprocess_instrumentation
 

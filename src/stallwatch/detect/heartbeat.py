@@ -364,7 +364,8 @@ def _forward_freezes(reports: Path | None, done: int) -> int:
 
 
 def stop() -> None:
-    """Stop writing heartbeats and remove the files (at shutdown)."""
+    """Stop writing heartbeats and remove the files (at shutdown). In a fork child that lives on
+    (and exits through `atexit`), the files are its parent's: they stay."""
     global AREA, _stacks_file
     with _stopping:
         area, AREA = AREA, None
@@ -372,7 +373,7 @@ def stop() -> None:
         faulthandler.cancel_dump_traceback_later()
         _stacks_file.close()
         _stacks_file = None
-    if area is not None:
+    if area is not None and area.writable:
         area.close()
         remove_files(area.path)
 
