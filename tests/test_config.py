@@ -48,6 +48,7 @@ BAD_VALUES: dict[str, tuple[str, ...]] = {
     "STALLWATCH_WEDGE_CHECK_INTERVAL": ("0", "-0.5", "fast"),
     "STALLWATCH_QUEUE_STALL_SECONDS": ("nan", "inf"),
     "STALLWATCH_WATCHDOG": ("maybe",),
+    "STALLWATCH_WATCHDOG_FORKED_WORKERS": ("workers",),
     "STALLWATCH_INSTRUMENT_SUBPROCESS": ("perhaps",),
     "STALLWATCH_RECORD_ARGS": ("all",),
     "STALLWATCH_SCRUB_PATTERNS": ("pass(word", "ok,[unclosed"),

@@ -211,6 +211,64 @@ def test_a_fork_child_exiting_normally_leaves_its_parents_heartbeat_files_and_wa
     assert list(runtime.iterdir()) == []
 
 
+_FORKED_WORKER = """
+import asyncio, json, os, sys, time, stallwatch
+session = stallwatch.setup(file_dir=sys.argv[1], freeze_threshold=0.5)
+parent_watchdog = session.watchdog_pid
+child = os.fork()
+if child == 0:  # a worker that lives on and serves, as gunicorn forks them after preloading the app
+    before_loop = session.watchdog_pid
+    async def serve():
+        await asyncio.sleep(0.3)
+        time.sleep(1.5)  # sync code blocks the worker's loop
+        await asyncio.sleep(0.2)
+        return session.watchdog_pid
+    serving = asyncio.run(serve())
+    print(json.dumps({"worker": os.getpid(), "before_loop": before_loop, "serving": serving}), flush=True)
+    sys.exit(0)
+os.waitpid(child, 0)
+after_worker = sorted(os.listdir(os.environ["XDG_RUNTIME_DIR"]))
+print(json.dumps({"host": os.getpid(), "watchdog": parent_watchdog, "after_worker": after_worker,
+                  "shutdown": stallwatch.shutdown()}))
+"""
+
+
+@pytest.mark.parametrize(
+    ("metrics", "watched"), [("file", "true"), ("prometheus", "true"), ("file", "false")],
+    ids=["file", "prometheus", "turned_off"],
+)  # fmt: skip
+def test_a_forked_worker_that_runs_an_event_loop_is_watched_as_a_host_of_its_own(
+    telemetry_dir, tmp_path, metrics, watched
+):
+    runtime = tmp_path / "run"
+    runtime.mkdir()
+    env = clean_env(XDG_RUNTIME_DIR=str(runtime), OTEL_METRICS_EXPORTER=metrics,
+                    STALLWATCH_WATCHDOG_FORKED_WORKERS=watched)  # fmt: skip
+    if metrics == "prometheus":  # the host's watchdog holds its port: the worker's must take another
+        env.update(OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1", OTEL_EXPORTER_PROMETHEUS_PORT=str(_free_port()),
+                   STALLWATCH_WATCHDOG_PROMETHEUS_PORT=str(_free_port()))  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", _FORKED_WORKER, str(telemetry_dir)],
+                          env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+
+    assert proc.returncode == 0, proc.stderr
+    worker, host = (json.loads(line) for line in proc.stdout.splitlines())
+    detected = [r for r in log_records(telemetry_dir / "logs.jsonl") if "freeze detected" in r["body"]["stringValue"]]
+    if watched == "false":
+        assert worker["serving"] == worker["before_loop"] == host["watchdog"]
+        assert detected == []
+        return
+    # Its own watchdog, started as its loop started: not at the fork, not before.
+    assert worker["before_loop"] == host["watchdog"]
+    assert worker["serving"] not in (None, host["watchdog"])
+    assert [(attrs(r)["stallwatch.freeze.kind"], f"host {worker['worker']} " in r["body"]["stringValue"])
+            for r in detected] == [("loop_blocked", True)]  # fmt: skip
+    # The worker's exit removed its own heartbeat file and left the host's.
+    assert [name.split("-")[1] for name in host["after_worker"]] == [str(host["host"])]
+    assert host["shutdown"] is True
+    assert not _running(worker["serving"])
+    assert list(runtime.iterdir()) == []
+
+
 def test_a_killed_watchdog_leaves_the_host_unaffected():
     proc = subprocess.run(
         [sys.executable, "-c", (

@@ -303,6 +303,14 @@ OPTIONS: tuple[Option, ...] = (
         "exports freezes while they last.",
     ),
     Option(
+        "STALLWATCH_WATCHDOG_FORKED_WORKERS",
+        "watchdog_forked_workers",
+        "`true`",
+        "Also watch each fork child that lives on and starts an event loop (workers forked after "
+        "`setup()`, as gunicorn's with a preloaded app): it gets a watchdog of its own when its first "
+        "loop starts. Its Prometheus endpoint, if any, takes a free port.",
+    ),
+    Option(
         "STALLWATCH_FREEZE_THRESHOLD",
         "freeze_threshold",
         "`1.0`",
@@ -393,6 +401,7 @@ class Settings:
     journal: bool = True
     journal_dir: Path = field(default_factory=_default_journal_dir)
     watchdog: bool = True
+    watchdog_forked_workers: bool = True
     freeze_threshold: float = 1.0
     faulthandler: bool = False
     watchdog_prometheus_port: int = 9465
@@ -471,6 +480,7 @@ class Settings:
         take("journal", "STALLWATCH_JOURNAL", _bool, None)
         take("journal_dir", "STALLWATCH_JOURNAL_DIR", _path, None)
         take("watchdog", "STALLWATCH_WATCHDOG", _bool, None)
+        take("watchdog_forked_workers", "STALLWATCH_WATCHDOG_FORKED_WORKERS", _bool, None)
         take("freeze_threshold", "STALLWATCH_FREEZE_THRESHOLD", _positive_float, None)
         take("faulthandler", "STALLWATCH_FAULTHANDLER", _bool, None)
         take("watchdog_prometheus_port", "STALLWATCH_WATCHDOG_PROMETHEUS_PORT", _port, None)

@@ -134,6 +134,7 @@ def _start(fork_safety: ForkSafety, overrides: dict[str, Any]) -> Session:
             settings.freeze_threshold,
             settings.faulthandler,
             watchdog=watchdog[1],
+            start_for_child=(lambda: _watch_fork_child(settings)) if settings.watchdog_forked_workers else None,
         )
     atexit.register(_shutdown_at_exit)
     return Session(settings, fork_safety, dict(pipeline.files) if pipeline else {}, None, pipeline, watchdog, journal)
@@ -205,8 +206,9 @@ def _start_journal(settings: Settings) -> Any:
     return current
 
 
-def _watchdog_environment(settings: Settings) -> dict[str, str]:
-    """The host's settings, as the environment the watchdog's own setup() reads."""
+def _watchdog_environment(settings: Settings, forked: bool) -> dict[str, str]:
+    """The host's settings, as the environment the watchdog's own setup() reads (`forked`: for a
+    worker forked from the host, whose watchdog cannot take the host's watchdog's port)."""
     env = dict(os.environ)
     env["STALLWATCH_FILE_DIR"] = str(settings.file_dir)
     for signal, chosen in (("TRACES", settings.traces_exporter), ("METRICS", settings.metrics_exporter),
@@ -214,7 +216,7 @@ def _watchdog_environment(settings: Settings) -> dict[str, str]:
         env[f"OTEL_{signal}_EXPORTER"] = ",".join(chosen) or "none"
     if "prometheus" in settings.metrics_exporter:
         # Its own scrape endpoint: the host's hangs while the host is frozen.
-        env["OTEL_EXPORTER_PROMETHEUS_PORT"] = str(settings.watchdog_prometheus_port)
+        env["OTEL_EXPORTER_PROMETHEUS_PORT"] = "0" if forked else str(settings.watchdog_prometheus_port)
     if settings.otlp_endpoint:
         env["OTEL_EXPORTER_OTLP_ENDPOINT"] = settings.otlp_endpoint
     env["OTEL_EXPORTER_OTLP_PROTOCOL"] = settings.otlp_protocol
@@ -226,7 +228,7 @@ def _watchdog_environment(settings: Settings) -> dict[str, str]:
     return env
 
 
-def _start_watchdog(settings: Settings) -> tuple[Any, subprocess.Popen[bytes]] | None:
+def _start_watchdog(settings: Settings, forked: bool = False) -> tuple[Any, subprocess.Popen[bytes]] | None:
     """Spawn the freeze watchdog (vfork/posix_spawn: never a fork of the host) and its heartbeat file."""
     from .detect import heartbeat
 
@@ -240,12 +242,22 @@ def _start_watchdog(settings: Settings) -> tuple[Any, subprocess.Popen[bytes]] |
         if settings.journal:
             command += ["--journal-dir", str(settings.journal_dir)]
         process = subprocess.Popen(  # stderr is shared so its WARNINGs reach the host's log
-            command, env=_watchdog_environment(settings), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL
+            command, env=_watchdog_environment(settings, forked), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL
         )
     except OSError as exc:
         _log.warning("stallwatch: cannot start the freeze watchdog (%s); STALLWATCH_WATCHDOG=false silences this.", exc)
         return None
     return area, process
+
+
+def _watch_fork_child(settings: Settings) -> tuple[Any, subprocess.Popen[bytes]] | None:
+    """A heartbeat file and watchdog of its own for a fork child that lives on and runs an event
+    loop (`detect.heartbeat` calls this there); the session's shutdown in the child then stops them."""
+    started = _start_watchdog(settings, forked=True)
+    session = _session
+    if started is not None and session is not None:
+        session._watchdog = started
+    return started
 
 
 def _stop_unused_watchdog(watchdog: tuple[Any, subprocess.Popen[bytes]] | None) -> None:

@@ -29,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -247,21 +248,34 @@ _stacks_file: Any = None  # open file faulthandler dumps into (STALLWATCH_FAULTH
 _threshold = 1.0
 _watchdog: Any = None  # the watchdog's subprocess.Popen, to notice that it died
 _stopping = threading.Lock()  # stop() against the heartbeat thread making the file again
+# Starts a heartbeat file and watchdog for a fork child that lives on (`_watch_this_child`)
+_start_for_child: Callable[[], tuple[HeartbeatArea, Any] | None] | None = None
+_child_tried = 0  # the pid of the last process that called it
 COMPONENT, SETTING = "watchdog", "STALLWATCH_WATCHDOG"
 
 
-def start(area: HeartbeatArea, lag_histogram: Any, threshold: float, stacks: bool, watchdog: Any = None) -> None:
+def start(
+    area: HeartbeatArea,
+    lag_histogram: Any,
+    threshold: float,
+    stacks: bool,
+    watchdog: Any = None,
+    start_for_child: Callable[[], tuple[HeartbeatArea, Any] | None] | None = None,
+) -> None:
     """Begin the interpreter heartbeat (a daemon thread) and watch event loops as they start.
 
     With `stacks`, each loop heartbeat re-arms `faulthandler.dump_traceback_later(threshold)`: a C
     timer that, when the loop stops beating, writes every thread's stack without needing the GIL.
     `watchdog` (its `subprocess.Popen`) is checked on every beat: its death is reported once.
+    `start_for_child` makes a heartbeat file and starts a watchdog for the calling process: it is
+    called when a fork child that lives on starts an event loop (gunicorn-style workers).
     """
-    global AREA, _lag_histogram, _stacks_file, _threshold, _watchdog
+    global AREA, _lag_histogram, _stacks_file, _threshold, _watchdog, _start_for_child
     AREA = area
     _lag_histogram = lag_histogram
     _threshold = threshold
     _watchdog = watchdog
+    _start_for_child = start_for_child
     if stacks:
         _stacks_file = open(stacks_path(area.path), "w", opener=opener)  # noqa: SIM115 - lives as long as the heartbeats
     ensure_thread()
@@ -406,8 +420,12 @@ _loops: dict[int, _LoopBeats] = {}
 
 def _run_forever(wrapped: Any, loop: asyncio.AbstractEventLoop, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     area = AREA
-    if area is None or not area.writable or threading.current_thread() is not threading.main_thread():
+    if area is None or threading.current_thread() is not threading.main_thread():
         return wrapped(*args, **kwargs)
+    if not area.writable:  # a fork child that lives on: it serves, so it is watched as a host of its own
+        area = _watch_this_child()
+        if area is None:
+            return wrapped(*args, **kwargs)
     from ..forksafe.loop import loop_kind
 
     beats = _LoopBeats(loop, area, loop_kind(loop), time.monotonic(), waiting=True)
@@ -419,6 +437,36 @@ def _run_forever(wrapped: Any, loop: asyncio.AbstractEventLoop, args: tuple[Any,
     finally:
         area.track_loop(None)
         _loops.pop(id(loop), None)
+
+
+def _watch_this_child() -> HeartbeatArea | None:
+    """In a fork child that lives on, on its main thread as its first event loop starts: its own
+    heartbeat file, watchdog and heartbeat thread (once per process; None if that fails).
+
+    Not in an after-fork handler (no process or thread starts there): a child that only execs, or
+    never runs a loop, costs nothing. The parent's file and watchdog are left to the parent.
+    """
+    global AREA, _child_tried, _stacks_file, _watchdog
+    if _start_for_child is None or _child_tried == os.getpid():
+        return None
+    _child_tried = os.getpid()
+    try:
+        started = _start_for_child()
+    except Exception:
+        from ..instrument._common import FAULTS
+
+        FAULTS.record(COMPONENT, SETTING)
+        return None
+    if started is None:
+        return None
+    area, process = started
+    _loops.clear()  # the parent's loops, copied by the fork
+    if _stacks_file is not None:  # the parent's file: this child's stacks go to its own
+        _stacks_file.close()
+        _stacks_file = open(stacks_path(area.path), "w", opener=opener)  # noqa: SIM115 - as in start()
+    AREA, _watchdog = area, process
+    ensure_thread()
+    return area
 
 
 def _send_loop_beats() -> None:
