@@ -262,6 +262,10 @@ def test_a_forked_worker_that_runs_an_event_loop_is_watched_as_a_host_of_its_own
     assert worker["serving"] not in (None, host["watchdog"])
     assert [(attrs(r)["stallwatch.freeze.kind"], f"host {worker['worker']} " in r["body"]["stringValue"])
             for r in detected] == [("loop_blocked", True)]  # fmt: skip
+    # Its watchdog is not one of the worker's children in its telemetry (nor its end a kill).
+    assert [s["name"] for s in otlp_items(telemetry_dir / "traces.jsonl", "spans")] == ["stallwatch.freeze"]
+    if metrics == "file":
+        assert metric_points(telemetry_dir / "metrics.jsonl", "stallwatch.subprocess.spawn.duration") == []
     # The worker's exit removed its own heartbeat file and left the host's.
     assert [name.split("-")[1] for name in host["after_worker"]] == [str(host["host"])]
     assert host["shutdown"] is True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import subprocess
@@ -253,7 +254,9 @@ def _start_watchdog(settings: Settings, forked: bool = False) -> tuple[Any, subp
 def _watch_fork_child(settings: Settings) -> tuple[Any, subprocess.Popen[bytes]] | None:
     """A heartbeat file and watchdog of its own for a fork child that lives on and runs an event
     loop (`detect.heartbeat` calls this there); the session's shutdown in the child then stops them."""
-    started = _start_watchdog(settings, forked=True)
+    spawns = sys.modules.get("stallwatch.instrument.subprocess")  # installed: the host's spawns are recorded
+    with spawns.unrecorded() if spawns is not None else contextlib.nullcontext():
+        started = _start_watchdog(settings, forked=True)
     session = _session
     if started is not None and session is not None:
         session._watchdog = started

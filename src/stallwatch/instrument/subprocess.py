@@ -28,6 +28,7 @@ and logged once, naming `STALLWATCH_INSTRUMENT_SUBPROCESS`.
 from __future__ import annotations
 
 import asyncio.base_events
+import contextlib
 import contextvars
 import logging
 import os
@@ -35,7 +36,7 @@ import subprocess
 import sys
 import threading
 from collections import deque
-from collections.abc import Callable, Collection, Coroutine, Generator, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Coroutine, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from time import perf_counter, sleep, time_ns
 from typing import Any
@@ -129,6 +130,18 @@ _CHILD_ATTRIBUTE = "_stallwatch_child"  # on a Popen: its child from its spawn t
 _by_pid: dict[int, _Child] = {}  # children of direct os.posix_spawn calls, until a wait function reaps them
 _in_loop_spawn: contextvars.ContextVar[_Child | None] = contextvars.ContextVar("stallwatch_loop_spawn", default=None)
 _in_popen: contextvars.ContextVar[_Child | None] = contextvars.ContextVar("stallwatch_popen", default=None)
+_unrecorded = contextvars.ContextVar("stallwatch_unrecorded_spawn", default=False)
+
+
+@contextlib.contextmanager
+def unrecorded() -> Iterator[None]:
+    """Spawns made inside are not recorded: stallwatch's own (a forked worker's watchdog), which
+    would otherwise count as a child of the host's for as long as it runs, and its end as a kill."""
+    token = _unrecorded.set(True)
+    try:
+        yield
+    finally:
+        _unrecorded.reset(token)
 
 
 def _fault() -> None:
@@ -507,6 +520,8 @@ def _materialized(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[
 
 
 def _popen_init(wrapped: Callable[..., None], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    if _unrecorded.get():
+        return wrapped(*args, **kwargs)
     outer = _in_loop_spawn.get()
     if outer is not None:  # a loop's spawn (standard loop, or uvloop's vfork route): the loop's span counts
         outer.method, outer.popen_args = None, (args, kwargs)  # the method is worked out after the spawn
@@ -576,6 +591,8 @@ def _safely(function: Callable[..., object], *args: Any) -> None:
 
 
 def _posix_spawn(wrapped: Callable[..., int], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    if _unrecorded.get():
+        return wrapped(*args, **kwargs)
     outer = _in_popen.get()
     if outer is not None:  # Popen chose posix_spawn: its own span records the method
         outer.method = "posix_spawn"
