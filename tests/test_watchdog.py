@@ -273,6 +273,48 @@ def test_a_forked_worker_that_runs_an_event_loop_is_watched_as_a_host_of_its_own
     assert list(runtime.iterdir()) == []
 
 
+_FORK_IN_A_LOOP = """
+import asyncio, json, os, sys, time, stallwatch
+session = stallwatch.setup(file_dir=sys.argv[1], faulthandler=True, freeze_threshold=0.5)
+async def main():
+    await asyncio.sleep(0.3)  # the loop heartbeat has armed faulthandler's timer by now
+    return os.fork()
+child = asyncio.run(main())
+if child == 0:  # the worker
+    async def serve():
+        await asyncio.sleep(0.3)
+        time.sleep(1.5)  # blocks the worker's own loop: its watchdog reports it, with stacks
+    if sys.argv[2] == "serves":
+        asyncio.run(serve())
+    sys.exit(0)  # the interpreter's exit cancels faulthandler's timer: it hung here, in CPython's code
+os.waitpid(child, 0)  # off the loop: the host itself is not frozen meanwhile
+print(json.dumps({"host": os.getpid(), "shutdown": stallwatch.shutdown()}))
+"""
+
+
+@pytest.mark.parametrize("worker", ["exits", "serves"])
+@pytest.mark.parametrize("fork_guard", ["true", "false"])
+def test_a_worker_forked_while_faulthandler_is_armed_exits_and_is_watched_with_stacks(
+    telemetry_dir, tmp_path, worker, fork_guard
+):
+    # CPython's faulthandler timer thread does not survive a fork; cancelling it in the child
+    # (which interpreter exit does) waited for it forever, so the host waited for its worker.
+    env = clean_env(XDG_RUNTIME_DIR=str(tmp_path), STALLWATCH_FORK_GUARD=fork_guard)
+    proc = subprocess.run([sys.executable, "-c", _FORK_IN_A_LOOP, str(telemetry_dir), worker],
+                          env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["shutdown"] is True
+    detected = [r for r in log_records(telemetry_dir / "logs.jsonl") if "freeze detected" in r["body"]["stringValue"]]
+    if worker == "exits":
+        assert detected == []
+        return
+    (record,) = detected
+    assert attrs(record)["stallwatch.freeze.kind"] == "loop_blocked"
+    stacks = attrs(record)["stallwatch.freeze.stacks"]
+    assert stacks.startswith("Timeout (") and "in serve" in stacks  # the worker's own, not the host's
+
+
 def test_a_killed_watchdog_leaves_the_host_unaffected():
     proc = subprocess.run(
         [sys.executable, "-c", (

@@ -245,6 +245,13 @@ def read(path: Path) -> dict[str, Any] | None:
 AREA: HeartbeatArea | None = None
 _thread_pid = 0
 _stacks_file: Any = None  # open file faulthandler dumps into (STALLWATCH_FAULTHANDLER)
+# The pid of the process that armed faulthandler's timer. CPython's timer thread does not survive a
+# fork, and `cancel_dump_traceback_later` waits for it: in a child forked while the timer was armed,
+# that call blocks forever, and the interpreter makes it at exit (3.10 to 3.13, tested). So the
+# timer is cancelled before a plain fork and armed again after it (`disarm_for_fork`), and a child
+# that finds it armed by its parent (forked without the guard) never touches it.
+_armed_by = 0
+_rearm = False  # `disarm_for_fork` cancelled the timer: `rearm_after_fork` arms it again
 _threshold = 1.0
 _watchdog: Any = None  # the watchdog's subprocess.Popen, to notice that it died
 _stopping = threading.Lock()  # stop() against the heartbeat thread making the file again
@@ -278,6 +285,10 @@ def start(
     _start_for_child = start_for_child
     if stacks:
         _stacks_file = open(stacks_path(area.path), "w", opener=opener)  # noqa: SIM115 - lives as long as the heartbeats
+        from ..forksafe import guard
+
+        if not guard.installed():  # STALLWATCH_FORK_GUARD=false: the guard's handlers do not call them
+            os.register_at_fork(before=disarm_for_fork, after_in_parent=rearm_after_fork)
     ensure_thread()
     _watch_loops()
 
@@ -380,11 +391,13 @@ def _forward_freezes(reports: Path | None, done: int) -> int:
 def stop() -> None:
     """Stop writing heartbeats and remove the files (at shutdown). In a fork child that lives on
     (and exits through `atexit`), the files are its parent's: they stay."""
-    global AREA, _stacks_file
+    global AREA, _stacks_file, _armed_by
     with _stopping:
         area, AREA = AREA, None
     if _stacks_file is not None:
-        faulthandler.cancel_dump_traceback_later()
+        if _armed_by == os.getpid():
+            faulthandler.cancel_dump_traceback_later()
+            _armed_by = 0
         _stacks_file.close()
         _stacks_file = None
     if area is not None and area.writable:
@@ -439,6 +452,27 @@ def _run_forever(wrapped: Any, loop: asyncio.AbstractEventLoop, args: tuple[Any,
         _loops.pop(id(loop), None)
 
 
+def disarm_for_fork() -> None:
+    """Before a fork that is not exec-bound (the fork guard's handler): cancel faulthandler's timer
+    if this process armed it, so that the child can exit (see `_armed_by`). About 40 µs with the
+    timer armed (`STALLWATCH_FAULTHANDLER`), a `getpid()` without."""
+    global _armed_by, _rearm
+    _rearm = _armed_by == os.getpid()
+    if _rearm:
+        faulthandler.cancel_dump_traceback_later()
+        _armed_by = 0
+
+
+def rearm_after_fork() -> None:
+    """After that fork, in the parent: arm the timer again at once, not at the next loop heartbeat."""
+    global _armed_by, _rearm
+    if _rearm:
+        _rearm = False
+        if _stacks_file is not None:
+            faulthandler.dump_traceback_later(_threshold, file=_stacks_file)
+            _armed_by = os.getpid()
+
+
 def _watch_this_child() -> HeartbeatArea | None:
     """In a fork child that lives on, on its main thread as its first event loop starts: its own
     heartbeat file, watchdog and heartbeat thread (once per process; None if that fails).
@@ -461,9 +495,11 @@ def _watch_this_child() -> HeartbeatArea | None:
         return None
     area, process = started
     _loops.clear()  # the parent's loops, copied by the fork
-    if _stacks_file is not None:  # the parent's file: this child's stacks go to its own
+    if _stacks_file is not None:  # the parent's file: this child's stacks go to its own, if it can arm the timer
         _stacks_file.close()
-        _stacks_file = open(stacks_path(area.path), "w", opener=opener)  # noqa: SIM115 - as in start()
+        _stacks_file = None
+        if _armed_by == 0:
+            _stacks_file = open(stacks_path(area.path), "w", opener=opener)  # noqa: SIM115 - as in start()
     AREA, _watchdog = area, process
     ensure_thread()
     return area
@@ -488,12 +524,14 @@ def _send_loop_beats() -> None:
 
 def _beat(beats: _LoopBeats) -> None:
     """On the loop: write the loop heartbeat and record how late this callback ran (loop lag)."""
+    global _armed_by
     beats.waiting = False
     if AREA is not beats.area or _loops.get(id(beats.loop)) is not beats:  # stopped, or a later run_forever
         return
     now = time.monotonic()
     beats.area.beat_loop()
-    if _stacks_file is not None:
+    if _stacks_file is not None and beats.area.writable and _armed_by in (0, pid := os.getpid()):
         faulthandler.dump_traceback_later(_threshold, file=_stacks_file)  # replaces the previous timer
+        _armed_by = pid
     if _lag_histogram is not None:
         _lag_histogram.record(max(0.0, now - beats.sent), {"stallwatch.loop": beats.kind})

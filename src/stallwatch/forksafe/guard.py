@@ -181,9 +181,13 @@ def _before_fork() -> None:
     STATE.fork_counts[key] = STATE.fork_counts.get(key, 0) + 1
     if exec_bound:
         STATE.handlers_skipped += STATE.guarded_handlers
+    else:  # a child that may live on and exit: faulthandler's timer must not be armed in it
+        heartbeat.disarm_for_fork()
 
 
 def _after_in_parent() -> None:
+    if not STATE.forking_exec_bound:
+        heartbeat.rearm_after_fork()
     STATE.forking_exec_bound = False
 
 
