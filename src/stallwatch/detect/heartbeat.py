@@ -94,19 +94,13 @@ def sweep(directory: Path) -> int:
         return 0
     for path in candidates:
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except OSError:
+            young = time.time() - path.stat().st_mtime < SWEEP_AGE_SECONDS
+        except OSError:  # removed meanwhile
             continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if time.time() - os.fstat(fd).st_mtime < SWEEP_AGE_SECONDS:
-                continue
-            remove_files(path)
-            removed += 1
-        except OSError:  # locked: its host lives (BlockingIOError), or it vanished meanwhile
-            continue
-        finally:
-            os.close(fd)
+        if not young and not in_use(path):
+            with contextlib.suppress(OSError):
+                remove_files(path)
+                removed += 1
     return removed
 
 
@@ -128,7 +122,7 @@ class HeartbeatArea:
         """Create the file, locked (held open for the lock: see `sweep`) and mapped."""
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # waits only for a `sweep` or `in_use` that opened it this instant
+            fcntl.flock(fd, fcntl.LOCK_EX)  # waits only for an `in_use` that opened it this instant
             os.ftruncate(fd, LAYOUT.size)
             return fd, mmap.mmap(fd, LAYOUT.size), os.fstat(fd).st_ino
         except BaseException:
