@@ -234,7 +234,7 @@ def _start_watchdog(settings: Settings, forked: bool = False) -> tuple[Any, subp
     from .detect import heartbeat
 
     try:
-        swept = heartbeat.sweep(heartbeat.area_directory())
+        swept = 0 if forked else heartbeat.sweep(heartbeat.area_directory())  # a worker: its host swept
         if swept:
             _log.debug("stallwatch: removed the heartbeat files of %d hosts that are gone", swept)
         area = heartbeat.HeartbeatArea()
