@@ -641,8 +641,9 @@ def test_a_log_handler_fault_never_reaches_the_hosts_logging_call(tmp_path):
         f"host line {n}" for n in range(3)
     ]
     assert stderr.count("Set OTEL_LOGS_EXPORTER=none to turn this part off") == 1, stderr
-    # Each host record, and stallwatch's own warning about them, failed in the handler and was counted.
+    # Each host record failed in the handler and was counted; stallwatch's own warning about it, logged
+    # while the handler ran, goes to stderr only (the log bridge never re-enters its handler).
     errors = latest_total(
         tmp_path / "metrics.jsonl", "stallwatch.instrumentation.errors", **{"stallwatch.component": "logs"}
     )
-    assert errors == 4
+    assert errors == 3

@@ -44,6 +44,7 @@ from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SpanExportResult
 from . import telemetry
 from ._version import __version__
 from .config import ConfigError, Settings
+from .export import log_bridge
 from .export.file import FileLogExporter, FileMetricExporter, FileSpanExporter
 from .export.guarded import (
     SHUTDOWN_TIMEOUT,
@@ -154,7 +155,6 @@ class Pipeline:
     meter_provider: MeterProvider | None = None
     logger_provider: LoggerProvider | None = None
     log_handler: logging.Handler | None = None
-    stderr_handler: logging.Handler | None = None
     files: dict[str, Path] = field(default_factory=dict)
     prometheus_address: tuple[str, int] | None = None
     _closers: list[Callable[[], Any]] = field(default_factory=list)
@@ -186,9 +186,8 @@ class Pipeline:
         What is still queued or in flight when the time is up is dropped, counted as
         `shutdown_timeout` and logged once at WARNING (the count itself can no longer be exported).
         """
-        for handler in (self.log_handler, self.stderr_handler):
-            if handler is not None:
-                logging.getLogger().removeHandler(handler)
+        if self.log_handler is not None and log_bridge.installed_handler() is self.log_handler:
+            log_bridge.uninstall()
         finished = self._closer.finish(timeout) if self._closer.start() else _bounded_inline(self._stop, timeout)
         if not finished:
             self._gate.cut_off = True  # the shutdown left behind stops exporting instead of waiting
@@ -259,18 +258,12 @@ def build(settings: Settings) -> Pipeline:
     if pipeline.logger_provider:
         _logs.set_logger_provider(pipeline.logger_provider)
         if settings.logs_exporter:
-            root = logging.getLogger()
-            if not root.handlers and logging.lastResort is not None:
-                # Without handlers, Python prints WARNING and above to stderr (logging.lastResort);
-                # our handler on the root would silence that, so keep it explicitly.
-                pipeline.stderr_handler = logging.lastResort
-                root.addHandler(logging.lastResort)
             level = min(settings.log_level, logging.INFO)  # ledger records are INFO
             processors = [p for p in pipeline._processors if isinstance(p, CountingLogProcessor)]
             handler = _LoggingHandler(level, pipeline.logger_provider, processors)
             handler.addFilter(_LevelOrLedger(settings.log_level))
             pipeline.log_handler = handler
-            root.addHandler(handler)
+            log_bridge.install(handler)  # never a handler on the root logger: the host's output stays its own
     return pipeline
 
 
