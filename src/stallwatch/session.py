@@ -6,6 +6,7 @@ import atexit
 import contextlib
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -65,7 +66,7 @@ class Session:
         return shutdown(timeout)
 
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entrant: the SIGTERM handler may run in the main thread inside setup()
 _session: Session | None = None
 _shut_down = False
 
@@ -138,6 +139,7 @@ def _start(fork_safety: ForkSafety, overrides: dict[str, Any]) -> Session:
             start_for_child=(lambda: _watch_fork_child(settings)) if settings.watchdog_forked_workers else None,
         )
     atexit.register(_shutdown_at_exit)
+    _keep_the_tail_on_sigterm(settings.shutdown_timeout)
     return Session(settings, fork_safety, dict(pipeline.files) if pipeline else {}, None, pipeline, watchdog, journal)
 
 
@@ -212,9 +214,9 @@ def _watchdog_environment(settings: Settings, forked: bool) -> dict[str, str]:
     worker forked from the host, whose watchdog cannot take the host's watchdog's port)."""
     env = dict(os.environ)
     env["STALLWATCH_FILE_DIR"] = str(settings.file_dir)
-    for signal, chosen in (("TRACES", settings.traces_exporter), ("METRICS", settings.metrics_exporter),
-                           ("LOGS", settings.logs_exporter)):  # fmt: skip
-        env[f"OTEL_{signal}_EXPORTER"] = ",".join(chosen) or "none"
+    for signal_name, chosen in (("TRACES", settings.traces_exporter), ("METRICS", settings.metrics_exporter),
+                                ("LOGS", settings.logs_exporter)):  # fmt: skip
+        env[f"OTEL_{signal_name}_EXPORTER"] = ",".join(chosen) or "none"
     if "prometheus" in settings.metrics_exporter:
         # Its own scrape endpoint: the host's hangs while the host is frozen.
         env["OTEL_EXPORTER_PROMETHEUS_PORT"] = "0" if forked else str(settings.watchdog_prometheus_port)
@@ -358,3 +360,33 @@ def _shutdown_at_exit() -> None:
             type(exc).__name__,
             exc,
         )
+
+
+def _keep_the_tail_on_sigterm(timeout: float) -> None:
+    """Export what was recorded before a SIGTERM that ends the process by its default action.
+
+    That action skips `atexit`, so a stock OpenTelemetry host loses every queued span there
+    (uvicorn, after its graceful shutdown, restores the handler it found and raises SIGTERM again).
+    Installed only from the main thread and only while SIGTERM has its default action: a handler
+    the host installed before, or SIG_IGN, is never replaced, and one it installs later replaces
+    this one. The handler flushes within `timeout` seconds (STALLWATCH_SHUTDOWN_TIMEOUT), restores
+    the default action and raises SIGTERM again, so the process still dies by SIGTERM (exit status
+    -15) without running `atexit` handlers, as it would without stallwatch.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    with contextlib.suppress(ValueError, OSError):
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, lambda signum, frame: _flush_then_die(signum, timeout))
+
+
+def _flush_then_die(signum: int, timeout: float) -> None:
+    signal.signal(signum, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+    try:
+        # On a thread of its own: the handler runs between two bytecodes of the main thread, which
+        # may hold a lock the shutdown needs; the wait is bounded either way.
+        flusher = threading.Thread(target=_shutdown_at_exit, name="stallwatch-sigterm", daemon=True)
+        flusher.start()
+        flusher.join(timeout + 0.5)
+    finally:
+        signal.raise_signal(signum)

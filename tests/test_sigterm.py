@@ -1,0 +1,167 @@
+"""A normal SIGTERM stop keeps what the host recorded: uvicorn's re-raise after its graceful shutdown,
+gunicorn stopping its workers, a plain script ended by the default action. The process still dies
+by SIGTERM, a handler the host installed is never replaced, and a host ignoring SIGTERM goes on."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import attrs, clean_env, latest_total, otlp_items, run_python
+from support.served import SCENARIOS, Served
+
+REQUESTS = 30
+
+
+def _host_env(telemetry: Path, **extra: str) -> dict[str, str]:
+    # Metrics only at shutdown: what is on disk afterwards was written by the SIGTERM path.
+    return clean_env(STALLWATCH_FILE_DIR=str(telemetry), OTEL_METRIC_EXPORT_INTERVAL="3600000", **extra)
+
+
+def _spawn_requests(port: int) -> None:
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+        for number in range(REQUESTS):
+            response = client.get(f"/spawn/{number}")
+            assert response.status_code == 200 and response.text == "0"
+
+
+def _host_spans(telemetry: Path) -> tuple[list[str], list[dict]]:
+    spans = otlp_items(telemetry / "traces.jsonl", "spans")
+    requests = sorted(span["name"] for span in spans if span["name"].startswith("GET /spawn/"))
+    children = [span for span in spans if attrs(span).get("process.executable.name") == "true"]
+    return requests, children
+
+
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_uvicorn_stopped_by_sigterm_exports_every_request_and_child_and_still_dies_by_sigterm(tmp_path, loop):
+    telemetry = tmp_path / "telemetry"
+    command = [sys.executable, "-m", "uvicorn", "served_app:app", "--port", "0", "--loop", loop]
+    host = Served(command, _host_env(telemetry), cwd=SCENARIOS)
+    try:
+        port = int(host.wait_for(r"Uvicorn running on http://127\.0\.0\.1:(\d+)").group(1))
+        _spawn_requests(port)
+        host.process.send_signal(signal.SIGTERM)
+        code = host.finish()
+    finally:
+        host.kill()
+
+    assert code == -signal.SIGTERM, host.stderr()
+    assert "Finished server process" in host.stderr()  # uvicorn's graceful shutdown ran first
+    requests, children = _host_spans(telemetry)
+    assert requests == sorted(f"GET /spawn/{n}" for n in range(REQUESTS))
+    assert len(children) == REQUESTS
+    assert all(int(attrs(child)["process.exit.code"]) == 0 for child in children)
+    exits = latest_total(
+        telemetry / "metrics.jsonl", "stallwatch.subprocess.exits", **{"process.executable.name": "true"}
+    )
+    assert exits == REQUESTS
+
+
+def test_gunicorn_stopping_its_uvicorn_workers_keeps_every_workers_spans(tmp_path):
+    telemetry = tmp_path / "telemetry"
+    command = [sys.executable, "-m", "gunicorn", "served_app:app", "-k", "uvicorn.workers.UvicornWorker",
+               "-w", "2", "-b", "127.0.0.1:0"]  # fmt: skip
+    host = Served(command, _host_env(telemetry), cwd=SCENARIOS)
+    try:
+        port = int(host.wait_for(r"Listening at: http://127\.0\.0\.1:(\d+)").group(1))
+        for _ in range(2):
+            host.wait_for(r"Application startup complete")
+        _spawn_requests(port)
+        host.process.send_signal(signal.SIGTERM)  # to the master, which stops its workers with SIGTERM
+        code = host.finish()
+    finally:
+        host.kill()
+
+    assert code == 0, host.stderr()  # gunicorn's master exits normally after stopping its workers
+    requests, children = _host_spans(telemetry)
+    assert requests == sorted(f"GET /spawn/{n}" for n in range(REQUESTS))
+    assert len(children) == REQUESTS
+
+
+_SCRIPT = """
+import os, signal, sys, time
+import stallwatch
+from opentelemetry import trace
+
+stallwatch.setup(watchdog=False, metric_export_interval_ms=3600000)
+tracer = trace.get_tracer("script")
+for number in range(150):
+    with tracer.start_as_current_span(f"step {number}"):
+        pass
+print("recorded", flush=True)
+while True:
+    time.sleep(0.05)
+"""
+
+
+def _script_until_sigterm(code: str, telemetry: Path) -> tuple[int, str]:
+    command = [sys.executable, "-c", code]
+    with subprocess.Popen(
+        command, env=_host_env(telemetry), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as script:
+        assert script.stdout.readline() == "recorded\n"
+        script.send_signal(signal.SIGTERM)
+        _, stderr = script.communicate(timeout=30)
+        return script.returncode, stderr
+
+
+def test_a_plain_script_ended_by_sigterm_exports_its_queued_spans_and_dies_by_sigterm(tmp_path):
+    telemetry = tmp_path / "telemetry"
+    code, stderr = _script_until_sigterm(_SCRIPT, telemetry)
+
+    assert code == -signal.SIGTERM, stderr
+    assert stderr == ""
+    spans = otlp_items(telemetry / "traces.jsonl", "spans")
+    assert sorted(span["name"] for span in spans) == sorted(f"step {n}" for n in range(150))
+
+
+def test_a_sigterm_handler_the_host_installed_first_is_left_in_place(tmp_path):
+    telemetry = tmp_path / "telemetry"
+    host_handler = "import signal, sys\nsignal.signal(signal.SIGTERM, lambda *a: sys.exit(7))\n"
+    code, stderr = _script_until_sigterm(host_handler + _SCRIPT, telemetry)
+
+    assert code == 7, stderr  # the host's handler ran, and its exit flushed through atexit
+    assert len(otlp_items(telemetry / "traces.jsonl", "spans")) == 150
+
+
+def test_a_host_that_ignores_sigterm_keeps_ignoring_it(tmp_path):
+    result = run_python(
+        """
+        import os, signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        import stallwatch
+
+        stallwatch.setup(watchdog=False, file_dir=os.environ["TELEMETRY"])
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGTERM)
+        print("still here", flush=True)
+        """,
+        env=clean_env(TELEMETRY=str(tmp_path / "telemetry")),
+    )
+
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "still here\n"
+
+
+def test_a_host_handler_installed_after_setup_replaces_stallwatchs(tmp_path):
+    result = run_python(
+        """
+        import os, signal, sys
+        import stallwatch
+
+        stallwatch.setup(watchdog=False, file_dir=os.environ["TELEMETRY"])
+        assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN, None)
+        signal.signal(signal.SIGTERM, lambda *a: print("host handler", flush=True))
+        os.kill(os.getpid(), signal.SIGTERM)
+        print("went on", flush=True)
+        """,
+        env=clean_env(TELEMETRY=str(tmp_path / "telemetry")),
+    )
+
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "host handler\nwent on\n"
