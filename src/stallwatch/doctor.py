@@ -5,6 +5,10 @@ handler registered after `import stallwatch` with the threads it starts when run
 child (a throw-away child runs them one at a time, counts thread starts and OS tasks, reports
 over a pipe and `_exit`s). Handlers registered earlier cannot be told apart, so the threads they
 start are one unattributed figure.
+
+`Sandbox` is what lets the `stallwatch doctor` command run `setup()` on a machine where hosts run:
+the doctor's own journal, telemetry files and heartbeat file go to a temporary directory, so
+nothing of the hosts' is replayed, archived, swept or written.
 """
 
 from __future__ import annotations
@@ -13,14 +17,20 @@ import json
 import os
 import platform
 import select
+import shutil
 import signal
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import TracebackType
 from typing import Any
 
+from . import session
 from .forksafe import grpc_guard, guard
 from .forksafe.loop import loop_report, package_version
 
@@ -206,14 +216,81 @@ def doctor(probe: bool = True) -> Report:
 
 
 def _watchdog_report() -> dict[str, Any]:
-    from .session import current
-
-    session = current()
-    process = session._watchdog[1] if session is not None and session._watchdog is not None else None
+    process = _watchdog_process()
     if process is None:
         return {"pid": None, "alive": False, "exit_status": None}
     status = process.poll()
     return {"pid": process.pid, "alive": status is None, "exit_status": status}
+
+
+def _watchdog_process() -> subprocess.Popen[bytes] | None:
+    running = session.current()
+    return running._watchdog[1] if running is not None and running._watchdog is not None else None
+
+
+class Sandbox:
+    """`with Sandbox():` every `setup()` in this process writes only to a temporary directory.
+
+    The `setup()` of `stallwatch doctor --setup`, and one that an `--import`ed module runs, keep
+    their journal, telemetry files and heartbeat file in the directory and serve Prometheus on free
+    ports, even where the code passes those settings to `setup()` as keywords. So the journals of
+    the hosts on the machine are neither replayed nor archived, the shared heartbeat directory is
+    not swept, no file outside the directory is made or changed, and no host's port is taken.
+    On leaving, the session is shut down, its watchdog waited for, the directory removed and the
+    environment restored.
+    """
+
+    def __init__(self) -> None:
+        self.directory = Path()
+        self._environ: dict[str, str | None] = {}  # the replaced variables' own values
+        self._setup = session.setup
+
+    def __enter__(self) -> Sandbox:
+        from .detect import heartbeat
+
+        self.directory = Path(tempfile.mkdtemp(prefix="stallwatch-doctor-"))
+        replaced = {
+            ("journal_dir", "STALLWATCH_JOURNAL_DIR"): self.directory / "journal",
+            ("file_dir", "STALLWATCH_FILE_DIR"): self.directory / "telemetry",
+            ("prometheus_port", "OTEL_EXPORTER_PROMETHEUS_PORT"): 0,
+            ("watchdog_prometheus_port", "STALLWATCH_WATCHDOG_PROMETHEUS_PORT"): 0,
+        }
+        keywords = {keyword: value for (keyword, _), value in replaced.items()}
+        for (_, variable), value in replaced.items():
+            self._environ[variable] = os.environ.get(variable)
+            os.environ[variable] = str(value)
+        heartbeat.use_directory(self.directory)
+        original = self._setup
+
+        def sandboxed_setup(fork_safety: Any, **overrides: Any) -> session.Session:
+            return original(fork_safety, **{**overrides, **{k: v for k, v in keywords.items() if k in overrides}})
+
+        session.setup = sandboxed_setup  # type: ignore[assignment]
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        from .detect import heartbeat
+
+        try:
+            watchdog = _watchdog_process()
+            session.shutdown()
+            if watchdog is not None:  # shutdown() only signals it: wait, so that it writes nothing after the removal
+                try:
+                    watchdog.wait(timeout=_PROBE_TIMEOUT)
+                except subprocess.TimeoutExpired:
+                    watchdog.kill()
+                    watchdog.wait()
+        finally:
+            session.setup = self._setup  # type: ignore[assignment]
+            heartbeat.use_directory(None)
+            for variable, value in self._environ.items():
+                if value is None:
+                    os.environ.pop(variable, None)
+                else:
+                    os.environ[variable] = value
+            shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def _sentry_report() -> dict[str, Any]:
