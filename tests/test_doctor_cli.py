@@ -251,6 +251,11 @@ def _snapshot(*roots: Path) -> dict[str, tuple[bytes | None, int]]:
     return found
 
 
+def _all_threads_stopped(pid: int) -> bool:
+    tasks = Path(f"/proc/{pid}/task")
+    return all((task / "stat").read_text().rsplit(")", 1)[1].split()[0] == "T" for task in tasks.iterdir())
+
+
 @pytest.fixture(scope="module")
 def shared_machine(tmp_path_factory):
     """A dead host's journal and heartbeat files (killed with its watchdog, as systemd stops a unit)
@@ -272,6 +277,10 @@ def shared_machine(tmp_path_factory):
     stopped = (live.pid, live_info["watchdog"])
     for pid in stopped:
         os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 30
+    while not all(_all_threads_stopped(pid) for pid in stopped):  # a signal is delivered after kill() returns
+        assert time.monotonic() < deadline, "the live host did not stop"
+        time.sleep(0.01)
     yield root, env, dead_info
     for pid in stopped:
         os.kill(pid, signal.SIGCONT)
