@@ -339,6 +339,31 @@ def test_doctor_imports_a_module_from_the_directory_it_runs_in_as_uvicorn_does(t
     assert proc.stdout.strip().splitlines()[-1].startswith("OK")
 
 
+def test_doctor_reports_a_journal_directory_the_host_cannot_use_and_creates_none(tmp_path):
+    (tmp_path / "file").write_text("")
+    unusable = tmp_path / "file" / "journal"
+    absent = tmp_path / "not-yet" / "journal"
+
+    bad_text = stallwatch_cli("doctor", "--no-probe", env=clean_env(STALLWATCH_JOURNAL_DIR=str(unusable)))
+    bad = stallwatch_cli(
+        "doctor", "--setup", "--json", "--no-probe", env=clean_env(STALLWATCH_JOURNAL_DIR=str(unusable))
+    )
+    good = stallwatch_cli(
+        "doctor", "--setup", "--json", "--no-probe", env=clean_env(STALLWATCH_JOURNAL_DIR=str(absent))
+    )
+
+    problem = f"STALLWATCH_JOURNAL_DIR {unusable} cannot be created: {tmp_path / 'file'} is not a directory"
+    assert f"journal                UNUSABLE: {problem}" in bad_text.stdout
+    assert f"advice: {problem}" in bad_text.stdout
+    assert json.loads(bad.stdout)["journal"] == {
+        "enabled": True, "directory": str(unusable), "usable": False, "problem": problem,
+    }  # fmt: skip
+    assert json.loads(good.stdout)["journal"] == {
+        "enabled": True, "directory": str(absent), "usable": True, "problem": None,
+    }  # fmt: skip
+    assert not (tmp_path / "not-yet").exists()
+
+
 def test_doctor_setup_serves_prometheus_on_free_ports_not_the_ones_the_host_listens_on():
     with socket.create_server(("127.0.0.1", 0)) as host_port, socket.create_server(("127.0.0.1", 0)) as watchdog_port:
         env = clean_env(

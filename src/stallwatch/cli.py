@@ -17,7 +17,7 @@ import stallwatch
 def _doctor(args: argparse.Namespace) -> int:
     from .doctor import Sandbox
 
-    with Sandbox():  # the doctor's setup() and the imported modules' leave the host's files alone
+    with Sandbox() as sandbox:  # the doctor's setup() and the imported modules' leave the host's files alone
         if args.imports and not {"", ".", os.getcwd()} & set(sys.path):
             sys.path.insert(0, os.getcwd())  # as `python -m` and uvicorn (`--app-dir .`) find the app
         for module in args.imports:
@@ -30,7 +30,7 @@ def _doctor(args: argparse.Namespace) -> int:
                 return 2
         if args.setup:
             stallwatch.setup()
-        report = stallwatch.doctor(probe=not args.no_probe)
+        report = stallwatch.doctor(probe=not args.no_probe, journal=sandbox.host_journal())
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format_text())
     return 0 if report.ok else 1
 

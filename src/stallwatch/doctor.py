@@ -4,7 +4,7 @@ The report lists versions, the event loop uvicorn would pick, gRPC state, and ev
 handler registered after `import stallwatch` with the threads it starts when run in a real fork
 child (a throw-away child runs them one at a time, counts thread starts and OS tasks, reports
 over a pipe and `_exit`s). Handlers registered earlier cannot be told apart, so the threads they
-start are one unattributed figure.
+start are one unattributed figure. It also says whether the host's journal directory is usable.
 
 `Sandbox` is what lets the `stallwatch doctor` command run `setup()` on a machine where hosts run:
 the doctor's own journal, telemetry files and heartbeat file go to a temporary directory, so
@@ -25,16 +25,19 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from . import session
+from .config import ConfigError, Settings
 from .forksafe import grpc_guard, guard
 from .forksafe.loop import loop_report, package_version
 
 _PROBE_TIMEOUT = 10.0
+_JOURNAL_SETTINGS = (("journal", "STALLWATCH_JOURNAL"), ("journal_dir", "STALLWATCH_JOURNAL_DIR"))
 
 
 @dataclass
@@ -61,6 +64,7 @@ class Report:
     unattributed_threads: list[str]
     sentry: dict[str, Any]
     watchdog: dict[str, Any]
+    journal: dict[str, Any]
     nebius: str
     hazards: list[str]
     advice: list[str]
@@ -99,6 +103,7 @@ class Report:
                 if self.watchdog["pid"] is None
                 else f"pid {self.watchdog['pid']}, {'running' if self.watchdog['alive'] else 'NOT RUNNING'}"
             ),
+            f"  {'journal':<22} " + _journal_text(self.journal),
             f"  {'nebius calls':<22} {self.nebius}",
             "",
             "  at-fork handlers registered after import stallwatch (threads started in a real fork child):",
@@ -120,8 +125,12 @@ class Report:
         return "\n".join(lines)
 
 
-def doctor(probe: bool = True) -> Report:
-    """Report the fork hazards left in this process; `probe=False` skips the test fork."""
+def doctor(probe: bool = True, journal: dict[str, Any] | None = None) -> Report:
+    """Report the fork hazards left in this process; `probe=False` skips the test fork.
+
+    `journal` is a `check_journal()` result made beforehand (the command's, made for the host's
+    settings rather than its sandbox's); by default the journal directory checked is this process's.
+    """
     from . import FORK_SAFETY
 
     hazards: list[str] = []
@@ -185,6 +194,12 @@ def doctor(probe: bool = True) -> Report:
             f"the freeze watchdog (pid {watchdog['pid']}) is not running (exit status {watchdog['exit_status']}): "
             "freezes go unseen until setup() runs in a new process; check its stderr, or set STALLWATCH_WATCHDOG=false"
         )
+    journal = check_journal() if journal is None else journal
+    if journal["problem"]:
+        advice.append(
+            f"{journal['problem']}: the journal cannot be kept, so what a killed process left in flight is lost; "
+            "set STALLWATCH_JOURNAL_DIR to a directory the host can write, or STALLWATCH_JOURNAL=false"
+        )
 
     from .instrument import nebius
 
@@ -209,6 +224,7 @@ def doctor(probe: bool = True) -> Report:
         unattributed_threads=unattributed,
         sentry=sentry,
         watchdog=watchdog,
+        journal=journal,
         nebius=nebius_status,
         hazards=hazards,
         advice=advice,
@@ -228,6 +244,58 @@ def _watchdog_process() -> subprocess.Popen[bytes] | None:
     return running._watchdog[1] if running is not None and running._watchdog is not None else None
 
 
+def check_journal(
+    environ: Mapping[str, str] | None = None, overrides: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """Whether the journal could be kept in the host's journal directory; looks, never creates.
+
+    The directory is usable when it is a directory the process can write into, or when it does not
+    exist and its nearest existing parent is one (the journal creates it). The settings are those
+    of the running session; with `environ` or `overrides`, or without a session, those that
+    `STALLWATCH_JOURNAL` and `STALLWATCH_JOURNAL_DIR` in `environ` (default: the environment) and
+    the `journal`/`journal_dir` keyword `overrides` make. Returns `enabled`, `directory`, `usable`
+    (None while the journal is off) and `problem` (None, or why it is unusable, naming the setting).
+    """
+    running = session.current()
+    if environ is None and overrides is None and running is not None and running.settings is not None:
+        enabled, directory = running.settings.journal, running.settings.journal_dir
+    else:
+        env, given = os.environ if environ is None else environ, overrides or {}
+        try:
+            settings = Settings.load(
+                {v: env[v] for _, v in _JOURNAL_SETTINGS if v in env},
+                **{k: given[k] for k, _ in _JOURNAL_SETTINGS if k in given},
+            )
+        except ConfigError as error:
+            return {"enabled": True, "directory": None, "usable": False, "problem": str(error)}
+        enabled, directory = settings.journal, settings.journal_dir
+    if not enabled:
+        return {"enabled": False, "directory": str(directory), "usable": None, "problem": None}
+    why = _unwritable(directory)
+    problem = f"STALLWATCH_JOURNAL_DIR {directory} {why}" if why else None
+    return {"enabled": True, "directory": str(directory), "usable": why is None, "problem": problem}
+
+
+def _unwritable(directory: Path) -> str | None:
+    """Why the journal could not be kept in `directory`, or None when it could."""
+    existing = directory
+    while not os.path.lexists(existing):
+        existing = existing.parent
+    if not existing.is_dir():
+        return "is not a directory" if existing == directory else f"cannot be created: {existing} is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return "is not writable" if existing == directory else f"cannot be created: {existing} is not writable"
+    return None
+
+
+def _journal_text(journal: dict[str, Any]) -> str:
+    if not journal["enabled"]:
+        return "off (STALLWATCH_JOURNAL=false)"
+    if journal["usable"]:
+        return f"{journal['directory']} (usable)"
+    return f"UNUSABLE: {journal['problem']}"
+
+
 class Sandbox:
     """`with Sandbox():` every `setup()` in this process writes only to a temporary directory.
 
@@ -237,11 +305,12 @@ class Sandbox:
     the hosts on the machine are neither replayed nor archived, the shared heartbeat directory is
     not swept, no file outside the directory is made or changed, and no host's port is taken.
     On leaving, the session is shut down, its watchdog waited for, the directory removed and the
-    environment restored.
+    environment restored. What the first `setup()` asked for is kept (`host_journal`).
     """
 
     def __init__(self) -> None:
         self.directory = Path()
+        self.requested: dict[str, Any] | None = None  # the replaced keyword overrides of the first setup()
         self._environ: dict[str, str | None] = {}  # the replaced variables' own values
         self._setup = session.setup
 
@@ -263,10 +332,18 @@ class Sandbox:
         original = self._setup
 
         def sandboxed_setup(fork_safety: Any, **overrides: Any) -> session.Session:
+            if self.requested is None:
+                self.requested = {k: v for k, v in overrides.items() if k in keywords}
             return original(fork_safety, **{**overrides, **{k: v for k, v in keywords.items() if k in overrides}})
 
         session.setup = sandboxed_setup  # type: ignore[assignment]
         return self
+
+    def host_journal(self) -> dict[str, Any]:
+        """`check_journal()` for the settings the host would run with, not the sandbox's."""
+        environ = {k: v for k, v in os.environ.items() if k not in self._environ}
+        environ.update({k: v for k, v in self._environ.items() if v is not None})
+        return check_journal(environ, self.requested or {})
 
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
