@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -212,3 +217,163 @@ def test_opentelemetry_instrument_gets_the_fork_aware_pipeline(tmp_path):
     assert span_names(tmp_path / "out" / "traces.jsonl") == ["app-span"]
     assert "stallwatch.executor.run.duration" in (tmp_path / "out" / "metrics.jsonl").read_text()
     assert "already instrumented" not in proc.stderr
+
+
+# A host with an SSH tunnel open (journaled durably), its journal and heartbeat file in the
+# machine's shared default places, as on a dstack server.
+_HOST = """
+import json, sys, stallwatch
+from opentelemetry import trace
+from stallwatch import journal
+from stallwatch.detect import heartbeat
+session = stallwatch.setup()
+tunnel = trace.get_tracer("host").start_span("ssh.tunnel.open")
+journal.span_started(tunnel, "ssh", durable=True)
+journal.active().flush()
+print(json.dumps({"watchdog": session.watchdog_pid, "heartbeat": str(heartbeat.AREA.path)}), flush=True)
+sys.stdin.readline()
+print(json.dumps({"shutdown": stallwatch.shutdown()}), flush=True)
+"""
+
+
+def _start_host(env: dict[str, str]) -> tuple[subprocess.Popen[str], dict]:
+    host = subprocess.Popen([sys.executable, "-c", _HOST], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    return host, json.loads(host.stdout.readline())
+
+
+def _snapshot(*roots: Path) -> dict[str, tuple[bytes | None, int]]:
+    """Every file's bytes and every file's and directory's mtime under `roots`."""
+    found = {}
+    for root in roots:
+        for path in [root, *root.rglob("*")]:
+            found[str(path)] = (path.read_bytes() if path.is_file() else None, path.stat().st_mtime_ns)
+    return found
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    tasks = Path(f"/proc/{pid}/task")
+    return all((task / "stat").read_text().rsplit(")", 1)[1].split()[0] == "T" for task in tasks.iterdir())
+
+
+@pytest.fixture(scope="module")
+def shared_machine(tmp_path_factory):
+    """A dead host's journal and heartbeat files (killed with its watchdog, as systemd stops a unit)
+    and a live host's, in the default journal directory and the shared heartbeat directory. The live
+    host and its watchdog are stopped (SIGSTOP) so that their files hold still while the doctor runs."""
+    root = tmp_path_factory.mktemp("machine")
+    env = clean_env(XDG_STATE_HOME=str(root / "state"), XDG_RUNTIME_DIR=str(root / "run"))
+    del env["STALLWATCH_JOURNAL_DIR"]  # the default one, under XDG_STATE_HOME, as hosts share it
+    (root / "run").mkdir()
+    live, live_info = _start_host(env)  # first: the dead host's journal is left for a later start to replay
+    dead, dead_info = _start_host(env)
+    os.kill(dead_info["watchdog"], signal.SIGKILL)
+    dead.kill()
+    dead.wait(30)
+    journal_dir = root / "state" / "stallwatch" / "journal"
+    then = time.time() - 60  # old enough for a sweep to take the dead host's heartbeat file as left behind
+    for path in [*journal_dir.iterdir(), *(root / "run").iterdir()]:
+        os.utime(path, (then, then))
+    stopped = (live.pid, live_info["watchdog"])
+    for pid in stopped:
+        os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 30
+    while not all(_all_threads_stopped(pid) for pid in stopped):  # a signal is delivered after kill() returns
+        assert time.monotonic() < deadline, "the live host did not stop"
+        time.sleep(0.01)
+    yield root, env, dead_info
+    for pid in stopped:
+        os.kill(pid, signal.SIGCONT)
+    out, _ = live.communicate("\n", timeout=60)
+    assert json.loads(out)["shutdown"] is True
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        [],
+        ["--json"],
+        ["--setup"],
+        ["--setup", "--json", "--no-probe"],
+        ["--import", "autoapp"],
+        ["--import", "pinnedapp", "--setup"],
+    ],
+    ids=["plain", "json", "setup", "setup-json-no-probe", "import-auto", "import-setup-with-keywords"],
+)
+def test_doctor_in_every_mode_leaves_other_hosts_journals_heartbeat_files_and_telemetry_as_they_were(
+    shared_machine, tmp_path, args
+):
+    root, env, dead = shared_machine
+    state, run = root / "state", root / "run"
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "autoapp.py").write_text("import stallwatch.auto\n")
+    (tmp_path / "app" / "pinnedapp.py").write_text(  # settings passed in code win over the environment
+        "import stallwatch\n"
+        f"stallwatch.setup(journal_dir={str(state / 'stallwatch' / 'journal')!r}, "
+        f"file_dir={str(state / 'stallwatch' / 'telemetry')!r})\n"
+    )
+    scratch = tmp_path / "tmp"  # the doctor's temporary directory goes here
+    scratch.mkdir()
+    before = _snapshot(state, run)
+    assert Path(dead["heartbeat"]).name in {p.name for p in run.iterdir()}
+
+    doctor_env = {**env, "TMPDIR": str(scratch), "PYTHONPATH": str(tmp_path / "app")}
+    proc = stallwatch_cli("doctor", *args, env=doctor_env)
+
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _snapshot(state, run) == before  # byte for byte, every mtime, nothing added or removed
+    assert list(scratch.iterdir()) == []
+    if "--setup" in args or "autoapp" in args:  # the doctor's own setup() did run, with a watchdog
+        if "--json" in args:
+            assert json.loads(proc.stdout)["watchdog"]["alive"] is True
+        else:
+            assert re.search(r"freeze watchdog +pid \d+, running", proc.stdout)
+
+
+def test_doctor_imports_a_module_from_the_directory_it_runs_in_as_uvicorn_does(tmp_path):
+    (tmp_path / "app.py").write_text("async def app(scope, receive, send):\n    pass\n")
+
+    proc = stallwatch_cli("doctor", "--no-probe", "--import", "app", cwd=tmp_path)
+
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip().splitlines()[-1].startswith("OK")
+
+
+def test_doctor_reports_a_journal_directory_the_host_cannot_use_and_creates_none(tmp_path):
+    (tmp_path / "file").write_text("")
+    unusable = tmp_path / "file" / "journal"
+    absent = tmp_path / "not-yet" / "journal"
+
+    bad_text = stallwatch_cli("doctor", "--no-probe", env=clean_env(STALLWATCH_JOURNAL_DIR=str(unusable)))
+    bad = stallwatch_cli(
+        "doctor", "--setup", "--json", "--no-probe", env=clean_env(STALLWATCH_JOURNAL_DIR=str(unusable))
+    )
+    good = stallwatch_cli(
+        "doctor", "--setup", "--json", "--no-probe", env=clean_env(STALLWATCH_JOURNAL_DIR=str(absent))
+    )
+
+    problem = f"STALLWATCH_JOURNAL_DIR {unusable} cannot be created: {tmp_path / 'file'} is not a directory"
+    assert f"journal                UNUSABLE: {problem}" in bad_text.stdout
+    assert f"advice: {problem}" in bad_text.stdout
+    assert json.loads(bad.stdout)["journal"] == {
+        "enabled": True, "directory": str(unusable), "usable": False, "problem": problem,
+    }  # fmt: skip
+    assert json.loads(good.stdout)["journal"] == {
+        "enabled": True, "directory": str(absent), "usable": True, "problem": None,
+    }  # fmt: skip
+    assert not (tmp_path / "not-yet").exists()
+
+
+def test_doctor_setup_serves_prometheus_on_free_ports_not_the_ones_the_host_listens_on():
+    with socket.create_server(("127.0.0.1", 0)) as host_port, socket.create_server(("127.0.0.1", 0)) as watchdog_port:
+        env = clean_env(
+            OTEL_METRICS_EXPORTER="prometheus",
+            OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
+            OTEL_EXPORTER_PROMETHEUS_PORT=str(host_port.getsockname()[1]),
+            STALLWATCH_WATCHDOG_PROMETHEUS_PORT=str(watchdog_port.getsockname()[1]),
+        )
+        proc = stallwatch_cli("doctor", "--setup", "--json", "--no-probe", env=env)
+
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stderr == ""  # no "cannot listen", no "Telemetry is off"
+    assert json.loads(proc.stdout)["watchdog"]["alive"] is True

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -92,6 +93,43 @@ def _running(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_the_watchdogs_freeze_lines_on_the_hosts_stderr_say_they_are_the_watchdogs(telemetry_dir, tmp_path):
+    # The watchdog shares the host's stderr: its lines read as the host's own unless they say otherwise.
+    host = subprocess.Popen(
+        [sys.executable, str(SCENARIOS / "freeze_probe.py"), str(telemetry_dir), "2", "--block-loop"],
+        env=clean_env(XDG_RUNTIME_DIR=str(tmp_path)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    _, stderr = host.communicate(timeout=120)
+
+    assert host.returncode == 0, stderr
+    prefix = f"stallwatch watchdog (host pid {host.pid}): "
+    lines = stderr.splitlines()
+    assert any(line.startswith(f"{prefix}freeze detected: host {host.pid} frozen (loop_blocked)") for line in lines)
+    assert all(line.startswith(prefix) for line in lines), stderr
+
+
+def test_the_watchdogs_shutdown_timeout_line_says_it_is_the_watchdogs(tmp_path):
+    # A host gone without stallwatch's shutdown (a killed worker) leaves its watchdog to flush on its own,
+    # here to a collector that takes connections and never answers.
+    collector = socket.socket()
+    collector.bind(("127.0.0.1", 0))
+    collector.listen(64)
+    code = "import os, stallwatch\nstallwatch.setup()\nos._exit(0)\n"
+    env = clean_env(
+        XDG_RUNTIME_DIR=str(tmp_path), OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{collector.getsockname()[1]}"
+    )
+    with collector:
+        host = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE, text=True)
+        _, stderr = host.communicate(timeout=120)  # the watchdog holds the pipe until it has exited
+
+    assert host.returncode == 0
+    assert stderr.startswith(
+        f"stallwatch watchdog (host pid {host.pid}): telemetry shutdown did not finish within 1.0s "
+        "(STALLWATCH_SHUTDOWN_TIMEOUT); dropped "
+    )
+    assert len(stderr.splitlines()) == 1, stderr
 
 
 _HOST = """

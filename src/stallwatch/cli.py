@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 import time
 import traceback
@@ -14,17 +15,22 @@ import stallwatch
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    for module in args.imports:
-        try:
-            importlib.import_module(module)
-        except Exception as error:
-            if not (isinstance(error, ModuleNotFoundError) and error.name == module):
-                traceback.print_exc()  # the module itself failed: its traceback is what to fix
-            print(f"stallwatch doctor: --import {module} failed: {type(error).__name__}: {error}", file=sys.stderr)
-            return 2
-    if args.setup:
-        stallwatch.setup()
-    report = stallwatch.doctor(probe=not args.no_probe)
+    from .doctor import Sandbox
+
+    with Sandbox() as sandbox:  # the doctor's setup() and the imported modules' leave the host's files alone
+        if args.imports and not {"", ".", os.getcwd()} & set(sys.path):
+            sys.path.insert(0, os.getcwd())  # as `python -m` and uvicorn (`--app-dir .`) find the app
+        for module in args.imports:
+            try:
+                importlib.import_module(module)
+            except Exception as error:
+                if not (isinstance(error, ModuleNotFoundError) and error.name == module):
+                    traceback.print_exc()  # the module itself failed: its traceback is what to fix
+                print(f"stallwatch doctor: --import {module} failed: {type(error).__name__}: {error}", file=sys.stderr)
+                return 2
+        if args.setup:
+            stallwatch.setup()
+        report = stallwatch.doctor(probe=not args.no_probe, journal=sandbox.host_journal())
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format_text())
     return 0 if report.ok else 1
 
@@ -91,7 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MODULE",
         help="import your server's module first, so the report covers what it registers (repeatable)",
     )
-    doctor.add_argument("--setup", action="store_true", help="run stallwatch.setup() from the environment first")
+    doctor.add_argument(
+        "--setup",
+        action="store_true",
+        help="run stallwatch.setup() from the environment first (journal, telemetry and heartbeat files in a "
+        "temporary directory, removed at the end)",
+    )
     doctor.add_argument("--no-probe", action="store_true", help="skip the test fork that counts thread starts")
     doctor.set_defaults(run=_doctor)
 

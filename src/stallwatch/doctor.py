@@ -4,7 +4,11 @@ The report lists versions, the event loop uvicorn would pick, gRPC state, and ev
 handler registered after `import stallwatch` with the threads it starts when run in a real fork
 child (a throw-away child runs them one at a time, counts thread starts and OS tasks, reports
 over a pipe and `_exit`s). Handlers registered earlier cannot be told apart, so the threads they
-start are one unattributed figure.
+start are one unattributed figure. It also says whether the host's journal directory is usable.
+
+`Sandbox` is what lets the `stallwatch doctor` command run `setup()` on a machine where hosts run:
+the doctor's own journal, telemetry files and heartbeat file go to a temporary directory, so
+nothing of the hosts' is replayed, archived, swept or written.
 """
 
 from __future__ import annotations
@@ -13,18 +17,27 @@ import json
 import os
 import platform
 import select
+import shutil
 import signal
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import TracebackType
 from typing import Any
 
+from . import session
+from .config import ConfigError, Settings
 from .forksafe import grpc_guard, guard
 from .forksafe.loop import loop_report, package_version
 
 _PROBE_TIMEOUT = 10.0
+_JOURNAL_SETTINGS = (("journal", "STALLWATCH_JOURNAL"), ("journal_dir", "STALLWATCH_JOURNAL_DIR"))
 
 
 @dataclass
@@ -51,6 +64,7 @@ class Report:
     unattributed_threads: list[str]
     sentry: dict[str, Any]
     watchdog: dict[str, Any]
+    journal: dict[str, Any]
     nebius: str
     hazards: list[str]
     advice: list[str]
@@ -89,6 +103,7 @@ class Report:
                 if self.watchdog["pid"] is None
                 else f"pid {self.watchdog['pid']}, {'running' if self.watchdog['alive'] else 'NOT RUNNING'}"
             ),
+            f"  {'journal':<22} " + _journal_text(self.journal),
             f"  {'nebius calls':<22} {self.nebius}",
             "",
             "  at-fork handlers registered after import stallwatch (threads started in a real fork child):",
@@ -110,8 +125,12 @@ class Report:
         return "\n".join(lines)
 
 
-def doctor(probe: bool = True) -> Report:
-    """Report the fork hazards left in this process; `probe=False` skips the test fork."""
+def doctor(probe: bool = True, journal: dict[str, Any] | None = None) -> Report:
+    """Report the fork hazards left in this process; `probe=False` skips the test fork.
+
+    `journal` is a `check_journal()` result made beforehand (the command's, made for the host's
+    settings rather than its sandbox's); by default the journal directory checked is this process's.
+    """
     from . import FORK_SAFETY
 
     hazards: list[str] = []
@@ -175,6 +194,12 @@ def doctor(probe: bool = True) -> Report:
             f"the freeze watchdog (pid {watchdog['pid']}) is not running (exit status {watchdog['exit_status']}): "
             "freezes go unseen until setup() runs in a new process; check its stderr, or set STALLWATCH_WATCHDOG=false"
         )
+    journal = check_journal() if journal is None else journal
+    if journal["problem"]:
+        advice.append(
+            f"{journal['problem']}: the journal cannot be kept, so what a killed process left in flight is lost; "
+            "set STALLWATCH_JOURNAL_DIR to a directory the host can write, or STALLWATCH_JOURNAL=false"
+        )
 
     from .instrument import nebius
 
@@ -199,6 +224,7 @@ def doctor(probe: bool = True) -> Report:
         unattributed_threads=unattributed,
         sentry=sentry,
         watchdog=watchdog,
+        journal=journal,
         nebius=nebius_status,
         hazards=hazards,
         advice=advice,
@@ -206,14 +232,142 @@ def doctor(probe: bool = True) -> Report:
 
 
 def _watchdog_report() -> dict[str, Any]:
-    from .session import current
-
-    session = current()
-    process = session._watchdog[1] if session is not None and session._watchdog is not None else None
+    process = _watchdog_process()
     if process is None:
         return {"pid": None, "alive": False, "exit_status": None}
     status = process.poll()
     return {"pid": process.pid, "alive": status is None, "exit_status": status}
+
+
+def _watchdog_process() -> subprocess.Popen[bytes] | None:
+    running = session.current()
+    return running._watchdog[1] if running is not None and running._watchdog is not None else None
+
+
+def check_journal(
+    environ: Mapping[str, str] | None = None, overrides: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """Whether the journal could be kept in the host's journal directory; looks, never creates.
+
+    The directory is usable when it is a directory the process can write into, or when it does not
+    exist and its nearest existing parent is one (the journal creates it). The settings are those
+    of the running session; with `environ` or `overrides`, or without a session, those that
+    `STALLWATCH_JOURNAL` and `STALLWATCH_JOURNAL_DIR` in `environ` (default: the environment) and
+    the `journal`/`journal_dir` keyword `overrides` make. Returns `enabled`, `directory`, `usable`
+    (None while the journal is off) and `problem` (None, or why it is unusable, naming the setting).
+    """
+    running = session.current()
+    if environ is None and overrides is None and running is not None and running.settings is not None:
+        enabled, directory = running.settings.journal, running.settings.journal_dir
+    else:
+        env, given = os.environ if environ is None else environ, overrides or {}
+        try:
+            settings = Settings.load(
+                {v: env[v] for _, v in _JOURNAL_SETTINGS if v in env},
+                **{k: given[k] for k, _ in _JOURNAL_SETTINGS if k in given},
+            )
+        except ConfigError as error:
+            return {"enabled": True, "directory": None, "usable": False, "problem": str(error)}
+        enabled, directory = settings.journal, settings.journal_dir
+    if not enabled:
+        return {"enabled": False, "directory": str(directory), "usable": None, "problem": None}
+    why = _unwritable(directory)
+    problem = f"STALLWATCH_JOURNAL_DIR {directory} {why}" if why else None
+    return {"enabled": True, "directory": str(directory), "usable": why is None, "problem": problem}
+
+
+def _unwritable(directory: Path) -> str | None:
+    """Why the journal could not be kept in `directory`, or None when it could."""
+    existing = directory
+    while not os.path.lexists(existing):
+        existing = existing.parent
+    if not existing.is_dir():
+        return "is not a directory" if existing == directory else f"cannot be created: {existing} is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return "is not writable" if existing == directory else f"cannot be created: {existing} is not writable"
+    return None
+
+
+def _journal_text(journal: dict[str, Any]) -> str:
+    if not journal["enabled"]:
+        return "off (STALLWATCH_JOURNAL=false)"
+    if journal["usable"]:
+        return f"{journal['directory']} (usable)"
+    return f"UNUSABLE: {journal['problem']}"
+
+
+class Sandbox:
+    """`with Sandbox():` every `setup()` in this process writes only to a temporary directory.
+
+    The `setup()` of `stallwatch doctor --setup`, and one that an `--import`ed module runs, keep
+    their journal, telemetry files and heartbeat file in the directory and serve Prometheus on free
+    ports, even where the code passes those settings to `setup()` as keywords. So the journals of
+    the hosts on the machine are neither replayed nor archived, the shared heartbeat directory is
+    not swept, no file outside the directory is made or changed, and no host's port is taken.
+    On leaving, the session is shut down, its watchdog waited for, the directory removed and the
+    environment restored. What the first `setup()` asked for is kept (`host_journal`).
+    """
+
+    def __init__(self) -> None:
+        self.directory = Path()
+        self.requested: dict[str, Any] | None = None  # the replaced keyword overrides of the first setup()
+        self._environ: dict[str, str | None] = {}  # the replaced variables' own values
+        self._setup = session.setup
+
+    def __enter__(self) -> Sandbox:
+        from .detect import heartbeat
+
+        self.directory = Path(tempfile.mkdtemp(prefix="stallwatch-doctor-"))
+        replaced = {
+            ("journal_dir", "STALLWATCH_JOURNAL_DIR"): self.directory / "journal",
+            ("file_dir", "STALLWATCH_FILE_DIR"): self.directory / "telemetry",
+            ("prometheus_port", "OTEL_EXPORTER_PROMETHEUS_PORT"): 0,
+            ("watchdog_prometheus_port", "STALLWATCH_WATCHDOG_PROMETHEUS_PORT"): 0,
+        }
+        keywords = {keyword: value for (keyword, _), value in replaced.items()}
+        for (_, variable), value in replaced.items():
+            self._environ[variable] = os.environ.get(variable)
+            os.environ[variable] = str(value)
+        heartbeat.use_directory(self.directory)
+        original = self._setup
+
+        def sandboxed_setup(fork_safety: Any, **overrides: Any) -> session.Session:
+            if self.requested is None:
+                self.requested = {k: v for k, v in overrides.items() if k in keywords}
+            return original(fork_safety, **{**overrides, **{k: v for k, v in keywords.items() if k in overrides}})
+
+        session.setup = sandboxed_setup  # type: ignore[assignment]
+        return self
+
+    def host_journal(self) -> dict[str, Any]:
+        """`check_journal()` for the settings the host would run with, not the sandbox's."""
+        environ = {k: v for k, v in os.environ.items() if k not in self._environ}
+        environ.update({k: v for k, v in self._environ.items() if v is not None})
+        return check_journal(environ, self.requested or {})
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        from .detect import heartbeat
+
+        try:
+            watchdog = _watchdog_process()
+            session.shutdown()
+            if watchdog is not None:  # shutdown() only signals it: wait, so that it writes nothing after the removal
+                try:
+                    watchdog.wait(timeout=_PROBE_TIMEOUT)
+                except subprocess.TimeoutExpired:
+                    watchdog.kill()
+                    watchdog.wait()
+        finally:
+            session.setup = self._setup  # type: ignore[assignment]
+            heartbeat.use_directory(None)
+            for variable, value in self._environ.items():
+                if value is None:
+                    os.environ.pop(variable, None)
+                else:
+                    os.environ[variable] = value
+            shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def _sentry_report() -> dict[str, Any]:

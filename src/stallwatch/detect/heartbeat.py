@@ -49,8 +49,24 @@ LOOP_KINDS = {"none": 0, "asyncio": 1, "uvloop": 2}
 BEAT_SECONDS = 0.1
 
 
+_chosen_directory: Path | None = None
+
+
+def use_directory(directory: Path | None) -> None:
+    """Put this process's heartbeat files in `directory` from now on (None: the usual places).
+
+    `stallwatch doctor` points it at its temporary directory, so that its `setup()` neither sweeps
+    nor writes the directory the hosts on the machine share.
+    """
+    global _chosen_directory
+    _chosen_directory = directory
+
+
 def area_directory() -> Path:
-    """Where heartbeat files live: the runtime dir, /dev/shm, or the temp dir."""
+    """Where heartbeat files live: the one `use_directory` chose, else the runtime dir, /dev/shm,
+    or the temp dir."""
+    if _chosen_directory is not None:
+        return _chosen_directory
     for candidate in (os.environ.get("XDG_RUNTIME_DIR"), "/dev/shm"):
         if candidate and os.path.isdir(candidate) and os.access(candidate, os.W_OK):
             return Path(candidate)

@@ -12,6 +12,7 @@ It exits within a poll interval of the host's exit (a pidfd); a freeze still ope
 with outcome `host_killed`, and the host's heartbeat files are removed. It also leaves, without
 reporting a freeze, when the heartbeats stop because the host exec'd another program: the host no
 longer holds its heartbeat file's lock (`heartbeat.in_use`), which it does for as long as it lives.
+It shares the host's stderr, so every line it writes there starts `stallwatch watchdog (host pid N):`.
 """
 
 from __future__ import annotations
@@ -391,6 +392,31 @@ class FreezeTelemetry:
                 reader.force_flush()
 
 
+class _SourceFormatter(logging.Formatter):
+    """Starts every line of a record (its traceback's too) with `prefix`, in place of the usual
+    "stallwatch: " at the start of the message."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record).removeprefix("stallwatch: ")
+        return "\n".join(self.prefix + line for line in text.splitlines())
+
+
+def _name_the_source(host_pid: int) -> None:
+    """Say on every line the watchdog writes to its stderr, which is the host's, that it is the
+    watchdog's: WARNING and above of every logger (the SDK's too, as Python's last-resort handler
+    would print them), Python warnings, and an uncaught exception's traceback."""
+    handler = logging.StreamHandler()
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(_SourceFormatter(f"stallwatch watchdog (host pid {host_pid}): "))
+    logging.getLogger().addHandler(handler)
+    logging.captureWarnings(True)
+    sys.excepthook = lambda kind, error, trace: _log.critical("stallwatch: failed", exc_info=(kind, error, trace))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="stallwatch watchdog", description=__doc__.splitlines()[0])
     parser.add_argument("--pid", type=int, required=True, help="the host process to watch")
@@ -400,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threshold <= 0:
         parser.error("--threshold must be positive (STALLWATCH_FREEZE_THRESHOLD)")
+    _name_the_source(args.pid)
     os.environ["STALLWATCH_WATCHDOG"] = "false"  # the watchdog never watches itself
     os.environ["STALLWATCH_INSTRUMENT_EXECUTOR"] = "false"
     import stallwatch
