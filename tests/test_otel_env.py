@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from conftest import clean_env, run_python
+from otlp_receiver import otlp_spans
 from stallwatch import config
 from stallwatch.config import Settings
 
@@ -210,6 +212,34 @@ def test_a_value_the_sdk_would_fail_on_falls_back_to_its_default_and_telemetry_s
     # The SDK, which would have failed on it, does without it: the span is exported.
     assert seen["kept"] is None and seen["telemetry_enabled"] is seen["shutdown"] is True
     assert '"name":"charge-card"' in (tmp_path / "traces.jsonl").read_text()
+
+
+@pytest.mark.parametrize("variable", ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_SERVICE_NAME"])
+def test_the_sdk_uses_the_fallback_of_a_refused_variable_it_reads_itself(receiver, variable):
+    """The OTLP exporter reads the per-signal endpoint, the SDK's resource the service name: refused, they
+    must not reach it, or spans would go to the bad URL and carry the blank name."""
+    bad = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:99999/v1/traces", "OTEL_SERVICE_NAME": "   "}
+    env = {**clean_env(), "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_METRICS_EXPORTER": "none",
+           "OTEL_LOGS_EXPORTER": "none", "STALLWATCH_WATCHDOG": "false", variable: bad[variable]}  # fmt: skip
+    proc = run_python(
+        """
+        import stallwatch
+        from opentelemetry import trace
+        session = stallwatch.setup()
+        with trace.get_tracer("shop").start_as_current_span("charge-card"):
+            pass
+        print([problem.setting for problem in session.config_problems], stallwatch.shutdown(10))
+        """,
+        env=env,
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [f"['{variable}']", "True"], proc.stdout + proc.stderr
+    assert [span.name for span in otlp_spans(receiver)] == ["charge-card"]  # sent to the general endpoint
+    (request,) = receiver.bodies("/v1/traces")
+    (resource_spans,) = ExportTraceServiceRequest.FromString(request).resource_spans
+    resource = {attribute.key: attribute.value.string_value for attribute in resource_spans.resource.attributes}
+    assert resource["service.name"].startswith("unknown_service")
 
 
 # ---- the OTLP exporters' own variables ---------------------------------------------------------------
