@@ -1,5 +1,6 @@
 """The OpenTelemetry variables the SDK reads itself: a value the SDK fails on never fails
-`import stallwatch` or `setup()`, and is reported naming the variable like any bad setting.
+`import stallwatch` or `setup()`; it is reported naming the variable like any bad setting and falls
+back to OpenTelemetry's default, in the SDK too.
 
 The SDK is the judge here: each candidate value is tried on the real SDK object that reads it (in
 this process) or on the real import (in a fresh interpreter), on whatever SDK version is installed,
@@ -10,10 +11,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from conftest import clean_env, run_python
+from otlp_receiver import otlp_spans
 from stallwatch import config
-from stallwatch.config import ConfigError, Settings
+from stallwatch.config import Settings
 
 pytestmark = pytest.mark.matrix
 
@@ -76,9 +79,9 @@ def test_every_value_the_sdk_refuses_is_refused_by_settings_naming_the_variable(
     for variable, value in _candidates():
         if _sdk_refuses(monkeypatch, variable, value):
             refused_by_sdk.append((variable, value))
-            with pytest.raises(ConfigError) as caught:
-                Settings.load(environ={variable: value})
-            assert str(caught.value).startswith(f"{variable}={value!r} is invalid: expected "), str(caught.value)
+            (problem,) = Settings.load(environ={variable: value}).problems
+            assert problem.setting == variable
+            assert str(problem).startswith(f"{variable}={value!r} is invalid: expected "), str(problem)
     # Every SDK of the matrix refuses these, so the loop above checked something.
     assert {("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT", "-1"), ("OTEL_BSP_SCHEDULE_DELAY", "0")} <= set(refused_by_sdk)
     assert ("OTEL_BLRP_MAX_EXPORT_BATCH_SIZE", "4096") in refused_by_sdk  # larger than the default queue
@@ -88,25 +91,28 @@ def test_every_value_the_sdk_refuses_is_refused_by_settings_naming_the_variable(
 def test_values_the_sdk_takes_are_taken(monkeypatch, variable):
     for value in ACCEPTED[variable]:
         assert not _sdk_refuses(monkeypatch, variable, value), (variable, value)
-        Settings.load(environ={variable: value})
+        assert Settings.load(environ={variable: value}).problems == ()
 
 
 @pytest.mark.parametrize(
-    ("environ", "message"),
+    ("environ", "messages"),
     [
         ({"OTEL_BSP_MAX_QUEUE_SIZE": "100", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "200"},
-         "OTEL_BSP_MAX_EXPORT_BATCH_SIZE='200' is invalid: expected at most OTEL_BSP_MAX_QUEUE_SIZE (100)"),
+         ["OTEL_BSP_MAX_EXPORT_BATCH_SIZE='200' is invalid: expected at most OTEL_BSP_MAX_QUEUE_SIZE (100); using "
+          "the default 512",  # which the queue size is smaller than, as if the batch size had not been set:
+          "OTEL_BSP_MAX_QUEUE_SIZE='100' is invalid: expected at least OTEL_BSP_MAX_EXPORT_BATCH_SIZE (512, its "
+          "default); using the default 2048"]),
         ({"OTEL_BLRP_MAX_EXPORT_BATCH_SIZE": "4096"},
-         "OTEL_BLRP_MAX_EXPORT_BATCH_SIZE='4096' is invalid: expected at most OTEL_BLRP_MAX_QUEUE_SIZE (2048)"),
+         ["OTEL_BLRP_MAX_EXPORT_BATCH_SIZE='4096' is invalid: expected at most OTEL_BLRP_MAX_QUEUE_SIZE (2048); "
+          "using the default 512"]),
         ({"OTEL_BSP_MAX_QUEUE_SIZE": "100"},
-         "OTEL_BSP_MAX_QUEUE_SIZE='100' is invalid: expected at least OTEL_BSP_MAX_EXPORT_BATCH_SIZE (512, its "
-         "default)"),
+         ["OTEL_BSP_MAX_QUEUE_SIZE='100' is invalid: expected at least OTEL_BSP_MAX_EXPORT_BATCH_SIZE (512, its "
+          "default); using the default 2048"]),
+        ({"OTEL_BSP_MAX_QUEUE_SIZE": "300", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "200"}, []),
     ],
 )  # fmt: skip
-def test_a_batch_larger_than_its_queue_is_refused_naming_what_was_set(environ, message):
-    with pytest.raises(ConfigError) as caught:
-        Settings.load(environ=environ)
-    assert str(caught.value) == message
+def test_a_batch_larger_than_its_queue_is_refused_naming_what_was_set(environ, messages):
+    assert [str(problem) for problem in Settings.load(environ=environ).problems] == messages
 
 
 # ---- at import: the variables OpenTelemetry reads when its modules load ---------------------------
@@ -124,9 +130,9 @@ from opentelemetry import propagate, trace
 with trace.get_tracer("probe").start_as_current_span("request"):
     carrier = {{}}
     propagate.inject(carrier)
-print(json.dumps({{"error": session.error if session else "no session", "kept": os.environ.get(variable),
-                  "child": child.stdout.strip(), "guard": stallwatch.FORK_SAFETY.guard_enabled,
-                  "injected": sorted(carrier)}}))
+print(json.dumps({{"error": session.error, "problems": [str(problem) for problem in session.config_problems],
+                  "kept": os.environ.get(variable), "child": child.stdout.strip(),
+                  "guard": stallwatch.FORK_SAFETY.guard_enabled, "injected": sorted(carrier)}}))
 """
 
 
@@ -151,13 +157,16 @@ def test_a_value_opentelemetry_fails_to_import_with_never_fails_the_import(tmp_p
     fails_alone = _import_fails_without_stallwatch(variable, value)
     code, seen, stderr = _probe(tmp_path, variable, value)
     assert code == 0, stderr
-    assert seen["guard"] is True
-    assert seen["error"].startswith(f"{variable}={value!r} is invalid"), seen
-    if fails_alone:  # removed so that OpenTelemetry loads; the children inherit the environment without it
-        assert "removed from this process's environment" in stderr and variable in stderr
-        assert seen["kept"] is None and seen["child"] == "None"
-    else:  # this SDK reads it later: it stays, and setup() still refuses it
-        assert seen["kept"] == value and seen["child"] == repr(value)
+    assert seen["guard"] is True and seen["error"] is None
+    (problem,) = seen["problems"]
+    assert problem.startswith(f"{variable}={value!r} is invalid: expected "), seen
+    assert stderr.strip() == f"stallwatch: {problem}.", stderr  # one line, at import or at setup()
+    if fails_alone:  # removed at import, so that OpenTelemetry loads
+        assert problem.endswith("; removed from this process's environment, so OpenTelemetry uses its default" +
+                                (" (tracecontext,baggage)" if variable == "OTEL_PROPAGATORS" else ""))  # fmt: skip
+    # Either way the SDK, and the children, which inherit the environment, do without it.
+    assert seen["kept"] is None and seen["child"] == "None"
+    assert seen["injected"] == ["traceparent"]  # by the default propagators (baggage only when there is some)
     if variable == "OTEL_PROPAGATORS":
         assert fails_alone  # on every SDK of the matrix
 
@@ -165,33 +174,72 @@ def test_a_value_opentelemetry_fails_to_import_with_never_fails_the_import(tmp_p
 def test_strict_fails_the_import_naming_the_variable(tmp_path):
     code, _, stderr = _probe(tmp_path, "OTEL_PROPAGATORS", "bogus", STALLWATCH_STRICT="true")
     assert code != 0
-    assert "ConfigError: OTEL_PROPAGATORS='bogus' is invalid: OpenTelemetry fails to import with it" in stderr
+    assert "ConfigError: OTEL_PROPAGATORS='bogus' is invalid: expected comma-separated names of installed " in stderr
+    assert "(OpenTelemetry fails to import with it: " in stderr
 
 
 def test_a_propagator_opentelemetry_knows_is_left_alone(tmp_path):
     code, seen, stderr = _probe(tmp_path, "OTEL_PROPAGATORS", "tracecontext")
     assert code == 0, stderr
-    assert seen == {"error": None, "kept": "tracecontext", "child": "'tracecontext'", "guard": True,
+    assert seen == {"error": None, "problems": [], "kept": "tracecontext", "child": "'tracecontext'", "guard": True,
                     "injected": ["traceparent"]}  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    ("variable", "value"), [("OTEL_BSP_SCHEDULE_DELAY", "-5"), ("OTEL_ATTRIBUTE_COUNT_LIMIT", "-3")]
+    ("variable", "value"),
+    [("OTEL_BSP_SCHEDULE_DELAY", "-5"), ("OTEL_ATTRIBUTE_COUNT_LIMIT", "-3"), ("OTEL_EXPORTER_OTLP_TIMEOUT", "10s")],
 )
-def test_setup_reports_a_value_the_sdk_would_fail_on_and_keeps_running(tmp_path, variable, value):
+def test_a_value_the_sdk_would_fail_on_falls_back_to_its_default_and_telemetry_stays_on(tmp_path, variable, value):
     env = {**clean_env(), variable: value}
     proc = run_python(
         f"""
-        import json, stallwatch
+        import json, os, stallwatch
+        from opentelemetry import trace
         session = stallwatch.setup(file_dir={str(tmp_path)!r}, watchdog=False, journal=False)
-        print(json.dumps({{"error": session.error}}))
+        with trace.get_tracer("shop").start_as_current_span("charge-card"):
+            pass
+        print(json.dumps({{"problems": [str(problem) for problem in session.config_problems],
+                          "telemetry_enabled": session.telemetry_enabled, "kept": os.environ.get({variable!r}),
+                          "shutdown": stallwatch.shutdown(10)}}))
         """,
         env=env,
     )
     assert proc.returncode == 0, proc.stderr
-    error = json.loads(proc.stdout.strip().splitlines()[-1])["error"]
-    assert error.startswith(f"{variable}={value!r} is invalid: expected "), error
-    assert f"stallwatch: {error}. Telemetry is off; the fork guard stays on." in proc.stderr
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    (problem,) = seen["problems"]
+    assert problem.startswith(f"{variable}={value!r} is invalid: expected "), problem
+    assert proc.stderr.strip() == f"stallwatch: {problem}."
+    # The SDK, which would have failed on it, does without it: the span is exported.
+    assert seen["kept"] is None and seen["telemetry_enabled"] is seen["shutdown"] is True
+    assert '"name":"charge-card"' in (tmp_path / "traces.jsonl").read_text()
+
+
+@pytest.mark.parametrize("variable", ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_SERVICE_NAME"])
+def test_the_sdk_uses_the_fallback_of_a_refused_variable_it_reads_itself(receiver, variable):
+    """The OTLP exporter reads the per-signal endpoint, the SDK's resource the service name: refused, they
+    must not reach it, or spans would go to the bad URL and carry the blank name."""
+    bad = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:99999/v1/traces", "OTEL_SERVICE_NAME": "   "}
+    env = {**clean_env(), "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_METRICS_EXPORTER": "none",
+           "OTEL_LOGS_EXPORTER": "none", "STALLWATCH_WATCHDOG": "false", variable: bad[variable]}  # fmt: skip
+    proc = run_python(
+        """
+        import stallwatch
+        from opentelemetry import trace
+        session = stallwatch.setup()
+        with trace.get_tracer("shop").start_as_current_span("charge-card"):
+            pass
+        print([problem.setting for problem in session.config_problems], stallwatch.shutdown(10))
+        """,
+        env=env,
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [f"['{variable}']", "True"], proc.stdout + proc.stderr
+    assert [span.name for span in otlp_spans(receiver)] == ["charge-card"]  # sent to the general endpoint
+    (request,) = receiver.bodies("/v1/traces")
+    (resource_spans,) = ExportTraceServiceRequest.FromString(request).resource_spans
+    resource = {attribute.key: attribute.value.string_value for attribute in resource_spans.resource.attributes}
+    assert resource["service.name"].startswith("unknown_service")
 
 
 # ---- the OTLP exporters' own variables ---------------------------------------------------------------
@@ -219,13 +267,13 @@ def test_every_timeout_the_grpc_exporters_refuse_is_refused_naming_it(monkeypatc
     refused = []
     for variable in config.OTLP_TIMEOUTS:
         for value in TIMEOUT_VALUES:
+            problems = Settings.load(environ={variable: value}).problems
             if _grpc_exporter_refuses(monkeypatch, variable, value):
                 refused.append((variable, value))
-                with pytest.raises(ConfigError) as caught:
-                    Settings.load(environ={variable: value})
-                assert str(caught.value).startswith(f"{variable}={value!r} is invalid: expected a number"), caught
+                (problem,) = problems
+                assert str(problem).startswith(f"{variable}={value!r} is invalid: expected a number"), problem
             else:
-                Settings.load(environ={variable: value})
+                assert problems == ()
     assert ("OTEL_EXPORTER_OTLP_TIMEOUT", "abc") in refused and ("OTEL_EXPORTER_OTLP_LOGS_TIMEOUT", "10s") in refused
 
 

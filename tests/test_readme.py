@@ -32,7 +32,8 @@ def test_readme_section_matches_its_source(section):
 
 def test_every_setting_field_is_documented():
     documented = {option.keyword for option in config.OPTIONS if option.keyword}
-    settable = {f.name for f in fields(config.Settings)} - {"signal_protocols"}
+    settable = set(config.KEYWORDS) - {"signal_protocols"}
+    assert set(config.KEYWORDS) == {f.name for f in fields(config.Settings)} - {"problems"}
     assert settable == documented
 
 

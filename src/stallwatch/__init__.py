@@ -44,10 +44,12 @@ def setup(**overrides: Any) -> Session:
     keyword overrides named like ``Settings`` fields, e.g. ``setup(traces_exporter="console",
     file_dir="/var/lib/app/telemetry")``. Idempotent: a second call returns the running session.
 
-    A bad setting is logged at ERROR naming the variable, and telemetry stays off while the host
-    keeps running; with ``strict=True`` (or ``STALLWATCH_STRICT=true``) it raises ``ConfigError``.
-    Any other failure to build the telemetry pipeline is logged the same way, with its traceback
-    (``strict`` raises it); the fork guard stays on either way.
+    A bad setting costs only itself: it is logged once at WARNING naming the variable or keyword,
+    falls back to its default and is listed in ``Session.config_problems``; an unknown keyword is
+    reported the same way and ignored. With ``strict=True`` (or ``STALLWATCH_STRICT=true``) it
+    raises ``ConfigError`` naming every bad setting. A failure to build the telemetry pipeline is
+    logged with its traceback and turns telemetry off (``strict`` raises it); the fork guard stays
+    on either way.
     """
     return _session.setup(FORK_SAFETY, **overrides)
 

@@ -1,8 +1,8 @@
 """``import stallwatch.auto`` as the first import of a server: ``setup()`` from the environment.
 
-Never raises: a bad setting is logged at ERROR (naming the variable) and telemetry stays off,
-while the fork guard installed by ``import stallwatch`` keeps protecting the process.
-Set ``STALLWATCH_STRICT=true`` to make a bad setting fail the import instead.
+Never raises: a bad setting is logged once (naming the variable) and falls back to its default,
+every other setting keeps its effect, and the fork guard installed by ``import stallwatch`` keeps
+protecting the process. Set ``STALLWATCH_STRICT=true`` to make a bad setting fail the import instead.
 """
 
 from __future__ import annotations

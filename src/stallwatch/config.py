@@ -1,22 +1,29 @@
 """One settings object: every `STALLWATCH_*` and `OTEL_*` variable stallwatch reads, parsed here.
 
 `Settings.load(**overrides)` reads the environment, applies keyword overrides (keyword names are
-the field names below) and validates everything; a bad value raises `ConfigError` whose message
-names the variable or keyword and what it accepts. `OPTIONS` documents each knob; the README's
-configuration table is checked against it by a test.
+the field names below) and validates everything. As OpenTelemetry does, a bad value costs only its
+own setting: it falls back to that setting's default (for a bad keyword: to its environment
+variable), and a `Problem` naming the variable or keyword, the value (secrets redacted), what it
+accepts and what is used instead is recorded in `Settings.problems`; `setup()` logs each once
+(`report`). With `strict` on, `ConfigError` names every problem instead. `OPTIONS` documents each
+knob; the README's configuration table is checked against it by a test.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import logging
 import os
 import re
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+import stat
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
+
+from ._private import make_directories
 
 TRACE_EXPORTERS = ("otlp", "console", "file", "none")
 METRIC_EXPORTERS = ("otlp", "console", "file", "prometheus", "none")
@@ -62,15 +69,70 @@ SDK_VARIABLES = (
 )
 # The OpenTelemetry modules that read some of those when imported, and the variables each may read.
 _READ_AT_IMPORT = (("opentelemetry.propagate", ("OTEL_PROPAGATORS",)), ("opentelemetry.sdk.trace", SDK_LIMITS))
-# Variables `load_opentelemetry` removed from the environment, with the error that `Settings.load` reports.
-IMPORT_ERRORS: dict[str, str] = {}
+OTLP_SIGNAL_ENDPOINTS = tuple(f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT" for signal in ("TRACES", "METRICS", "LOGS"))
+# Refused variables that the SDK would also read itself, where stallwatch cannot hand it the default instead.
+_WITHHELD_FROM_SDK = frozenset(
+    {
+        *SDK_VARIABLES,
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        *OTLP_SIGNAL_ENDPOINTS,
+        "OTEL_SERVICE_NAME",
+        "OTEL_RESOURCE_ATTRIBUTES",
+    }
+)
 _log = logging.getLogger("stallwatch")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
+_BOOLEANS = f"{', '.join(_TRUE)} or {', '.join(_FALSE)} (any case)"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A setting stallwatch could not use, and what it does instead.
+
+    `setting` is the variable or keyword; `error` says what it held (secrets redacted) and what it
+    accepts; `fallback` what is used in its place: the default, another setting, or a part turned off.
+    """
+
+    setting: str
+    error: str
+    fallback: str
+
+    def __str__(self) -> str:
+        return f"{self.error}; {self.fallback}"
 
 
 class ConfigError(ValueError):
-    """A setting has a value stallwatch cannot use; the message names the setting."""
+    """Settings stallwatch cannot use under `strict`; the message names each one (`problems`)."""
+
+    def __init__(self, message: str, problems: Iterable[Problem] = ()) -> None:
+        super().__init__(message)
+        self.problems = tuple(problems)
+
+
+# Problems found when `import stallwatch` read its variables (`load_opentelemetry`, `env_flag`), by variable;
+# `Settings.load()` of the process environment lists them too.
+IMPORT_PROBLEMS: dict[str, Problem] = {}
+_reported: set[Problem] = set()
+
+
+def report(problems: Iterable[Problem]) -> None:
+    """Log each problem once per process: one WARNING line on the `stallwatch` logger."""
+    for problem in problems:
+        if problem not in _reported:
+            _reported.add(problem)
+            _log.warning("stallwatch: %s.", problem)
+
+
+def withhold_from_sdk(problems: Iterable[Problem]) -> None:
+    """Remove from `os.environ` each refused variable the OpenTelemetry SDK also reads itself (the limits,
+    batch sizes, timeouts, exemplar filter, OTLP endpoints, service name and resource attributes), so that
+    the SDK too uses its default instead of failing on the value or using it. The environment is the one
+    way to reach every place the SDK reads them (at import, in each log record, in the exporters); the
+    process's children then inherit the environment without them. `setup()` calls this."""
+    for problem in problems:
+        if problem.setting in _WITHHELD_FROM_SDK:
+            os.environ.pop(problem.setting, None)
 
 
 @dataclass(frozen=True)
@@ -194,8 +256,8 @@ OPTIONS: tuple[Option, ...] = (
         "STALLWATCH_STRICT",
         "strict",
         "`false`",
-        "`true` makes `setup()` raise `ConfigError` on a bad setting instead of logging it and "
-        "running with telemetry off.",
+        "`true` makes `setup()` (and so `import stallwatch.auto`) raise `ConfigError` naming every bad "
+        "setting, instead of logging each and using its default.",
     ),
     Option(
         "STALLWATCH_INSTRUMENT_EXECUTOR",
@@ -363,7 +425,10 @@ def _default_journal_dir() -> Path:
 
 @dataclass(frozen=True)
 class Settings:
-    """Validated settings of one stallwatch session. Build with `Settings.load()`."""
+    """Validated settings of one stallwatch session. Build with `Settings.load()`.
+
+    `problems` lists the settings that were refused and what is used instead (not a keyword of `load`).
+    """
 
     disabled: bool = False
     service_name: str | None = None
@@ -405,102 +470,238 @@ class Settings:
     freeze_threshold: float = 1.0
     faulthandler: bool = False
     watchdog_prometheus_port: int = 9465
+    problems: tuple[Problem, ...] = field(default=(), compare=False)
 
     @classmethod
     def load(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
-        """Read settings from `environ` (default `os.environ`) and apply keyword overrides."""
+        """Read settings from `environ` (default `os.environ`, with the problems `import stallwatch` found)
+        and apply keyword overrides.
+
+        A bad value costs only its own setting (see the module docstring) and is recorded in
+        `problems`; an unknown keyword is recorded and ignored. Directories are checked without being
+        created (`prepare_directories` creates them). Nothing is logged or changed here. With `strict`
+        on (a bad `strict` counts as false), raises `ConfigError` naming every problem instead.
+        """
         env = os.environ if environ is None else environ
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(overrides) - known)
-        if unknown:
-            raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; accepted keywords: {', '.join(sorted(known))}")
-        endpoint_set = bool(
-            overrides.get("otlp_endpoint")
-            or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-            or any(env.get(f"OTEL_EXPORTER_OTLP_{s}_ENDPOINT") for s in ("TRACES", "METRICS", "LOGS"))
-        )
-        default_exporter = "otlp" if endpoint_set else "file"
+        problems: list[Problem] = list(IMPORT_PROBLEMS.values()) if environ is None else []
+        defaults = {f.name: f.default if f.default is not MISSING else f.default_factory() for f in fields(cls)}
+        for keyword in sorted(set(overrides) - set(KEYWORDS)):
+            problems.append(Problem(keyword, _unknown_keyword(keyword), "ignored"))
         values: dict[str, Any] = {}
 
-        def take(keyword: str, variable: str, parse: Callable[[str, str], Any], default: str | None) -> None:
+        def take(keyword: str, variable: str, parse: Callable[[str, str], Any], default: str | None = None) -> None:
+            """The keyword's value, else the variable's, else `default` (parsed) or the field's default."""
+            refused: list[tuple[str, str]] = []
+            from_variable = False
             if keyword in overrides:
-                raw = overrides[keyword]
-                values[keyword] = parse(raw, keyword) if isinstance(raw, str) else _check_type(raw, keyword, parse)
-            elif (text := env.get(variable)) not in (None, ""):
-                values[keyword] = parse(text, variable)
-            elif default is not None:
+                try:
+                    values[keyword] = _parse_keyword(overrides[keyword], keyword, parse)
+                    return
+                except ConfigError as exc:
+                    refused.append((keyword, str(exc)))
+            if (text := env.get(variable)) not in (None, ""):
+                try:
+                    values[keyword] = parse(text, variable)
+                    from_variable = True
+                except ConfigError as exc:
+                    refused.append((variable, str(exc)))
+            if keyword not in values and default is not None:
                 values[keyword] = parse(default, variable)
+            fallback = (
+                f"using {variable} instead"
+                if from_variable
+                else f"using the default {_described(keyword, values.get(keyword, defaults[keyword]))}"
+            )
+            problems.extend(Problem(name, error, fallback) for name, error in refused)
 
-        take("disabled", "OTEL_SDK_DISABLED", _bool, None)
-        take("service_name", "OTEL_SERVICE_NAME", _nonempty, None)
-        take("resource_attributes", "OTEL_RESOURCE_ATTRIBUTES", _resource_attributes, None)
+        take("strict", "STALLWATCH_STRICT", _bool)
+        take("disabled", "OTEL_SDK_DISABLED", _bool)
+        take("service_name", "OTEL_SERVICE_NAME", _nonempty)
+        take("resource_attributes", "OTEL_RESOURCE_ATTRIBUTES", _resource_attributes)
+        take("otlp_endpoint", "OTEL_EXPORTER_OTLP_ENDPOINT", _url)
+        endpoint_set = "otlp_endpoint" in values
+        for variable in OTLP_SIGNAL_ENDPOINTS:
+            if text := env.get(variable):
+                try:
+                    _url(text, variable)
+                    endpoint_set = True
+                except ConfigError as exc:
+                    instead = "the general endpoint" if "otlp_endpoint" in values else "the default endpoint"
+                    problems.append(Problem(variable, str(exc), f"using {instead}"))
+        default_exporter = "otlp" if endpoint_set else "file"
         take("traces_exporter", "OTEL_TRACES_EXPORTER", _choices(TRACE_EXPORTERS), default_exporter)
         take("metrics_exporter", "OTEL_METRICS_EXPORTER", _choices(METRIC_EXPORTERS), default_exporter)
         take("logs_exporter", "OTEL_LOGS_EXPORTER", _choices(LOG_EXPORTERS), default_exporter)
-        take("otlp_endpoint", "OTEL_EXPORTER_OTLP_ENDPOINT", _url, None)
-        for signal in ("TRACES", "METRICS", "LOGS"):
-            if text := env.get(f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT"):
-                _url(text, f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT")
-        take("otlp_protocol", "OTEL_EXPORTER_OTLP_PROTOCOL", _one_of(PROTOCOLS), None)
-        given = overrides.get("signal_protocols") or {}
-        if not isinstance(given, Mapping) or set(given) - {"traces", "metrics", "logs"}:
-            raise _fail("signal_protocols", given, "a mapping of traces/metrics/logs to " + " or ".join(PROTOCOLS))
-        protocols: dict[str, str] = {}
-        for signal in ("traces", "metrics", "logs"):
-            variable = f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL"
-            if signal in given:
-                protocols[signal] = _one_of(PROTOCOLS)(str(given[signal]), f"signal_protocols[{signal!r}]")
-            elif text := env.get(variable):
-                protocols[signal] = _one_of(PROTOCOLS)(text, variable)
-        values["signal_protocols"] = protocols
-        take("sampler", "OTEL_TRACES_SAMPLER", _one_of(SAMPLERS), None)
-        take("sampler_arg", "OTEL_TRACES_SAMPLER_ARG", _ratio, None)
-        take("metric_export_interval_ms", "OTEL_METRIC_EXPORT_INTERVAL", _positive_int, None)
-        take("prometheus_host", "OTEL_EXPORTER_PROMETHEUS_HOST", _nonempty, None)
-        take("prometheus_port", "OTEL_EXPORTER_PROMETHEUS_PORT", _port, None)
-        take("shed_spans", "STALLWATCH_SHED_SPANS", _bool, None)
-        take("slow_export_seconds", "STALLWATCH_SLOW_EXPORT_SECONDS", _seconds_or_zero, None)
-        take("providers", "STALLWATCH_PROVIDERS", _one_of(PROVIDER_OWNERS), None)
-        take("file_dir", "STALLWATCH_FILE_DIR", _path, None)
-        take("log_level", "STALLWATCH_LOG_LEVEL", _log_level, None)
-        take("shutdown_timeout", "STALLWATCH_SHUTDOWN_TIMEOUT", _positive_float, None)
-        take("strict", "STALLWATCH_STRICT", _bool, None)
-        take("instrument_executor", "STALLWATCH_INSTRUMENT_EXECUTOR", _bool, None)
-        take("executor_heal", "STALLWATCH_EXECUTOR_HEAL", _bool, None)
-        take("guard_async_exc", "STALLWATCH_GUARD_ASYNC_EXC", _bool, None)
-        take("wedge_check_interval", "STALLWATCH_WEDGE_CHECK_INTERVAL", _positive_float, None)
-        take("queue_stall_seconds", "STALLWATCH_QUEUE_STALL_SECONDS", _positive_float, None)
-        take("instrument_subprocess", "STALLWATCH_INSTRUMENT_SUBPROCESS", _bool, None)
-        take("record_args", "STALLWATCH_RECORD_ARGS", _bool, None)
-        take("scrub_patterns", "STALLWATCH_SCRUB_PATTERNS", _patterns, None)
-        take("propagate_to_children", "STALLWATCH_PROPAGATE_TO_CHILDREN", _bool, None)
-        take("uvloop_spawn", "STALLWATCH_UVLOOP_SPAWN", _one_of(UVLOOP_SPAWN_METHODS), None)
-        take("instrument_ssh", "STALLWATCH_INSTRUMENT_SSH", _bool, None)
-        take("instrument_nebius", "STALLWATCH_INSTRUMENT_NEBIUS", _bool, None)
-        take("journal", "STALLWATCH_JOURNAL", _bool, None)
-        take("journal_dir", "STALLWATCH_JOURNAL_DIR", _path, None)
-        take("watchdog", "STALLWATCH_WATCHDOG", _bool, None)
-        take("watchdog_forked_workers", "STALLWATCH_WATCHDOG_FORKED_WORKERS", _bool, None)
-        take("freeze_threshold", "STALLWATCH_FREEZE_THRESHOLD", _positive_float, None)
-        take("faulthandler", "STALLWATCH_FAULTHANDLER", _bool, None)
-        take("watchdog_prometheus_port", "STALLWATCH_WATCHDOG_PROMETHEUS_PORT", _port, None)
-        _check_sdk_variables(env)
-        if environ is None and IMPORT_ERRORS:
-            raise ConfigError(next(iter(IMPORT_ERRORS.values())))
-        return cls(**values)
+        take("otlp_protocol", "OTEL_EXPORTER_OTLP_PROTOCOL", _one_of(PROTOCOLS))
+        values["signal_protocols"] = _signal_protocols(
+            overrides.get("signal_protocols", {}), env, values.get("otlp_protocol", defaults["otlp_protocol"]), problems
+        )
+        take("sampler", "OTEL_TRACES_SAMPLER", _one_of(SAMPLERS))
+        take("sampler_arg", "OTEL_TRACES_SAMPLER_ARG", _ratio)
+        take("metric_export_interval_ms", "OTEL_METRIC_EXPORT_INTERVAL", _positive_int)
+        take("prometheus_host", "OTEL_EXPORTER_PROMETHEUS_HOST", _nonempty)
+        take("prometheus_port", "OTEL_EXPORTER_PROMETHEUS_PORT", _port)
+        take("shed_spans", "STALLWATCH_SHED_SPANS", _bool)
+        take("slow_export_seconds", "STALLWATCH_SLOW_EXPORT_SECONDS", _seconds_or_zero)
+        take("providers", "STALLWATCH_PROVIDERS", _one_of(PROVIDER_OWNERS))
+        take("file_dir", "STALLWATCH_FILE_DIR", _path)
+        take("log_level", "STALLWATCH_LOG_LEVEL", _log_level)
+        take("shutdown_timeout", "STALLWATCH_SHUTDOWN_TIMEOUT", _positive_float)
+        take("instrument_executor", "STALLWATCH_INSTRUMENT_EXECUTOR", _bool)
+        take("executor_heal", "STALLWATCH_EXECUTOR_HEAL", _bool)
+        take("guard_async_exc", "STALLWATCH_GUARD_ASYNC_EXC", _bool)
+        take("wedge_check_interval", "STALLWATCH_WEDGE_CHECK_INTERVAL", _positive_float)
+        take("queue_stall_seconds", "STALLWATCH_QUEUE_STALL_SECONDS", _positive_float)
+        take("instrument_subprocess", "STALLWATCH_INSTRUMENT_SUBPROCESS", _bool)
+        take("record_args", "STALLWATCH_RECORD_ARGS", _bool)
+        take("scrub_patterns", "STALLWATCH_SCRUB_PATTERNS", _patterns)
+        take("propagate_to_children", "STALLWATCH_PROPAGATE_TO_CHILDREN", _bool)
+        take("uvloop_spawn", "STALLWATCH_UVLOOP_SPAWN", _one_of(UVLOOP_SPAWN_METHODS))
+        take("instrument_ssh", "STALLWATCH_INSTRUMENT_SSH", _bool)
+        take("instrument_nebius", "STALLWATCH_INSTRUMENT_NEBIUS", _bool)
+        take("journal", "STALLWATCH_JOURNAL", _bool)
+        take("journal_dir", "STALLWATCH_JOURNAL_DIR", _path)
+        take("watchdog", "STALLWATCH_WATCHDOG", _bool)
+        take("watchdog_forked_workers", "STALLWATCH_WATCHDOG_FORKED_WORKERS", _bool)
+        take("freeze_threshold", "STALLWATCH_FREEZE_THRESHOLD", _positive_float)
+        take("faulthandler", "STALLWATCH_FAULTHANDLER", _bool)
+        take("watchdog_prometheus_port", "STALLWATCH_WATCHDOG_PROMETHEUS_PORT", _port)
+        problems += _check_sdk_variables(env)
+        settings = _check_directories(cls(**values, problems=tuple(problems)), overrides, create=False)
+        _raise_if_strict(settings, settings.problems)
+        return settings
 
     def protocol_for(self, signal: str) -> str:
         """OTLP protocol of one signal (`traces`, `metrics`, `logs`)."""
         return self.signal_protocols.get(signal, self.otlp_protocol)
 
 
-def strict_requested(overrides: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> bool:
-    """Whether `strict` is on, read leniently: used when the settings themselves failed to parse."""
-    env = os.environ if environ is None else environ
-    value = overrides["strict"] if "strict" in overrides else env.get("STALLWATCH_STRICT", "")
-    if not isinstance(value, str):
-        return bool(value)
-    return value.strip().lower() in _TRUE
+KEYWORDS: tuple[str, ...] = tuple(f.name for f in fields(Settings) if f.name != "problems")
+
+
+def prepare_directories(settings: Settings, keywords: Collection[str] = ()) -> Settings:
+    """Create the file exporter's and the journal's directories (0700) for `setup()`. One that cannot be
+    made costs only its part: the file exporter or the journal is off, and a problem names the keyword
+    (when in `keywords`, the ones `setup()` was given) or the variable, with the reason. Raises
+    `ConfigError` naming those instead when `strict` is on."""
+    checked = _check_directories(settings, keywords, create=True)
+    _raise_if_strict(checked, checked.problems[len(settings.problems) :])
+    return checked
+
+
+def _check_directories(settings: Settings, keywords: Collection[str], create: bool) -> Settings:
+    problems: list[Problem] = []
+    changes: dict[str, Any] = {}
+    exporters = ("traces_exporter", "metrics_exporter", "logs_exporter")
+    parts = (
+        ("file_dir", "STALLWATCH_FILE_DIR", any("file" in getattr(settings, name) for name in exporters),
+         "the file exporter is off (choose a writable directory, or another exporter)"),
+        ("journal_dir", "STALLWATCH_JOURNAL_DIR", settings.journal,
+         "the journal is off (choose a writable directory, or set STALLWATCH_JOURNAL=false)"),
+    )  # fmt: skip
+    for keyword, variable, used, fallback in parts:
+        directory = getattr(settings, keyword)
+        reason = _unusable(directory, create) if used else None
+        if reason is not None:
+            name = keyword if keyword in keywords else variable
+            problems.append(Problem(name, f"{name}={_shown(str(directory))} is unusable: {reason}", fallback))
+            if keyword == "file_dir":
+                changes.update({kind: tuple(e for e in getattr(settings, kind) if e != "file") for kind in exporters})
+            else:
+                changes["journal"] = False
+    if not problems:
+        return settings
+    return replace(settings, **changes, problems=settings.problems + tuple(problems))
+
+
+def _unusable(directory: Path, create: bool) -> str | None:
+    """Why stallwatch cannot keep files in `directory`, or None. With `create`, it is made (with its
+    parents, 0700) and must then be a directory this process can write in; without, nothing is
+    touched and its nearest existing ancestor must be one."""
+    if create:
+        try:
+            make_directories(directory)
+        except OSError as exc:
+            return f"cannot create {exc.filename or directory} ({exc.strerror or exc})"
+    for candidate in (directory, *directory.parents):
+        try:
+            mode = candidate.stat().st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except OSError as exc:
+            return f"cannot read {candidate} ({exc.strerror or exc})"
+        if not stat.S_ISDIR(mode):
+            return f"{candidate} is not a directory"
+        if not os.access(candidate, os.W_OK | os.X_OK):
+            return f"{candidate} is not writable by this process"
+        return None
+    return f"no parent of {directory} exists"
+
+
+def _raise_if_strict(settings: Settings, problems: Collection[Problem]) -> None:
+    if settings.strict and problems:
+        raise ConfigError("; ".join(problem.error for problem in problems), problems)
+
+
+def _unknown_keyword(keyword: str) -> str:
+    close = difflib.get_close_matches(keyword, KEYWORDS, n=1)
+    hint = f"did you mean {close[0]}?" if close else "the keywords are: " + ", ".join(KEYWORDS)
+    return f"setup() keyword {keyword!r} is not a setting ({hint})"
+
+
+def _described(keyword: str, value: Any) -> str:
+    """A setting's value as a log line shows the value used instead of a refused one."""
+    if keyword in _SHOWN_DEFAULTS:  # these fall back to nothing but their default
+        return _SHOWN_DEFAULTS[keyword]
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, tuple):
+        return ",".join(value) or "none"
+    return str(value)
+
+
+# Defaults whose value says less than their effect.
+_SHOWN_DEFAULTS = {
+    "service_name": "unknown_service",
+    "resource_attributes": "none",
+    "otlp_endpoint": "none (OTLP exporters then send to localhost)",
+    "log_level": "WARNING",
+    "scrub_patterns": "none (the built-in patterns only)",
+}
+
+
+def _signal_protocols(given: object, env: Mapping[str, str], general: str, problems: list[Problem]) -> dict[str, str]:
+    """The per-signal OTLP protocols: the `signal_protocols` keyword's, else the variables'; a bad one
+    falls back to the variable, then to the general protocol."""
+    signals = ("traces", "metrics", "logs")
+    if not isinstance(given, Mapping) or not set(given) <= set(signals):
+        expected = "a mapping of traces/metrics/logs to " + " or ".join(PROTOCOLS)
+        problems.append(Problem("signal_protocols", str(_fail("signal_protocols", given, expected)), "ignored"))
+        given = {}
+    fallback = f"using the general protocol, {general}"
+    protocols: dict[str, str] = {}
+    for signal in signals:
+        variable = f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL"
+        refused: list[tuple[str, str]] = []
+        if signal in given:
+            name = f"signal_protocols[{signal!r}]"
+            try:
+                protocols[signal] = _parse_keyword(given[signal], name, _one_of(PROTOCOLS))
+            except ConfigError as exc:
+                refused.append((name, str(exc)))
+        if signal not in protocols and (text := env.get(variable)):
+            try:
+                protocols[signal] = _one_of(PROTOCOLS)(text, variable)
+            except ConfigError as exc:
+                refused.append((variable, str(exc)))
+        instead = f"using {variable} instead" if signal in protocols else fallback
+        problems.extend(Problem(name, error, instead) for name, error in refused)
+    return protocols
+
+
+def _strict_in_environment() -> bool:
+    """`STALLWATCH_STRICT` read leniently (a bad value is false), for `import stallwatch`."""
+    return os.environ.get("STALLWATCH_STRICT", "").strip().lower() in _TRUE
 
 
 def load_opentelemetry() -> None:
@@ -509,11 +710,20 @@ def load_opentelemetry() -> None:
     They raise on a bad value (an unknown name in `OTEL_PROPAGATORS`, a negative
     `OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT`), which would fail `import stallwatch` and with it the host.
     Which values fail depends on the installed version, so this imports them and, when one raises,
-    removes the variable it read from `os.environ` (children then inherit the environment without
-    it), logs that at ERROR naming it, keeps the error for `setup()`, which then reports it and
-    keeps telemetry off like any bad setting, and imports again. With `STALLWATCH_STRICT=true` it
-    raises `ConfigError` instead and changes nothing. Called first thing by `import stallwatch`.
+    removes the variable it read from `os.environ` (the only way to give OpenTelemetry its default
+    there; children then inherit the environment without it), reports it (`report`), keeps it in
+    `IMPORT_PROBLEMS` for `setup()`, and imports again. With `STALLWATCH_STRICT=true` it raises
+    `ConfigError` instead and changes nothing. Called first thing by `import stallwatch`.
+
+    `OTEL_RESOURCE_ATTRIBUTES` is checked before: the SDK reads it when imported too (1.45 builds a
+    resource in `opentelemetry.sdk._logs`), logging a second line of its own about a bad one.
     """
+    text = os.environ.get("OTEL_RESOURCE_ATTRIBUTES")
+    if text and not _strict_in_environment():  # strict: setup() raises naming it
+        try:
+            _resource_attributes(text, "OTEL_RESOURCE_ATTRIBUTES")
+        except ConfigError as exc:
+            _remove_at_import([Problem("OTEL_RESOURCE_ATTRIBUTES", str(exc), _REMOVED_AT_IMPORT + " (none)")])
     for module, variables in _READ_AT_IMPORT:
         while True:
             try:
@@ -527,87 +737,129 @@ def load_opentelemetry() -> None:
                 named = named or [variable for variable in present if not _valid_at_import(variable)]
                 if not named:
                     raise
-                errors = {
-                    variable: f"{variable}={_shown(os.environ[variable])} is invalid: OpenTelemetry "
-                    f"fails to import with it ({exc})"
-                    for variable in named
-                }
-                if strict_requested({}):
-                    raise ConfigError("; ".join(errors.values())) from exc
-                for variable, error in errors.items():
-                    del os.environ[variable]
-                    IMPORT_ERRORS[variable] = error
-                    _log.error(
-                        "stallwatch: %s; removed from this process's environment so that OpenTelemetry can "
-                        "be imported. setup() keeps telemetry off (STALLWATCH_STRICT=true fails the import "
-                        "instead).",
-                        error,
+                problems = [
+                    Problem(
+                        variable,
+                        f"{variable}={_shown(os.environ[variable])} is invalid: expected "
+                        f"{_accepted_at_import(variable)} (OpenTelemetry fails to import with it: {_scrubbed(exc)})",
+                        _REMOVED_AT_IMPORT + (" (tracecontext,baggage)" if variable == "OTEL_PROPAGATORS" else ""),
                     )
+                    for variable in named
+                ]
+                if _strict_in_environment():
+                    raise ConfigError("; ".join(problem.error for problem in problems), problems) from exc
+                _remove_at_import(problems)
+
+
+_REMOVED_AT_IMPORT = "removed from this process's environment, so OpenTelemetry uses its default"
+
+
+def _remove_at_import(problems: list[Problem]) -> None:
+    for problem in problems:
+        del os.environ[problem.setting]
+        IMPORT_PROBLEMS[problem.setting] = problem
+    report(problems)
+
+
+def _accepted_at_import(variable: str) -> str:
+    if variable in SDK_LIMITS:
+        return _LIMIT
+    from importlib.metadata import entry_points
+
+    names = sorted({entry.name for entry in entry_points(group="opentelemetry_propagator")})
+    return "comma-separated names of installed propagators: " + ", ".join(names)
+
+
+def _scrubbed(exc: Exception) -> str:
+    from .instrument.scrub import scrub_text
+
+    return str(scrub_text(str(exc)))
 
 
 def _valid_at_import(variable: str) -> bool:
     """Whether a variable OpenTelemetry reads at import passes stallwatch's own check (a limit's);
     `OTEL_PROPAGATORS` has none, as only OpenTelemetry knows the installed propagators."""
-    if variable not in SDK_LIMITS:
-        return False
-    try:
-        _check_sdk_variables({variable: os.environ[variable]})
-    except ConfigError:
-        return False
-    return True
+    return variable in SDK_LIMITS and not _check_sdk_variables({variable: os.environ[variable]})
 
 
 def env_flag(name: str, default: bool) -> bool:
-    """Read a boolean `STALLWATCH_*` import-time flag; a bad value raises `ConfigError`."""
+    """Read a boolean `STALLWATCH_*` import-time flag. A bad value gives `default`, reported once
+    (`report`) and kept in `IMPORT_PROBLEMS` for `setup()`."""
     text = os.environ.get(name)
-    return default if text in (None, "") else _bool(text, name)
+    if text in (None, ""):
+        return default
+    try:
+        return _bool(text, name)
+    except ConfigError as exc:
+        problem = Problem(name, str(exc), f"using the default {_described(name, default)}")
+        IMPORT_PROBLEMS[name] = problem
+        report([problem])
+        return default
 
 
 # ---- parsers: each takes (raw text, setting name) and raises ConfigError naming the setting ----
 
+_LIMIT = "a non-negative integer, or empty for no limit"
 
-def _check_sdk_variables(env: Mapping[str, str]) -> None:
-    """The SDK-read variables (`SDK_VARIABLES`) that `setup()` would otherwise fail on, as the SDK
-    parses them: a limit is an integer ≥ 0, or empty for no limit; a batch processor's queue size,
-    delay and batch size are positive integers, the batch no larger than the queue (an empty one
-    means the default; text that is not an integer, which the SDK replaces by its default with a
-    traceback in the log, is refused too); an OTLP timeout is a number, even if empty; the exemplar
-    filter is one of `EXEMPLAR_FILTERS`, exactly."""
+
+def _check_sdk_variables(env: Mapping[str, str]) -> list[Problem]:
+    """The problems of the SDK-read variables (`SDK_VARIABLES`) that `setup()` would otherwise fail on,
+    as the SDK parses them: a limit is an integer ≥ 0, or empty for no limit; a batch processor's
+    queue size, delay and batch size are positive integers, the batch no larger than the queue (an
+    empty one means the default; text that is not an integer, which the SDK replaces by its default
+    with a traceback in the log, is refused too); an OTLP timeout is a number, even if empty; the
+    exemplar filter is one of `EXEMPLAR_FILTERS`, exactly. Each refused one falls back to
+    OpenTelemetry's default (`withhold_from_sdk` makes the SDK use it too)."""
+    problems: list[Problem] = []
+
+    def refuse(name: str, text: str, expected: str, fallback: str) -> None:
+        problems.append(Problem(name, str(_fail(name, text, expected)), fallback))
+
     for variable in SDK_LIMITS:
-        if (text := env.get(variable)) is not None and text.strip():
-            _sdk_int(text, variable, 0, "a non-negative integer, or empty for no limit")
+        if (text := env.get(variable)) is not None and text.strip() and _sdk_int(text, 0) is None:
+            refuse(variable, text, _LIMIT, "using OpenTelemetry's default")
     for prefix in SDK_BATCH_PREFIXES:
-        chosen = {}
+        chosen: dict[str, int] = {}  # the values set and valid
         for name, default in _SDK_BATCH_DEFAULTS.items():
-            text = env.get(f"{prefix}_{name}") or ""
-            chosen[name] = _sdk_int(text, f"{prefix}_{name}", 1, "a positive integer") if text else default
-        queue, batch = chosen["MAX_QUEUE_SIZE"], chosen["MAX_EXPORT_BATCH_SIZE"]
-        if batch > queue:  # named: the batch size if it was set, else the queue size
-            if env.get(f"{prefix}_MAX_EXPORT_BATCH_SIZE"):
-                raise _fail(f"{prefix}_MAX_EXPORT_BATCH_SIZE", env[f"{prefix}_MAX_EXPORT_BATCH_SIZE"],
-                            f"at most {prefix}_MAX_QUEUE_SIZE ({queue})")  # fmt: skip
-            raise _fail(f"{prefix}_MAX_QUEUE_SIZE", env[f"{prefix}_MAX_QUEUE_SIZE"],
-                        f"at least {prefix}_MAX_EXPORT_BATCH_SIZE ({batch}, its default)")  # fmt: skip
+            variable, text = f"{prefix}_{name}", env.get(f"{prefix}_{name}") or ""
+            value = _sdk_int(text, 1) if text else default
+            if value is None:
+                refuse(variable, text, "a positive integer", f"using the default {default}")
+            elif text:
+                chosen[name] = value
+        queue = chosen.get("MAX_QUEUE_SIZE", _SDK_BATCH_DEFAULTS["MAX_QUEUE_SIZE"])
+        batch = chosen.get("MAX_EXPORT_BATCH_SIZE", _SDK_BATCH_DEFAULTS["MAX_EXPORT_BATCH_SIZE"])
+        batch_variable, queue_variable = f"{prefix}_MAX_EXPORT_BATCH_SIZE", f"{prefix}_MAX_QUEUE_SIZE"
+        if batch > queue and "MAX_EXPORT_BATCH_SIZE" in chosen:
+            batch = _SDK_BATCH_DEFAULTS["MAX_EXPORT_BATCH_SIZE"]
+            refuse(batch_variable, env[batch_variable], f"at most {queue_variable} ({queue})",
+                   f"using the default {batch}")  # fmt: skip
+        if batch > queue:  # the queue size was set, smaller than the default batch
+            refuse(queue_variable, env[queue_variable], f"at least {batch_variable} ({batch}, its default)",
+                   f"using the default {_SDK_BATCH_DEFAULTS['MAX_QUEUE_SIZE']}")  # fmt: skip
     for variable in OTLP_TIMEOUTS:  # the gRPC exporters raise on one that is not a number (empty too)
         if (text := env.get(variable)) is not None:
             try:
                 float(text)
             except ValueError:
-                raise _fail(variable, text, "a number of seconds (what the Python OTLP exporters read)") from None
+                general = variable == "OTEL_EXPORTER_OTLP_TIMEOUT"
+                refuse(variable, text, "a number of seconds (what the Python OTLP exporters read)",
+                       "using the default, 10 seconds" if general else "using OTEL_EXPORTER_OTLP_TIMEOUT or its "
+                       "default, 10 seconds")  # fmt: skip
     text = env.get("OTEL_METRICS_EXEMPLAR_FILTER")
     if text is not None and text not in EXEMPLAR_FILTERS:
-        raise _fail("OTEL_METRICS_EXEMPLAR_FILTER", text, "one of " + ", ".join(EXEMPLAR_FILTERS) + " (exactly)")
+        refuse("OTEL_METRICS_EXEMPLAR_FILTER", text, "one of " + ", ".join(EXEMPLAR_FILTERS) + " (exactly)",
+               "using the default trace_based")  # fmt: skip
+    return problems
 
 
-def _sdk_int(text: str, name: str, least: int, expected: str) -> int:
-    """An integer as the SDK reads it (`int(text)`), at least `least`."""
+def _sdk_int(text: str, least: int) -> int | None:
+    """An integer as the SDK reads it (`int(text)`), at least `least`; None when it is not."""
     try:
         value = int(text)
     except ValueError:
-        raise _fail(name, text, expected) from None
-    if value < least:
-        raise _fail(name, text, expected)
-    return value
+        return None
+    return value if value >= least else None
 
 
 def _fail(name: str, value: object, expected: str) -> ConfigError:
@@ -628,21 +880,29 @@ def _shown(value: object) -> str:
         return f"<{type(value).__name__} object>"
 
 
-def _check_type(value: Any, name: str, parse: Callable[[str, str], Any]) -> Any:
-    """Validate a non-string keyword override by round-tripping it through the parser."""
-    if isinstance(value, bool) and parse is _bool:
-        return value
-    if isinstance(value, (tuple, list)) and all(isinstance(v, str) for v in value):
-        return parse(",".join(value), name)
-    if isinstance(value, Mapping) and parse is _resource_attributes:
-        return {str(k): str(v) for k, v in value.items()}
-    if isinstance(value, Path) and parse is _path:
-        return value
-    if isinstance(value, (tuple, list)) and parse is _patterns and all(isinstance(v, re.Pattern) for v in value):
-        return tuple(value)
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return parse(str(value), name)
-    raise _fail(name, value, f"a value like the environment variable takes, not {type(value).__name__}")
+def _parse_keyword(value: Any, name: str, parse: Callable[[str, str], Any]) -> Any:
+    """A keyword override: text through the parser, a value of the field's own type by round-tripping it."""
+    if isinstance(value, str):
+        return parse(value, name)
+    expected = f"a value like the environment variable takes, not {type(value).__name__}"
+    try:
+        if isinstance(value, bool) and parse is _bool:
+            return value
+        if isinstance(value, (tuple, list)) and all(isinstance(v, str) for v in value):
+            return parse(",".join(value), name)
+        if isinstance(value, Mapping) and parse is _resource_attributes:
+            return {str(k): str(v) for k, v in value.items()}
+        if isinstance(value, Path) and parse is _path:
+            return value
+        if isinstance(value, (tuple, list)) and parse is _patterns and all(isinstance(v, re.Pattern) for v in value):
+            return tuple(value)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return parse(str(value), name)
+    except ConfigError:
+        raise
+    except Exception as exc:  # a host object whose conversion raises
+        raise _fail(name, value, expected) from exc
+    raise _fail(name, value, expected)
 
 
 def _patterns(text: str, name: str) -> tuple[re.Pattern[str], ...]:
@@ -661,7 +921,7 @@ def _bool(text: str, name: str) -> bool:
         return True
     if lowered in _FALSE:
         return False
-    raise _fail(name, text, "true or false")
+    raise _fail(name, text, _BOOLEANS)
 
 
 def _nonempty(text: str, name: str) -> str:

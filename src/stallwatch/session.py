@@ -19,9 +19,9 @@ from typing import Any
 from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Observation
 
-from . import telemetry
+from . import config, telemetry
 from ._version import __version__
-from .config import ConfigError, Settings, strict_requested
+from .config import ConfigError, Problem, Settings
 from .forksafe import ForkSafety, guard
 
 _log = logging.getLogger("stallwatch")
@@ -32,10 +32,10 @@ class Session:
     """The running stallwatch session, returned by `setup()`.
 
     Attributes:
-        settings: the validated settings in force (None when they were invalid).
+        settings: the validated settings in force (None when `setup()` ran after `shutdown()`).
         fork_safety: what `import stallwatch` did to make forks safe.
         files: where the `file` exporter writes each signal (`traces`, `metrics`, `logs`).
-        error: why telemetry is off, when setup failed without `strict`.
+        error: why telemetry is off, when building the pipeline failed without `strict`.
     """
 
     settings: Settings | None
@@ -50,6 +50,12 @@ class Session:
     def watchdog_pid(self) -> int | None:
         """Pid of the freeze watchdog process, or None when it is off (STALLWATCH_WATCHDOG)."""
         return self._watchdog[1].pid if self._watchdog is not None else None
+
+    @property
+    def config_problems(self) -> tuple[Problem, ...]:
+        """The settings `setup()` refused, each logged once: `setting` (the variable or keyword), `error`
+        (its value, secrets redacted, and what it accepts) and `fallback` (what is used instead)."""
+        return self.settings.problems if self.settings is not None else ()
 
     @property
     def prometheus_address(self) -> tuple[str, int] | None:
@@ -93,15 +99,14 @@ def setup(fork_safety: ForkSafety, **overrides: Any) -> Session:
 
 
 def _start(fork_safety: ForkSafety, overrides: dict[str, Any]) -> Session:
-    try:
-        settings = Settings.load(**overrides)
-    except ConfigError as exc:
-        if strict_requested(overrides):
-            raise
-        _log.error("stallwatch: %s. Telemetry is off; the fork guard stays on.", exc)
-        return Session(None, fork_safety, error=str(exc))
+    """A bad setting costs only itself (`config`); its line is logged once the pipeline is built, so
+    that it is exported as a log record too. `strict` raises `ConfigError` before anything starts."""
+    settings = Settings.load(**overrides)
     if settings.disabled:
+        config.report(settings.problems)
         return Session(settings, fork_safety)
+    settings = config.prepare_directories(settings, overrides)
+    config.withhold_from_sdk(settings.problems)  # before the SDK, or the watchdog, reads the environment
     watchdog = _start_watchdog(settings) if settings.watchdog else None  # before any thread of ours
     pipeline = None
     if settings.providers == "stallwatch":
@@ -113,6 +118,7 @@ def _start(fork_safety: ForkSafety, overrides: dict[str, Any]) -> Session:
             _stop_unused_watchdog(watchdog)
             if settings.strict:
                 raise
+            config.report(settings.problems)
             if isinstance(exc, ConfigError):
                 _log.error("stallwatch: %s. Telemetry is off; the fork guard stays on.", exc)
             else:
@@ -123,6 +129,7 @@ def _start(fork_safety: ForkSafety, overrides: dict[str, Any]) -> Session:
                     exc,
                 )
             return Session(settings, fork_safety, error=str(exc) if isinstance(exc, ConfigError) else repr(exc))
+    config.report(settings.problems)
     _register_instruments()
     _instrument(settings)
     journal = _start_journal(settings) if settings.journal else None
@@ -211,8 +218,11 @@ def _start_journal(settings: Settings) -> Any:
 
 def _watchdog_environment(settings: Settings, forked: bool) -> dict[str, str]:
     """The host's settings, as the environment the watchdog's own setup() reads (`forked`: for a
-    worker forked from the host, whose watchdog cannot take the host's watchdog's port)."""
+    worker forked from the host, whose watchdog cannot take the host's watchdog's port). Without the
+    variables the host refused: the watchdog uses their defaults too, and logs no second line."""
     env = dict(os.environ)
+    for problem in settings.problems:
+        env.pop(problem.setting, None)
     env["STALLWATCH_FILE_DIR"] = str(settings.file_dir)
     for signal_name, chosen in (("TRACES", settings.traces_exporter), ("METRICS", settings.metrics_exporter),
                                 ("LOGS", settings.logs_exporter)):  # fmt: skip

@@ -7,7 +7,7 @@ import logging
 import sys
 from dataclasses import dataclass, field
 
-from ..config import ConfigError, env_flag, load_opentelemetry
+from ..config import IMPORT_PROBLEMS, env_flag, load_opentelemetry
 from . import grpc_guard, guard, otel_compat
 
 _log = logging.getLogger("stallwatch.forksafe")
@@ -27,20 +27,17 @@ class ForkSafety:
     sdk_loaded_before: bool
     patched: tuple[str, ...] = ()
     preexisting: dict[str, int] = field(default_factory=dict)
-    error: str | None = None
+    error: str | None = None  # a bad STALLWATCH_FORK_GUARD or STALLWATCH_GRPC_FORK_GUARD, then at its default
 
 
 def install() -> ForkSafety:
     """Install every fork protection that the environment allows; never raises."""
     sdk_loaded_before = _SDK_LOADED_BEFORE
-    error = None
-    try:
-        guard_enabled = env_flag("STALLWATCH_FORK_GUARD", True)
-        grpc_enabled = env_flag("STALLWATCH_GRPC_FORK_GUARD", True)
-    except ConfigError as exc:
-        error = str(exc)
-        _log.error("stallwatch: %s; fork guards stay on.", exc)
-        guard_enabled, grpc_enabled = True, True
+    guard_enabled = env_flag("STALLWATCH_FORK_GUARD", True)
+    grpc_enabled = env_flag("STALLWATCH_GRPC_FORK_GUARD", True)
+    flags = [str(IMPORT_PROBLEMS[name]) for name in ("STALLWATCH_FORK_GUARD", "STALLWATCH_GRPC_FORK_GUARD")
+             if name in IMPORT_PROBLEMS]  # fmt: skip
+    error = "; ".join(flags) or None
     grpc_state = grpc_guard.install(grpc_enabled)
     if not guard_enabled:
         _log.warning(
