@@ -352,7 +352,7 @@ def test_doctor_reports_a_journal_directory_the_host_cannot_use_and_creates_none
         "doctor", "--setup", "--json", "--no-probe", env=clean_env(STALLWATCH_JOURNAL_DIR=str(absent))
     )
 
-    problem = f"STALLWATCH_JOURNAL_DIR {unusable} cannot be created: {tmp_path / 'file'} is not a directory"
+    problem = f"STALLWATCH_JOURNAL_DIR={str(unusable)!r} is unusable: {tmp_path / 'file'} is not a directory"
     assert f"journal                UNUSABLE: {problem}" in bad_text.stdout
     assert f"advice: {problem}" in bad_text.stdout
     assert json.loads(bad.stdout)["journal"] == {

@@ -32,7 +32,7 @@ from types import TracebackType
 from typing import Any
 
 from . import session
-from .config import ConfigError, Settings
+from .config import Settings
 from .forksafe import grpc_guard, guard
 from .forksafe.loop import loop_report, package_version
 
@@ -258,34 +258,20 @@ def check_journal(
     """
     running = session.current()
     if environ is None and overrides is None and running is not None and running.settings is not None:
-        enabled, directory = running.settings.journal, running.settings.journal_dir
+        settings = running.settings
     else:
         env, given = os.environ if environ is None else environ, overrides or {}
-        try:
-            settings = Settings.load(
-                {v: env[v] for _, v in _JOURNAL_SETTINGS if v in env},
-                **{k: given[k] for k, _ in _JOURNAL_SETTINGS if k in given},
-            )
-        except ConfigError as error:
-            return {"enabled": True, "directory": None, "usable": False, "problem": str(error)}
-        enabled, directory = settings.journal, settings.journal_dir
-    if not enabled:
-        return {"enabled": False, "directory": str(directory), "usable": None, "problem": None}
-    why = _unwritable(directory)
-    problem = f"STALLWATCH_JOURNAL_DIR {directory} {why}" if why else None
-    return {"enabled": True, "directory": str(directory), "usable": why is None, "problem": problem}
-
-
-def _unwritable(directory: Path) -> str | None:
-    """Why the journal could not be kept in `directory`, or None when it could."""
-    existing = directory
-    while not os.path.lexists(existing):
-        existing = existing.parent
-    if not existing.is_dir():
-        return "is not a directory" if existing == directory else f"cannot be created: {existing} is not a directory"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return "is not writable" if existing == directory else f"cannot be created: {existing} is not writable"
-    return None
+        settings = Settings.load(
+            {v: env[v] for _, v in _JOURNAL_SETTINGS if v in env},
+            **{k: given[k] for k, _ in _JOURNAL_SETTINGS if k in given},
+        )
+    names = {name for pair in _JOURNAL_SETTINGS for name in pair}
+    problem = next((p for p in settings.problems if p.setting in names), None)
+    if problem is not None:  # the settings layer turned the journal off, and says why
+        return {"enabled": True, "directory": str(settings.journal_dir), "usable": False, "problem": problem.error}
+    if not settings.journal:
+        return {"enabled": False, "directory": str(settings.journal_dir), "usable": None, "problem": None}
+    return {"enabled": True, "directory": str(settings.journal_dir), "usable": True, "problem": None}
 
 
 def _journal_text(journal: dict[str, Any]) -> str:
