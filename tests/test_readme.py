@@ -1,5 +1,5 @@
-"""The README's configuration table and telemetry reference are generated from `config.OPTIONS`
-and `telemetry.py`; this test fails when they drift. Regenerate with
+"""The README's configuration table, telemetry reference and Sentry events are generated from
+`config.OPTIONS` and `telemetry.py`; this test fails when they drift. Regenerate with
 `UPDATE_README=1 python -m pytest tests/test_readme.py`."""
 
 from __future__ import annotations
@@ -14,7 +14,11 @@ import pytest
 from stallwatch import config, telemetry
 
 README = Path(__file__).parent.parent / "README.md"
-SECTIONS = {"settings": config.reference_markdown, "telemetry": telemetry.reference_markdown}
+SECTIONS = {
+    "settings": config.reference_markdown,
+    "telemetry": telemetry.reference_markdown,
+    "sentry": telemetry.sentry_markdown,
+}
 
 
 @pytest.mark.parametrize("section", sorted(SECTIONS))

@@ -159,7 +159,7 @@ def test_setup_removes_the_heartbeat_files_of_hosts_killed_with_their_watchdog(t
     runtime.mkdir()
     dead, dead_info = _start_host(runtime, STALLWATCH_FAULTHANDLER="true")
     dead_hb = Path(dead_info["heartbeat"])
-    dead_hb.with_suffix(".freezes").write_text("{}\n")  # a freeze report the host never read
+    dead_hb.with_suffix(".sentry").write_text("{}")  # as a host using Sentry hands its options over
     os.kill(dead_info["watchdog"], signal.SIGKILL)
     dead.kill()
     dead.wait(10)
@@ -174,7 +174,7 @@ def test_setup_removes_the_heartbeat_files_of_hosts_killed_with_their_watchdog(t
         if path != young:
             _age(path, 60)  # older than SWEEP_AGE_SECONDS: only the lock tells the live from the dead
     left = {p.name for p in runtime.iterdir()}
-    assert {dead_hb.name, dead_hb.with_suffix(".stacks").name, dead_hb.with_suffix(".freezes").name} <= left
+    assert {dead_hb.name, dead_hb.with_suffix(".stacks").name, dead_hb.with_suffix(".sentry").name} <= left
 
     new, new_info = _start_host(runtime)
 
@@ -217,7 +217,7 @@ def test_a_host_that_execs_another_program_is_not_reported_frozen(telemetry_dir,
 
 def test_a_fork_child_exiting_normally_leaves_its_parents_heartbeat_files_and_watchdog(tmp_path):
     # The child's exit runs stallwatch's shutdown (atexit), which used to remove the parent's
-    # stacks and freeze-report files, and for one commit its heartbeat file too.
+    # stacks and companion files, and for one commit its heartbeat file too.
     runtime = tmp_path / "run"
     runtime.mkdir()
     code = (
@@ -225,7 +225,7 @@ def test_a_fork_child_exiting_normally_leaves_its_parents_heartbeat_files_and_wa
         "session = stallwatch.setup(traces_exporter='none', metrics_exporter='none', logs_exporter='none',\n"
         "                           faulthandler=True)\n"
         "from stallwatch.detect import heartbeat\n"
-        "heartbeat.report_path(heartbeat.AREA.path).write_text('')  # as the watchdog makes it\n"
+        "heartbeat.sentry_path(heartbeat.AREA.path).write_text('{}')  # as a host using Sentry makes it\n"
         "before = sorted(os.listdir(os.environ['XDG_RUNTIME_DIR']))\n"
         "child = os.fork()\n"
         "if child == 0:\n"
@@ -242,7 +242,7 @@ def test_a_fork_child_exiting_normally_leaves_its_parents_heartbeat_files_and_wa
 
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
-    assert [Path(name).suffix for name in result["before"]] == [".freezes", ".hb", ".stacks"]
+    assert [Path(name).suffix for name in result["before"]] == [".hb", ".sentry", ".stacks"]
     assert result["after"] == result["before"]
     assert result["watchdog_alive"] and result["shutdown"]
     assert "heartbeat file" not in proc.stderr
@@ -427,15 +427,14 @@ def test_standard_loop_child_hanging_in_preexec_fn_blocks_the_loop_not_the_gil(t
     assert int(attrs(detected[0])["stallwatch.freeze.child.pid"]) == result["child_pid"]
 
 
-def test_stacks_from_faulthandler_and_a_sentry_event_after_the_thaw(telemetry_dir):
+def test_stacks_from_faulthandler_are_attached_to_the_freeze_report(telemetry_dir):
     env = clean_env(STALLWATCH_FAULTHANDLER="true")
-    result = run_scenario("freeze_probe.py", str(telemetry_dir), "2", "--sentry", env=env)
+    run_scenario("freeze_probe.py", str(telemetry_dir), "2", env=env)
 
     detected = [r for r in log_records(telemetry_dir / "logs.jsonl") if "freeze detected" in r["body"]["stringValue"]]
     stacks = attrs(detected[0])["stallwatch.freeze.stacks"]
     assert stacks.startswith("Timeout (")  # written by faulthandler's C timer while the GIL was held
     assert "freeze_probe.py" in stacks and "in main" in stacks  # the frozen coroutine, by name
-    assert [m for m in result["sentry"] if m and m.startswith("stallwatch freeze gil_held (child_before_exec)")]
 
 
 def _free_port() -> int:

@@ -16,6 +16,9 @@ no thread in a fork child's handlers (workers restart on first use in a child th
   watching the thread work it could not stop;
 - ``instrument_tunnel(cls, ...)`` records SSH tunnel open/close spans for a tunnel class of your own
   (dstack's ``SSHTunnel`` is instrumented by ``setup()`` without it).
+
+Sentry users: ``stallwatch.sentry.StallwatchIntegration`` sends freezes, wedges, stale async
+exceptions and leak candidates as Sentry events; it is enabled automatically once sentry-sdk is.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Files and directories stallwatch creates: files 0600, in directories created 0700.
 
-Journals, heartbeat files, freeze reports and telemetry files hold names, ids and stacks that are no
-one else's business on a shared machine. The standard library falls short twice: `Path.mkdir(parents=True,
+Journals, heartbeat files, Sentry handovers and telemetry files hold names, ids, stacks and DSNs that
+are no one else's business on a shared machine. The standard library falls short twice: `Path.mkdir(parents=True,
 mode=...)` gives the parents it creates the default mode (0777 & ~umask), and `open()` creates files
 0666 & ~umask; hence these two helpers.
 """

@@ -181,13 +181,17 @@ class _GuardedSetAsyncExc:
         with LOCK:
             DELIVERING.add(ident)
             try:
-                return self._deliver(ident, exc_type)
+                delivered = self._deliver(ident, exc_type)
             finally:
                 DELIVERING.discard(ident)
+        if delivered is None:
+            _refused(ident, exc_type)
+            return 1  # the thread exists: what the caller expects to see
+        return delivered
 
     @staticmethod
-    def _deliver(ident: int, exc_type: Any) -> int:
-        """Under LOCK, with `ident` in DELIVERING."""
+    def _deliver(ident: int, exc_type: Any) -> int | None:
+        """Under LOCK, with `ident` in DELIVERING; None when the call is refused."""
         record = RUNNING.get(ident)
         if exc_type is None:  # a clear: pass it on, and forget our pending record
             if record is not None and record.interrupt is not None and record.interrupt.outcome is None:
@@ -196,17 +200,37 @@ class _GuardedSetAsyncExc:
             return int(_real_set_async_exc(ctypes.c_ulong(ident), None))
         if record is None or not isinstance(exc_type, type) or not issubclass(exc_type, BaseException):
             _count(telemetry.ASYNC_EXC_REFUSED, None)
-            _log.warning(
-                "stallwatch: refused PyThreadState_SetAsyncExc(%s) on idle executor worker %d: it would kill "
-                "the worker and strand the next item (incidents/002). STALLWATCH_GUARD_ASYNC_EXC=false "
-                "passes such calls through.",
-                getattr(exc_type, "__name__", exc_type),
-                ident,
-            )
-            return 1  # the thread exists: what the caller expects to see
+            return None
         record.interrupt = _Pending(exc_type, "raw")
         _count(telemetry.ASYNC_EXC_INJECTED, record)
         return int(_real_set_async_exc(ctypes.c_ulong(ident), ctypes.py_object(exc_type)))
+
+
+def _refused(ident: int, exc_type: Any) -> None:
+    """Report a refused raw call (outside LOCK: Sentry's client runs the host's `before_send`)."""
+    from opentelemetry import trace
+
+    from .instrument._common import to_sentry
+    from .instrument.scrub import MAX_NAME_CHARS, scrub_text
+
+    name = getattr(exc_type, "__name__", None) or scrub_text(exc_type, MAX_NAME_CHARS)
+    message = (
+        f"refused PyThreadState_SetAsyncExc({name}) on idle executor worker {ident}: it would kill the worker and "
+        "strand the next item (incidents/002)"
+    )
+    _log.warning("stallwatch: %s. STALLWATCH_GUARD_ASYNC_EXC=false passes such calls through.", message)
+    worker = next((thread for thread in threading.enumerate() if thread.ident == ident), None)
+    caller = trace.get_current_span().get_span_context()  # the request whose timeout fired, if traced
+    to_sentry(
+        "stale_async_exception",
+        {
+            telemetry.ERROR_TYPE.name: name,
+            telemetry.THREAD_NAME.name: scrub_text(worker.name, MAX_NAME_CHARS) if worker is not None else None,
+        },
+        {"description": f"{message}."},
+        f"{caller.trace_id:032x}" if caller.is_valid else "",
+        f"{caller.span_id:016x}" if caller.is_valid else "",
+    )
 
 
 def install(meter_: Any, guard_raw_calls: bool) -> None:

@@ -554,6 +554,92 @@ SPANS: tuple[Span, ...] = (
     WORK_ITEM_SPAN, REPLAYED_SPAN,
 )  # fmt: skip
 
+# ---- Sentry events (`stallwatch.sentry`) ------------------------------------------------------
+
+INCIDENT_KIND = Attribute(
+    "stallwatch.kind",
+    "Which stallwatch event a Sentry event is (one fingerprint family each).",
+    ("freeze", "worker_died", "orphaned_item", "queue_stalled", "execution_overdue", "stale_async_exception",
+     "leak_candidate"),
+)  # fmt: skip
+THREAD_NAME = Attribute("thread.name", "Name of the thread concerned (semantic convention `thread.name`).")
+OTEL_TRACE_ID = Attribute(
+    "otel.trace_id", "OpenTelemetry trace id of the affected request (also the event's `trace` context)."
+)
+
+
+@dataclass(frozen=True)
+class SentryEvent:
+    """One kind of Sentry event: how it is grouped, what it says and which option turns it off.
+
+    The fingerprint is `["stallwatch", kind, *values of grouping]`, and the title names only
+    grouping values, so every event of one Sentry issue has the same title. `context` lists the
+    keys of the event's `stallwatch` context (the variable facts: durations, counts, the log line).
+    """
+
+    kind: str
+    level: Literal["error", "warning"]
+    title: str
+    grouping: tuple[Attribute, ...]
+    tags: tuple[Attribute, ...]
+    context: tuple[str, ...]
+    option: str  # the `StallwatchIntegration` keyword that turns this kind off
+    sender: Literal["host", "watchdog"]
+    description: str
+
+
+SENTRY_FREEZE = SentryEvent(
+    "freeze", "error", "stallwatch: host frozen, {stallwatch.freeze.kind} ({stallwatch.freeze.cause})",
+    (FREEZE_KIND, FREEZE_CAUSE), (FREEZE_KIND, FREEZE_CAUSE, FREEZE_SPAWN),
+    ("description", "host_pid", "frozen_seconds", "threshold_seconds", "main_thread_state", "main_thread_syscall",
+     "main_thread_wchan", "waits_on", "child", "stacks"),
+    "freezes", "watchdog",
+    "Sent by the watchdog when the freeze is detected, while the host is still frozen; one event per freeze "
+    "(the thaw or the host's death is on the `stallwatch.freeze` span).",
+)  # fmt: skip
+SENTRY_WORKER_DIED = SentryEvent(
+    "worker_died", "warning", "stallwatch: executor worker died of {error.type} ({stallwatch.executor.name})",
+    (EXECUTOR_NAME, ERROR_TYPE), (EXECUTOR_NAME, ERROR_TYPE, THREAD_NAME), ("description", "cause", "held_an_item"),
+    "wedges", "host", "An executor thread ended by an exception (a stale async `SystemExit`, as in incident 002).",
+)  # fmt: skip
+SENTRY_ORPHANED_ITEM = SentryEvent(
+    "orphaned_item", "error", "stallwatch: executor item will never complete ({stallwatch.executor.name})",
+    (EXECUTOR_NAME,), (EXECUTOR_NAME, THREAD_NAME),
+    ("description", "item_age_seconds", "worker_died_before_running_it", "cause", "healed"),
+    "wedges", "host", "A submitted item whose worker died: its awaiter waits forever unless healed.",
+)  # fmt: skip
+SENTRY_QUEUE_STALLED = SentryEvent(
+    "queue_stalled", "error", "stallwatch: executor queue stalled with no live worker ({stallwatch.executor.name})",
+    (EXECUTOR_NAME,), (EXECUTOR_NAME,), ("description", "items_waiting", "oldest_wait_seconds", "healed"),
+    "wedges", "host", "Items wait while no worker of the executor is alive (once per episode).",
+)  # fmt: skip
+SENTRY_EXECUTION_OVERDUE = SentryEvent(
+    "execution_overdue", "warning",
+    "stallwatch: work still running past its execution_timeout ({stallwatch.execution.name})",
+    (EXECUTION_NAME,), (EXECUTION_NAME, EXECUTOR_NAME, THREAD_NAME), ("description", "seconds_past_deadline"),
+    "wedges", "host", "Guarded thread work still running past its deadline (a timeout cannot stop a thread).",
+)  # fmt: skip
+SENTRY_STALE_ASYNC_EXCEPTION = SentryEvent(
+    "stale_async_exception", "warning", "stallwatch: stale {error.type} aimed at an idle executor worker refused",
+    (ERROR_TYPE,), (ERROR_TYPE, THREAD_NAME), ("description",),
+    "stale_async_exceptions", "host",
+    "A raw `PyThreadState_SetAsyncExc` aimed at an idle worker, refused (it would have killed the worker and "
+    "stranded the next item); the trace is the caller's.",
+)  # fmt: skip
+SENTRY_LEAK_CANDIDATE = SentryEvent(
+    "leak_candidate", "warning",
+    "stallwatch: cloud resource {stallwatch.cloud.action} unconfirmed ({stallwatch.cloud.resource.type})",
+    (CLOUD_ACTION, CLOUD_RESOURCE_TYPE), (CLOUD_ACTION, CLOUD_RESOURCE_TYPE, CLOUD_RPC, CLOUD_RESOURCE_ID),
+    ("description", "dead_process_pid", "intent_time"),
+    "leak_candidates", "host",
+    "Found at `setup()` in a dead process's journal: a create/delete with no recorded outcome (sent when Sentry "
+    "was initialised before `setup()`).",
+)  # fmt: skip
+SENTRY_EVENTS: tuple[SentryEvent, ...] = (
+    SENTRY_FREEZE, SENTRY_WORKER_DIED, SENTRY_ORPHANED_ITEM, SENTRY_QUEUE_STALLED, SENTRY_EXECUTION_OVERDUE,
+    SENTRY_STALE_ASYNC_EXCEPTION, SENTRY_LEAK_CANDIDATE,
+)  # fmt: skip
+
 INSTRUMENTATION_SCOPE = "stallwatch"
 
 
@@ -580,4 +666,21 @@ def reference_markdown() -> str:
         values = ", ".join(f"`{v}`" for v in attr.values) or attr.type
         kind = " (resource)" if attr in RESOURCE_ATTRIBUTES else ""
         lines.append(f"| `{attr.name}`{kind} | {values} | {attr.description} |")
+    return "\n".join(lines) + "\n"
+
+
+def sentry_markdown() -> str:
+    """Render the README's table of Sentry events."""
+    lines = [
+        "| `stallwatch.kind` | Sent by | Level | Title | Fingerprint | Tags | `stallwatch` context | Meaning |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for event in SENTRY_EVENTS:
+        fingerprint = ", ".join(["`stallwatch`", f"`{event.kind}`", *(f"`{{{a.name}}}`" for a in event.grouping)])
+        tags = ", ".join(f"`{a.name}`" for a in (INCIDENT_KIND, *event.tags, OTEL_TRACE_ID))
+        context = ", ".join(f"`{key}`" for key in event.context)
+        lines.append(
+            f"| `{event.kind}` | {event.sender} | {event.level} | {event.title} | {fingerprint} | {tags} | {context} "
+            f"| {event.description} Off: `{event.option}=False`. |"
+        )
     return "\n".join(lines) + "\n"

@@ -1,13 +1,13 @@
 """Scenario: a GIL-held freeze as in incidents/000, made on purpose.
 
-Usage: python freeze_probe.py DIR [SECONDS] [--block-loop] [--sentry]
+Usage: python freeze_probe.py DIR [SECONDS] [--block-loop] [--sentry=DSN]
 A library registered an after-fork handler before stallwatch was imported (so the exec-bound guard
 cannot skip it); in the child of one uvloop spawn it sleeps SECONDS (default 3) before exec, so the
 host's main thread waits in read() on libuv's pipe holding the GIL. Prints one JSON line: the
 spawn's wall-clock start and end, the child's pid and the probe span's ids. With --block-loop
 the loop thread sleeps SECONDS in plain sync code instead (other threads keep running). The first
-line printed is the watchdog's pid, so a test can watch it. With --sentry, sentry-sdk is
-initialised with an in-memory transport and the Sentry messages are printed too.
+line printed is the watchdog's pid, so a test can watch it. With --sentry=DSN, sentry-sdk is
+initialised with that DSN (a loopback sink) before stallwatch.setup().
 """
 
 import os
@@ -29,19 +29,11 @@ import json
 import stallwatch
 
 out, seconds = sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else 3.0
-SENTRY_MESSAGES: list = []
-if "--sentry" in sys.argv:
-    import sentry_sdk
-    from sentry_sdk.transport import Transport
+for argument in sys.argv:
+    if argument.startswith("--sentry="):
+        import sentry_sdk
 
-    class KeepInMemory(Transport):  # nothing leaves the machine
-        def capture_envelope(self, envelope) -> None:
-            SENTRY_MESSAGES.extend(
-                (item.payload.json or {}).get("message") or (item.payload.json or {}).get("logentry", {}).get("message")
-                for item in envelope.items
-            )
-
-    sentry_sdk.init(dsn="http://key@127.0.0.1:9/1", transport=KeepInMemory)
+        sentry_sdk.init(dsn=argument.removeprefix("--sentry="), release="probe@1", environment="test")
 session = stallwatch.setup(file_dir=out, freeze_threshold=1.0)
 print(json.dumps({"watchdog_pid": session.watchdog_pid}), flush=True)
 
@@ -65,7 +57,7 @@ async def main() -> dict:
             ended = time.time_ns()
             HANG["seconds"] = 0.0
             await child.wait()
-    await asyncio.sleep(1.5)  # let the watchdog see the thaw, and the host forward its report
+    await asyncio.sleep(1.5)  # let the watchdog see the thaw
     context = span.get_span_context()
     return {
         "spawn_started_ns": started,
@@ -74,7 +66,6 @@ async def main() -> dict:
         "trace_id": format(context.trace_id, "032x"),
         "span_id": format(context.span_id, "016x"),
         "watchdog_pid": session.watchdog_pid,
-        "sentry": SENTRY_MESSAGES,
     }
 
 

@@ -74,8 +74,8 @@ def area_directory() -> Path:
 
 
 def remove_files(path: Path) -> None:
-    """Remove a heartbeat file and its companions: the freeze reports and the stacks."""
-    for each in (path, report_path(path), stacks_path(path)):
+    """Remove a heartbeat file and its companions: the Sentry handover and the stacks."""
+    for each in (path, sentry_path(path), path.with_suffix(".sentry-new"), stacks_path(path)):
         each.unlink(missing_ok=True)
 
 
@@ -202,9 +202,19 @@ class HeartbeatArea:
             os.close(fd)
 
 
-def report_path(path: Path) -> Path:
-    """Where the watchdog appends a summary of each thawed freeze, for the host (Sentry)."""
-    return path.with_suffix(".freezes")
+def sentry_path(path: Path) -> Path:
+    """Where the host hands its Sentry options to the watchdog, which sends the freezes
+    (`stallwatch.sentry.handover`): JSON, present while the host's Sentry wants them."""
+    return path.with_suffix(".sentry")
+
+
+def read_sentry_handover(path: Path) -> dict[str, Any] | None:
+    """The watchdog's side: the host's Sentry options, or None (none handed over, or unreadable)."""
+    try:
+        handed = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return handed if isinstance(handed, dict) and handed.get("dsn") else None
 
 
 def stacks_path(path: Path) -> Path:
@@ -314,15 +324,14 @@ def ensure_thread() -> None:
 
 def _interpreter_beats() -> None:
     area, pid = AREA, os.getpid()
-    reports = report_path(area.path) if area is not None else None
-    reported = 0
+    handed: dict[str, Any] | None = None
     while area is not None and AREA is area and os.getpid() == pid:
         area.beat_interpreter()
         _send_loop_beats()
         time.sleep(BEAT_SECONDS)
         try:  # this thread dying would stop the heartbeat: the watchdog would report a freeze
-            reported = _forward_freezes(reports, reported)
             if area.writable:
+                handed = _hand_over_sentry(area, handed)
                 _check_watchdog(area)
         except Exception:
             from ..instrument._common import FAULTS
@@ -375,27 +384,35 @@ def _lost_file(area: HeartbeatArea, inode: int | None) -> None:
     FAULTS.record(COMPONENT, SETTING, problem)
 
 
-def _forward_freezes(reports: Path | None, done: int) -> int:
-    """Send each freeze the watchdog reported to Sentry, when the host uses Sentry."""
+def _hand_over_sentry(area: HeartbeatArea, handed: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Keep the watchdog's copy of the host's Sentry options (`sentry_path`) current: written when
+    they change, removed when freezes are not to be sent, never after `stop()`. Returns the options
+    now handed over. Looks only once the host has imported sentry_sdk."""
+    if "sentry_sdk" not in sys.modules:
+        return handed
     try:
-        if reports is None or reports.stat().st_size <= done:
-            return done
-        with open(reports) as handle:
-            handle.seek(done)
-            text = handle.read()
-    except OSError:
-        return done
-    lines = text[: text.rfind("\n") + 1]  # a line the watchdog is still writing waits for the next beat
-    sentry_sdk = sys.modules.get("sentry_sdk")
-    for line in lines.splitlines():
-        freeze = json.loads(line)
-        if sentry_sdk is not None and sentry_sdk.get_client().is_active():
-            sentry_sdk.capture_message(
-                f"stallwatch freeze {freeze['kind']} ({freeze['cause']}) for {freeze['seconds']:.1f}s: "
-                f"{freeze['description']}",
-                level="warning",
-            )
-    return done + len(lines.encode())
+        from .. import sentry
+
+        current = sentry.handover()
+    except Exception:  # an odd sentry-sdk version: freezes still reach OpenTelemetry
+        from ..instrument._common import FAULTS, SENTRY_COMPONENT, SENTRY_OFF, SENTRY_SETTING
+
+        FAULTS.record(SENTRY_COMPONENT, SENTRY_SETTING, off=SENTRY_OFF)
+        return handed
+    if current == handed:
+        return handed
+    path = sentry_path(area.path)
+    with _stopping:
+        if AREA is not area:  # stop() removed the files: this one would stay behind
+            return handed
+        if current is None:
+            path.unlink(missing_ok=True)
+        else:
+            written = path.with_suffix(".sentry-new")  # then renamed: the watchdog never reads half of it
+            with open(written, "w", opener=opener) as file:
+                json.dump(current, file, default=str)
+            os.replace(written, path)
+    return current
 
 
 def stop() -> None:

@@ -7,6 +7,7 @@ heartbeats (`detect.heartbeat`) every 100 ms; when the interpreter heartbeat is 
 threshold the freeze is `gil_held` (no Python thread runs), when only the loop heartbeat is old it
 is `loop_blocked`. It then reads `/proc` to say what the host waits on, exports a WARNING log
 record and `stallwatch.freeze.active` at once through its own pipeline (same exporter settings),
+sends the freeze to Sentry when the host handed its Sentry options over (`stallwatch.sentry`),
 and at the thaw a `stallwatch.freeze` span covering the freeze plus `stallwatch.freeze.duration`.
 It exits within a poll interval of the host's exit (a pidfd); a freeze still open then is recorded
 with outcome `host_killed`, and the host's heartbeat files are removed. It also leaves, without
@@ -18,7 +19,6 @@ It shares the host's stderr, so every line it writes there starts `stallwatch wa
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import select
@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._private import opener
 from . import heartbeat
 
 POLL_SECONDS = 0.1
@@ -281,7 +280,7 @@ class FreezeTelemetry:
 
         self._pid = pid
         self._journal = journal  # the host's journal, watchdog side: freeze records survive the host
-        self._reports = heartbeat.report_path(heartbeat_path)
+        self._sentry_handover = heartbeat.sentry_path(heartbeat_path)
         self._stacks = heartbeat.stacks_path(heartbeat_path)
         self._active: dict[tuple[str, str], int] = {}
         meter = metrics.get_meter(telemetry.INSTRUMENTATION_SCOPE)
@@ -334,6 +333,7 @@ class FreezeTelemetry:
         _log.warning("stallwatch: freeze detected: %s", self._describe(freeze, now_ns),
                      extra=self._record_attributes(freeze))  # fmt: skip
         self.flush()
+        self._to_sentry(freeze, now_ns)
 
     def still_frozen(self, freeze: Freeze, now_ns: int) -> None:
         self._active = {(freeze.kind, freeze.diagnosis.cause): 1}
@@ -370,11 +370,43 @@ class FreezeTelemetry:
         log = _log.warning if outcome == "host_killed" else _log.info
         log("stallwatch: freeze over after %.1fs (%s, outcome %s)", seconds, freeze.kind, outcome, extra=attributes)
         self.flush()
-        if outcome == "thawed":  # the host reads this and tells Sentry, if it uses Sentry
-            summary = {"kind": freeze.kind, "cause": freeze.diagnosis.cause, "seconds": round(seconds, 3),
-                       "description": self._describe(freeze, time.monotonic_ns())}  # fmt: skip
-            with open(self._reports, "a", opener=opener) as reports:
-                reports.write(json.dumps(summary) + "\n")
+
+    def _to_sentry(self, freeze: Freeze, now_ns: int) -> None:
+        """Send the freeze to Sentry when the host handed its Sentry options over: once per freeze,
+        while the host is frozen, with the facts of the freeze's log record."""
+        handed = heartbeat.read_sentry_handover(self._sentry_handover)
+        if handed is None:
+            return
+        record = self._record_attributes(freeze)
+        found = freeze.diagnosis
+        spawning = bool(freeze.snapshot.get("spawn_ns"))
+        child = next((c for c in found.children if c["pid"] == found.waits_on_child), None)
+        context = {
+            "description": self._describe(freeze, now_ns),
+            "host_pid": self._pid,
+            "frozen_seconds": round((now_ns - freeze.started_mono_ns) / 1e9, 3),
+            "main_thread_state": found.state,
+            "main_thread_syscall": found.syscall,
+            "main_thread_wchan": found.wchan,
+            "waits_on": found.waits_on,
+            "child": {k: v for k, v in child.items() if k != "exe"} if child else None,  # as the log line has it
+            "stacks": record.get("stallwatch.freeze.stacks"),
+        }
+        try:
+            from .. import sentry
+
+            sentry.capture_for_host(
+                handed,
+                "freeze",
+                record,
+                context,
+                freeze.snapshot["trace_id"] if spawning else "",
+                freeze.snapshot["span_id"] if spawning else "",
+            )
+        except Exception:  # sentry-sdk missing or odd here: the freeze still went to OpenTelemetry
+            from ..instrument._common import FAULTS, SENTRY_COMPONENT, SENTRY_OFF, SENTRY_SETTING
+
+            FAULTS.record(SENTRY_COMPONENT, SENTRY_SETTING, off=SENTRY_OFF)
 
     def flush(self) -> None:
         """Export now. Push readers only: a collect on a pull (Prometheus) reader would queue a

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from opentelemetry import trace
 from .. import telemetry
 from .. import timeout as execution_timeouts
 from ..instrument import executor as ex
-from ..instrument._common import FAULTS
+from ..instrument._common import FAULTS, to_sentry
 from ..instrument.scrub import MAX_NAME_CHARS, scrub_text
 
 _log = logging.getLogger("stallwatch")
@@ -107,6 +106,8 @@ def _check_overdue(now: float) -> None:
             record,
             f"work guarded by execution_timeout {name!r} is still running in {thread}, "
             f"{now - deadline:.1f}s past its deadline (a timeout cannot stop a thread)",
+            {telemetry.EXECUTION_NAME.name: name, telemetry.THREAD_NAME.name: scrub_text(thread, MAX_NAME_CHARS)},
+            {"seconds_past_deadline": round(now - deadline, 3)},
         )
 
 
@@ -151,6 +152,12 @@ def _check_stall(executor: Any, state: ex.ExecutorState, now: float) -> None:
             None,
             f"{work_queue.qsize()} item(s) waiting up to {now - oldest:.1f}s in executor {state.name} "
             "and none of its workers is alive",
+            {},
+            {
+                "items_waiting": work_queue.qsize(),
+                "oldest_wait_seconds": round(now - oldest, 3),
+                "healed": SETTINGS.heal,
+            },
         )
         if SETTINGS.heal:
             _respawn(executor)
@@ -163,7 +170,14 @@ def worker_died(
     ensure_running()
     cause_text = f"{type(cause).__name__}: {scrub_text(cause)}" if cause is not None else "unknown cause"
     name = scrub_text(thread.name, MAX_NAME_CHARS)
-    _report("worker_died", state, held, f"executor worker {name} died ({cause_text})")
+    _report(
+        "worker_died",
+        state,
+        held,
+        f"executor worker {name} died ({cause_text})",
+        {telemetry.ERROR_TYPE.name: type(cause).__name__ if cause else None, telemetry.THREAD_NAME.name: name},
+        {"cause": cause_text, "held_an_item": held is not None},
+    )
     executor = state.executor_ref()
     if held is not None and not held.future.done() and executor is not None:
         if (thread, cause) in state.deaths:
@@ -180,7 +194,7 @@ def _orphan(
     *,
     dequeued_only: bool,
 ) -> None:
-    name = thread.name if thread is not None else "?"
+    name = scrub_text(thread.name, MAX_NAME_CHARS) if thread is not None else "?"
     record.orphaned = True
     ex._add(telemetry.EXECUTOR_ORPHANED, 1, state.attributes)
     what = "dequeued it and died before running it" if dequeued_only else "died while running it"
@@ -190,6 +204,13 @@ def _orphan(
         state,
         record,
         f"an item submitted {age:.1f}s ago to executor {state.name} will never complete: worker {name} {what}",
+        {telemetry.THREAD_NAME.name: name if thread is not None else None},
+        {
+            "item_age_seconds": round(age, 3),
+            "worker_died_before_running_it": dequeued_only,
+            "cause": f"{type(cause).__name__}: {scrub_text(cause)}" if cause is not None else None,
+            "healed": SETTINGS.heal,
+        },
     )
     ex.end_span_orphaned(record, f"worker {name} {what}")
     if SETTINGS.heal:
@@ -214,13 +235,22 @@ def _respawn(executor: Any) -> None:
             executor._adjust_thread_count()  # may only eat a stale idle token; then try again
 
 
-def _report(kind: str, state: ex.ExecutorState, record: ex.ItemRecord | None, message: str) -> None:
+def _report(
+    kind: str,
+    state: ex.ExecutorState,
+    record: ex.ItemRecord | None,
+    message: str,
+    tags: dict[str, Any],
+    context: dict[str, Any],
+) -> None:
+    """Count, log, add to the item's span and send to Sentry one detection; `tags` and `context`
+    are the Sentry event's facts beyond the executor and the message (`telemetry.SENTRY_EVENTS`)."""
     ex._add(telemetry.WEDGE_DETECTED, 1, {**state.attributes, telemetry.WEDGE_KIND.name: kind})
-    trace_id = ""
+    trace_id = span_id = ""
     if record is not None:
         span_context = trace.get_current_span(record.context).get_span_context()
         if span_context.is_valid:
-            trace_id = f"{span_context.trace_id:032x}"
+            trace_id, span_id = f"{span_context.trace_id:032x}", f"{span_context.span_id:016x}"
         if record.span is not None and record.span.is_recording():
             record.span.add_event("stallwatch.wedge", {telemetry.WEDGE_KIND.name: kind, "message": message})
     hint = "" if SETTINGS.heal or kind not in ("orphaned_item", "queue_stalled") else (
@@ -234,15 +264,10 @@ def _report(kind: str, state: ex.ExecutorState, record: ex.ItemRecord | None, me
         hint,
         extra={"stallwatch.wedge.kind": kind, "stallwatch.executor.name": state.name, "trace_id": trace_id},
     )
-    _to_sentry(kind, message)
-
-
-def _to_sentry(kind: str, message: str) -> None:
-    sentry_sdk = sys.modules.get("sentry_sdk")
-    if sentry_sdk is None:
-        return
-    try:
-        if sentry_sdk.get_client().is_active():
-            sentry_sdk.capture_message(f"stallwatch wedge {kind}: {message}", level="warning")
-    except Exception:  # an old or odd sentry-sdk must not break detection
-        _log.debug("stallwatch: cannot send the wedge to Sentry", exc_info=True)
+    to_sentry(
+        kind,
+        {telemetry.EXECUTOR_NAME.name: state.name, **tags},
+        {"description": f"{message}.", **context},
+        trace_id,
+        span_id,
+    )

@@ -110,6 +110,23 @@ class Faults:
 FAULTS = Faults()
 
 
+# How a Sentry user turns stallwatch's events off, as `Faults.record`'s `setting` and `off`.
+SENTRY_COMPONENT, SENTRY_SETTING, SENTRY_OFF = "sentry", "disabled_integrations", "[StallwatchIntegration()]"
+
+
+def to_sentry(kind: str, tags: dict[str, Any], context: dict[str, Any], trace_id: str = "", span_id: str = "") -> None:
+    """Send an incident to Sentry (`stallwatch.sentry.capture`) when the host has imported sentry_sdk;
+    never imports it otherwise, never raises."""
+    if "sentry_sdk" not in sys.modules:
+        return
+    try:
+        from .. import sentry
+
+        sentry.capture(kind, tags, context, trace_id, span_id)
+    except Exception:  # an odd sentry-sdk version must not break detection
+        FAULTS.record(SENTRY_COMPONENT, SENTRY_SETTING, off=SENTRY_OFF)
+
+
 SPAWN_OBSERVER: contextvars.ContextVar[Callable[[int], None] | None] = contextvars.ContextVar(
     "stallwatch_spawn_observer", default=None
 )

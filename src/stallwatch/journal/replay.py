@@ -15,8 +15,9 @@ boot means dead. A dead process's host and watchdog segments are read together, 
   span exporter; only sampled ones, as the host's sampler decided.
 - every cloud create/delete whose intent is durable and whose outcome is in neither file is an
   unconfirmed resource: a WARNING `cloud resource create unconfirmed` on the `stallwatch.cloud`
-  logger, inside the intent's trace and span, with every id known as attributes; the result
-  counts them per resource type (`stallwatch.cloud.resources.unconfirmed`).
+  logger, inside the intent's trace and span, with every id known as attributes, and a Sentry
+  `leak_candidate` event when the host uses Sentry; the result counts them per resource type
+  (`stallwatch.cloud.resources.unconfirmed`).
 
 Then the segments move to `archive/` (the newest `archive_keep` processes are kept there); replay
 never deletes a journal it has not archived. A lock file makes concurrent starts replay each
@@ -32,6 +33,7 @@ import os
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -372,6 +374,25 @@ def _warn_unconfirmed(resource: UnconfirmedResource) -> None:
         logging.getLogger(ledger.LOGGER_NAME).warning(f"cloud resource {resource.action} unconfirmed", extra=attributes)
     finally:
         context.detach(token)
+    _leak_to_sentry(resource, attributes)
+
+
+def _leak_to_sentry(resource: UnconfirmedResource, attributes: dict[str, Any]) -> None:
+    from ..instrument._common import to_sentry
+
+    described = f" {resource.resource_id}" if resource.resource_id else ""
+    to_sentry(
+        "leak_candidate",
+        attributes,
+        {
+            "description": f"cloud resource {resource.action} unconfirmed: {resource.resource_type}{described} "
+            f"({resource.rpc}) asked for by process {resource.pid}, which died before the outcome was recorded.",
+            "dead_process_pid": resource.pid,
+            "intent_time": datetime.fromtimestamp(resource.intent_ns / 1e9, timezone.utc).isoformat(),
+        },
+        resource.trace_id,
+        resource.span_id,
+    )
 
 
 def _archive(directory: Path, paths: list[Path]) -> None:
