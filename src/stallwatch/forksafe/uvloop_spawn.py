@@ -12,7 +12,9 @@ Design. The transport is the standard library's own ``asyncio.unix_events._UnixS
 (a ``base_subprocess.BaseSubprocessTransport``): it takes the loop, runs ``Popen`` and connects the
 pipes with ``loop.connect_read_pipe``/``connect_write_pipe``, which uvloop implements, so pipes,
 ``StreamReader`` objects, ``communicate``, flow control and the ``connection_made``-before-waiter order
-that ``asyncio.subprocess.create_subprocess_exec`` relies on are the stdlib's, unchanged. The
+that ``asyncio.subprocess.create_subprocess_exec`` relies on are the stdlib's, unchanged, except
+that each pipe reaches uvloop as a `_LibuvPipe`, so that its descriptor is closed once (uvloop closes
+the number of a file object it was given twice, the second time possibly another thread's). The
 argument checks copy ``BaseEventLoop.subprocess_exec``/``subprocess_shell`` (same exceptions, same
 messages; identical in CPython 3.10 to 3.13), and so does the await-or-kill around the waiter.
 
@@ -43,7 +45,8 @@ error leaks no pipe (uvloop leaks three on a bad ``pass_fds``) and carries the s
 with the file name (``[Errno 2] No such file or directory: 'name'``), but the same exception type
 as uvloop's (FileNotFoundError, PermissionError, NotADirectoryError, OSError). Per CPython version,
 ``Process.wait()`` returns at exit on 3.10 and once the pipes are closed too on 3.11+, as the
-stdlib loop of that version does.
+stdlib loop of that version does. The ``Popen`` in the transport's ``subprocess`` extra has the pipe
+ends handed to the loop (``fileno()``, ``close()``) as ``stdin``/``stdout``/``stderr``, not file objects.
 """
 
 from __future__ import annotations
@@ -155,14 +158,51 @@ def unsupported_reason(kwargs: Mapping[str, Any]) -> str | None:
     return None
 
 
+class _LibuvPipe:
+    """One of the child's pipes as the stdlib transport hands it to uvloop's `connect_read_pipe` or
+    `connect_write_pipe`, in place of the `Popen` file object.
+
+    uvloop gives `fileno()` to libuv, which closes that descriptor when the pipe transport closes,
+    and then calls `close()` on the object it was given as well. With the file object itself, that
+    closes the same number a second time: by then it may be a descriptor another thread has just
+    opened (a file, a database socket) or, once that thread closes "its" file, a connection the
+    loop has just accepted. Here `fileno()` gives libuv a duplicate of its own and closes the file,
+    so that each descriptor is closed exactly once, whichever closes first; a pipe never handed to
+    libuv is closed with the file.
+    """
+
+    __slots__ = ("_fd", "_file")
+
+    def __init__(self, file: Any) -> None:
+        self._file = file
+        self._fd: int | None = None
+
+    def fileno(self) -> int:
+        if self._fd is None:
+            self._fd = os.dup(self._file.fileno())
+            self._file.close()
+        return self._fd
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __repr__(self) -> str:
+        return f"<pipe for the loop: {self._file!r}{'' if self._fd is None else f' handed over as fd {self._fd}'}>"
+
+
 class _PidfdSubprocessTransport(_STDLIB_TRANSPORT or base_subprocess.BaseSubprocessTransport):  # type: ignore[misc]
-    """The stdlib transport, told of the child's exit by a pidfd on the loop instead of a child watcher."""
+    """The stdlib transport, told of the child's exit by a pidfd on the loop instead of a child
+    watcher, with the child's pipes handed to uvloop as `_LibuvPipe` objects."""
 
     _pidfd: int
     _release_pidfd: weakref.finalize
 
     def _start(self, args: Any, shell: bool, stdin: Any, stdout: Any, stderr: Any, bufsize: int, **kwargs: Any) -> None:
         super()._start(args=args, shell=shell, stdin=stdin, stdout=stdout, stderr=stderr, bufsize=bufsize, **kwargs)
+        for name in ("stdin", "stdout", "stderr"):
+            pipe = getattr(self._proc, name)
+            if pipe is not None:
+                setattr(self._proc, name, _LibuvPipe(pipe))
         # On failure from here, BaseSubprocessTransport.__init__ closes us, which kills the child.
         self._pidfd = os.pidfd_open(self._proc.pid)
         # Closes the pidfd once: on exit, or when a loop closed without running us drops the transport.
