@@ -249,7 +249,10 @@ class _Call:
             outcome = ledger.Outcome(not self.failed, self.error_type or self.code, self.operation_id,
                                      self.resource_id, self.request_id)  # fmt: skip
             self._to_ledger(lambda intent: ledger.recorder().outcome(intent, outcome))
-        self._end_span()
+        try:
+            self._end_span()
+        except Exception:  # e.g. a span processor that raises: the metrics and log records still follow
+            FAULTS.record(COMPONENT, SETTING)
 
     def _end_span(self) -> None:
         span, code = self.span, self.code
