@@ -345,7 +345,8 @@ def test_nebius_call_attributes_and_ledger_records_from_any_request(
         for code in attempts:
             call.attempt()
             call.attempt_ended(code)
-        call.end(instruments, request, result, error, time.time_ns(), 0.01)
+        call.finish(request, result, error, time.time_ns(), 0.01)
+        call.complete(instruments)
     finally:
         ledger.set_recorder(previous)
         cloud_log.removeHandler(records)

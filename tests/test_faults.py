@@ -341,7 +341,7 @@ TIMEOUTS = ("executor", "STALLWATCH_INSTRUMENT_EXECUTOR", ("stallwatch.timeout",
 #           faults counted when the attribute builder raises: one per wrapped call)
 WRAPPERS = {
     "Popen": (POPEN, *SUBPROCESS, 5),
-    "asyncio subprocess_exec/shell": (ASYNCIO_SPAWNS, *SUBPROCESS, 3),  # one per child: named on the builder
+    "asyncio subprocess_exec/shell": (ASYNCIO_SPAWNS, *SUBPROCESS, 3),  # one per child: named at its exit
     "uvloop subprocess_exec/shell": (UVLOOP_SPAWNS, *SUBPROCESS, 3),
     "os.posix_spawn + wait": (POSIX_SPAWN, *SUBPROCESS, 4),
     "instrument_tunnel": (TUNNEL_CLASS, *SSH, 5),

@@ -232,8 +232,8 @@ def test_unit_resource_type_names():
 
 @pytest.mark.parametrize("within", ["timer", "shutdown"])
 def test_a_call_is_completed_off_the_callers_path_and_never_lost(within, tmp_path):
-    """A call's span is completed while the next call waits on the network, else by the loop's timer
-    (`COMPLETE_WITHIN`), else at shutdown; each span keeps its own end time."""
+    """A call's metrics and log records are completed while the next call waits on the network, else
+    by the loop's timer (`COMPLETE_WITHIN`), else at shutdown; each span ended with its call."""
     proc = run_python(
         f"""
         import asyncio, time

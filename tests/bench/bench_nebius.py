@@ -27,9 +27,12 @@ per round, and samples pooled per configuration. Target: at most 5 % added laten
 The headline figure is the **paired** part (see ``_paired.py``): K fresh interpreters set up as
 ``instrumented`` and each alternates P pairs of blocks of 25 calls with the Nebius instrumentor on
 and off (``NebiusInstrumentor().instrument()`` / ``.uninstrument()``), so the two sides of each
-ratio share a process; it reports the median per-pair ratio with a 95 % bootstrap interval. The
-per-configuration runs above take the cost apart (journal, export), with the noise of comparing
-separate processes.
+ratio share a process; it reports the median per-pair ratio with a 95 % bootstrap interval. The same
+interpreters then switch, with the instrumentor off, what a user would write instead
+(``handmade_sdk_span``: an OpenTelemetry SDK span per call, started in the caller's context and
+ended when the call returns, through the same provider; series ``get_sdk_span`` and
+``create_sdk_span``), so the two can be read side by side. The per-configuration runs above take
+the cost apart (journal, export), with the noise of comparing separate processes.
 """
 
 from __future__ import annotations
@@ -122,8 +125,55 @@ def worker(config: str, address: str, calls: int) -> dict[str, Any]:
         shutil.rmtree(file_dir, ignore_errors=True)
 
 
+def handmade_sdk_span() -> Callable[[bool], None]:
+    """`switch` for `run_blocks`: a span per call as a user would write it, on the method stallwatch
+    wraps (the first await's coroutine): the SDK's `start_span` in the caller's context, `end()`
+    with the status when the call returns."""
+    import wrapt
+    from nebius.aio.request import Request
+    from opentelemetry import context, trace
+    from opentelemetry.instrumentation.utils import unwrap
+    from opentelemetry.trace import SpanKind, StatusCode
+
+    tracer = trace.get_tracer("bench.handmade")
+
+    def wrapper(wrapped: Any, request: Any, args: Any, kwargs: Any) -> Any:
+        parent = context.get_current()
+
+        async def call() -> Any:
+            service, method = str(request._service), str(request._method)
+            attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": method}
+            span = tracer.start_span(f"{service}/{method}", parent, SpanKind.CLIENT, attributes)
+            try:
+                result = await wrapped(*args, **kwargs)
+            except BaseException as error:
+                span.record_exception(error)
+                span.set_status(StatusCode.ERROR)
+                span.end()
+                raise
+            span.set_attribute("rpc.grpc.status_code", 0)
+            span.end()
+            return result
+
+        return call()
+
+    state = {"on": False}
+
+    def switch(on: bool) -> None:
+        if on == state["on"]:
+            return
+        state["on"] = on
+        if on:
+            wrapt.wrap_function_wrapper(Request, "_request_with_authorization_loop", wrapper)
+        else:
+            unwrap(Request, "_request_with_authorization_loop")
+
+    return switch
+
+
 def paired_worker(address: str, pairs: int, block: int, seed: int) -> dict[str, Any]:
-    """The `instrumented` setup, with the Nebius instrumentor switched on and off in blocks (µs per call)."""
+    """The `instrumented` setup, with the Nebius instrumentor switched on and off in blocks (µs per call),
+    then the instrumentor off and a hand-made SDK span per call switched on and off likewise."""
     import stallwatch
 
     file_dir = tempfile.mkdtemp(prefix="bench_nebius_")
@@ -132,7 +182,12 @@ def paired_worker(address: str, pairs: int, block: int, seed: int) -> dict[str, 
 
     switch = switch_for(NebiusInstrumentor())
     try:
-        return asyncio.run(drive(address, lambda call: run_blocks(call, switch, pairs, block, seed)))
+        result = asyncio.run(drive(address, lambda call: run_blocks(call, switch, pairs, block, seed)))
+        switch(False)
+        handmade = handmade_sdk_span()
+        found = asyncio.run(drive(address, lambda call: run_blocks(call, handmade, pairs, block, seed)))
+        handmade(False)
+        return result | {f"{series}_sdk_span": blocks for series, blocks in found.items()}
     finally:
         stallwatch.shutdown(10)
         shutil.rmtree(file_dir, ignore_errors=True)

@@ -61,7 +61,14 @@ the subprocess instrumentation on unless the configuration says otherwise.
    ``--quick``) and ``--processes K`` (default 4; 1 with ``--quick``).
    The same interpreters then run ``subprocess.run`` pairs with two floors switched on and off
    in place of the instrumentor (``PopenFloor``): a wrapper that only times the spawn, and one
-   that also keeps what a span per child needs and builds nothing.
+   that also keeps what a span per child needs and builds nothing; then with what a user would
+   pick instead (``Alternative``), each switched on and off the same way: a hand-made SDK span
+   per child (a wrapt wrapper of ``Popen`` that starts an OpenTelemetry SDK span at the spawn
+   and ends it at the exit, through the same provider), sentry-sdk's ``StdlibIntegration``
+   (its spawn and wait spans, inside a transaction per block, sent to a transport that drops
+   them) and ddtrace's ``subprocess`` integration (with ``DD_APPSEC_ENABLED=true``, without which
+   it makes no span; its agent on an unreachable loopback port). A package not installed is
+   left out (``pip install sentry-sdk ddtrace``).
 
 The runs are interleaved: every round runs all (configuration, rss) pairs of both parts, in an
 order rotated by one each round, and samples are pooled per configuration across rounds, so
@@ -73,6 +80,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -98,6 +106,9 @@ SERIES_TITLES = {
     "sync_run": '`subprocess.run(["/bin/true"])`',
     "sync_run_floor_clock": '`subprocess.run(["/bin/true"])`, floor: a wrapper that only times the spawn',
     "sync_run_floor_capture": '`subprocess.run(["/bin/true"])`, floor: a wrapper that keeps what a span needs',
+    "sync_run_sdk_span": '`subprocess.run(["/bin/true"])`, instead: a hand-made OpenTelemetry SDK span per child',
+    "sync_run_sentry": '`subprocess.run(["/bin/true"])`, instead: sentry-sdk `StdlibIntegration`',
+    "sync_run_ddtrace": '`subprocess.run(["/bin/true"])`, instead: ddtrace `subprocess` integration (appsec on)',
 }
 # stallwatch.spawn.loop of each series' spans
 SERIES_LOOP = {"async_spawn_call": "asyncio", "async_roundtrip": "asyncio", "sync_run": "none"}
@@ -118,7 +129,7 @@ LOOP_KEY = "stallwatch.spawn.loop"
 FALLBACK_KEY = "stallwatch.spawn.fallback"
 DEVNULL = {"stdin": subprocess.DEVNULL, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
-VERSIONED = ("uvloop", "opentelemetry-api", "opentelemetry-sdk", "wrapt", "stallwatch")
+VERSIONED = ("uvloop", "opentelemetry-api", "opentelemetry-sdk", "wrapt", "stallwatch", "sentry-sdk", "ddtrace")
 
 
 # ---- worker: one configuration in a fresh interpreter ----------------------------------------
@@ -365,6 +376,123 @@ class PopenFloor:
             unwrap(subprocess.Popen, "_handle_exitstatus")
 
 
+class Alternative:
+    """Another package's subprocess instrumentation, installed once by `install()` (none of them can
+    be taken off again), then switched on and off by swapping the attributes the installation
+    changed on `subprocess.Popen` and `os`. `enter()`/`leave()` run when it is switched on/off,
+    outside the timed calls (sentry-sdk's transaction per block)."""
+
+    OWNERS = (subprocess.Popen, os)
+
+    def __init__(self, install: Any, enter: Any = None, leave: Any = None) -> None:
+        before = self._snapshot()
+        install()
+        after = self._snapshot()
+        self.changes = [(key, before.get(key), value) for key, value in after.items() if before.get(key) is not value]
+        self.enter, self.leave = enter, leave
+        self.on = False
+        self._apply(on=False)
+
+    def _snapshot(self) -> dict[tuple[int, str], Any]:
+        owners = enumerate(self.OWNERS)
+        return {(number, name): value for number, owner in owners for name, value in vars(owner).items()}
+
+    def _apply(self, on: bool) -> None:
+        for (number, name), off_value, on_value in self.changes:
+            value = on_value if on else off_value
+            if value is None:
+                delattr(self.OWNERS[number], name)
+            else:
+                setattr(self.OWNERS[number], name, value)
+
+    def switch(self, on: bool) -> None:
+        if on == self.on:
+            return
+        self.on = on
+        if not on and self.leave is not None:
+            self.leave()
+        self._apply(on)
+        if on and self.enter is not None:
+            self.enter()
+
+
+def handmade_sdk_span() -> Alternative:
+    """A span per child as a user would write it: the SDK's `start_span` at the spawn, `end()` at the exit."""
+    import wrapt
+    from opentelemetry import trace
+    from opentelemetry.trace import SpanKind
+
+    tracer = trace.get_tracer("bench.handmade")
+
+    def init(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        argv = args[0] if args else kwargs["args"]
+        name = os.path.basename(str(argv[0]))
+        span = tracer.start_span(name, kind=SpanKind.CLIENT, attributes={"process.executable.name": name,
+                                                                          "process.args_count": len(argv)})  # fmt: skip
+        try:
+            wrapped(*args, **kwargs)
+        except BaseException:
+            span.end()
+            raise
+        span.set_attribute("process.pid", instance.pid)
+        instance._bench_span = span
+
+    def reaped(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        result = wrapped(*args, **kwargs)
+        span = getattr(instance, "_bench_span", None)
+        if span is not None and instance.returncode is not None:
+            instance._bench_span = None
+            span.set_attribute("process.exit.code", instance.returncode)
+            span.end()
+        return result
+
+    def install() -> None:
+        wrapt.wrap_function_wrapper(subprocess.Popen, "__init__", init)
+        wrapt.wrap_function_wrapper(subprocess.Popen, "_handle_exitstatus", reaped)
+
+    return Alternative(install)
+
+
+def sentry() -> Alternative | None:
+    try:
+        import sentry_sdk
+        from sentry_sdk.integrations.stdlib import StdlibIntegration
+        from sentry_sdk.transport import Transport
+    except ImportError:
+        return None
+
+    class Discard(Transport):  # type: ignore[misc]
+        def capture_envelope(self, envelope: Any) -> None:
+            return
+
+    def install() -> None:
+        sentry_sdk.init(dsn="http://public@127.0.0.1:9/1", traces_sample_rate=1.0, transport=Discard,
+                        default_integrations=False, auto_enabling_integrations=False,
+                        integrations=[StdlibIntegration()])  # fmt: skip
+
+    transactions: list[Any] = []
+
+    def enter() -> None:
+        transactions.append(sentry_sdk.start_transaction(name="bench", op="bench").__enter__())
+
+    def leave() -> None:
+        transactions.pop().__exit__(None, None, None)
+
+    return Alternative(install, enter, leave)
+
+
+def ddtrace() -> Alternative | None:
+    os.environ.update({"DD_APPSEC_ENABLED": "true", "DD_TRACE_AGENT_URL": "http://127.0.0.1:9"})
+    try:
+        from ddtrace import patch
+    except ImportError:
+        return None
+    return Alternative(lambda: patch(subprocess=True))
+
+
+ALTERNATIVES = {"sync_run_sdk_span": handmade_sdk_span, "sync_run_sentry": sentry, "sync_run_ddtrace": ddtrace}
+
+
 def paired_worker(pairs: int, seed: int) -> dict[str, Any]:
     """The `instrumented` setup, with the subprocess instrumentor switched on and off in blocks (µs)."""
     import stallwatch
@@ -391,6 +519,11 @@ def paired_worker(pairs: int, seed: int) -> dict[str, Any]:
         for series, floor in zip(FLOOR_SERIES, (PopenFloor(capture=False), PopenFloor(capture=True)), strict=True):
             result[series] = await run_blocks(run, floor.switch, pairs, BLOCK, seed)
             floor.switch(False)
+        for series, make in ALTERNATIVES.items():  # each installed only now: nothing of it ran before
+            alternative = make()
+            if alternative is not None:
+                result[series] = await run_blocks(run, alternative.switch, pairs, BLOCK, seed)
+                alternative.switch(False)
         return result
 
     try:
@@ -636,7 +769,10 @@ def render_markdown(
         "instrumentor (which stays off for them): `clock` only times the spawn, `capture` also keeps "
         "what stallwatch's calling thread must keep for a span per child (the caller's context, loop, "
         "arguments, start time, pid, return code) and builds nothing (`PopenFloor`). A floor at or "
-        "above the target means no wrapper of this kind can meet it on this machine.",
+        "above the target means no wrapper of this kind can meet it on this machine. The `instead` "
+        "rows switch what a user would pick instead of stallwatch on and off the same way "
+        "(`Alternative`): a hand-made SDK span per child, sentry-sdk and ddtrace (see the module "
+        "docstring); stallwatch's `subprocess.run` row above is to be read against them.",
     ]
     lines += [
         "",

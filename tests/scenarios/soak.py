@@ -122,7 +122,7 @@ async def main() -> dict:
     await items_batch(items, pool)
     await asyncio.to_thread(tunnel_batch, tunnels)
     pool.shutdown()
-    await asyncio.sleep(0.6)  # the spawn-span builder and the wedge check take their turn
+    await asyncio.sleep(0.6)  # the wedge check takes its turn
     return {
         "baseline": baseline,
         "end": {"rss_mb": rss_mb(), "threads": threading.active_count(), "fds": len(os.listdir("/proc/self/fd"))},

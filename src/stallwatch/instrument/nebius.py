@@ -8,9 +8,9 @@ OpenTelemetry gRPC instrumentation misses the SDK's channels, so the instrumenta
 three private methods instead:
 
 - `_request_with_authorization_loop`: the span. The parent context and start time are taken in
-  the caller's thread when the coroutine is created; the span starts and ends on the SDK loop, so
-  the caller never waits on it. A coroutine that never starts (the SDK rejected the submission)
-  leaves no span.
+  the caller's thread when the coroutine is created; the span starts and ends on the SDK loop,
+  and ends before the coroutine returns, so it is ended by the time the caller has the result. A
+  coroutine that never starts (the SDK rejected the submission) leaves no span.
 - `_send`: counts attempts and measures the backoff before each one.
 - `_await_native_call`: one `stallwatch.nebius.attempt` event per attempt, with its gRPC status.
 
@@ -28,16 +28,18 @@ needs stays between the caller's await and its result:
    ledger's records), its journal start record is queued (and never written if the call ends
    first, see `stallwatch.journal.writer`), and a create/delete's intent is made durable (one
    `fdatasync`, the single disk wait the ledger requires; see `stallwatch.ledger`);
-2. when the answer is in, before the SDK hands it to the caller: the status and ids are read, and
-   a create/delete's outcome is written to the journal (a `pwrite`, synced by the journal within
-   its flush period, see `stallwatch.journal.writer`);
-3. everything else (the span's attributes, attempt events, status and end, the journal end
-   record, the metrics and the ledger's log records) runs on the SDK loop later, off the caller's
-   path. The caller's thread wakes up when the SDK publishes the result, and it needs the GIL the
-   SDK loop would hold while completing the call (about 100 µs for a create, measured), so the
-   completion waits in `_waiting` until the next call's request is on the network (the intent's
-   log record goes out then too), or `COMPLETE_WITHIN` seconds on the loop's timer when no call
-   follows, or `stallwatch.shutdown()` (`complete_waiting`), whichever comes first.
+2. when the answer is in, before the SDK hands it to the caller: the status and ids are read, a
+   create/delete's outcome is written to the journal (a `pwrite`, synced by the journal within
+   its flush period, see `stallwatch.journal.writer`), and the span gets its attributes, attempt
+   events and status and ends (with its journal end record), so that a host reading its spans, or
+   flushing its tracer provider, right after the call finds it;
+3. the rest (the metrics and the ledger's log records) runs on the SDK loop later, off the
+   caller's path. The caller's thread wakes up when the SDK publishes the result, and it needs the
+   GIL the SDK loop would hold meanwhile, so this completion waits in `_waiting` until the next
+   call's request is on the network (the intent's log record goes out then too), or
+   `COMPLETE_WITHIN` seconds on the loop's timer when no call follows, or a metric collection
+   (a meter provider's `force_flush()` included), or `stallwatch.shutdown()` (`complete_waiting`),
+   whichever comes first.
 
 Per-method facts (span name, attributes, ledger action, resource type) are computed once per
 method. What each part costs a call against the fake server is measured by
@@ -231,21 +233,9 @@ class _Call:
             attributes["backoff_seconds"] = started - self.attempt_events[index - 1][3]
         return attributes, timestamp
 
-    def end(
-        self,
-        instruments: _Instruments,
-        request: Any,
-        result: Any,
-        error: BaseException | None,
-        end_ns: int,
-        took: float,
-    ) -> None:
-        """`finish` and `complete` at once (when the call has no loop to defer the rest to)."""
-        self.finish(request, result, error, end_ns, took)
-        self.complete(instruments)
-
     def finish(self, request: Any, result: Any, error: BaseException | None, end_ns: int, took: float) -> None:
-        """What must be known before the caller has the result: the status and ids, and the ledger's outcome."""
+        """What must be done before the caller has the result: the status and ids, the ledger's
+        outcome, and the span's end."""
         self.end_ns, self.took = end_ns, took
         self.failed = error is not None
         self.error_class = type(error).__qualname__
@@ -259,11 +249,12 @@ class _Call:
             outcome = ledger.Outcome(not self.failed, self.error_type or self.code, self.operation_id,
                                      self.resource_id, self.request_id)  # fmt: skip
             self._to_ledger(lambda intent: ledger.recorder().outcome(intent, outcome))
+        try:
+            self._end_span()
+        except Exception:  # e.g. a span processor that raises: the metrics and log records still follow
+            FAULTS.record(COMPONENT, SETTING)
 
-    def complete(self, instruments: _Instruments) -> None:
-        """Everything the caller need not wait for: the span's end, the metrics, the ledger's log records."""
-        if self.later:
-            self.emit_later()
+    def _end_span(self) -> None:
         span, code = self.span, self.code
         if self.attempts > 1 or self.failed_attempts:  # one clean attempt says nothing the span does not
             for index in range(len(self.attempt_events)):
@@ -288,8 +279,13 @@ class _Call:
             span.set_status(Status(StatusCode.ERROR, f"{code}: {self.error_class}"))
         span.end(end_time=self.end_ns)
         journal.span_ended(span, started=self.journaled)
+
+    def complete(self, instruments: _Instruments) -> None:
+        """Everything the caller need not wait for: the metrics and the ledger's log records."""
+        if self.later:
+            self.emit_later()
         method = self.method
-        instruments.duration.record(self.took, method.duration_attributes(number))
+        instruments.duration.record(self.took, method.duration_attributes(_code_number(self.code)))
         instruments.active.add(-1, method.service, method.method)
         intent = self.intent
         if intent is not None and not self.failed:
@@ -407,7 +403,8 @@ async def _run(
 
 
 def _end(call: _Call, instruments: _Instruments, request: Any, result: Any, error: BaseException | None) -> None:
-    """Finish the call now and complete it later, off the caller's path (see the module docstring)."""
+    """Finish the call now (its span ends) and complete it later, off the caller's path (see the
+    module docstring)."""
     end_ns, took = time.time_ns(), time.monotonic() - call.started
     try:
         call.finish(request, result, error, end_ns, took)
@@ -559,10 +556,15 @@ class NebiusInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         meter_ = meter(kwargs.get("meter_provider"))
         FAULTS.bind(kwargs.get("meter_provider"))
         duration = Deferred(meter_, telemetry.NEBIUS_CALL_DURATION)
+
+        def before_collection() -> None:  # the calls waiting to be completed hold their metrics
+            complete_waiting()
+            duration.drain()
+
         _instruments = _Instruments(
             tracer=trace.get_tracer(telemetry.INSTRUMENTATION_SCOPE, __version__, kwargs.get("tracer_provider")),
             duration=duration,
-            active=Counts(meter_, telemetry.NEBIUS_CALLS_ACTIVE, before=duration.drain),
+            active=Counts(meter_, telemetry.NEBIUS_CALLS_ACTIVE, before=before_collection),
             created=instrument(meter_, telemetry.CLOUD_RESOURCES_CREATED),
             deleted=instrument(meter_, telemetry.CLOUD_RESOURCES_DELETED),
         )

@@ -35,10 +35,9 @@ import os
 import subprocess
 import sys
 import threading
-from collections import deque
 from collections.abc import Callable, Collection, Coroutine, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from time import perf_counter, sleep, time_ns
+from time import perf_counter, time_ns
 from typing import Any
 
 import wrapt
@@ -70,16 +69,19 @@ _LOOP_METHODS = ("subprocess_exec", "subprocess_shell")
 class _Child:
     """One spawned child: what its span will say, gathered from the spawn call until it is reaped.
 
-    The calling thread only takes the clock, the parent context and references: to the call's
+    The spawning thread only takes the clock, the parent context and references: to the call's
     arguments and the running loop before the spawn (`_begin`), the pid and the blocked time after
-    it (`_spawned`), the return code at the exit (`_exited`). Right after a spawn every instruction
-    runs with the caches cold (the measured cost of the same code is about four times its warm
-    cost), so the executable name, the attributes, the metrics and the span are all worked out on
-    the builder's thread (`_measure`, `_build`).
+    it (`_spawned`). Right after a spawn every instruction runs with the caches cold (the measured
+    cost of the same code is about four times its warm cost), so the executable name, the
+    attributes and the spawn's metric (`_measure`) and the span (`_build`) wait for the exit: the
+    reaping thread does them in `_exited`, before `wait()`, `poll()`, `communicate()`, `run()`, a
+    wait function or the loop's `process_exited` returns, so the span is ended by the time the host
+    sees the exit. A child still running when metrics are collected is measured then
+    (`_Unmeasured.measure_all`), for its spawn's duration and its `active` series.
     """
 
     __slots__ = (
-        "attributes", "blocked", "built", "command", "done", "end_ns", "error", "exit_before_spawned", "lived", "loop",
+        "attributes", "blocked", "command", "done", "end_ns", "error", "exit_before_spawned", "lived", "loop",
         "measured", "method", "name", "observer", "parent", "pid", "popen_args", "returncode", "span", "spawned",
         "start_ns", "started", "tracer",
     )  # fmt: skip
@@ -105,7 +107,6 @@ class _Child:
         self.spawned = False
         self.done = False
         self.measured = False
-        self.built = False
         self.exit_before_spawned: int | None = None
         self.observer = SPAWN_OBSERVER.get()
 
@@ -148,71 +149,43 @@ def _fault() -> None:
     FAULTS.record(COMPONENT, SETTING)
 
 
-# ---- building spans off the calling thread -------------------------------------------------------
+# ---- measuring and building, when the child is reaped ----------------------------------------------
 
 
-class _SpanBuilder:
-    """Works out each child's attributes, metrics and span on its own thread, every `INTERVAL` seconds.
-
-    Building an SDK span (attribute checks, locks, ids, the processor hand-off) costs 30-60 µs on
-    the calling thread, which under uvloop is the event loop, and naming and describing the child
-    costs 20 µs more right after a spawn (see `_Child`). The calling thread only submits the child
-    after its spawn and after its exit; this thread does the rest with the original timestamps and
-    parent context. It starts on first use in each process (a fork child that lives on starts its
-    own), never in a fork handler. `flush()` does what is waiting in the caller's thread (at
-    shutdown, and before the subprocess metrics are collected); flushes never overlap.
-    """
-
-    INTERVAL = 0.05
+class _Unmeasured:
+    """Children spawned and not measured yet (`_measure`), each measured exactly once: by the thread
+    that reaps it, or by a metric collection while it runs (`measure_all`), whichever comes first.
+    The map holds only children still running; reaping takes a child out."""
 
     def __init__(self) -> None:
-        self._ready: deque[_Child] = deque()
-        self._lock = threading.Lock()  # starting the thread
-        self._flushing = threading.RLock()  # one flush at a time (re-entrant: a span's export may collect)
-        self._pid = 0  # the process whose builder thread runs
-        self._flushing_pid = os.getpid()  # the process `_flushing` was made in
+        self.children: dict[int, _Child] = {}  # id(child) -> child: one dict operation each, atomic under the GIL
+        self._lock = threading.Lock()  # taken around each measuring: a reaper waits for a collection's
+        self._pid = os.getpid()
 
-    def submit(self, child: _Child) -> None:
-        self._ready.append(child)
-        if self._pid != os.getpid():
-            self._start()
+    def lock(self) -> threading.Lock:
+        if self._pid != os.getpid():  # a fork child: a parent's thread may have held it
+            self._pid, self._lock = os.getpid(), threading.Lock()
+        return self._lock
 
-    def _start(self) -> None:
-        with self._lock:
-            if self._pid == os.getpid():
-                return
-            self._pid = os.getpid()
-            self._lock = threading.Lock()  # a fork child's own
-        try:
-            threading.Thread(target=self._run, name="stallwatch-spawn-spans", daemon=True).start()
-        except RuntimeError:
-            if not guard.STATE.exiting:
-                self._pid = 0  # try again with the next child
-                raise
-            # Python 3.12 refuses new threads at exit: stallwatch's shutdown builds what waits.
+    def measure(self, child: _Child) -> None:
+        """Measure `child` now unless that is done or under way (then wait for it)."""
+        with self.lock():
+            if self.children.pop(id(child), None) is not None:
+                _measure(child)
 
-    def _run(self) -> None:
-        while True:
-            sleep(self.INTERVAL)
-            self.flush()
-
-    def flush(self) -> None:
-        """Measure and build everything submitted so far."""
-        if self._flushing_pid != os.getpid():  # a fork child: a parent's thread may have held it
-            self._flushing_pid, self._flushing = os.getpid(), threading.RLock()
-        ready = self._ready
-        with self._flushing:
-            while ready:
-                child = ready.popleft()
+    def measure_all(self) -> None:
+        """Measure every child spawned and not reaped yet (before a collection: durations and names)."""
+        children = self.children
+        while children:
+            with self.lock():
                 try:
-                    if not child.measured:
-                        child.measured = True
-                        _measure(child)
-                    if child.done and not child.built:
-                        child.built = True
-                        _build(child)
-                except Exception:
-                    _fault()
+                    child = children.popitem()[1]
+                except KeyError:
+                    return
+                _safely(_measure, child)
+
+
+_UNMEASURED = _Unmeasured()
 
 
 def _measure(child: _Child) -> None:
@@ -228,6 +201,16 @@ def _measure(child: _Child) -> None:
         if state is not None:
             state.spawn_duration.record(child.blocked, _duration_attributes(child))
     _spawned_names.add(child.name)
+    child.measured = True
+
+
+def _end(child: _Child) -> None:
+    """The child is over (reaped, failed to spawn, or still running at shutdown): measure it if no
+    collection did, then build and end its span (named "?" if measuring failed). Runs once per
+    child (see `_claim`)."""
+    # A failed spawn was never offered to a collection.
+    _safely(_UNMEASURED.measure if child.spawned else _measure, child)
+    _safely(_build, child)
 
 
 def _build(child: _Child) -> None:
@@ -271,32 +254,24 @@ def _exit_attributes(child: _Child) -> None:
         state.exits.add(1, child.name, "signal" if signal else "code", signal)
 
 
-_BUILDER = _SpanBuilder()
-
-
 class _SpawnDurations(Deferred):
-    """`stallwatch.subprocess.spawn.duration`, recorded by the builder: each collection (whichever
-    way it drains the values) builds what is waiting first, so no spawn's value is a collection late."""
+    """`stallwatch.subprocess.spawn.duration`: each collection (whichever way it drains the values)
+    first measures the children still running, so no spawn's value is a collection late."""
 
     def drain(self) -> None:
-        _BUILDER.flush()
+        _UNMEASURED.measure_all()
         super().drain()
 
 
 def _forget_the_parents_children() -> None:
-    """In a fork child that lives on: the parent's children, open or waiting to be built, are the
-    parent's to report; this process would otherwise end them again at its own shutdown."""
+    """In a fork child that lives on: the parent's children are the parent's to report; this
+    process would otherwise end them again at its own shutdown."""
     _open.clear()
     _by_pid.clear()
-    _BUILDER._ready.clear()
+    _UNMEASURED.children.clear()
 
 
 os.register_at_fork(after_in_child=_forget_the_parents_children)  # starts nothing: clears three maps
-
-
-def flush_spans() -> None:
-    """Build the spans of every child that ended, now (stallwatch's shutdown calls it)."""
-    _BUILDER.flush()
 
 
 # ---- the child's life: begin, spawned, exited ----------------------------------------------------
@@ -367,43 +342,48 @@ def _duration_attributes(child: _Child) -> dict[str, Any]:
 
 
 def _spawned(child: _Child, pid: int, blocked: float) -> None:
-    """Right after the spawn call returned: the facts; the builder works out the rest (see `_Child`)."""
+    """Right after the spawn call returned: the facts; the rest waits for the exit (see `_Child`)."""
     child.pid = pid
     child.blocked = blocked
     child.spawned = True
-    _BUILDER.submit(child)
+    if not child.done:  # not ended meanwhile by the shutdown
+        _UNMEASURED.children[id(child)] = child
     if child.exit_before_spawned is not None:
         _exited(child, child.exit_before_spawned)
 
 
 def _spawn_failed(child: _Child, error: BaseException, blocked: float) -> None:
-    _forget(child)
+    """The spawn call raised: the span ends now, before the error reaches the host."""
+    if not _claim(child):
+        return
     child.attributes[telemetry.ERROR_TYPE.name] = type(error).__qualname__
     child.blocked = blocked
     child.error = error
     child.end_ns = time_ns()
-    _BUILDER.submit(child)
+    _end(child)
 
 
 def _exited(child: _Child, returncode: int) -> None:
-    """The child was reaped: stamp the time and the return code; the rest waits for `_build`."""
+    """The child was reaped: its span ends now, in the reaping thread, before the host hears of the exit."""
     if not child.spawned:  # the loop reported the exit before the spawn call returned
         child.exit_before_spawned = returncode
         return
-    if child.done:
+    if not _claim(child):  # ended at shutdown, or reported twice
         return
     child.end_ns = time_ns()
     child.lived = perf_counter() - child.started
     child.returncode = returncode
-    _forget(child)
-    _BUILDER.submit(child)
+    _end(child)
     if child.observer is not None:
         child.observer(returncode)
 
 
-def _forget(child: _Child) -> None:
+def _claim(child: _Child) -> bool:
+    """Take the child out of `_open`: True for the one caller that ends it (its reaper, its failed
+    spawn or the shutdown; one dict operation, atomic under the GIL)."""
+    claimed = _open.pop(id(child), None) is not None
     child.done = True
-    _open.pop(id(child), None)
+    return claimed
 
 
 _spawned_names: set[str] = set()  # every executable name measured in this process: its `active` series
@@ -418,7 +398,7 @@ class _Active:
         self.instrument = instrument(meter_, telemetry.SUBPROCESS_ACTIVE, self._observe)
 
     def _observe(self, options: CallbackOptions) -> Iterable[Observation]:
-        self._before()  # builds what is waiting: every child spawned so far has its name
+        self._before()  # measures the children still running: every child spawned so far has its name
         counts = dict.fromkeys(list(_spawned_names), 0)
         for child in list(_open.values()):
             if child.measured and child.spawned and not child.done:
@@ -428,24 +408,23 @@ class _Active:
 
 
 def end_open_spans() -> int:
-    """End the spans of children still running and build every span waiting (called at shutdown).
+    """End the spans of children still running, marked so (called at shutdown).
 
     Returns how many children were still running.
     """
-    children = []
+    ended = 0
+    now = time_ns()
     while _open:
         try:
-            children.append(_open.popitem()[1])  # one at a time: a child added meanwhile is not lost
+            child = _open.popitem()[1]  # one at a time: a child added meanwhile is not lost
         except KeyError:
             break
-    now = time_ns()
-    for child in children:
         child.done = True
         child.attributes[telemetry.RUNNING_AT_SHUTDOWN.name] = True
         child.end_ns = now
-        _BUILDER.submit(child)
-    _BUILDER.flush()
-    return len(children)
+        _end(child)
+        ended += 1
+    return ended
 
 
 def _environment_with_context(env: Mapping[Any, Any] | None, child: _Child) -> dict[Any, Any]:
@@ -789,7 +768,7 @@ class SubprocessInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         _state = _State(
             tracer=trace.get_tracer(telemetry.INSTRUMENTATION_SCOPE, __version__, kwargs.get("tracer_provider")),
             spawn_duration=spawn_duration,
-            exits=Counts(meter_, telemetry.SUBPROCESS_EXITS, before=flush_spans),  # counted as spans are built
+            exits=Counts(meter_, telemetry.SUBPROCESS_EXITS),  # counted as each child is reaped
             active=_Active(meter_, before=spawn_duration.drain),
             record_args=settings.record_args,
             patterns=settings.scrub_patterns,
