@@ -175,6 +175,46 @@ def test_promtool_checks_and_unit_tests_the_alert_rules():
     assert covered == ALERT_NAMES
 
 
+# Each duration histogram the issue names, and where its buckets must be fine: its threshold or shortest call.
+FINE_DURATIONS = (
+    (telemetry.FREEZE_DURATION, 1.0),
+    (telemetry.SUBPROCESS_SPAWN_DURATION, 0.1),
+    (telemetry.SSH_TUNNEL_OPEN_DURATION, 0.1),
+    (telemetry.SSH_TUNNEL_CLOSE_DURATION, 0.1),
+    (telemetry.NEBIUS_CALL_DURATION, 0.01),
+)
+
+
+@needs_promtool
+@pytest.mark.parametrize(("metric", "fine_from"), FINE_DURATIONS, ids=lambda value: getattr(value, "name", ""))
+def test_histogram_quantile_reads_one_duration_within_20_percent_from_where_the_buckets_turn_fine(
+    metric, fine_from, tmp_path
+):
+    """A single observation (one freeze, one spawn held 30 s) through Prometheus's own
+    `histogram_quantile(0.99, rate(...))`, evaluated by promtool: within 20 % of what was recorded."""
+    bounds = metric.buckets
+    assert bounds is not None and bounds[-1] == 600.0
+    values = [v for v in (0.0105, 0.031, 0.105, 0.33, 1.05, 2.95, 30.1, 59.9, 121.0, 299.0, 590.0) if v > fine_from]
+    bucket = f"{metric.prometheus_name}_bucket"
+    rules, series = [], []
+    for case, value in enumerate(values):
+        quantile = f'histogram_quantile(0.99, sum by (le, case) (rate({bucket}{{case="{case}"}}[2m])))'
+        rules.append({"alert": f"Within{case}", "expr": f"abs({quantile} - {value}) / {value} <= 0.2"})
+        for le in [*map(str, bounds), "+Inf"]:
+            count = 1 if le == "+Inf" or value <= float(le) else 0
+            series.append({"series": f'{bucket}{{case="{case}", le="{le}"}}', "values": f"0 {count} {count}"})
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": [{"name": "q", "rules": rules}]}))
+    checks = [
+        {"eval_time": "2m", "alertname": f"Within{case}", "exp_alerts": [{"exp_labels": {"case": str(case)}}]}
+        for case in range(len(values))
+    ]
+    test = {"rule_files": ["rules.yaml"], "evaluation_interval": "1m",
+            "tests": [{"interval": "1m", "input_series": series, "alert_rule_test": checks}]}  # fmt: skip
+    (tmp_path / "test.yaml").write_text(yaml.safe_dump(test))
+    tested = subprocess.run([PROMTOOL, "test", "rules", "test.yaml"], cwd=tmp_path, capture_output=True, text=True)
+    assert tested.returncode == 0, f"values {values}:\n{tested.stdout}{tested.stderr}"
+
+
 @needs_promtool
 def test_provisioned_prometheus_config_is_valid():
     config = DASHBOARDS / "provisioning" / "prometheus" / "prometheus.yml"

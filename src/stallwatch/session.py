@@ -150,6 +150,13 @@ def _register_instruments() -> None:
 
     meter = metrics.get_meter(telemetry.INSTRUMENTATION_SCOPE, __version__)
     FAULTS.bind()
+    # Every kind, gRPC state and loop at 0 until its first fork: Prometheus then sees that fork as an increase.
+    no_forks = {
+        (kind, grpc_active, loop): 0
+        for kind in telemetry.FORK_KIND.values
+        for grpc_active in (False, True)
+        for loop in telemetry.SPAWN_LOOP.values
+    }
 
     def observe_forks(options: CallbackOptions) -> Iterable[Observation]:
         return [
@@ -161,7 +168,7 @@ def _register_instruments() -> None:
                     telemetry.SPAWN_LOOP.name: loop,
                 },
             )
-            for (kind, grpc_active, loop), count in guard.fork_counts()
+            for (kind, grpc_active, loop), count in (no_forks | dict(guard.fork_counts())).items()
         ]
 
     def observe(value: Any) -> Any:
