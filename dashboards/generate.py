@@ -506,11 +506,16 @@ CLOUD_CALLS = Dashboard(
         ),
         Panel(
             "Unconfirmed cloud resources (leak candidates)",
-            "Creates found at start in a dead process's journal with an intent and no outcome: the cloud may hold "
-            "resources nothing tracks (incident 000). Reconcile each against the cloud; the WARNING records "
-            "'cloud resource create unconfirmed' and `stallwatch postmortem` list their ids.",
+            "Leak candidates not confirmed yet: creates a dead process's journal held with an intent and no "
+            "outcome, so the cloud may hold resources nothing tracks (incident 000). `stallwatch leaks` on the "
+            "host lists them with their ids; reconcile each against the cloud, then `stallwatch leaks --confirm`.",
             "short",
-            (Query(events(t.CLOUD_RESOURCES_UNCONFIRMED, t.CLOUD_RESOURCE_TYPE), legend_of(t.CLOUD_RESOURCE_TYPE)),),
+            (
+                Query(
+                    gauge(t.CLOUD_RESOURCES_UNCONFIRMED, t.CLOUD_RESOURCE_TYPE, agg="max"),
+                    legend_of(t.CLOUD_RESOURCE_TYPE),
+                ),
+            ),
         ),
         Panel(
             "Slow and failed Nebius calls (traces)",
@@ -709,17 +714,22 @@ ALERTS = (
     ),
     Alert(
         "UnconfirmedCloudResource",
-        events(t.CLOUD_RESOURCES_UNCONFIRMED, t.CLOUD_RESOURCE_TYPE, window=ALERT_WINDOW, keep=("job", "instance")),
+        gauge(t.CLOUD_RESOURCES_UNCONFIRMED, t.CLOUD_RESOURCE_TYPE, agg="max", keep=("job", "instance")) + " > 0",
         "critical",
         "Unconfirmed {{ $labels.stallwatch_cloud_resource_type }} creates on {{ $labels.instance }}: possible leak",
         "A process died after asking the cloud for a resource and before recording the answer (incident 000: "
-        "instances ran untracked for days). The restart replayed its journal and found the create unconfirmed.",
+        "instances ran untracked for days); a later start replayed its journal and found the create "
+        "unconfirmed. Fires until each such create is confirmed (`stallwatch leaks --confirm`).",
         CLOUD_CALLS,
         "Unconfirmed cloud resources (leak candidates)",
         inputs=(
-            input_series(t.CLOUD_RESOURCES_UNCONFIRMED, "_x3 1 1 1", stallwatch_cloud_resource_type="compute.instance"),
+            input_series(
+                t.CLOUD_RESOURCES_UNCONFIRMED, "0 0 1 1 1 1", stallwatch_cloud_resource_type="compute.instance"
+            ),
         ),
         fired_labels={"stallwatch_cloud_resource_type": "compute.instance"},
+        quiet_at="0m",
+        fire_at="3m",
     ),
     Alert(
         "WedgeDetected",

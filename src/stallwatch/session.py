@@ -200,16 +200,12 @@ def _start_journal(settings: Settings) -> Any:
     )
     report = functools.partial(FAULTS.record, "journal", "STALLWATCH_JOURNAL", problem)
     provider = trace.get_tracer_provider()
-    found = journal.replay(
+    journal.replay(  # it warns of each leak candidate and keeps it in the directory until it is confirmed
         settings.journal_dir,
         tracer_provider=provider if isinstance(provider, TracerProvider) else None,
         on_error=report,
     )
-    unconfirmed = found.unconfirmed_creates()
-    if unconfirmed:
-        counter = instrument(meter(), telemetry.CLOUD_RESOURCES_UNCONFIRMED)
-        for resource_type, count in unconfirmed.items():
-            counter.add(count, {telemetry.CLOUD_RESOURCE_TYPE.name: resource_type})
+    instrument(meter(), telemetry.CLOUD_RESOURCES_UNCONFIRMED, journal.Reporter(settings.journal_dir, report).observe)
     current = journal.Journal(settings.journal_dir, on_error=report)
     journal.activate(current)
     journal.install_recorder(current)

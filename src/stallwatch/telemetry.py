@@ -311,9 +311,11 @@ LOOP_LAG = Metric(
     (LOOP,),
 )  # fmt: skip
 CLOUD_RESOURCES_UNCONFIRMED = Metric(
-    "stallwatch.cloud.resources.unconfirmed", "counter", "{resource}",
-    "Creates found at start in a dead process's journal with an intent and no outcome: leak candidates to "
-    "reconcile against the cloud (each is also a WARNING `cloud resource create unconfirmed` with its ids).",
+    "stallwatch.cloud.resources.unconfirmed", "observable_updowncounter", "{resource}",
+    "Leak candidates not confirmed yet: creates a dead process's journal held with an intent and no outcome "
+    "(each was a WARNING `cloud resource create unconfirmed` with its ids at the start that found it), until "
+    "`stallwatch leaks --confirm` says they were reconciled against the cloud. Reported by one process per "
+    "journal directory.",
     (CLOUD_RESOURCE_TYPE,),
 )  # fmt: skip
 TELEMETRY_DROPPED = Metric(
