@@ -831,8 +831,8 @@ ALERTS = (
         "future is done (healed, cancelled, or completed by the host).",
         WEDGES,
         "Worker deaths and orphaned items",
-        action="Restart the process to free the waiting requests; STALLWATCH_EXECUTOR_HEAL=true fails such "
-        "items with stallwatch.WorkerDied from then on.",
+        action="Restart the process: nothing else ends the waiting requests. STALLWATCH_EXECUTOR_HEAL=true "
+        "fails such items with stallwatch.WorkerDied from then on.",
         fired_labels=RUNNER,
         cases=state_cases(
             t.EXECUTOR_ORPHANED_OUTSTANDING,
