@@ -33,7 +33,13 @@ DS = {kind: gm.DataSourceRef(type_val=kind, uid=f"${{{kind}}}") for kind in (PRO
 SCOPE_MATCHERS = 'job=~"$job", instance=~"$instance"'  # the template variables every dashboard selector carries
 SCOPE = f"{{{SCOPE_MATCHERS}}}"
 RATE = "$__rate_interval"
+# How long an event alert fires after its event, and how long a state alert holds its last seen state
+# through a scrape gap (a frozen host answers no scrape; its series go stale).
 ALERT_WINDOW = "10m"
+# How far before its window an event alert looks for a counter's earlier value (a longer gap makes the
+# series look new again).
+ALERT_MEMORY = "1h"
+ALERT_KEEP = ("job", "instance")
 
 # The watchdog's freeze span and the executor's work-item span ("<executor name> work item"), from the contract.
 FREEZE_SPAN = t.FREEZE_SPAN.name
@@ -111,6 +117,36 @@ def events(
         f"sum by ({keys}) (increase({selector}[{window}])) > 0 "
         f"or sum by ({keys}) ({selector} > 0 unless {selector} offset {window})"
     )
+
+
+def recent_events(metric: t.Metric, *group: t.Attribute, matchers: tuple = ()) -> str:
+    """Counter increments in the last `ALERT_WINDOW` by `group` (and job, instance), for an alert that
+    fires for that window after each event, whatever scrape gaps there were.
+
+    `increase()` over the window sees an event as long as the window holds a sample from before it
+    and one from after, gaps or not. It misses a series born with its first event (Prometheus has
+    nothing to compare with), and one whose last sample before a gap longer than the window is
+    older than the window: the second clause compares the last value in the window with the last
+    value in the `ALERT_MEMORY` before it (absent: 0). A gap alone never changes either value, so no
+    alert fires, clears or fires again because of it. What stays unseen is a series that restarts
+    with its first event under labels seen within the memory (a restarted host): stallwatch makes
+    the series it can at zero (`telemetry` attributes with enumerated values), which `increase()`
+    then sees reset and grow.
+    """
+    keys = by(metric, *group, extra=ALERT_KEEP)
+    selector = series(metric, matchers=matchers)
+    latest = f"last_over_time({selector}[{ALERT_WINDOW}])"
+    before = f"last_over_time({selector}[{ALERT_MEMORY}] offset {ALERT_WINDOW})"
+    return (
+        f"sum by ({keys}) (increase({selector}[{ALERT_WINDOW}])) > 0 "
+        f"or sum by ({keys}) ({latest} > ({before} or {latest} * 0))"
+    )
+
+
+def held(metric: t.Metric, *group: t.Attribute, agg: str = "max") -> str:
+    """A gauge's last value within `ALERT_WINDOW` by `group` (and job, instance): the state as last
+    seen, held through a scrape gap that short, and over as soon as a sample says so."""
+    return f"{agg} by ({by(metric, *group, extra=ALERT_KEEP)}) (last_over_time({series(metric)}[{ALERT_WINDOW}]))"
 
 
 # ---- panels -------------------------------------------------------------------------------------
@@ -368,7 +404,8 @@ WEDGES = Dashboard(
         Panel(
             "Worker deaths and orphaned items",
             "Executor threads that died of an exception (error.type: SystemExit is a stale async exception, "
-            "incident 002) and the work items they held, whose futures never complete unless healed.",
+            "incident 002) and the work items they held, whose futures never complete unless healed; "
+            "'outstanding' is how many of those futures are still not done now (requests still waiting).",
             "short",
             (
                 Query(
@@ -376,6 +413,10 @@ WEDGES = Dashboard(
                     f"died {legend_of(t.EXECUTOR_NAME, t.ERROR_TYPE)}",
                 ),
                 Query(events(t.EXECUTOR_ORPHANED, t.EXECUTOR_NAME), f"orphaned {legend_of(t.EXECUTOR_NAME)}"),
+                Query(
+                    gauge(t.EXECUTOR_ORPHANED_OUTSTANDING, t.EXECUTOR_NAME),
+                    f"outstanding {legend_of(t.EXECUTOR_NAME)}",
+                ),
             ),
         ),
         Panel(
@@ -506,11 +547,16 @@ CLOUD_CALLS = Dashboard(
         ),
         Panel(
             "Unconfirmed cloud resources (leak candidates)",
-            "Creates found at start in a dead process's journal with an intent and no outcome: the cloud may hold "
-            "resources nothing tracks (incident 000). Reconcile each against the cloud; the WARNING records "
-            "'cloud resource create unconfirmed' and `stallwatch postmortem` list their ids.",
+            "Leak candidates not confirmed yet: creates a dead process's journal held with an intent and no "
+            "outcome, so the cloud may hold resources nothing tracks (incident 000). `stallwatch leaks` on the "
+            "host lists them with their ids; reconcile each against the cloud, then `stallwatch leaks --confirm`.",
             "short",
-            (Query(events(t.CLOUD_RESOURCES_UNCONFIRMED, t.CLOUD_RESOURCE_TYPE), legend_of(t.CLOUD_RESOURCE_TYPE)),),
+            (
+                Query(
+                    gauge(t.CLOUD_RESOURCES_UNCONFIRMED, t.CLOUD_RESOURCE_TYPE, agg="max"),
+                    legend_of(t.CLOUD_RESOURCE_TYPE),
+                ),
+            ),
         ),
         Panel(
             "Slow and failed Nebius calls (traces)",
@@ -542,6 +588,17 @@ ANNOTATIONS = (
 
 
 @dataclass(frozen=True)
+class Case:
+    """One promtool unit test of an alert: input series (selector, values, one sample a minute from 0m)
+    and the evaluation times at which the alert must be firing and must not be (pending counts as not)."""
+
+    name: str
+    inputs: tuple[tuple[str, str], ...]
+    firing: tuple[str, ...] = ()
+    quiet: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Alert:
     name: str
     expr: str
@@ -551,12 +608,9 @@ class Alert:
     dashboard: Dashboard
     panel: str
     duration: str = "0s"
-    # promtool unit test: input series (selector, values), the labels the firing alert carries, when it must
-    # be quiet (not firing yet, or pending) and when it must fire
-    inputs: tuple[tuple[str, str], ...] = ()
-    fired_labels: dict[str, str] = field(default_factory=dict)
-    quiet_at: str = "1m"
-    fire_at: str = "4m"
+    action: str = ""  # what to do first, before the dashboard and the postmortem
+    fired_labels: dict[str, str] = field(default_factory=dict)  # what the firing alert carries in its cases
+    cases: tuple[Case, ...] = ()
 
 
 JOB = {"job": "stallwatch", "instance": "host:9464"}  # the target of the promtool input series
@@ -573,10 +627,80 @@ def input_series(metric: t.Metric, values: str, **labels: str) -> tuple[str, str
     return (f"{name}{{{rendered}}}", values)
 
 
+def minutes(*runs: tuple[str | float, int]) -> str:
+    """promtool values, one a minute: each `(value, n)` is n samples of value; value `gap` is a target
+    that answered no scrape for n minutes (a stale marker, as Prometheus writes, then nothing), `_` is
+    n minutes before the series existed."""
+    parts = []
+    for value, count in runs:
+        if value == "gap":
+            parts.append("stale" + (f" _x{count - 1}" if count > 1 else ""))
+        elif value == "_":
+            parts.append(f"_x{count}")
+        else:
+            parts.append(f"{value}x{count - 1}")
+    return " ".join(parts)
+
+
+def at(*times: int) -> tuple[str, ...]:
+    return tuple(f"{time}m" for time in times)
+
+
+def event_cases(metric: t.Metric, zeroed: bool, **labels: str) -> tuple[Case, ...]:
+    """The cases of an alert on `recent_events(metric)`; `zeroed`: stallwatch makes this series at zero."""
+    first = (0, 10) if zeroed else ("_", 10)
+    during = Case(
+        "an event, then a 5-minute freeze while it fires: no clear, no second firing",
+        (input_series(metric, minutes(first, (1, 3), ("gap", 5), (1, 30)), **labels),),
+        firing=at(10, 12, 14, 16, 18, 19),
+        quiet=at(9, 21, 25, 28, 30, 40),
+    )
+    old = Case(
+        "an event an hour before a 5-minute freeze: quiet across the freeze and after it",
+        (input_series(metric, minutes(first, (1, 70), ("gap", 5), (1, 30)), **labels),),
+        firing=at(10, 19),
+        quiet=at(21, 60, 80, 82, 84, 86, 90, 95, 100, 110),
+    )
+    if not zeroed:
+        return (during, old)
+    restart = Case(
+        "a host that restarts (its series start again at zero), then a new event",
+        (input_series(metric, minutes((0, 10), (3, 20), ("gap", 2), (0, 10), (1, 20)), **labels),),
+        firing=at(10, 19, 42, 51),
+        quiet=at(21, 31, 35, 41, 53),
+    )
+    return (during, old, restart)
+
+
+def state_cases(metric: t.Metric, on: float, off: float, held_name: str, **labels: str) -> tuple[Case, ...]:
+    """The cases of an alert on `held(metric)` with no `for`: `on` is a value in the alerting state,
+    held from 5m to 25m with no scrape from 12m to 17m (`held_name` names that case)."""
+    return (
+        Case(
+            held_name,
+            (input_series(metric, minutes((off, 5), (on, 7), ("gap", 5), (on, 8), (off, 10)), **labels),),
+            firing=at(5, 6, 10, 12, 14, 16, 20, 24),
+            quiet=at(0, 4, 26, 30, 34),
+        ),
+        Case(
+            "a 5-minute scrape gap with nothing wrong: quiet",
+            (input_series(metric, minutes((off, 10), ("gap", 5), (off, 10)), **labels),),
+            quiet=at(5, 10, 12, 15, 20, 24),
+        ),
+    )
+
+
+RUNNER = {label(t.EXECUTOR_NAME): "runner"}
+STALLED_AT = ((0, 5), (3, 7), ("gap", 5), (3, 8), (0, 10))  # items waiting from 5m to 25m, through a freeze
+WORKERS_AT = ((1, 5), (0, 7), ("gap", 5), (0, 8), (1, 10))  # no live worker meanwhile
+SLOW_SPAWNS = (("0.1", "0+1x12"), ("0.25", "0+1x12"), ("0.5", "0+2x12"), ("+Inf", "0+2x12"))
+OLD_SPAWNS = (("0.1", 1), ("0.25", 1), ("0.5", 2), ("+Inf", 2))  # the only spawns, an hour before a gap
+QUEUE_WAIT_SECONDS = 30
+
 ALERTS = (
     Alert(
         "FreezeActive",
-        gauge(t.FREEZE_ACTIVE, t.FREEZE_KIND, t.FREEZE_CAUSE, agg="max", keep=("job", "instance")) + " > 0",
+        held(t.FREEZE_ACTIVE, t.FREEZE_KIND, t.FREEZE_CAUSE) + " > 0",
         "critical",
         "{{ $labels.instance }} is frozen ({{ $labels.stallwatch_freeze_kind }}, "
         "{{ $labels.stallwatch_freeze_cause }})",
@@ -584,21 +708,19 @@ ALERTS = (
         "or child_core_dump is a forked child that has not exec'd (incident 000).",
         FREEZES,
         "Frozen now",
-        inputs=(
-            input_series(
-                t.FREEZE_ACTIVE,
-                "0 1 1 0",
-                stallwatch_freeze_kind="gil_held",
-                stallwatch_freeze_cause="child_before_exec",
-            ),
-        ),
         fired_labels={"stallwatch_freeze_kind": "gil_held", "stallwatch_freeze_cause": "child_before_exec"},
-        quiet_at="0m",
-        fire_at="1m",
+        cases=state_cases(
+            t.FREEZE_ACTIVE,
+            1,
+            0,
+            "a 20-minute freeze during which the watchdog answers no scrape for 5 minutes: firing throughout",
+            stallwatch_freeze_kind="gil_held",
+            stallwatch_freeze_cause="child_before_exec",
+        ),
     ),
     Alert(
         "SpawnBlockedHigh",
-        quantile(0.99, t.SUBPROCESS_SPAWN_DURATION, t.SPAWN_LOOP, t.SPAWN_METHOD, window="5m", keep=("job", "instance"))
+        quantile(0.99, t.SUBPROCESS_SPAWN_DURATION, t.SPAWN_LOOP, t.SPAWN_METHOD, window="5m", keep=ALERT_KEEP)
         + " > 0.1",
         "warning",
         "Spawns on {{ $labels.instance }} block the {{ $labels.stallwatch_spawn_loop }} loop "
@@ -608,94 +730,193 @@ ALERTS = (
         FREEZES,
         "Spawn blocked time p50/p99 by loop and method",
         duration="5m",
-        inputs=tuple(
-            input_series(
-                t.SUBPROCESS_SPAWN_DURATION,
-                values,
-                le=le,
-                stallwatch_spawn_loop="uvloop",
-                stallwatch_spawn_method="fork",
-                process_executable_name="ssh",
-            )
-            for le, values in (("0.1", "0+1x12"), ("0.25", "0+1x12"), ("0.5", "0+2x12"), ("+Inf", "0+2x12"))
-        ),
         fired_labels={"stallwatch_spawn_loop": "uvloop", "stallwatch_spawn_method": "fork"},
-        quiet_at="3m",
-        fire_at="10m",
+        cases=(
+            Case(
+                "slow spawns every minute",
+                tuple(
+                    input_series(
+                        t.SUBPROCESS_SPAWN_DURATION,
+                        values,
+                        le=le,
+                        stallwatch_spawn_loop="uvloop",
+                        stallwatch_spawn_method="fork",
+                        process_executable_name="ssh",
+                    )
+                    for le, values in SLOW_SPAWNS
+                ),
+                firing=at(6, 10),
+                quiet=at(3, 5),
+            ),
+            Case(
+                "slow spawns an hour before a 5-minute scrape gap, none since: quiet",
+                tuple(
+                    input_series(
+                        t.SUBPROCESS_SPAWN_DURATION,
+                        minutes((0, 5), (count, 55), ("gap", 5), (count, 20)),
+                        le=le,
+                        stallwatch_spawn_loop="uvloop",
+                        stallwatch_spawn_method="fork",
+                        process_executable_name="ssh",
+                    )
+                    for le, count in OLD_SPAWNS
+                ),
+                quiet=at(30, 58, 60, 62, 66, 70, 75),
+            ),
+        ),
     ),
     Alert(
         "ChildKilledBySignal",
-        events(
+        recent_events(
             t.SUBPROCESS_EXITS,
             t.PROCESS_EXECUTABLE_NAME,
             t.EXIT_SIGNAL,
             matchers=((t.EXIT_KIND, "=", "signal"), (t.EXIT_SIGNAL, "!~", "SIGTERM|SIGINT|SIGHUP")),
-            window=ALERT_WINDOW,
-            keep=("job", "instance"),
         ),
         "warning",
         "A {{ $labels.process_executable_name }} child of {{ $labels.instance }} was killed by "
         "{{ $labels.stallwatch_exit_signal }}",
-        "A child process died of a signal the server did not send to stop it. SIGSEGV/SIGABRT within a second of "
-        "its spawn means it crashed before exec, in a copy of the server (incident 000); if the server froze "
-        "meanwhile, FreezeActive fired too.",
+        "A child process died of a signal the server did not send to stop it, in the last 10 minutes. "
+        "SIGSEGV/SIGABRT within a second of its spawn means it crashed before exec, in a copy of the server "
+        "(incident 000); if the server froze meanwhile, FreezeActive fired too.",
         FREEZES,
         "Child deaths by signal",
-        inputs=(
-            input_series(
+        fired_labels={"process_executable_name": "ssh", "stallwatch_exit_signal": "SIGSEGV"},
+        cases=(
+            *event_cases(
                 t.SUBPROCESS_EXITS,
-                "_x3 1 1 1",
+                False,
                 stallwatch_exit_kind="signal",
                 stallwatch_exit_signal="SIGSEGV",
                 process_executable_name="ssh",
             ),
-            input_series(
-                t.SUBPROCESS_EXITS,
-                "_x3 1 1 1",
-                stallwatch_exit_kind="signal",
-                stallwatch_exit_signal="SIGTERM",
-                process_executable_name="sleep",
+            Case(
+                "children the server stopped itself: quiet",
+                (
+                    input_series(
+                        t.SUBPROCESS_EXITS,
+                        minutes(("_", 3), (1, 3), (2, 10)),
+                        stallwatch_exit_kind="signal",
+                        stallwatch_exit_signal="SIGTERM",
+                        process_executable_name="sleep",
+                    ),
+                ),
+                quiet=at(3, 4, 7, 10),
             ),
         ),
-        fired_labels={"process_executable_name": "ssh", "stallwatch_exit_signal": "SIGSEGV"},
     ),
     Alert(
         "ExecutorWorkerDied",
-        events(t.EXECUTOR_WORKER_DEATHS, t.EXECUTOR_NAME, t.ERROR_TYPE, window=ALERT_WINDOW, keep=("job", "instance")),
+        recent_events(t.EXECUTOR_WORKER_DEATHS, t.EXECUTOR_NAME, t.ERROR_TYPE),
         "critical",
         "Executor {{ $labels.stallwatch_executor_name }} on {{ $labels.instance }} lost a worker "
         "({{ $labels.error_type }})",
-        "An executor worker thread ended by an exception. SystemExit here is a stale async exception "
-        "(incident 002): the item the worker held never completes unless STALLWATCH_EXECUTOR_HEAL=true.",
+        "An executor worker thread ended by an exception in the last 10 minutes. SystemExit here is a stale "
+        "async exception (incident 002): the item the worker held never completes unless "
+        "STALLWATCH_EXECUTOR_HEAL=true (ExecutorOrphanedItem fires while it waits).",
         WEDGES,
         "Worker deaths and orphaned items",
-        inputs=(
-            input_series(
-                t.EXECUTOR_WORKER_DEATHS,
-                "_x3 1 1 1",
-                stallwatch_executor_name="asyncio-default",
-                error_type="SystemExit",
-            ),
+        fired_labels={label(t.EXECUTOR_NAME): "asyncio-default", "error_type": "SystemExit"},
+        cases=event_cases(
+            t.EXECUTOR_WORKER_DEATHS, False, stallwatch_executor_name="asyncio-default", error_type="SystemExit"
         ),
-        fired_labels={"stallwatch_executor_name": "asyncio-default", "error_type": "SystemExit"},
     ),
     Alert(
         "ExecutorOrphanedItem",
-        events(t.EXECUTOR_ORPHANED, t.EXECUTOR_NAME, window=ALERT_WINDOW, keep=("job", "instance")),
+        held(t.EXECUTOR_ORPHANED_OUTSTANDING, t.EXECUTOR_NAME) + " > 0",
         "critical",
-        "A work item on executor {{ $labels.stallwatch_executor_name }} of {{ $labels.instance }} is orphaned",
-        "A submitted item was held by a worker that died: its future never completes and the request awaiting "
-        "it hangs, with its own timeout possibly never armed (incident 002).",
+        "Work items on executor {{ $labels.stallwatch_executor_name }} of {{ $labels.instance }} are orphaned",
+        "Submitted items were held by a worker that died: their futures never complete and the requests "
+        "awaiting them hang, with their own timeouts possibly never armed (incident 002). Fires until each "
+        "future is done (healed, cancelled, or completed by the host).",
         WEDGES,
         "Worker deaths and orphaned items",
-        inputs=(input_series(t.EXECUTOR_ORPHANED, "0 0 1 1 1 1", stallwatch_executor_name="runner"),),
-        fired_labels={"stallwatch_executor_name": "runner"},
-        quiet_at="0m",
-        fire_at="3m",
+        action="Restart the process: nothing else ends the waiting requests. STALLWATCH_EXECUTOR_HEAL=true "
+        "fails such items with stallwatch.WorkerDied from then on.",
+        fired_labels=RUNNER,
+        cases=state_cases(
+            t.EXECUTOR_ORPHANED_OUTSTANDING,
+            1,
+            0,
+            "an orphaned item waiting 20 minutes through a 5-minute freeze: firing throughout, then healed",
+            **RUNNER,
+        ),
+    ),
+    Alert(
+        "ExecutorQueueStalled",
+        f"{held(t.EXECUTOR_PENDING, t.EXECUTOR_NAME)} > 0 and {held(t.EXECUTOR_WORKERS, t.EXECUTOR_NAME)} == 0",
+        "critical",
+        "Executor {{ $labels.stallwatch_executor_name }} on {{ $labels.instance }} has work waiting and no live worker",
+        "Items wait in the executor's queue and none of its worker threads is alive, for a minute: nothing "
+        "will run them (dead workers still count against max_workers, so the pool starts no new ones). "
+        "Fires until a worker runs again or the queue is drained.",
+        WEDGES,
+        "Executor pending, running and workers vs max",
+        duration="1m",
+        action="Restart the process; STALLWATCH_EXECUTOR_HEAL=true replaces dead workers from then on.",
+        fired_labels=RUNNER,
+        cases=(
+            Case(
+                "a stalled queue held 20 minutes through a 5-minute freeze: firing throughout after its for",
+                (
+                    input_series(t.EXECUTOR_PENDING, minutes(*STALLED_AT), **RUNNER),
+                    input_series(t.EXECUTOR_WORKERS, minutes(*WORKERS_AT), **RUNNER),
+                ),
+                firing=at(6, 10, 12, 14, 16, 20, 24),
+                quiet=at(0, 5, 26, 30),
+            ),
+            Case(
+                "one scrape between a submission and its new worker's start, and a 5-minute gap: quiet",
+                (
+                    input_series(t.EXECUTOR_PENDING, minutes((0, 5), (1, 1), (0, 4), ("gap", 5), (0, 5)), **RUNNER),
+                    input_series(t.EXECUTOR_WORKERS, minutes((0, 6), (1, 4), ("gap", 5), (1, 5)), **RUNNER),
+                ),
+                quiet=at(5, 6, 7, 10, 12, 16, 19),
+            ),
+        ),
+    ),
+    Alert(
+        "ExecutorQueueWaitHigh",
+        f"{held(t.EXECUTOR_OLDEST_PENDING, t.EXECUTOR_NAME)} > {QUEUE_WAIT_SECONDS}",
+        "critical",
+        "Work on executor {{ $labels.stallwatch_executor_name }} of {{ $labels.instance }} has waited over "
+        f"{QUEUE_WAIT_SECONDS} s to start",
+        f"For a minute, the oldest item waiting in the executor's queue has waited over {QUEUE_WAIT_SECONDS} s: "
+        "its workers are all dead (ExecutorQueueStalled), stuck, or busy with long work, and the requests "
+        "behind the queue wait with it. Fires until the queue moves again.",
+        WEDGES,
+        "Oldest pending age",
+        duration="1m",
+        fired_labels=RUNNER,
+        cases=(
+            Case(
+                "a queue stuck 20 minutes through a 5-minute freeze: firing throughout after its for",
+                (
+                    input_series(
+                        t.EXECUTOR_OLDEST_PENDING,
+                        minutes((0, 5), ("60+60", 7), ("gap", 5), ("780+60", 8), (0, 10)),
+                        **RUNNER,
+                    ),
+                ),
+                firing=at(6, 10, 12, 14, 16, 20, 24),
+                quiet=at(0, 5, 26, 30),
+            ),
+            Case(
+                "items waiting under the threshold, and a 5-minute gap: quiet",
+                (
+                    input_series(
+                        t.EXECUTOR_OLDEST_PENDING,
+                        minutes((0, 5), (QUEUE_WAIT_SECONDS - 5, 10), ("gap", 5), (5, 10)),
+                        **RUNNER,
+                    ),
+                ),
+                quiet=at(5, 10, 15, 17, 20, 25),
+            ),
+        ),
     ),
     Alert(
         "ExecutionOverdue",
-        gauge(t.EXECUTION_OVERDUE, t.EXECUTION_NAME, agg="max", keep=("job", "instance")) + " > 0",
+        held(t.EXECUTION_OVERDUE, t.EXECUTION_NAME) + " > 0",
         "warning",
         "Work of {{ $labels.stallwatch_execution_name }} on {{ $labels.instance }} runs past its deadline",
         "Executor work guarded by stallwatch.execution_timeout has kept running for over a minute after the "
@@ -703,47 +924,90 @@ ALERTS = (
         WEDGES,
         "Overdue work now",
         duration="1m",
-        inputs=(input_series(t.EXECUTION_OVERDUE, "0 1x12", stallwatch_execution_name="trace"),),
-        fired_labels={"stallwatch_execution_name": "trace"},
-        fire_at="5m",
+        fired_labels={label(t.EXECUTION_NAME): "trace"},
+        cases=(
+            Case(
+                "work overdue 20 minutes through a 5-minute freeze: firing throughout after its for",
+                (
+                    input_series(
+                        t.EXECUTION_OVERDUE,
+                        minutes((0, 5), (1, 7), ("gap", 5), (1, 8), (0, 10)),
+                        stallwatch_execution_name="trace",
+                    ),
+                ),
+                firing=at(6, 10, 12, 14, 16, 20, 24),
+                quiet=at(0, 5, 26, 30),
+            ),
+            Case(
+                "a 5-minute scrape gap with nothing overdue: quiet",
+                (
+                    input_series(
+                        t.EXECUTION_OVERDUE, minutes((0, 10), ("gap", 5), (0, 10)), stallwatch_execution_name="trace"
+                    ),
+                ),
+                quiet=at(5, 10, 12, 15, 20, 24),
+            ),
+        ),
     ),
     Alert(
         "UnconfirmedCloudResource",
-        events(t.CLOUD_RESOURCES_UNCONFIRMED, t.CLOUD_RESOURCE_TYPE, window=ALERT_WINDOW, keep=("job", "instance")),
+        held(t.CLOUD_RESOURCES_UNCONFIRMED, t.CLOUD_RESOURCE_TYPE) + " > 0",
         "critical",
         "Unconfirmed {{ $labels.stallwatch_cloud_resource_type }} creates on {{ $labels.instance }}: possible leak",
         "A process died after asking the cloud for a resource and before recording the answer (incident 000: "
-        "instances ran untracked for days). The restart replayed its journal and found the create unconfirmed.",
+        "instances ran untracked for days); a later start replayed its journal and found the create "
+        "unconfirmed. Fires until each such create is confirmed.",
         CLOUD_CALLS,
         "Unconfirmed cloud resources (leak candidates)",
-        inputs=(
-            input_series(t.CLOUD_RESOURCES_UNCONFIRMED, "_x3 1 1 1", stallwatch_cloud_resource_type="compute.instance"),
+        action="On the host, `stallwatch leaks` lists the candidates; reconcile each against the cloud (adopt or "
+        "delete what was created), then `stallwatch leaks --confirm KEY`.",
+        fired_labels={label(t.CLOUD_RESOURCE_TYPE): "compute.instance"},
+        cases=(
+            Case(
+                "a leak candidate held through a restart of its host, then confirmed",
+                (
+                    input_series(
+                        t.CLOUD_RESOURCES_UNCONFIRMED,
+                        minutes((1, 10), ("gap", 5), (1, 10), (0, 10)),
+                        stallwatch_cloud_resource_type="compute.instance",
+                    ),
+                ),
+                firing=at(0, 5, 10, 12, 14, 16, 20, 24),
+                quiet=at(26, 30, 34),
+            ),
+            Case(
+                "a 5-minute scrape gap with every candidate confirmed: quiet",
+                (
+                    input_series(
+                        t.CLOUD_RESOURCES_UNCONFIRMED,
+                        minutes((0, 10), ("gap", 5), (0, 10)),
+                        stallwatch_cloud_resource_type="compute.instance",
+                    ),
+                ),
+                quiet=at(5, 10, 12, 15, 20, 24),
+            ),
         ),
-        fired_labels={"stallwatch_cloud_resource_type": "compute.instance"},
     ),
     Alert(
         "WedgeDetected",
-        events(t.WEDGE_DETECTED, t.WEDGE_KIND, t.EXECUTOR_NAME, window=ALERT_WINDOW, keep=("job", "instance")),
+        recent_events(t.WEDGE_DETECTED, t.WEDGE_KIND, t.EXECUTOR_NAME),
         "critical",
         "{{ $labels.stallwatch_wedge_kind }} wedge in executor {{ $labels.stallwatch_executor_name }} on "
         "{{ $labels.instance }}",
-        "The wedge detector found a stuck executor: a dead worker, an orphaned item, a queue with no live "
-        "worker, or guarded work running past its deadline.",
+        "The wedge detector found a stuck executor in the last 10 minutes: a dead worker, an orphaned item, "
+        "a queue with no live worker, or guarded work running past its deadline.",
         WEDGES,
         "Wedges detected by kind",
-        inputs=(
-            input_series(
-                t.WEDGE_DETECTED, "_x3 1 1 1", stallwatch_wedge_kind="queue_stalled", stallwatch_executor_name="runner"
-            ),
-        ),
-        fired_labels={"stallwatch_wedge_kind": "queue_stalled", "stallwatch_executor_name": "runner"},
+        fired_labels={label(t.WEDGE_KIND): "queue_stalled", **RUNNER},
+        cases=event_cases(t.WEDGE_DETECTED, True, stallwatch_wedge_kind="queue_stalled", **RUNNER),
     ),
 )
 
 
 def _runbook(alert: Alert) -> str:
+    first = f"{alert.action} " if alert.action else ""
     return (
-        f"Grafana dashboard uid {alert.dashboard.uid} ({alert.dashboard.title}), panel '{alert.panel}', "
+        f"{first}Grafana dashboard uid {alert.dashboard.uid} ({alert.dashboard.title}), panel '{alert.panel}', "
         "filtered to the alert's instance; the annotations there mark freezes and wedges. Then run "
         "`stallwatch postmortem` on the host's telemetry files (or its traces in Tempo) for the timeline of "
         "the operations that were in flight."
@@ -783,26 +1047,29 @@ def _expand(template: str, labels: dict[str, str]) -> str:
 
 
 def alert_tests() -> dict[str, Any]:
-    """promtool unit tests: each alert is quiet, then fires on its input series (excluded series never fire)."""
+    """promtool unit tests: each case of each alert, firing or quiet at each of its evaluation times."""
     tests = []
     for alert in ALERTS:
         labels = {"severity": alert.severity, **JOB, **alert.fired_labels}
         annotations = {key: _expand(value, labels) for key, value in alert_rule(alert)["annotations"].items()}
-        tests.append(
-            {
-                "name": alert.name,
-                "interval": "1m",
-                "input_series": [{"series": s, "values": v} for s, v in alert.inputs],
-                "alert_rule_test": [
-                    {"eval_time": alert.quiet_at, "alertname": alert.name, "exp_alerts": []},
-                    {
-                        "eval_time": alert.fire_at,
-                        "alertname": alert.name,
-                        "exp_alerts": [{"exp_labels": labels, "exp_annotations": annotations}],
-                    },
-                ],
-            }
-        )
+        firing = [{"exp_labels": labels, "exp_annotations": annotations}]
+        for case in alert.cases:
+            times = sorted([*case.firing, *case.quiet], key=lambda time: int(time.removesuffix("m")))
+            tests.append(
+                {
+                    "name": f"{alert.name}: {case.name}",
+                    "interval": "1m",
+                    "input_series": [{"series": s, "values": v} for s, v in case.inputs],
+                    "alert_rule_test": [
+                        {
+                            "eval_time": time,
+                            "alertname": alert.name,
+                            "exp_alerts": firing if time in case.firing else [],
+                        }
+                        for time in times
+                    ],
+                }
+            )
     return {"rule_files": ["../alerts.yaml"], "evaluation_interval": "1m", "tests": tests}
 
 
@@ -949,11 +1216,11 @@ def _readme(text: str) -> str:
         for panel in spec.panels:
             cells = (f"`{spec.uid}`", _cell(panel.title), panel.source, f"`{panel.unit}`", _cell(panel.description))
             panels.append(f"| {' | '.join(cells)} |")
-    alerts = ["| Alert | Severity | For | Means | Panel |", "|---|---|---|---|---|"]
+    alerts = ["| Alert | Severity | For | Means | Do first | Panel |", "|---|---|---|---|---|---|"]
     for alert in ALERTS:
         alerts.append(
             f"| {alert.name} | {alert.severity} | {alert.duration} | {_cell(alert.description)} "
-            f"| `{alert.dashboard.uid}` / {_cell(alert.panel)} |"
+            f"| {_cell(alert.action) or '-'} | `{alert.dashboard.uid}` / {_cell(alert.panel)} |"
         )
     for name, rows in (("panels", panels), ("alerts", alerts)):
         start = f"<!-- {name}: generated by generate.py -->\n"

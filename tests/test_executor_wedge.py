@@ -32,6 +32,9 @@ def test_without_the_guard_the_worker_death_and_the_orphaned_item_are_reported(t
     assert latest_total(metrics, "stallwatch.wedge.detected", **{"stallwatch.wedge.kind": "worker_died"}) == 1
     assert latest_total(metrics, "stallwatch.wedge.detected", **{"stallwatch.wedge.kind": "orphaned_item"}) == 1
     assert latest_total(metrics, "stallwatch.executor.orphaned", **{"stallwatch.executor.name": "runner"}) == 1
+    # still waiting at shutdown: the ExecutorOrphanedItem alert fires for as long as this stays 1
+    runner = {"stallwatch.executor.name": "runner"}
+    assert latest_total(metrics, "stallwatch.executor.orphaned.outstanding", **runner) == 1
     logs = (telemetry_dir / "logs.jsonl").read_text()
     assert "wedge orphaned_item" in logs and "runner_0" in logs and "STALLWATCH_EXECUTOR_HEAL" in logs
 
@@ -42,7 +45,11 @@ def test_with_heal_the_lost_request_fails_fast_and_the_pool_recovers(telemetry_d
     assert result["B"].startswith("WorkerDied: executor worker runner_0 dequeued this item and died")
     assert result["B_seconds"] < 1.0 + 0.5  # two check intervals (0.5 s each) plus scheduling slack
     assert result["C"] == "C done"
-    assert latest_total(telemetry_dir / "metrics.jsonl", "stallwatch.executor.healed") == 1
+    metrics = telemetry_dir / "metrics.jsonl"
+    assert latest_total(metrics, "stallwatch.executor.healed") == 1
+    points = metric_points(metrics, "stallwatch.executor.orphaned.outstanding")
+    runner = [point for point in points if attrs(point) == {"stallwatch.executor.name": "runner"}]
+    assert runner and int(runner[-1].get("asInt", 0)) == 0  # healed: no request waits on it any more
 
 
 def test_interrupt_thread_is_scoped_to_the_running_item():

@@ -33,6 +33,7 @@ from conftest import SCENARIOS, clean_env
 from stallwatch import journal as journal_api
 from stallwatch import ledger
 from stallwatch.journal import Journal, frames, read_segment, replay, scan
+from stallwatch.journal.leaks import record as record_leaks
 from stallwatch.journal.writer import start_ticks
 
 CHILD = str(SCENARIOS / "journal_child.py")
@@ -546,3 +547,44 @@ def test_replay_leaves_a_live_process_alone_and_detects_a_reused_pid(tmp_path):
     finally:
         kill(alive)
     assert [j.pid for j in replay(tmp_path).replayed] == [alive.pid]
+
+
+# ---- leak candidates ------------------------------------------------------------------------------
+
+_REPORTER = """
+import json, sys
+from pathlib import Path
+from stallwatch.journal import Reporter
+reporter = Reporter(Path(sys.argv[1]), lambda: print("error", flush=True))
+print(json.dumps([observation.value for observation in reporter.observe(None)]), flush=True)
+sys.stdin.read()  # holds the reporter lock until the test closes stdin
+"""
+
+
+def test_one_process_per_journal_directory_reports_the_leak_candidates_until_they_are_confirmed(tmp_path):
+    leak = journal_api.UnconfirmedResource(
+        pid=4242, action="create", resource_type="compute.instance", rpc="nebius.compute.v1.InstanceService/Create",
+        trace_id="1" * 32, span_id="2" * 16, resource_id=None, number=7, intent_ns=time.time_ns(),
+    )  # fmt: skip
+    record_leaks(tmp_path, 99, [leak])
+    (candidate,) = journal_api.candidates(tmp_path)
+    assert candidate.key == "4242-99-7" and candidate.trace_id == "1" * 32
+    assert stat.S_IMODE((tmp_path / "unconfirmed").stat().st_mode) == 0o700
+    assert stat.S_IMODE((tmp_path / "unconfirmed" / "4242-99-7.json").stat().st_mode) == 0o600
+
+    errors: list[str] = []
+    here = journal_api.Reporter(tmp_path, lambda: errors.append("error"))
+    other = subprocess.Popen([sys.executable, "-c", _REPORTER, str(tmp_path)], env=clean_env(),
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert json.loads(other.stdout.readline()) == [1]  # the first process to collect reports
+        assert list(here.observe(None)) == []  # this one does not: the candidate is counted once
+    finally:
+        other.stdin.close()
+        other.wait(30)
+    observed = [(o.value, dict(o.attributes)) for o in here.observe(None)]  # the reporter died: this one takes over
+    assert observed == [(1, {"stallwatch.cloud.resource.type": "compute.instance"})]
+    assert journal_api.confirm(tmp_path, "4242-99-7") and not journal_api.confirm(tmp_path, "4242-99-7")
+    observed = [(o.value, dict(o.attributes)) for o in here.observe(None)]
+    assert observed == [(0, {"stallwatch.cloud.resource.type": "compute.instance"})]  # confirmed: the state is over
+    assert not journal_api.confirm(tmp_path, "../../etc/passwd") and errors == []

@@ -75,11 +75,11 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def _next_start(tmp_path):
+def _next_start(tmp_path, file_dir: str = "second"):
     proc = run_python(
         f"""
         import stallwatch
-        stallwatch.setup(journal_dir={str(tmp_path / "journal")!r}, file_dir={str(tmp_path / "second")!r},
+        stallwatch.setup(journal_dir={str(tmp_path / "journal")!r}, file_dir={str(tmp_path / file_dir)!r},
                          watchdog=False)
         stallwatch.shutdown(10)
         """
@@ -121,6 +121,39 @@ def test_a_host_killed_while_frozen_mid_create_is_replayed_with_its_leak_candida
     assert not (tmp_path / "third" / "traces.jsonl").exists() or not [
         s for s in otlp_items(tmp_path / "third" / "traces.jsonl", "spans") if attrs(s).get("stallwatch.interrupted")
     ]
+
+
+def _leaks(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "stallwatch.cli", "leaks", *args], env=clean_env(),
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+
+
+def test_a_leak_candidate_stays_open_across_restarts_until_someone_confirms_it(tmp_path):
+    trace_id = _kill_during_create(tmp_path, "freeze")
+    journal_dir = str(tmp_path / "journal")
+    unconfirmed = {"stallwatch.cloud.resource.type": "compute.instance"}
+    _next_start(tmp_path, "second")  # replays the killed host: one leak candidate
+    assert latest_total(tmp_path / "second" / "metrics.jsonl", "stallwatch.cloud.resources.unconfirmed",
+                        **unconfirmed) == 1  # fmt: skip
+
+    listed = _leaks("--journal-dir", journal_dir)
+    assert listed.returncode == 0, listed.stderr
+    (line,) = listed.stdout.splitlines()
+    assert f"trace {trace_id}" in line and "create compute.instance" in line
+    key = line.split()[0]
+    third = _next_start(tmp_path, "third")  # nothing left to replay, and the candidate is still open
+    assert "unconfirmed" not in third.stderr
+    assert latest_total(tmp_path / "third" / "metrics.jsonl", "stallwatch.cloud.resources.unconfirmed",
+                        **unconfirmed) == 1  # fmt: skip
+
+    confirmed = _leaks("--journal-dir", journal_dir, "--confirm", key)
+    assert (confirmed.returncode, confirmed.stdout) == (0, f"confirmed {key}\n"), confirmed.stderr
+    again = _leaks("--journal-dir", journal_dir, "--confirm", key)
+    assert again.returncode == 2 and key in again.stderr
+    _next_start(tmp_path, "fourth")
+    assert latest_total(tmp_path / "fourth" / "metrics.jsonl", "stallwatch.cloud.resources.unconfirmed",
+                        **unconfirmed) == 0  # fmt: skip
+    assert _leaks("--journal-dir", journal_dir).stdout.startswith("no leak candidates")
 
 
 def test_a_host_killed_without_a_freeze_is_replayed_as_process_died(tmp_path):

@@ -473,10 +473,17 @@ def test_the_watchdog_answers_a_prometheus_scrape_while_the_frozen_host_cannot(t
     host.communicate(timeout=60)
 
     assert from_host.startswith("no answer")  # up == 0 for the host while it is frozen
-    active = [line for line in from_watchdog.splitlines() if line.startswith("stallwatch_freeze_active{")]
-    assert len(active) == 1 and active[0].endswith(" 1.0"), from_watchdog[-2000:]
-    assert 'stallwatch_freeze_kind="gil_held"' in active[0]
-    assert 'stallwatch_freeze_cause="child_before_exec"' in active[0]
+    lines = from_watchdog.splitlines()
+    active = [line for line in lines if line.startswith("stallwatch_freeze_active{")]
+    assert len(active) == 10, from_watchdog[-2000:]  # every kind and cause: "not frozen" is a value
+    (frozen,) = [line for line in active if line.endswith(" 1.0")]
+    assert 'stallwatch_freeze_kind="gil_held"' in frozen
+    assert 'stallwatch_freeze_cause="child_before_exec"' in frozen
+    # No freeze has ended yet, and each kind and cause already has its duration series, at 0: the first
+    # freeze to end is then an increase, with buckets fine enough to read its length.
+    counts = [line for line in lines if line.startswith("stallwatch_freeze_duration_seconds_count{")]
+    assert len(counts) == 10 and all(line.endswith(" 0.0") for line in counts)
+    assert any('le="30.0"' in line for line in lines) and any('le="35.0"' in line for line in lines)
 
 
 @pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])

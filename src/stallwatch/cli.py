@@ -1,4 +1,4 @@
-"""The `stallwatch` command: `doctor`, `demo` and `postmortem`."""
+"""The `stallwatch` command: `doctor`, `demo`, `postmortem` and `leaks`."""
 
 from __future__ import annotations
 
@@ -80,6 +80,36 @@ def _postmortem(args: argparse.Namespace) -> int:
     return 0
 
 
+def _leaks(args: argparse.Namespace) -> int:
+    from . import journal
+    from .config import ConfigError, Settings
+
+    try:
+        directory = Path(args.journal_dir) if args.journal_dir else Settings.load().journal_dir
+    except ConfigError as error:
+        print(f"stallwatch leaks: {error}; or pass --journal-dir", file=sys.stderr)
+        return 2
+    if args.confirm:
+        unknown = [key for key in args.confirm if not journal.confirm(directory, key)]
+        for key in args.confirm:
+            if key not in unknown:
+                print(f"confirmed {key}")
+        for key in unknown:
+            print(f"stallwatch leaks: no leak candidate {key!r} in {directory}", file=sys.stderr)
+        return 2 if unknown else 0
+    found = journal.candidates(directory)
+    if not found:
+        print(f"no leak candidates in {directory}")
+    for candidate in found:
+        when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(candidate.intent_ns / 1e9))
+        resource = f" resource {candidate.resource_id}" if candidate.resource_id else ""
+        print(
+            f"{candidate.key}  {when}  create {candidate.resource_type} ({candidate.rpc}){resource}  "
+            f"trace {candidate.trace_id} span {candidate.span_id}  pid {candidate.pid}"
+        )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stallwatch", description=stallwatch.__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"stallwatch {stallwatch.__version__}")
@@ -136,6 +166,22 @@ def build_parser() -> argparse.ArgumentParser:
     post.add_argument("--format", choices=("text", "json", "html"), default="text", help="default: %(default)s")
     post.add_argument("--out", help="write the report to this file instead of standard output")
     post.set_defaults(run=_postmortem, default_dir=str(Settings().file_dir))
+
+    leaks = commands.add_parser(
+        "leaks",
+        help="list the leak candidates (unconfirmed creates) of a journal directory, or confirm them",
+        description="Creates a dead process asked the cloud for and never saw answered. Each stays open, and "
+        "stallwatch.cloud.resources.unconfirmed (the UnconfirmedCloudResource alert) counts it, until it is "
+        "confirmed: reconcile it against the cloud (find the resource by the time and trace id, adopt or "
+        "delete it), then confirm its key.",
+    )
+    leaks.add_argument(
+        "--journal-dir", help=f"the journal directory (default: STALLWATCH_JOURNAL_DIR, else {Settings().journal_dir})"
+    )
+    leaks.add_argument(
+        "--confirm", nargs="+", metavar="KEY", help="close these candidates: they were reconciled against the cloud"
+    )
+    leaks.set_defaults(run=_leaks)
     return parser
 
 

@@ -248,6 +248,12 @@ def install(meter_: Any, guard_raw_calls: bool) -> None:
         ctypes.pythonapi.PyThreadState_SetAsyncExc = _GuardedSetAsyncExc()  # type: ignore[attr-defined]
 
 
+def zero(attributes: dict[str, str]) -> None:
+    """The counters of an executor (`attributes`: its name) at zero, before its first interruption."""
+    for counter in list(_counters.values()):
+        counter.add(0, attributes)
+
+
 def uninstall() -> None:
     """Give `ctypes.pythonapi.PyThreadState_SetAsyncExc` back."""
     if isinstance(getattr(ctypes.pythonapi, "PyThreadState_SetAsyncExc", None), _GuardedSetAsyncExc):

@@ -157,6 +157,13 @@ def _register_instruments() -> None:
 
     meter = metrics.get_meter(telemetry.INSTRUMENTATION_SCOPE, __version__)
     FAULTS.bind()
+    # Every kind, gRPC state and loop at 0 until its first fork: Prometheus then sees that fork as an increase.
+    no_forks = {
+        (kind, grpc_active, loop): 0
+        for kind in telemetry.FORK_KIND.values
+        for grpc_active in (False, True)
+        for loop in telemetry.SPAWN_LOOP.values
+    }
 
     def observe_forks(options: CallbackOptions) -> Iterable[Observation]:
         return [
@@ -168,7 +175,7 @@ def _register_instruments() -> None:
                     telemetry.SPAWN_LOOP.name: loop,
                 },
             )
-            for (kind, grpc_active, loop), count in guard.fork_counts()
+            for (kind, grpc_active, loop), count in (no_forks | dict(guard.fork_counts())).items()
         ]
 
     def observe(value: Any) -> Any:
@@ -200,16 +207,12 @@ def _start_journal(settings: Settings) -> Any:
     )
     report = functools.partial(FAULTS.record, "journal", "STALLWATCH_JOURNAL", problem)
     provider = trace.get_tracer_provider()
-    found = journal.replay(
+    journal.replay(  # it warns of each leak candidate and keeps it in the directory until it is confirmed
         settings.journal_dir,
         tracer_provider=provider if isinstance(provider, TracerProvider) else None,
         on_error=report,
     )
-    unconfirmed = found.unconfirmed_creates()
-    if unconfirmed:
-        counter = instrument(meter(), telemetry.CLOUD_RESOURCES_UNCONFIRMED)
-        for resource_type, count in unconfirmed.items():
-            counter.add(count, {telemetry.CLOUD_RESOURCE_TYPE.name: resource_type})
+    instrument(meter(), telemetry.CLOUD_RESOURCES_UNCONFIRMED, journal.Reporter(settings.journal_dir, report).observe)
     current = journal.Journal(settings.journal_dir, on_error=report)
     journal.activate(current)
     journal.install_recorder(current)

@@ -30,6 +30,23 @@ class Attribute:
 DURATION_BUCKETS: tuple[float, ...] = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
 )  # fmt: skip
+# 15 round values a decade, each at most 1.2 times the one before.
+_FINE_STEPS = (1.0, 1.2, 1.4, 1.6, 1.9, 2.2, 2.6, 3.0, 3.5, 4.0, 4.8, 5.6, 6.5, 7.5, 9.0)
+
+
+def fine_buckets(fine_from: float) -> tuple[float, ...]:
+    """`DURATION_BUCKETS` below `fine_from` (a power of ten), then boundaries at most 1.2 times apart
+    up to 600 s: from there on, `histogram_quantile` reads a single value within 20 % of it (it
+    interpolates inside the value's bucket, whose upper bound is at most 1.2 times its lower)."""
+    steps = (round(step * 10.0**exponent, 9) for exponent in range(-3, 3) for step in _FINE_STEPS)
+    coarse = (bound for bound in DURATION_BUCKETS if bound < fine_from)
+    return (*coarse, *(bound for bound in steps if fine_from <= bound < 600.0), 600.0)
+
+
+FREEZE_BUCKETS = fine_buckets(1.0)  # fine from STALLWATCH_FREEZE_THRESHOLD's default
+BLOCKED_BUCKETS = fine_buckets(0.1)  # fine from the SpawnBlockedHigh alert's threshold
+SSH_BUCKETS = fine_buckets(0.1)  # a tunnel opens or closes in a tenth of a second at best
+NEBIUS_BUCKETS = fine_buckets(0.01)  # an API call answers in ten milliseconds at best
 
 
 @dataclass(frozen=True)
@@ -41,11 +58,12 @@ class Metric:
     unit: str
     description: str
     attributes: tuple[Attribute, ...] = field(default_factory=tuple)
+    bounds: tuple[float, ...] = DURATION_BUCKETS  # a duration histogram's bucket boundaries
 
     @property
     def buckets(self) -> tuple[float, ...] | None:
         """Explicit bucket boundaries (seconds) for a duration histogram."""
-        return DURATION_BUCKETS if self.kind == "histogram" and self.unit == "s" else None
+        return self.bounds if self.kind == "histogram" and self.unit == "s" else None
 
     @property
     def prometheus_name(self) -> str:
@@ -231,6 +249,11 @@ EXECUTOR_ORPHANED = Metric(
     "stallwatch.executor.orphaned", "counter", "{item}",
     "Items dequeued or run by a worker that died, whose futures would never complete.", (EXECUTOR_NAME,),
 )  # fmt: skip
+EXECUTOR_ORPHANED_OUTSTANDING = Metric(
+    "stallwatch.executor.orphaned.outstanding", "observable_updowncounter", "{item}",
+    "Orphaned items whose futures are still not done: their awaiters wait. Back to 0 once each is healed "
+    "(STALLWATCH_EXECUTOR_HEAL=true), cancelled or completed by the host.", (EXECUTOR_NAME,),
+)  # fmt: skip
 EXECUTOR_HEALED = Metric(
     "stallwatch.executor.healed", "counter", "{item}",
     "Orphaned items failed with stallwatch.WorkerDied (STALLWATCH_EXECUTOR_HEAL=true).", (EXECUTOR_NAME,),
@@ -280,7 +303,7 @@ FREEZE_ACTIVE = Metric(
 )  # fmt: skip
 FREEZE_DURATION = Metric(
     "stallwatch.freeze.duration", "histogram", "s", "How long each freeze lasted, from the last fresh heartbeat.",
-    (FREEZE_KIND, FREEZE_CAUSE),
+    (FREEZE_KIND, FREEZE_CAUSE), FREEZE_BUCKETS,
 )  # fmt: skip
 LOOP_LAG = Metric(
     "stallwatch.loop.lag", "histogram", "s",
@@ -288,9 +311,11 @@ LOOP_LAG = Metric(
     (LOOP,),
 )  # fmt: skip
 CLOUD_RESOURCES_UNCONFIRMED = Metric(
-    "stallwatch.cloud.resources.unconfirmed", "counter", "{resource}",
-    "Creates found at start in a dead process's journal with an intent and no outcome: leak candidates to "
-    "reconcile against the cloud (each is also a WARNING `cloud resource create unconfirmed` with its ids).",
+    "stallwatch.cloud.resources.unconfirmed", "observable_updowncounter", "{resource}",
+    "Leak candidates not confirmed yet: creates a dead process's journal held with an intent and no outcome "
+    "(each was a WARNING `cloud resource create unconfirmed` with its ids at the start that found it), until "
+    "`stallwatch leaks --confirm` says they were reconciled against the cloud. Reported by one process per "
+    "journal directory.",
     (CLOUD_RESOURCE_TYPE,),
 )  # fmt: skip
 TELEMETRY_DROPPED = Metric(
@@ -306,7 +331,7 @@ INSTRUMENTATION_ERRORS = Metric(
 SUBPROCESS_SPAWN_DURATION = Metric(
     "stallwatch.subprocess.spawn.duration", "histogram", "s",
     "How long the calling thread was blocked inside the spawn call (under uvloop: the whole loop, holding the GIL).",
-    (PROCESS_EXECUTABLE_NAME, SPAWN_LOOP, SPAWN_METHOD),
+    (PROCESS_EXECUTABLE_NAME, SPAWN_LOOP, SPAWN_METHOD), BLOCKED_BUCKETS,
 )  # fmt: skip
 SUBPROCESS_EXITS = Metric(
     "stallwatch.subprocess.exits", "observable_counter", "{process}", "Children reaped, by how they ended.",
@@ -317,10 +342,18 @@ SUBPROCESS_ACTIVE = Metric(
     (PROCESS_EXECUTABLE_NAME,),
 )  # fmt: skip
 SSH_TUNNEL_OPEN_DURATION = Metric(
-    "stallwatch.ssh.tunnel.open.duration", "histogram", "s", "Time to open an SSH tunnel (successful or not)."
+    "stallwatch.ssh.tunnel.open.duration",
+    "histogram",
+    "s",
+    "Time to open an SSH tunnel (successful or not).",
+    bounds=SSH_BUCKETS,
 )
 SSH_TUNNEL_CLOSE_DURATION = Metric(
-    "stallwatch.ssh.tunnel.close.duration", "histogram", "s", "Time to close an SSH tunnel (successful or not)."
+    "stallwatch.ssh.tunnel.close.duration",
+    "histogram",
+    "s",
+    "Time to close an SSH tunnel (successful or not).",
+    bounds=SSH_BUCKETS,
 )
 SSH_TUNNEL_ACTIVE = Metric(
     "stallwatch.ssh.tunnel.active", "updowncounter", "{tunnel}", "SSH tunnels opened and not closed yet."
@@ -334,7 +367,7 @@ SSH_TUNNEL_FAILURES = Metric(
 NEBIUS_CALL_DURATION = Metric(
     "stallwatch.nebius.call.duration", "histogram", "s",
     "Nebius API logical calls (authentication and every retry included), by outcome.",
-    (RPC_SERVICE, RPC_METHOD, RPC_GRPC_STATUS_CODE),
+    (RPC_SERVICE, RPC_METHOD, RPC_GRPC_STATUS_CODE), NEBIUS_BUCKETS,
 )  # fmt: skip
 NEBIUS_CALLS_ACTIVE = Metric(
     "stallwatch.nebius.calls.active",
@@ -365,6 +398,7 @@ METRICS: tuple[Metric, ...] = (
     EXECUTOR_MAX_WORKERS,
     EXECUTOR_WORKER_DEATHS,
     EXECUTOR_ORPHANED,
+    EXECUTOR_ORPHANED_OUTSTANDING,
     EXECUTOR_HEALED,
     WEDGE_DETECTED,
     ASYNC_EXC_INJECTED,

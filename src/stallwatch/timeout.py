@@ -37,6 +37,7 @@ SCOPE: contextvars.ContextVar[execution_timeout | None] = contextvars.ContextVar
     "stallwatch_execution_timeout", default=None
 )
 _instruments: dict[str, Any] = {}
+_names: set[str] = set()  # scope names whose series exist: made at zero when the first scope of a name starts
 OVERDUE: dict[int, tuple[ItemRecord, float, str]] = {}  # id(record) -> (record, deadline, scope name)
 COMPONENT, SETTING = "executor", "STALLWATCH_INSTRUMENT_EXECUTOR"  # what counts and turns off these faults
 
@@ -72,6 +73,8 @@ class execution_timeout:  # lower case: used like asyncio.timeout
         self._expired = False
 
     async def __aenter__(self) -> execution_timeout:
+        if self.name not in _names and _instruments:
+            _declare(self.name)
         self.deadline = time.monotonic() + self.seconds
         self._token = SCOPE.set(self)
         if hasattr(asyncio, "timeouts"):
@@ -128,6 +131,18 @@ class execution_timeout:  # lower case: used like asyncio.timeout
                 OVERDUE[id(record)] = (record, self.deadline, self.name)
 
 
+def _declare(name: str) -> None:
+    """The series of scope `name` at zero, before its first expiry or overrun: Prometheus sees no
+    increase in a series born with its first value."""
+    try:
+        _names.add(name)
+        attributes = {telemetry.EXECUTION_NAME.name: name}
+        _instruments[telemetry.EXECUTION_TIMEOUTS.name].add(0, attributes)
+        _instruments[telemetry.EXECUTION_OVERRUN_DURATION.name].zero(attributes)
+    except Exception:
+        _fault()
+
+
 def item_finished(record: ItemRecord) -> None:
     """Called when an item ends: if it had overrun its scope's deadline, record by how much."""
     entry = OVERDUE.pop(id(record), None)
@@ -136,13 +151,13 @@ def item_finished(record: ItemRecord) -> None:
         histogram = _instruments.get(telemetry.EXECUTION_OVERRUN_DURATION.name)
         if histogram is not None:
             try:
-                histogram.record(time.monotonic() - deadline, {telemetry.EXECUTION_NAME.name: name})
+                histogram.record_now(time.monotonic() - deadline, {telemetry.EXECUTION_NAME.name: name})
             except Exception:
                 _fault()
 
 
 def _observe_overdue(options: CallbackOptions) -> Iterable[Observation]:
-    counts: dict[str, int] = {}
+    counts = dict.fromkeys(list(_names), 0)  # 0 once a name's work is no longer overdue: its state is over
     for _, _, name in list(OVERDUE.values()):
         counts[name] = counts.get(name, 0) + 1
     return [Observation(n, {telemetry.EXECUTION_NAME.name: name}) for name, n in counts.items()]
@@ -231,10 +246,13 @@ async def _timeout_exit(wrapped: Any, instance: Any, args: tuple[Any, ...], kwar
 
 def install(meter_: Any) -> None:
     """Create the execution-timeout instruments and count asyncio timeouts by call site."""
-    from .instrument._common import instrument  # the common helpers import this module's users
+    from .instrument._common import Deferred, instrument  # the common helpers import this module's users
 
-    for metric in (telemetry.EXECUTION_TIMEOUTS, telemetry.EXECUTION_OVERRUN_DURATION, telemetry.ASYNCIO_TIMEOUTS):
+    for metric in (telemetry.EXECUTION_TIMEOUTS, telemetry.ASYNCIO_TIMEOUTS):
         _instruments[metric.name] = instrument(meter_, metric)
+    overrun = Deferred(meter_, telemetry.EXECUTION_OVERRUN_DURATION, owner=(COMPONENT, SETTING))
+    _instruments[telemetry.EXECUTION_OVERRUN_DURATION.name] = overrun
+    _names.clear()
     instrument(meter_, telemetry.EXECUTION_OVERDUE, _observe_overdue)
     wrapt.wrap_function_wrapper(asyncio, "wait_for", _wait_for)
     wrapt.wrap_function_wrapper(asyncio, "wait", _wait)
@@ -252,3 +270,4 @@ def uninstall() -> None:
         unwrap(asyncio, "timeout")
         unwrap(asyncio.timeouts.Timeout, "__aexit__")
     _instruments.clear()
+    _names.clear()

@@ -276,15 +276,19 @@ class FreezeTelemetry:
         from opentelemetry import metrics, trace
 
         from .. import telemetry
-        from ..instrument._common import instrument
+        from ..instrument._common import Deferred, instrument
 
         self._pid = pid
         self._journal = journal  # the host's journal, watchdog side: freeze records survive the host
         self._sentry_handover = heartbeat.sentry_path(heartbeat_path)
         self._stacks = heartbeat.stacks_path(heartbeat_path)
-        self._active: dict[tuple[str, str], int] = {}
+        # Every kind and cause at 0 from the start: "not frozen" is a value, and a first freeze an increase.
+        kinds = [(kind, cause) for kind in telemetry.FREEZE_KIND.values for cause in telemetry.FREEZE_CAUSE.values]
+        self._active: dict[tuple[str, str], int] = dict.fromkeys(kinds, 0)
         meter = metrics.get_meter(telemetry.INSTRUMENTATION_SCOPE)
-        self._duration = instrument(meter, telemetry.FREEZE_DURATION)
+        self._duration = Deferred(meter, telemetry.FREEZE_DURATION, owner=("watchdog", "STALLWATCH_WATCHDOG"))
+        for kind, cause in kinds:
+            self._duration.zero({"stallwatch.freeze.kind": kind, "stallwatch.freeze.cause": cause})
         instrument(meter, telemetry.FREEZE_ACTIVE, self._observe)
         self._tracer = trace.get_tracer(telemetry.INSTRUMENTATION_SCOPE)
 
@@ -336,7 +340,7 @@ class FreezeTelemetry:
         self._to_sentry(freeze, now_ns)
 
     def still_frozen(self, freeze: Freeze, now_ns: int) -> None:
-        self._active = {(freeze.kind, freeze.diagnosis.cause): 1}
+        self._active = dict.fromkeys(self._active, 0) | {(freeze.kind, freeze.diagnosis.cause): 1}
         _log.warning("stallwatch: still frozen: %s", self._describe(freeze, now_ns),
                      extra=self._record_attributes(freeze))  # fmt: skip
         self.flush()
@@ -344,7 +348,7 @@ class FreezeTelemetry:
     def thawed(self, freeze: Freeze, outcome: str) -> None:
         from opentelemetry.trace import Link, SpanContext, TraceFlags
 
-        self._active.clear()
+        self._active = dict.fromkeys(self._active, 0)
         if self._journal is not None:
             self._journal.freeze_ended(outcome)
         seconds = (time.time_ns() - freeze.started_wall_ns) / 1e9
@@ -358,8 +362,8 @@ class FreezeTelemetry:
                 "stallwatch.freeze.host.pid": self._pid,
             }
         )
-        self._duration.record(seconds, {"stallwatch.freeze.kind": freeze.kind,
-                                        "stallwatch.freeze.cause": freeze.diagnosis.cause})  # fmt: skip
+        self._duration.record_now(seconds, {"stallwatch.freeze.kind": freeze.kind,
+                                            "stallwatch.freeze.cause": freeze.diagnosis.cause})  # fmt: skip
         links = []
         trace_id, span_id = int(freeze.snapshot["trace_id"] or "0", 16), int(freeze.snapshot["span_id"] or "0", 16)
         if freeze.snapshot.get("spawn_ns") and trace_id and span_id:

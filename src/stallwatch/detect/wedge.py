@@ -196,6 +196,7 @@ def _orphan(
 ) -> None:
     name = scrub_text(thread.name, MAX_NAME_CHARS) if thread is not None else "?"
     record.orphaned = True
+    state.orphans.append(record)
     ex._add(telemetry.EXECUTOR_ORPHANED, 1, state.attributes)
     what = "dequeued it and died before running it" if dequeued_only else "died while running it"
     age = time.monotonic() - record.submitted / 1e9

@@ -78,7 +78,9 @@ from ..instrument import histograms
 from ..instrument._common import dropped_values
 from .span_json import FIELD_READABLE
 
-QUEUE_FULL, EXPORT_FAILED, BACKEND_DOWN, SHUTDOWN_TIMEOUT, BACKEND_SLOW = telemetry.DROP_REASON.values
+DROP_REASONS = telemetry.DROP_REASON.values
+QUEUE_FULL, EXPORT_FAILED, BACKEND_DOWN, SHUTDOWN_TIMEOUT, BACKEND_SLOW = DROP_REASONS
+_EVERY_DROP = [(signal, reason) for signal in telemetry.TELEMETRY_SIGNAL.values for reason in DROP_REASONS]
 BACKOFF_FIRST = 1.0  # seconds the backend is taken to be down after a failed export
 BACKOFF_MAX = 30.0  # the back-off doubles after each failed probe, up to this
 PROBE_ITEMS = 16  # the first export after a back-off sends at most this many items
@@ -103,7 +105,7 @@ class ExportGate:
     def observe(self, options: CallbackOptions) -> Iterable[Observation]:
         """Callback of the `stallwatch.telemetry.dropped` observable counter. Metric values that
         instrumentations dropped before aggregation (`Deferred`) count as {metrics, queue_full}."""
-        counts = dict(self.dropped)
+        counts = dict.fromkeys(_EVERY_DROP, 0) | self.dropped  # at 0 before the first: then it is an increase
         values = dropped_values()
         if values:
             counts["metrics", QUEUE_FULL] = counts.get(("metrics", QUEUE_FULL), 0) + values

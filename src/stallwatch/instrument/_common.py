@@ -214,12 +214,14 @@ class Deferred:
     list per attribute set, aggregated in C at drain, see `OwnHistogram.record_values`). At most
     `limit` values wait per way in (per list); past that they are dropped and counted in `dropped`
     (`dropped_values()` sums them: `stallwatch.telemetry.dropped` {metrics, queue_full}).
-    A histogram that raises is a fault of the metric's component (`stallwatch.<component>.…`,
-    turned off by `STALLWATCH_INSTRUMENT_<COMPONENT>`), counted per value; it never stops the
-    collection.
+    A histogram that raises is a fault of `owner` (component, setting that turns it off; default
+    the metric's component, `stallwatch.<component>.…`, and `STALLWATCH_INSTRUMENT_<COMPONENT>`),
+    counted per value; it never stops the collection.
     """
 
-    def __init__(self, meter_: Meter, metric: telemetry.Metric, limit: int = 100_000) -> None:
+    def __init__(
+        self, meter_: Meter, metric: telemetry.Metric, limit: int = 100_000, owner: tuple[str, str] | None = None
+    ) -> None:
         # stallwatch's own aggregation when its pipeline takes it (see `histograms`), else the SDK's.
         self._own = histograms.register(metric, self.drain) if histograms.active() else None
         self._histogram = instrument(meter_, metric) if self._own is None else None
@@ -231,7 +233,7 @@ class Deferred:
         self.dropped = 0  # hot paths add to it (`+=`)
         _live.add(self)
         component = metric.name.split(".")[1]
-        self._owner = (component, f"STALLWATCH_INSTRUMENT_{component.upper()}")
+        self._owner = owner or (component, f"STALLWATCH_INSTRUMENT_{component.upper()}")
 
     def __del__(self) -> None:
         retired = _retired  # None once the interpreter clears this module's globals at exit
@@ -243,6 +245,17 @@ class Deferred:
             self._pending.append((value, attributes))
         else:
             self.dropped += 1
+
+    def record_now(self, value: float, attributes: dict[str, Any]) -> None:
+        """Aggregate `value` at once: for rare values (a freeze, a tunnel, an overrun) that no
+        collection may drain first."""
+        self._hand_over([value], attributes)
+
+    def zero(self, attributes: dict[str, Any]) -> None:
+        """Make the series of `attributes` exist at count 0 before its first value (stallwatch's own
+        aggregation only: the SDK's API cannot)."""
+        if self._own is not None:
+            self._own.zero(attributes)
 
     def values_for(self, attributes: dict[str, Any]) -> list[float]:
         """The list a hot path appends values with these attributes to, while it holds fewer than

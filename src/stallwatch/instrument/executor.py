@@ -245,6 +245,7 @@ class ExecutorState:
     executor_ref: weakref.ReferenceType[ThreadPoolExecutor]
     in_flight: list[ItemRecord] = field(default_factory=list)
     deaths: list[tuple[threading.Thread, BaseException | None]] = field(default_factory=list)
+    orphans: list[ItemRecord] = field(default_factory=list)  # orphaned items whose futures may not be done yet
     attributes: dict[str, str] = field(default_factory=dict)  # the metric attributes, built once
     span_name: str = ""
     # Where the queue and run durations of this pool's items wait for `drain_histograms()`.
@@ -346,6 +347,7 @@ _FREE_THREADED = not getattr(sys, "_is_gil_enabled", lambda: True)()
 _death_causes: dict[int, BaseException] = {}
 _instruments: dict[str, Any] = {}
 _histograms: list[Deferred] = []  # queue and run durations, in that order
+_zeroed: set[str] = set()  # executor names whose series this instrumentation has made at zero
 _HISTOGRAM_LIMIT = 100_000  # durations waiting per pool for the next drain; past that they are dropped
 _monotonic_ns = time.monotonic_ns
 _get_ident = threading.get_ident
@@ -406,6 +408,21 @@ def _add(metric: telemetry.Metric, value: float, attributes: dict[str, str]) -> 
         counter.add(value, attributes)
 
 
+def _zero_series(state: ExecutorState) -> None:
+    """A pool's counters and histograms at zero, once per executor name: Prometheus sees no increase
+    in a series born with its first event, so a first wedge would read as nothing."""
+    if state.name in _zeroed or not _instruments:
+        return
+    _zeroed.add(state.name)
+    for metric in (telemetry.EXECUTOR_ORPHANED, telemetry.EXECUTOR_HEALED):
+        _add(metric, 0, state.attributes)
+    for kind in telemetry.WEDGE_KIND.values:
+        _add(telemetry.WEDGE_DETECTED, 0, {**state.attributes, telemetry.WEDGE_KIND.name: kind})
+    interrupt.zero(state.attributes)
+    for deferred in _histograms:
+        deferred.zero(state.attributes)
+
+
 def drain_histograms() -> None:
     """Hand the queue/run durations waiting since the last drain to the SDK histograms.
 
@@ -429,6 +446,7 @@ def _init_wrapper(wrapped: Any, executor: ThreadPoolExecutor, args: tuple[Any, .
         executor._work_queue = accounting  # type: ignore[attr-defined]  # no worker holds the old one yet
         executor._stallwatch = state  # type: ignore[attr-defined]
         EXECUTORS.add(executor)
+        _zero_series(state)
     except Exception:
         FAULTS.record("executor", SETTING)
 
@@ -581,6 +599,15 @@ def _observe_running(options: CallbackOptions) -> Iterable[Observation]:
             yield Observation(running.get(state.name, 0), state.attributes)
 
 
+def _observe_orphaned(options: CallbackOptions) -> Iterable[Observation]:
+    for executor in list(EXECUTORS):
+        state = state_of(executor)
+        if state is not None:
+            for record in [record for record in state.orphans if record.future.done()]:
+                state.orphans.remove(record)  # in place: a dying worker may append meanwhile
+            yield Observation(len(state.orphans), state.attributes)
+
+
 def _observe_max_workers(options: CallbackOptions) -> Iterable[Observation]:
     for executor in list(EXECUTORS):
         state = state_of(executor)
@@ -616,10 +643,6 @@ class ExecutorInstrumentor(BaseInstrumentor):  # type: ignore[misc]
             Deferred(meter_, telemetry.EXECUTOR_QUEUE_DURATION, _HISTOGRAM_LIMIT),
             Deferred(meter_, telemetry.EXECUTOR_RUN_DURATION, _HISTOGRAM_LIMIT),
         ]
-        for executor in list(EXECUTORS):  # pools built under an earlier instrumentation
-            state = state_of(executor)
-            if state is not None:
-                state.bind_histograms()
         for metric in (
             telemetry.EXECUTOR_WORKER_DEATHS,
             telemetry.EXECUTOR_ORPHANED,
@@ -632,7 +655,14 @@ class ExecutorInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         instrument(meter_, telemetry.EXECUTOR_OLDEST_PENDING, _observe_oldest_pending)
         instrument(meter_, telemetry.EXECUTOR_WORKERS, _observe_workers)
         instrument(meter_, telemetry.EXECUTOR_MAX_WORKERS, _observe_max_workers)
+        instrument(meter_, telemetry.EXECUTOR_ORPHANED_OUTSTANDING, _observe_orphaned)
         interrupt.install(meter_, guard_raw_calls=settings.guard_async_exc)
+        _zeroed.clear()
+        for executor in list(EXECUTORS):  # pools built under an earlier instrumentation
+            state = state_of(executor)
+            if state is not None:
+                state.bind_histograms()
+                _zero_series(state)
         execution_timeouts.install(meter_)
         wedge.configure(
             wedge.WedgeSettings(settings.wedge_check_interval, settings.queue_stall_seconds, settings.executor_heal)
@@ -655,6 +685,7 @@ class ExecutorInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         drain_histograms()
         _histograms.clear()
         _instruments.clear()
+        _zeroed.clear()
         _tracer = None
 
 

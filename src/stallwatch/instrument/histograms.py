@@ -127,6 +127,13 @@ class OwnHistogram:
             series.low = min(series.low, ordered[0])
             series.high = max(series.high, ordered[-1])
 
+    def zero(self, attributes: dict[str, Any]) -> None:
+        """Make the series of `attributes` exist with no value yet (count 0), so that a backend sees
+        its first value as an increase (Prometheus has no `rate()` for a series born with it)."""
+        self._in_this_process()
+        with self._lock:
+            self._series_of(attributes)
+
     def _series_of(self, attributes: dict[str, Any]) -> _Series:
         """Under the lock: the series of this attribute set, made on first use."""
         key = tuple(attributes.items())
@@ -136,7 +143,7 @@ class OwnHistogram:
         return series
 
     def metric_data(self, now_ns: int) -> Metric | None:
-        """The cumulative state as an SDK `Metric`, or None before the first value."""
+        """The cumulative state as an SDK `Metric`, or None before the first value or `zero()`."""
         self._in_this_process()
         with self._lock:
             points = [
@@ -148,8 +155,8 @@ class OwnHistogram:
                     sum=s.total,
                     bucket_counts=list(s.buckets),
                     explicit_bounds=list(self.bounds),
-                    min=s.low,
-                    max=s.high,
+                    min=s.low if s.count else None,  # type: ignore[arg-type]  # unset: OTLP's "no value yet"
+                    max=s.high if s.count else None,  # type: ignore[arg-type]
                 )
                 for key, s in self._series.items()
             ]

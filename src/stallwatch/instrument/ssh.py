@@ -32,7 +32,7 @@ from opentelemetry.util.types import AttributeValue
 from .. import journal, telemetry
 from .._version import __version__
 from . import scrub
-from ._common import FAULTS, SPAWN_OBSERVER, instrument, meter, signal_name
+from ._common import FAULTS, SPAWN_OBSERVER, Deferred, instrument, meter, signal_name
 
 _log = logging.getLogger("stallwatch")
 COMPONENT = "ssh"
@@ -46,7 +46,7 @@ Describe = Callable[[Any], Mapping[str, AttributeValue]]
 @dataclass
 class _Instruments:
     tracer: trace.Tracer
-    durations: dict[str, Any]
+    durations: dict[str, Deferred]
     active: Any
     failures: Any
 
@@ -58,18 +58,23 @@ _current: contextvars.ContextVar[_Operation | None] = contextvars.ContextVar("st
 
 
 def _get_instruments() -> _Instruments:
+    """The instruments, made on first need; the durations and the active count start at zero, so that
+    a backend sees the first tunnel as an increase."""
     global _instruments
     if _instruments is None:
         meter_ = meter(_instruments_meter_provider)
         _instruments = _Instruments(
             tracer=trace.get_tracer(telemetry.INSTRUMENTATION_SCOPE, __version__),
             durations={
-                "open": instrument(meter_, telemetry.SSH_TUNNEL_OPEN_DURATION),
-                "close": instrument(meter_, telemetry.SSH_TUNNEL_CLOSE_DURATION),
+                "open": Deferred(meter_, telemetry.SSH_TUNNEL_OPEN_DURATION),
+                "close": Deferred(meter_, telemetry.SSH_TUNNEL_CLOSE_DURATION),
             },
             active=instrument(meter_, telemetry.SSH_TUNNEL_ACTIVE),
             failures=instrument(meter_, telemetry.SSH_TUNNEL_FAILURES),
         )
+        for durations in _instruments.durations.values():
+            durations.zero({})
+        _instruments.active.add(0)
     return _instruments
 
 
@@ -115,7 +120,7 @@ class _Operation:
         journal.span_ended(span, started=self.journaled)
         if self.phase not in ("open", "close"):
             return
-        self.instruments.durations[self.phase].record(perf_counter() - self.started)
+        self.instruments.durations[self.phase].record_now(perf_counter() - self.started, {})
         if failed:
             self.instruments.failures.add(1, labels)
         if self.phase == "open" and not failed and instance not in _open_tunnels:
@@ -322,6 +327,8 @@ def _instrument_dstack(module: Any) -> None:
             error,
             SETTING,
         )
+    else:
+        _get_instruments()  # the tunnel metrics at zero before the first tunnel
 
 
 _presets_installed = False

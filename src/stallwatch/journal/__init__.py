@@ -5,7 +5,8 @@ OpenTelemetry exports a span only when it ends, so the operations a killed proce
 leave no trace at all. The journal writes them to a local file as they start and end, with the
 cloud ledger's create/delete intents and outcomes and the watchdog's freeze records, and the next
 start (`replay()`) turns what never ended into spans with the original ids and reports the cloud
-resources whose creation was asked for but never confirmed.
+resources whose creation was asked for but never confirmed (leak candidates, kept in `leaks` until
+someone confirms them).
 
 Storage: a framed append-only file per process (length + CRC32 per record, JSON payload,
 preallocated with zeros), not SQLite. Measured here in one interleaved run (`tests/bench/
@@ -33,6 +34,7 @@ Wiring (see `writer` and `replay` for details)::
 from __future__ import annotations
 
 from .frames import Corruption, Segment, read_segment
+from .leaks import Candidate, Reporter, candidates, confirm
 from .replay import (
     INTERRUPTED,
     INTERRUPTED_REASON,
@@ -49,16 +51,20 @@ from .writer import Journal, JournalRecorder, activate, active, install_recorder
 __all__ = [
     "INTERRUPTED",
     "INTERRUPTED_REASON",
+    "Candidate",
     "Corruption",
     "InterruptedOperation",
     "Journal",
     "JournalRecorder",
     "ProcessJournal",
     "ReplayResult",
+    "Reporter",
     "Segment",
     "UnconfirmedResource",
     "activate",
     "active",
+    "candidates",
+    "confirm",
     "install_recorder",
     "read_segment",
     "replay",

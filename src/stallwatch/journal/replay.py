@@ -16,8 +16,8 @@ boot means dead. A dead process's host and watchdog segments are read together, 
 - every cloud create/delete whose intent is durable and whose outcome is in neither file is an
   unconfirmed resource: a WARNING `cloud resource create unconfirmed` on the `stallwatch.cloud`
   logger, inside the intent's trace and span, with every id known as attributes, and a Sentry
-  `leak_candidate` event when the host uses Sentry; the result counts them per resource type
-  (`stallwatch.cloud.resources.unconfirmed`).
+  `leak_candidate` event when the host uses Sentry. Each create is also kept as a leak candidate
+  (`leaks`) until someone confirms it.
 
 Then the segments move to `archive/` (the newest `archive_keep` processes are kept there); replay
 never deletes a journal it has not archived. A lock file makes concurrent starts replay each
@@ -39,7 +39,7 @@ from typing import Any
 
 from .. import ledger, telemetry
 from .._version import __version__
-from . import frames
+from . import frames, leaks
 from .writer import boot_id, start_ticks
 
 INTERRUPTED = telemetry.INTERRUPTED.name
@@ -199,7 +199,7 @@ class ReplayResult:
         return [c for journal in self.replayed + self.skipped for c in journal.corruption]
 
     def unconfirmed_creates(self) -> dict[str, int]:
-        """Unconfirmed creates per resource type: `stallwatch.cloud.resources.unconfirmed`."""
+        """Unconfirmed creates found by this replay, per resource type."""
         return dict(Counter(r.resource_type for r in self.unconfirmed if r.action == "create"))
 
 
@@ -289,7 +289,7 @@ def _replay_all(
             result.skipped.append(journal)
             continue
         try:
-            _replay_one(journal, result, tracer_provider, span_exporter)
+            _replay_one(directory, journal, result, tracer_provider, span_exporter)
         except Exception:  # its spans or warnings are lost; archiving it anyway keeps it from coming back
             _report(on_error)
         try:
@@ -303,11 +303,14 @@ def _replay_all(
         _report(on_error)
 
 
-def _replay_one(journal: ProcessJournal, result: ReplayResult, tracer_provider: Any, span_exporter: Any) -> None:
+def _replay_one(
+    directory: Path, journal: ProcessJournal, result: ReplayResult, tracer_provider: Any, span_exporter: Any
+) -> None:
     interrupted = journal.interrupted()
     unconfirmed = journal.unconfirmed()
     result.interrupted += interrupted
     result.unconfirmed += unconfirmed
+    leaks.record(directory, journal.start_ticks, unconfirmed)  # before the journal leaves for the archive
     spans = [to_span(op, _resource(tracer_provider, journal.pid)) for op in interrupted if op.sampled]
     if spans and tracer_provider is not None:
         processor = tracer_provider._active_span_processor  # the SDK's own processors, 1.27 to 1.45
