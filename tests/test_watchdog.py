@@ -39,7 +39,7 @@ def test_gil_held_freeze_is_reported_while_the_host_is_still_frozen(telemetry_di
     assert record["stallwatch.freeze.cause"] == "child_before_exec"
     assert int(record["stallwatch.freeze.child.pid"]) == result["child_pid"]
     assert record["stallwatch.freeze.main_thread.syscall"] == "read"
-    assert "true (0 args)" in detected[0]["body"]["stringValue"]
+    assert "true (1 args)" in detected[0]["body"]["stringValue"]
     seen_at = int(detected[0]["timeUnixNano"])
     assert seen_at < result["spawn_ended_ns"]  # exported during the freeze, not after
     assert seen_at - result["spawn_started_ns"] <= (1.0 + 0.5) * 1e9  # threshold + 0.5 s
@@ -47,6 +47,22 @@ def test_gil_held_freeze_is_reported_while_the_host_is_still_frozen(telemetry_di
     assert attrs(span)["stallwatch.freeze.outcome"] == "thawed"
     assert span["links"][0]["spanId"] == result["span_id"]  # joined to the frozen probe's span
     assert 2.5e9 <= int(span["endTimeUnixNano"]) - int(span["startTimeUnixNano"]) <= 4.5e9
+
+
+@pytest.mark.parametrize(("spawn", "count"), [("--args", 3), ("--shell", 1)])
+def test_a_frozen_spawn_has_the_same_argument_count_in_the_freeze_record_and_on_its_span(telemetry_dir, spawn, count):
+    result = run_scenario("freeze_probe.py", str(telemetry_dir), "2", spawn)
+
+    detected = [r for r in log_records(telemetry_dir / "logs.jsonl") if "freeze detected" in r["body"]["stringValue"]]
+    assert f"spawning 'true ({count} args)'" in detected[0]["body"]["stringValue"]
+    (freeze,) = freeze_spans(telemetry_dir / "traces.jsonl")
+    assert attrs(freeze)["stallwatch.freeze.spawn"] == f"true ({count} args)"
+    (child,) = [
+        s
+        for s in otlp_items(telemetry_dir / "traces.jsonl", "spans")
+        if attrs(s).get("process.pid") == str(result["child_pid"])
+    ]
+    assert attrs(child)["process.args_count"] == str(count)
 
 
 def test_a_loop_blocked_by_sync_code_is_not_a_held_gil(telemetry_dir):

@@ -402,7 +402,11 @@ PROCESS_EXIT_CODE = Attribute(
     "The child's return code as Python reports it: negative `-N` when signal N killed it.",
     type="int",
 )
-PROCESS_ARGS_COUNT = Attribute("process.args_count", "Number of arguments, the program included.", type="int")
+PROCESS_ARGS_COUNT = Attribute(
+    "process.args_count",
+    "Number of arguments, the program included; a shell command line counts as one.",
+    type="int",
+)
 PROCESS_COMMAND_ARGS = Attribute(
     "process.command_args", "Scrubbed arguments; recorded only with `STALLWATCH_RECORD_ARGS=true`.", type="string[]"
 )
@@ -518,7 +522,10 @@ INTERRUPTED_REASON = Attribute(
 FREEZE_OUTCOME = Attribute(
     "stallwatch.freeze.outcome", "How a freeze ended: the host went on, or it died frozen.", ("thawed", "host_killed")
 )
-FREEZE_SPAWN = Attribute("stallwatch.freeze.spawn", "The spawn in flight when the host froze: `name (N args)`.")
+FREEZE_SPAWN = Attribute(
+    "stallwatch.freeze.spawn",
+    "The spawn in flight when the host froze: `name (N args)`, N as in its span's `process.args_count`.",
+)
 FREEZE_HOST_EXIT_SIGNAL = Attribute(
     "stallwatch.freeze.host.exit_signal", "Signal that killed a frozen host, when the watchdog could read it."
 )

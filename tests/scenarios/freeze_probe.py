@@ -1,13 +1,14 @@
 """Scenario: a GIL-held freeze as in incidents/000, made on purpose.
 
-Usage: python freeze_probe.py DIR [SECONDS] [--block-loop] [--sentry]
+Usage: python freeze_probe.py DIR [SECONDS] [--block-loop] [--sentry] [--args | --shell]
 A library registered an after-fork handler before stallwatch was imported (so the exec-bound guard
 cannot skip it); in the child of one uvloop spawn it sleeps SECONDS (default 3) before exec, so the
 host's main thread waits in read() on libuv's pipe holding the GIL. Prints one JSON line: the
 spawn's wall-clock start and end, the child's pid and the probe span's ids. With --block-loop
 the loop thread sleeps SECONDS in plain sync code instead (other threads keep running). The first
 line printed is the watchdog's pid, so a test can watch it. With --sentry, sentry-sdk is
-initialised with an in-memory transport and the Sentry messages are printed too.
+initialised with an in-memory transport and the Sentry messages are printed too. The held spawn
+is `/bin/true`; with --args `/bin/true one two`, with --shell the shell command `true one two`.
 """
 
 import os
@@ -61,7 +62,12 @@ async def main() -> dict:
         else:
             HANG["seconds"] = seconds
             started = time.time_ns()
-            child = await asyncio.create_subprocess_exec("/bin/true")
+            if "--shell" in sys.argv:
+                child = await asyncio.create_subprocess_shell("true one two")
+            else:
+                child = await asyncio.create_subprocess_exec(
+                    "/bin/true", *(("one", "two") if "--args" in sys.argv else ())
+                )
             ended = time.time_ns()
             HANG["seconds"] = 0.0
             await child.wait()

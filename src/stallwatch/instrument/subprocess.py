@@ -323,7 +323,7 @@ def describe(program: object, argv: Sequence[object], loop: str, record_args: bo
     name = scrub.executable_name(program)
     attributes: dict[str, Any] = {
         telemetry.PROCESS_EXECUTABLE_NAME.name: name,
-        telemetry.PROCESS_ARGS_COUNT.name: len(argv),
+        telemetry.PROCESS_ARGS_COUNT.name: scrub.args_count(argv),
         telemetry.SPAWN_LOOP.name: loop,
         telemetry.GRPC_ACTIVE.name: guard.grpc_active(),
     }
@@ -726,7 +726,7 @@ def _loop_wrapper(loop: str, shell: bool) -> Callable[..., Coroutine[Any, Any, A
         if state is not None and len(args) >= 2:
             try:
                 child = _begin(state, loop, "fork" if loop == "uvloop" else "vfork")
-                child.command = (args[1], args[1:2] if shell else args[1:])
+                child.command = scrub.loop_command(args, shell)
                 args = (_watching_factory(args[0], child), *args[1:])
                 if state.propagate:
                     _start_span_now(state, child, args[1])
