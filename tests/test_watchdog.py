@@ -390,6 +390,15 @@ def test_child_dumping_core_before_exec_is_named(tmp_path):
     ]
     assert attrs(span)["stallwatch.freeze.cause"] == "child_core_dump"
     assert attrs(span)["stallwatch.freeze.kind"] == "gil_held"
+    # The spawn's own span says the child died before exec, however long its core took to write.
+    (child,) = [
+        s
+        for s in otlp_items(tmp_path / "telemetry" / "traces.jsonl", "spans")
+        if attrs(s).get("process.pid") == str(result["child_pid"])
+    ]
+    assert attrs(child)["stallwatch.subprocess.exec"] == "not_done"
+    assert [e["name"] for e in child["events"]] == ["stallwatch.subprocess.early_signal"]
+    assert child["status"]["message"] == "killed by SIGSEGV before exec"
 
 
 def test_standard_loop_child_hanging_in_preexec_fn_blocks_the_loop_not_the_gil(tmp_path):
