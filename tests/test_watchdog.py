@@ -75,6 +75,17 @@ def test_a_loop_blocked_by_sync_code_is_not_a_held_gil(telemetry_dir):
     assert float(lag["max"]) >= 1.9  # the loop ran its heartbeat ~2 s late
 
 
+def test_a_loop_blocked_reading_an_execd_interpreter_is_not_a_child_before_exec(telemetry_dir):
+    result = run_scenario("freeze_probe.py", str(telemetry_dir), "2", "--read-child")
+
+    detected = [r for r in log_records(telemetry_dir / "logs.jsonl") if "freeze detected" in r["body"]["stringValue"]]
+    assert len(detected) == 1
+    record = attrs(detected[0])
+    assert record["stallwatch.freeze.kind"] == "loop_blocked"
+    assert int(record["stallwatch.freeze.child.pid"]) == result["child_pid"]  # the pipe's other end
+    assert record["stallwatch.freeze.cause"] == "blocked_syscall"  # it runs the host's executable, exec'd
+
+
 def test_host_killed_during_a_freeze_is_recorded_and_the_watchdog_leaves(telemetry_dir, tmp_path):
     runtime = tmp_path / "run"  # where the heartbeat file lives (it would be /dev/shm)
     runtime.mkdir()
