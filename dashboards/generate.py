@@ -287,8 +287,9 @@ FREEZES = Dashboard(
         ),
         Panel(
             "Child deaths by signal",
-            "Children reaped after a signal killed them. SIGSEGV/SIGABRT from an ssh or other exec'd program within "
-            "a second of the spawn means it died before exec (see the spawn span's early_signal event).",
+            "Children reaped after a signal killed them. Whether one died before exec (incident 000) or crashed in its "
+            "own program, and whether the server signalled it itself, is on its spawn span "
+            "(stallwatch.subprocess.exec, stallwatch.subprocess.signalled_by_host).",
             "short",
             (
                 Query(
@@ -771,14 +772,19 @@ ALERTS = (
             t.SUBPROCESS_EXITS,
             t.PROCESS_EXECUTABLE_NAME,
             t.EXIT_SIGNAL,
-            matchers=((t.EXIT_KIND, "=", "signal"), (t.EXIT_SIGNAL, "!~", "SIGTERM|SIGINT|SIGHUP")),
+            matchers=(
+                (t.EXIT_KIND, "=", "signal"),
+                (t.SIGNALLED_BY_HOST, "!=", "true"),
+                (t.EXIT_SIGNAL, "!~", "SIGTERM|SIGINT|SIGHUP"),
+            ),
         ),
         "warning",
         "A {{ $labels.process_executable_name }} child of {{ $labels.instance }} was killed by "
         "{{ $labels.stallwatch_exit_signal }}",
-        "A child process died of a signal the server did not send to stop it, in the last 10 minutes. "
-        "SIGSEGV/SIGABRT within a second of its spawn means it crashed before exec, in a copy of the server "
-        "(incident 000); if the server froze meanwhile, FreezeActive fired too.",
+        "A child process died, in the last 10 minutes, of a signal the server did not send it (signals sent from "
+        "Python are recorded; SIGTERM/SIGINT/SIGHUP from elsewhere count as stop requests). Its spawn span says "
+        "whether it died before exec, in a copy of the server (stallwatch.subprocess.exec=not_done: incident 000; "
+        "if the server froze meanwhile, FreezeActive fired too), or crashed in its own program (done).",
         FREEZES,
         "Child deaths by signal",
         fired_labels={"process_executable_name": "ssh", "stallwatch_exit_signal": "SIGSEGV"},
@@ -799,6 +805,20 @@ ALERTS = (
                         stallwatch_exit_kind="signal",
                         stallwatch_exit_signal="SIGTERM",
                         process_executable_name="sleep",
+                    ),
+                ),
+                quiet=at(3, 4, 7, 10),
+            ),
+            Case(
+                "a child the server killed itself (dstack closing a foreground tunnel): quiet",
+                (
+                    input_series(
+                        t.SUBPROCESS_EXITS,
+                        minutes(("_", 3), (1, 3), (2, 10)),
+                        stallwatch_exit_kind="signal",
+                        stallwatch_exit_signal="SIGKILL",
+                        stallwatch_subprocess_signalled_by_host="true",
+                        process_executable_name="ssh",
                     ),
                 ),
                 quiet=at(3, 4, 7, 10),

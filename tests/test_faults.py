@@ -94,6 +94,48 @@ def host_calls():
     }
 """
 
+SIGNALS = """
+import uvloop
+
+def killed(kill, **kwargs):
+    child = subprocess.Popen(["sleep", "30"], **kwargs)
+    sent = outcome(lambda: kill(child))
+    return [sent, child.wait()]
+
+def pidfd_kill(child):
+    pidfd = os.pidfd_open(child.pid)
+    try:
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    finally:
+        os.close(pidfd)
+
+def bad_then_kill(child):
+    try:
+        os.kill(child.pid, 12345)  # no such signal: EINVAL
+    finally:
+        child.kill()
+
+async def process_calls():
+    proc = await asyncio.create_subprocess_exec("sleep", "30")
+    proc.kill()
+    code = await proc.wait()
+    return [code, outcome(proc.kill)]  # once it exited: ProcessLookupError from either loop
+
+def host_calls():
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    return {
+        "Popen.kill": outcome(lambda: killed(lambda c: c.kill())),
+        "os.kill": outcome(lambda: killed(lambda c: os.kill(c.pid, signal.SIGTERM))),
+        "os.killpg": outcome(lambda: killed(lambda c: os.killpg(c.pid, signal.SIGKILL), start_new_session=True)),
+        "pidfd_send_signal": outcome(lambda: killed(pidfd_kill)),
+        "bad signal": outcome(lambda: killed(bad_then_kill)),
+        "reaped pid": outcome(lambda: os.kill(gone.pid, signal.SIGTERM)),
+        "asyncio Process": outcome(lambda: asyncio.run(process_calls())),
+        "uvloop Process": outcome(lambda: uvloop.run(process_calls())),
+    }
+"""
+
 TUNNEL_CLASS = """
 class Tunnel:  # a host's own tunnel class: real children, a close that fails
     destination, port = "user@127.0.0.1", 2222
@@ -344,6 +386,14 @@ WRAPPERS = {
     "asyncio subprocess_exec/shell": (ASYNCIO_SPAWNS, *SUBPROCESS, 3),  # one per child: named at its exit
     "uvloop subprocess_exec/shell": (UVLOOP_SPAWNS, *SUBPROCESS, 3),
     "os.posix_spawn + wait": (POSIX_SPAWN, *SUBPROCESS, 4),
+    # the host's signals to its children: one fault per signal sent to a child not yet reaped
+    "os.kill, os.killpg, pidfd_send_signal, Process.kill": (
+        SIGNALS,
+        "subprocess",
+        "STALLWATCH_INSTRUMENT_SUBPROCESS",
+        ("stallwatch.instrument.child_fate", "_note"),
+        8,
+    ),
     "instrument_tunnel": (TUNNEL_CLASS, *SSH, 5),
     "dstack SSHTunnel": (DSTACK_TUNNEL, *SSH, 6),  # aopen, acheck, aexec, aclose, open, close
     "Nebius request": (NEBIUS, *NEBIUS_CALLS, 5),  # create, the operation's poll, get, get, delete

@@ -28,7 +28,7 @@ def test_a_freeze_is_on_the_timeline_with_its_cause_and_the_frozen_spawn(tmp_pat
     assert kinds.index("freeze") < kinds.index("freeze_detected")  # the freeze began before it was detected
     freeze = next(e for e in events if e["kind"] == "freeze")
     assert "gil_held" in freeze["summary"] and "child_before_exec" in freeze["summary"]
-    assert "spawning true (0 args)" in freeze["summary"]
+    assert "spawning true (1 args)" in freeze["summary"]
     assert freeze["end_ns"] - freeze["start_ns"] >= 1.9e9
     spawn = next(e for e in events if e["kind"] == "spawn")  # the frozen spawn, by its blocked time
     assert spawn["attributes"]["stallwatch.spawn.loop"] == "uvloop"

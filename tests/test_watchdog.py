@@ -40,7 +40,7 @@ def test_gil_held_freeze_is_reported_while_the_host_is_still_frozen(telemetry_di
     assert record["stallwatch.freeze.cause"] == "child_before_exec"
     assert int(record["stallwatch.freeze.child.pid"]) == result["child_pid"]
     assert record["stallwatch.freeze.main_thread.syscall"] == "read"
-    assert "true (0 args)" in detected[0]["body"]["stringValue"]
+    assert "true (1 args)" in detected[0]["body"]["stringValue"]
     seen_at = int(detected[0]["timeUnixNano"])
     assert seen_at < result["spawn_ended_ns"]  # exported during the freeze, not after
     assert seen_at - result["spawn_started_ns"] <= (1.0 + 0.5) * 1e9  # threshold + 0.5 s
@@ -48,6 +48,22 @@ def test_gil_held_freeze_is_reported_while_the_host_is_still_frozen(telemetry_di
     assert attrs(span)["stallwatch.freeze.outcome"] == "thawed"
     assert span["links"][0]["spanId"] == result["span_id"]  # joined to the frozen probe's span
     assert 2.5e9 <= int(span["endTimeUnixNano"]) - int(span["startTimeUnixNano"]) <= 4.5e9
+
+
+@pytest.mark.parametrize(("spawn", "count"), [("--args", 3), ("--shell", 1)])
+def test_a_frozen_spawn_has_the_same_argument_count_in_the_freeze_record_and_on_its_span(telemetry_dir, spawn, count):
+    result = run_scenario("freeze_probe.py", str(telemetry_dir), "2", spawn)
+
+    detected = [r for r in log_records(telemetry_dir / "logs.jsonl") if "freeze detected" in r["body"]["stringValue"]]
+    assert f"spawning 'true ({count} args)'" in detected[0]["body"]["stringValue"]
+    (freeze,) = freeze_spans(telemetry_dir / "traces.jsonl")
+    assert attrs(freeze)["stallwatch.freeze.spawn"] == f"true ({count} args)"
+    (child,) = [
+        s
+        for s in otlp_items(telemetry_dir / "traces.jsonl", "spans")
+        if attrs(s).get("process.pid") == str(result["child_pid"])
+    ]
+    assert attrs(child)["process.args_count"] == str(count)
 
 
 def test_a_loop_blocked_by_sync_code_is_not_a_held_gil(telemetry_dir):
@@ -58,6 +74,17 @@ def test_a_loop_blocked_by_sync_code_is_not_a_held_gil(telemetry_dir):
     lag = metric_points(telemetry_dir / "metrics.jsonl", "stallwatch.loop.lag")[-1]
     assert attrs(lag) == {"stallwatch.loop": "uvloop"}
     assert float(lag["max"]) >= 1.9  # the loop ran its heartbeat ~2 s late
+
+
+def test_a_loop_blocked_reading_an_execd_interpreter_is_not_a_child_before_exec(telemetry_dir):
+    result = run_scenario("freeze_probe.py", str(telemetry_dir), "2", "--read-child")
+
+    detected = [r for r in log_records(telemetry_dir / "logs.jsonl") if "freeze detected" in r["body"]["stringValue"]]
+    assert len(detected) == 1
+    record = attrs(detected[0])
+    assert record["stallwatch.freeze.kind"] == "loop_blocked"
+    assert int(record["stallwatch.freeze.child.pid"]) == result["child_pid"]  # the pipe's other end
+    assert record["stallwatch.freeze.cause"] == "blocked_syscall"  # it runs the host's executable, exec'd
 
 
 def test_host_killed_during_a_freeze_is_recorded_and_the_watchdog_leaves(telemetry_dir, tmp_path):
@@ -412,6 +439,15 @@ def test_child_dumping_core_before_exec_is_named(tmp_path):
     ]
     assert attrs(span)["stallwatch.freeze.cause"] == "child_core_dump"
     assert attrs(span)["stallwatch.freeze.kind"] == "gil_held"
+    # The spawn's own span says the child died before exec, however long its core took to write.
+    (child,) = [
+        s
+        for s in otlp_items(tmp_path / "telemetry" / "traces.jsonl", "spans")
+        if attrs(s).get("process.pid") == str(result["child_pid"])
+    ]
+    assert attrs(child)["stallwatch.subprocess.exec"] == "not_done"
+    assert [e["name"] for e in child["events"]] == ["stallwatch.subprocess.early_signal"]
+    assert child["status"]["message"] == "killed by SIGSEGV before exec"
 
 
 def test_standard_loop_child_hanging_in_preexec_fn_blocks_the_loop_not_the_gil(tmp_path):

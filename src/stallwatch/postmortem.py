@@ -212,6 +212,10 @@ def _span_event(span: dict[str, Any]) -> Event | None:
         )
         if signal:
             summary += f", killed by {signal}"
+            if a.get("stallwatch.subprocess.exec") == "not_done":
+                summary += " before exec"
+            if a.get("stallwatch.subprocess.signalled_by_host"):
+                summary += " (the host had signalled it)"
         elif a.get("error.type"):
             summary += f", failed: {a['error.type']}"
         return Event(start, "spawn", "spawn", summary, end, "error" if error else "info", a)

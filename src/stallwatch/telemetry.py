@@ -175,6 +175,12 @@ EXIT_SIGNAL = Attribute(
     "stallwatch.exit.signal",
     "Name of the signal that killed a child (`SIGSEGV`, `SIGABRT`, `SIGKILL`, ...); absent when it exited.",
 )
+SIGNALLED_BY_HOST = Attribute(
+    "stallwatch.subprocess.signalled_by_host",
+    "The host sent the child a signal while it lived, from Python: `os.kill`/`os.killpg` (so `Popen.send_signal`, "
+    "`terminate`, `kill`), `signal.pidfd_send_signal` or `asyncio.subprocess.Process`; absent otherwise.",
+    type="boolean",
+)
 SSH_PHASE = Attribute("stallwatch.ssh.phase", "Which tunnel operation failed.", ("open", "close"))
 
 RPC_SERVICE = Attribute("rpc.service", "Full gRPC service name, e.g. `nebius.compute.v1.InstanceService`.")
@@ -335,7 +341,7 @@ SUBPROCESS_SPAWN_DURATION = Metric(
 )  # fmt: skip
 SUBPROCESS_EXITS = Metric(
     "stallwatch.subprocess.exits", "observable_counter", "{process}", "Children reaped, by how they ended.",
-    (PROCESS_EXECUTABLE_NAME, EXIT_KIND, EXIT_SIGNAL),
+    (PROCESS_EXECUTABLE_NAME, EXIT_KIND, EXIT_SIGNAL, SIGNALLED_BY_HOST),
 )  # fmt: skip
 SUBPROCESS_ACTIVE = Metric(
     "stallwatch.subprocess.active", "observable_updowncounter", "{process}", "Children spawned and not reaped yet.",
@@ -436,7 +442,11 @@ PROCESS_EXIT_CODE = Attribute(
     "The child's return code as Python reports it: negative `-N` when signal N killed it.",
     type="int",
 )
-PROCESS_ARGS_COUNT = Attribute("process.args_count", "Number of arguments, the program included.", type="int")
+PROCESS_ARGS_COUNT = Attribute(
+    "process.args_count",
+    "Number of arguments, the program included; a shell command line counts as one.",
+    type="int",
+)
 PROCESS_COMMAND_ARGS = Attribute(
     "process.command_args", "Scrubbed arguments; recorded only with `STALLWATCH_RECORD_ARGS=true`.", type="string[]"
 )
@@ -446,6 +456,13 @@ SPAWN_BLOCKED = Attribute(
 SPAWN_FALLBACK = Attribute(
     "stallwatch.spawn.fallback",
     "Why a uvloop spawn used uvloop's own fork although `STALLWATCH_UVLOOP_SPAWN=vfork` (e.g. `preexec_fn`).",
+)
+SUBPROCESS_EXEC = Attribute(
+    "stallwatch.subprocess.exec",
+    "Whether the child ran its program, from the kernel's forked-never-exec'd flag: `done` (the flag was clear, "
+    "or a vfork/posix_spawn child was still running when its spawn call returned), `not_done` (the flag was "
+    "set: it died before exec, as in incident 000), `unknown` (reaped by someone else before stallwatch looked).",
+    ("done", "not_done", "unknown"),
 )
 RUNNING_AT_SHUTDOWN = Attribute(
     "stallwatch.subprocess.running_at_shutdown",
@@ -503,9 +520,14 @@ SUBPROCESS_SPAN = Span(
     "the spawn raised, the child exited non-zero or a signal killed it; `error.type` is then the exception "
     "class, the exit code, or the signal name.",
     (PROCESS_EXECUTABLE_NAME, PROCESS_PID, PROCESS_EXIT_CODE, PROCESS_ARGS_COUNT, PROCESS_COMMAND_ARGS, ERROR_TYPE,
-     SPAWN_LOOP, SPAWN_METHOD, SPAWN_BLOCKED, SPAWN_FALLBACK, GRPC_ACTIVE, EXIT_SIGNAL, RUNNING_AT_SHUTDOWN),
-    ("`stallwatch.subprocess.early_signal`: a signal killed the child within 1 s of the spawn (likely before "
-     "exec, as in incident 000); attributes `stallwatch.exit.signal`, `seconds`.",),
+     SPAWN_LOOP, SPAWN_METHOD, SPAWN_BLOCKED, SPAWN_FALLBACK, GRPC_ACTIVE, EXIT_SIGNAL, SUBPROCESS_EXEC,
+     SIGNALLED_BY_HOST, RUNNING_AT_SHUTDOWN),
+    ("`stallwatch.subprocess.host_signal` when the host sent the child a signal, at that time: `signal`, "
+     "`seconds` (since the spawn).",
+     "`stallwatch.subprocess.early_signal`: a signal the host did not send killed the child, and it had not "
+     "exec'd (`stallwatch.subprocess.exec=not_done`: incident 000's signature) or it died within 1 s of the "
+     "spawn and stallwatch could not tell (`unknown`); attributes `stallwatch.exit.signal`, `seconds`, "
+     "`stallwatch.subprocess.exec`.",),
 )  # fmt: skip
 _TUNNEL_ATTRIBUTES = (
     SERVER_ADDRESS, SERVER_PORT, SSH_FORWARDS_LOCAL, SSH_FORWARDS_REMOTE, SSH_SOCKET_KINDS, SSH_CONTROL_SOCKET,
@@ -552,7 +574,10 @@ INTERRUPTED_REASON = Attribute(
 FREEZE_OUTCOME = Attribute(
     "stallwatch.freeze.outcome", "How a freeze ended: the host went on, or it died frozen.", ("thawed", "host_killed")
 )
-FREEZE_SPAWN = Attribute("stallwatch.freeze.spawn", "The spawn in flight when the host froze: `name (N args)`.")
+FREEZE_SPAWN = Attribute(
+    "stallwatch.freeze.spawn",
+    "The spawn in flight when the host froze: `name (N args)`, N as in its span's `process.args_count`.",
+)
 FREEZE_HOST_EXIT_SIGNAL = Attribute(
     "stallwatch.freeze.host.exit_signal", "Signal that killed a frozen host, when the watchdog could read it."
 )

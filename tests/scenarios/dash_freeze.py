@@ -1,7 +1,7 @@
 """Scenario for the Freezes dashboard: a GIL-held freeze (incident 000) and the spawns around it.
 
 Usage: python dash_freeze.py SECONDS
-Under uvloop: quick spawns, a child killed by SIGSEGV, an os.fork() child that lives on, then one
+Under uvloop: quick spawns, a child that kills itself with SIGSEGV, an os.fork() child that lives on, then one
 spawn whose forked child sleeps SECONDS in a library's after-fork handler before exec (the host holds
 the GIL meanwhile, its scrape endpoint cannot answer, the watchdog's can), then more spawns.
 """
@@ -25,7 +25,6 @@ import stallwatch
 session = stallwatch.setup(freeze_threshold=0.5)
 
 import asyncio
-import signal
 
 import uvloop
 from dash_common import done, ready
@@ -43,8 +42,7 @@ async def spawn_true(count: int) -> None:
 async def main() -> None:
     await spawn_true(3)
     await asyncio.sleep(1.5)
-    victim = await asyncio.create_subprocess_exec("sleep", "30")
-    victim.send_signal(signal.SIGSEGV)
+    victim = await asyncio.create_subprocess_exec("sh", "-c", "kill -SEGV $$")  # not the server's signal
     await victim.wait()
     pid = os.fork()
     if pid == 0:

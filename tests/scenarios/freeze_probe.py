@@ -1,16 +1,20 @@
 """Scenario: a GIL-held freeze as in incidents/000, made on purpose.
 
-Usage: python freeze_probe.py DIR [SECONDS] [--block-loop] [--sentry=DSN]
+Usage: python freeze_probe.py DIR [SECONDS] [--block-loop | --read-child] [--sentry=DSN] [--args | --shell]
 A library registered an after-fork handler before stallwatch was imported (so the exec-bound guard
 cannot skip it); in the child of one uvloop spawn it sleeps SECONDS (default 3) before exec, so the
 host's main thread waits in read() on libuv's pipe holding the GIL. Prints one JSON line: the
 spawn's wall-clock start and end, the child's pid and the probe span's ids. With --block-loop
-the loop thread sleeps SECONDS in plain sync code instead (other threads keep running). The first
+the loop thread sleeps SECONDS in plain sync code instead (other threads keep running); with
+--read-child it reads, in plain sync code, the output of a child running this same interpreter,
+which sleeps SECONDS before it writes nothing and exits. The first
 line printed is the watchdog's pid, so a test can watch it. With --sentry=DSN, sentry-sdk is
-initialised with that DSN (a loopback sink) before stallwatch.setup().
+initialised with that DSN (a loopback sink) before stallwatch.setup(). The held spawn
+is `/bin/true`; with --args `/bin/true one two`, with --shell the shell command `true one two`.
 """
 
 import os
+import subprocess
 import sys
 import time
 
@@ -50,10 +54,22 @@ async def main() -> dict:
             started = time.time_ns()
             time.sleep(seconds)  # sync code on the loop thread: the loop stalls, the GIL does not
             ended = time.time_ns()
+        elif "--read-child" in sys.argv:
+            started = time.time_ns()
+            command = [sys.executable, "-c", f"import time; time.sleep({seconds})"]
+            child = subprocess.Popen(command, stdout=subprocess.PIPE)  # exec'd: the host's own executable
+            child.stdout.read()  # sync code on the loop thread, waiting on the child's pipe
+            ended = time.time_ns()
+            child.wait()
         else:
             HANG["seconds"] = seconds
             started = time.time_ns()
-            child = await asyncio.create_subprocess_exec("/bin/true")
+            if "--shell" in sys.argv:
+                child = await asyncio.create_subprocess_shell("true one two")
+            else:
+                child = await asyncio.create_subprocess_exec(
+                    "/bin/true", *(("one", "two") if "--args" in sys.argv else ())
+                )
             ended = time.time_ns()
             HANG["seconds"] = 0.0
             await child.wait()

@@ -132,7 +132,7 @@ def diagnose(pid: int) -> Diagnosis:
             "exe": exe,
             "state": (_status_field(child, "State") or "?").split()[0],
             "core_dumping": _status_field(child, "CoreDumping") == "1",
-            "execed": exe is not None and exe != host_exe,
+            "execed": _execed(child, exe, host_exe),
             "threads": _thread_names(child),
         }
         if found.waits_on and found.waits_on.startswith("pipe:"):
@@ -142,6 +142,16 @@ def diagnose(pid: int) -> Diagnosis:
         found.children.append(info)
     found.cause = _cause(found)
     return found
+
+
+def _execed(pid: int, exe: str | None, host_exe: str | None) -> bool:
+    """Whether a child of the host has exec'd: the kernel's flag for it, else (its `/proc/PID/stat`
+    unreadable) whether it runs another executable than the host's. A host waiting on its own
+    interpreter, exec'd again (`sys.executable`), is waiting on an exec'd child."""
+    from ..instrument.child_fate import never_execed
+
+    never = never_execed(pid)
+    return not never if never is not None else exe is not None and exe != host_exe
 
 
 def _cause(found: Diagnosis) -> str:

@@ -266,30 +266,39 @@ def _interpreter_exiting() -> None:
 # ---- marking exec-bound forks -------------------------------------------------------------------
 
 
-async def _mark_uvloop_spawn(
-    wrapped: Callable[..., Awaitable[Any]], instance: object, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
-    token = _exec_bound.set(True)
-    area = heartbeat.AREA
-    if area is not None:  # tell the watchdog what is being spawned, in case the spawn freezes us
-        _note_spawn(area, args)
-    try:
-        return await wrapped(*args, **kwargs)
-    finally:
-        _exec_bound.reset(token)
-        if area is not None:
-            area.spawned()
+def _mark_uvloop_spawn(shell: bool) -> Callable[..., Awaitable[Any]]:
+    """The wrapper of uvloop's `subprocess_shell` (`shell`) or `subprocess_exec`."""
+
+    async def wrapper(
+        wrapped: Callable[..., Awaitable[Any]], instance: object, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        token = _exec_bound.set(True)
+        area = heartbeat.AREA
+        if area is not None:  # tell the watchdog what is being spawned, in case the spawn freezes us
+            _note_spawn(area, args, shell)
+        try:
+            return await wrapped(*args, **kwargs)
+        finally:
+            _exec_bound.reset(token)
+            if area is not None:
+                area.spawned()
+
+    return wrapper
 
 
-def _note_spawn(area: heartbeat.HeartbeatArea, args: tuple[Any, ...]) -> None:
-    """Executable name and argument count only: no argument leaves the process."""
+def _note_spawn(area: heartbeat.HeartbeatArea, args: tuple[Any, ...], shell: bool) -> None:
+    """Executable name and argument count only, counted as on the spawn's span: no argument leaves the process."""
     from opentelemetry import trace
 
-    from ..instrument.scrub import executable_name  # a shell command's `PGPASSWORD=... psql` gives "psql"
+    from ..instrument import scrub  # a shell command's `PGPASSWORD=... psql` gives "psql"
 
-    name = executable_name(args[1]) if len(args) > 1 else "?"
+    if len(args) > 1:
+        program, argv = scrub.loop_command(args, shell)
+        command = f"{scrub.executable_name(program)} ({scrub.args_count(argv)} args)"
+    else:
+        command = "? (? args)"
     context = trace.get_current_span().get_span_context()
-    area.spawning(f"{name} ({max(0, len(args) - 2)} args)", context.trace_id, context.span_id)
+    area.spawning(command, context.trace_id, context.span_id)
 
 
 def _mark_preexec_popen(
@@ -308,7 +317,7 @@ def _mark_preexec_popen(
 
 def _patch_uvloop(module: Any) -> None:
     for name in ("subprocess_exec", "subprocess_shell"):
-        wrapt.wrap_function_wrapper(module, f"Loop.{name}", _mark_uvloop_spawn)
+        wrapt.wrap_function_wrapper(module, f"Loop.{name}", _mark_uvloop_spawn(name == "subprocess_shell"))
 
 
 _installed = False

@@ -34,6 +34,7 @@ import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 MAX_ARGS = 64  # arguments recorded; beyond, the last recorded element says how many were left out
 MAX_ARG_CHARS = 512  # characters recorded per argument, truncation marker included
@@ -222,6 +223,19 @@ def executable_name(program: object) -> str:
         return _executable_name(program)
     except Exception:  # not cached: a failure is not the name
         return "?"
+
+
+def loop_command(args: Sequence[Any], shell: bool) -> tuple[object, Sequence[object]]:
+    """The program and argv of a loop's `subprocess_exec(protocol_factory, program, *args)` or
+    `subprocess_shell(protocol_factory, cmd)` call, given its arguments after the loop: a shell
+    command line is one argument."""
+    return args[1], (args[1:2] if shell else args[1:])
+
+
+def args_count(argv: Sequence[object]) -> int:
+    """`process.args_count` of a spawn of `argv`, on its span and in the freeze record: every
+    argument, the program included."""
+    return len(argv)
 
 
 @functools.lru_cache(maxsize=256)

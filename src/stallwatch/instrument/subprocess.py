@@ -14,6 +14,12 @@ Every path a server spawns through is covered once:
 
 `os.fork()` is counted by the fork guard (`stallwatch.fork.count`), not spanned.
 
+A child killed by a signal is told apart by `child_fate`: whether it had exec'd (decided right
+after the spawn call, not from how soon it died) and whether the host signalled it itself. Only a
+child that died before exec, by a signal the host did not send, gets the incident's
+`stallwatch.subprocess.early_signal` event (and one whose exec stallwatch could not tell, within
+`EARLY_SIGNAL_SECONDS`).
+
 `stallwatch.spawn.blocked_seconds` is the time the calling thread spent inside the spawn call. For
 a loop's coroutine it is the sum of the synchronous steps, not the time spent awaiting. Under
 uvloop the fork and the wait for the child's exec happen in the first step, while uvloop holds
@@ -52,14 +58,15 @@ from .. import telemetry
 from .._version import __version__
 from ..forksafe import guard
 from ..forksafe.loop import loop_kind
-from . import light_span, scrub
+from . import child_fate, light_span, scrub
 from ._common import FAULTS, SPAWN_OBSERVER, Counts, Deferred, instrument, meter, signal_name, unwrap_method
 
 _log = logging.getLogger("stallwatch")
 COMPONENT = "subprocess"
 SETTING = "STALLWATCH_INSTRUMENT_SUBPROCESS"
 EARLY_SIGNAL_SECONDS = 1.0
-"""A child killed by a signal this soon after the spawn call most likely died before exec."""
+"""A child killed this soon after its spawn by a signal the host did not send, whose exec stallwatch
+could not tell, gets the `early_signal` event (see `child_fate`)."""
 
 _WAIT_FUNCTIONS = ("waitpid", "wait", "wait3", "wait4")
 _POSIX_SPAWN_FUNCTIONS = ("posix_spawn", "posix_spawnp")
@@ -81,7 +88,7 @@ class _Child:
     """
 
     __slots__ = (
-        "attributes", "blocked", "command", "done", "end_ns", "error", "exit_before_spawned", "lived", "loop",
+        "attributes", "blocked", "command", "done", "end_ns", "error", "exit_before_spawned", "fate", "lived", "loop",
         "measured", "method", "name", "observer", "parent", "pid", "popen_args", "returncode", "span", "spawned",
         "start_ns", "started", "tracer",
     )  # fmt: skip
@@ -108,6 +115,7 @@ class _Child:
         self.done = False
         self.measured = False
         self.exit_before_spawned: int | None = None
+        self.fate: child_fate.Fate | None = None  # whether it exec'd, from right after the spawn call
         self.observer = SPAWN_OBSERVER.get()
 
 
@@ -214,6 +222,9 @@ def _end(child: _Child) -> None:
 
 
 def _build(child: _Child) -> None:
+    fate = child.fate
+    if fate is not None:
+        child_fate.annotate(fate, child.attributes, child.end_ns)
     _exit_attributes(child)
     span = child.span
     if span is None:
@@ -223,14 +234,12 @@ def _build(child: _Child) -> None:
     else:
         span.set_attributes(child.attributes)
     returncode = child.returncode
-    if returncode is not None and returncode < 0 and child.lived < EARLY_SIGNAL_SECONDS:
-        event = {telemetry.EXIT_SIGNAL.name: child.attributes[telemetry.EXIT_SIGNAL.name], "seconds": child.lived}
-        span.add_event("stallwatch.subprocess.early_signal", event, child.end_ns)
+    child_fate.add_events(span, fate, child.start_ns, child.end_ns, returncode, child.lived, EARLY_SIGNAL_SECONDS)
     if child.error is not None:
         span.record_exception(child.error, timestamp=child.end_ns)
         span.set_status(Status(StatusCode.ERROR, f"spawn failed: {type(child.error).__qualname__}"))
     elif returncode is not None and returncode < 0:
-        span.set_status(Status(StatusCode.ERROR, f"killed by {child.attributes[telemetry.EXIT_SIGNAL.name]}"))
+        span.set_status(Status(StatusCode.ERROR, child_fate.killed_by(returncode, fate, child.end_ns)))
     elif returncode:
         span.set_status(Status(StatusCode.ERROR, f"exit code {returncode}"))
     span.end(end_time=child.end_ns)
@@ -251,7 +260,8 @@ def _exit_attributes(child: _Child) -> None:
         attributes[telemetry.ERROR_TYPE.name] = str(returncode)
     state = _state
     if state is not None:
-        state.exits.add(1, child.name, "signal" if signal else "code", signal)
+        host = attributes.get(telemetry.SIGNALLED_BY_HOST.name)
+        state.exits.add(1, child.name, "signal" if signal else "code", signal, host)
 
 
 class _SpawnDurations(Deferred):
@@ -298,7 +308,7 @@ def describe(program: object, argv: Sequence[object], loop: str, record_args: bo
     name = scrub.executable_name(program)
     attributes: dict[str, Any] = {
         telemetry.PROCESS_EXECUTABLE_NAME.name: name,
-        telemetry.PROCESS_ARGS_COUNT.name: len(argv),
+        telemetry.PROCESS_ARGS_COUNT.name: scrub.args_count(argv),
         telemetry.SPAWN_LOOP.name: loop,
         telemetry.GRPC_ACTIVE.name: guard.grpc_active(),
     }
@@ -346,6 +356,9 @@ def _spawned(child: _Child, pid: int, blocked: float) -> None:
     child.pid = pid
     child.blocked = blocked
     child.spawned = True
+    if child.fate is None:
+        child.fate = child_fate.exec_seen(pid)
+    child_fate.watch(child.fate)
     if not child.done:  # not ended meanwhile by the shutdown
         _UNMEASURED.children[id(child)] = child
     if child.exit_before_spawned is not None:
@@ -383,6 +396,8 @@ def _claim(child: _Child) -> bool:
     spawn or the shutdown; one dict operation, atomic under the GIL)."""
     claimed = _open.pop(id(child), None) is not None
     child.done = True
+    if claimed and child.fate is not None:
+        child_fate.forget(child.fate)
     return claimed
 
 
@@ -506,9 +521,11 @@ def _popen_init(wrapped: Callable[..., None], instance: Any, args: tuple[Any, ..
         outer.method, outer.popen_args = None, (args, kwargs)  # the method is worked out after the spawn
         token = _in_popen.set(outer)
         try:
-            return wrapped(*args, **kwargs)
+            wrapped(*args, **kwargs)
         finally:
             _in_popen.reset(token)
+        _safely(_exec_seen, outer, instance.pid, args, kwargs)
+        return None
     state = _state
     child = None
     if state is not None:
@@ -536,6 +553,7 @@ def _popen_init(wrapped: Callable[..., None], instance: Any, args: tuple[Any, ..
         raise
     blocked = perf_counter() - start
     _in_popen.reset(token)
+    _safely(_exec_seen, child, instance.pid, args, kwargs)
     try:
         # An attribute, not a WeakKeyDictionary entry (6 µs per child here), set and read with
         # setattr/getattr: touching `__dict__` would make CPython 3.11+ build a dict for the object.
@@ -557,6 +575,11 @@ def _popen_reaped(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, .
     except Exception:
         _fault()
     return result
+
+
+def _exec_seen(child: _Child, pid: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Right after `Popen.__init__` spawned `pid`: whether the child exec'd."""
+    child.fate = child_fate.exec_seen(pid, lambda: popen_method(args, kwargs) == "fork")
 
 
 def _safely(function: Callable[..., object], *args: Any) -> None:
@@ -623,12 +646,14 @@ def _waited(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], k
 
 
 class _TimedSteps:
-    """Awaits a coroutine and adds up the time spent inside its synchronous steps."""
+    """Awaits a coroutine and adds up the time spent inside its synchronous steps; calls
+    `first_step_done` once, after the first step that did not finish the coroutine."""
 
-    __slots__ = ("_coroutine", "blocked")
+    __slots__ = ("_coroutine", "_first_step_done", "blocked")
 
-    def __init__(self, coroutine: Coroutine[Any, Any, Any]) -> None:
+    def __init__(self, coroutine: Coroutine[Any, Any, Any], first_step_done: Callable[[], None]) -> None:
         self._coroutine = coroutine
+        self._first_step_done: Callable[[], None] | None = first_step_done
         self.blocked = 0.0
 
     def __await__(self) -> Generator[Any, Any, Any]:
@@ -646,6 +671,9 @@ class _TimedSteps:
                 self.blocked += perf_counter() - start
                 raise
             self.blocked += perf_counter() - start
+            if self._first_step_done is not None:
+                first_step_done, self._first_step_done = self._first_step_done, None
+                _safely(first_step_done)
             try:
                 value, error = (yield yielded), None
             except GeneratorExit:
@@ -705,7 +733,7 @@ def _loop_wrapper(loop: str, shell: bool) -> Callable[..., Coroutine[Any, Any, A
         if state is not None and len(args) >= 2:
             try:
                 child = _begin(state, loop, "fork" if loop == "uvloop" else "vfork")
-                child.command = (args[1], args[1:2] if shell else args[1:])
+                child.command = scrub.loop_command(args, shell)
                 args = (_watching_factory(args[0], child), *args[1:])
                 if state.propagate:
                     _start_span_now(state, child, args[1])
@@ -715,9 +743,10 @@ def _loop_wrapper(loop: str, shell: bool) -> Callable[..., Coroutine[Any, Any, A
         if child is None:
             return await wrapped(*args, **kwargs)
         token = _in_loop_spawn.set(child)
+        forked: dict[int, child_fate.Fate] = {}
         timed = None
         try:
-            timed = _TimedSteps(wrapped(*args, **kwargs))
+            timed = _TimedSteps(wrapped(*args, **kwargs), lambda: _first_step_done(child, forked))
             result = await timed
         except BaseException as error:
             _in_loop_spawn.reset(token)
@@ -727,12 +756,22 @@ def _loop_wrapper(loop: str, shell: bool) -> Callable[..., Coroutine[Any, Any, A
         try:
             if loop == "uvloop" and (reason := _fallback_reason()) is not None:
                 child.attributes[telemetry.SPAWN_FALLBACK.name] = reason
-            _spawned(child, result[0].get_pid(), timed.blocked)
+            pid = result[0].get_pid()
+            if child.fate is None:  # uvloop's own fork
+                child.fate = forked.get(pid) or child_fate.exec_seen(pid, lambda: True)
+            _spawned(child, pid, timed.blocked)
         except Exception:
             _fault()
         return result
 
     return wrapper
+
+
+def _first_step_done(child: _Child, forked: dict[int, child_fate.Fate]) -> None:
+    """After the synchronous part of a loop's spawn, before the loop can reap the child: uvloop forked
+    and waited for the exec there, and its pid is not known yet (`Popen` told the standard loop's)."""
+    if child.fate is None:
+        forked.update(child_fate.new_children())
 
 
 def _patch_uvloop(module: Any) -> None:
@@ -786,10 +825,12 @@ class SubprocessInstrumentor(BaseInstrumentor):  # type: ignore[misc]
             wrapper = _loop_wrapper("asyncio", name == "subprocess_shell")
             wrapt.wrap_function_wrapper(asyncio.base_events.BaseEventLoop, name, wrapper)
         wrapt.register_post_import_hook(_patch_uvloop, "uvloop")
+        child_fate.install()
 
     def _uninstrument(self, **kwargs: Any) -> None:
         global _state
         _state = None
+        child_fate.uninstall()
         unwrap(subprocess.Popen, "__init__")
         if _CHILD_ATTRIBUTE in vars(subprocess.Popen):
             delattr(subprocess.Popen, _CHILD_ATTRIBUTE)

@@ -1,0 +1,351 @@
+"""What became of a child process beyond its return code: did it exec, and did the host signal it.
+
+A child killed by a signal right after its spawn is incident 000's signature only when it died
+before exec, as a copy of the host. Two other children die the same way and are not the incident:
+one that ran its program and crashed there, and one the host killed itself (dstack closes a
+foreground tunnel by SIGKILLing its `ssh` process group). This module tells them apart by facts
+the kernel keeps, not by timing.
+
+**Exec.** Every spawn call returns only once its child has exec'd or is dying: `_posixsubprocess`
+and libuv (uvloop) wait for end-of-file on a close-on-exec pipe, which exec gives, and so does a
+dying child as it closes its files (libuv reads both as success), and vfork and `posix_spawn`
+suspend the caller until the child execs or exits. A child dying before exec is not a zombie yet
+when it closes that pipe, so the spawn call often returns while it still looks alive. The kernel
+knows which: it sets `PF_FORKNOEXEC` in every new process and clears it at exec, and
+`/proc/PID/stat` (field 9) shows the flags until the child is reaped. Reading a file is dearer
+than the rest of a spawn's instrumentation, so `exec_seen()` reads it where a child can die before
+exec:
+
+- a real fork (uvloop's own spawn, `Popen` with `preexec_fn`, `user`, `group`) runs the host's code
+  in the child before exec (at-fork handlers, `preexec_fn`), as in incident 000: its flags are read
+  right after the spawn call, which itself costs milliseconds;
+- a vfork or `posix_spawn` child runs none: still running when its spawn returned (`waitid` with
+  `WNOWAIT`, which leaves it for whoever reaps it), it is taken as exec'd, since only a signal from
+  another process within those microseconds could have stopped it before; already a zombie, its
+  flags are read.
+
+uvloop's pid becomes known only after its loop has run, which may have reaped the child, so the look
+(`new_children()`) happens right after the spawn's first step, where uvloop forks and waits: the
+spawning thread's children that are not watched yet, from `/proc/thread-self/children`. Without it
+(a kernel without CONFIG_PROC_CHILDREN) the look waits for the pid. The verdict,
+`stallwatch.subprocess.exec`:
+
+- `done`: the child ran its program (the flag clear, or a vfork child running when its spawn returned);
+- `not_done`: it died before exec (the flag set);
+- `unknown`: something else reaped it before stallwatch looked, or `/proc` was unreadable.
+
+**Signals.** Signals the host sends from Python are recorded on the child they reach, with the time
+they were sent: `os.kill` (a pid, 0 for the caller's process group, -1 for every child, -PGID),
+`os.killpg` (each child in the group) and `signal.pidfd_send_signal`, which carry
+`Popen.send_signal`/`terminate`/`kill`, the standard loop's subprocess transport (through `Popen`)
+and the `STALLWATCH_UVLOOP_SPAWN=vfork` transport (a pidfd); and
+`asyncio.subprocess.Process.send_signal`/`terminate`/`kill` where its transport is not the standard
+library's (uvloop's own signals from C). Not observable: uvloop's transport methods called on the
+transport itself, including `close()`, which kills a running child, signals sent from other C code,
+and signals from other processes. A child killed that way after exec still reads `done`. Signal 0
+(an existence check) is no signal. A signal is recorded just before it is sent and dropped again
+when sending it raised, and only while the child is not reaped.
+"""
+
+from __future__ import annotations
+
+import asyncio.subprocess
+import os
+import signal
+from asyncio import base_subprocess
+from collections.abc import Callable, Sequence
+from time import time_ns
+from typing import Any
+
+import wrapt
+from opentelemetry.instrumentation.utils import unwrap
+
+from .. import telemetry
+from ._common import FAULTS, signal_name
+
+COMPONENT = "subprocess"
+SETTING = "STALLWATCH_INSTRUMENT_SUBPROCESS"
+DONE, NOT_DONE, UNKNOWN = "done", "not_done", "unknown"
+MAX_SIGNALS = 8
+"""Signals kept per child (a host that sends SIGWINCH on every resize would send many)."""
+
+_PF_FORKNOEXEC = 0x40  # include/linux/sched.h: set by fork, cleared by exec
+_PEEK = os.WEXITED | os.WNOHANG | os.WNOWAIT
+_MAX_NEW_CHILDREN = 8  # the newest children of a thread looked at after a uvloop spawn
+_PROCESS_METHODS = ("send_signal", "terminate", "kill")
+
+
+class Fate:
+    """One child's pid, exec verdict and the signals the host sent it: `(signal number, time_ns)`."""
+
+    __slots__ = ("exec", "pid", "signals")
+
+    def __init__(self, exec_: str, pid: int) -> None:
+        self.exec = exec_
+        self.pid = pid
+        self.signals: list[tuple[int, int]] = []
+
+
+# pid -> fate of each child from its spawn call's return to its reaping. No lock: every use is one dict
+# operation (atomic under the GIL).
+_by_pid: dict[int, Fate] = {}
+
+
+def _fault() -> None:
+    FAULTS.record(COMPONENT, SETTING)
+
+
+# ---- exec ---------------------------------------------------------------------------------------
+
+
+def _not_forked() -> bool:
+    return False
+
+
+def exec_seen(pid: int, forked: Callable[[], bool] = _not_forked) -> Fate:
+    """Right after the spawn call that returned `pid`: did the child exec (see the module docstring).
+
+    `forked()` says whether the spawn was a real fork (host code ran in the child before exec); it
+    is called only when the child is still alive.
+    """
+    try:
+        dead = os.waitid(os.P_PID, pid, _PEEK)
+    except OSError:  # reaped by someone else already
+        return Fate(UNKNOWN, pid)
+    return Fate(DONE if dead is None and not forked() else _flags(pid), pid)
+
+
+def new_children() -> dict[int, Fate]:
+    """Right after a spawn whose pid is not known yet, on the thread that forked: the verdicts of
+    that thread's children not watched yet (normally only the new one), from
+    `/proc/thread-self/children`; empty without it (a kernel without CONFIG_PROC_CHILDREN)."""
+    try:
+        with open("/proc/thread-self/children", "rb") as children:
+            pids = [int(pid) for pid in children.read().split()]
+    except (OSError, ValueError):
+        return {}
+    return {pid: Fate(_flags(pid), pid) for pid in pids[-_MAX_NEW_CHILDREN:] if pid not in _by_pid}
+
+
+def _flags(pid: int) -> str:
+    """The verdict from the kernel's flags of a child not yet reaped whose spawn call has returned."""
+    never = never_execed(pid)
+    return UNKNOWN if never is None else NOT_DONE if never else DONE
+
+
+def never_execed(pid: int) -> bool | None:
+    """Whether process `pid` has not exec'd since it was forked (`PF_FORKNOEXEC`); None when its
+    `/proc/PID/stat` cannot be read (gone, or reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+        return bool(int(fields[6]) & _PF_FORKNOEXEC)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+# ---- the registry the signal wrappers look children up in ----------------------------------------
+
+
+def watch(fate: Fate) -> None:
+    """From the spawn call's return: signals to `fate.pid` are recorded on `fate`."""
+    _by_pid[fate.pid] = fate
+
+
+def forget(fate: Fate) -> None:
+    """The child was reaped: signals from now on are not its (the pid may be reused)."""
+    if _by_pid.get(fate.pid) is fate:
+        del _by_pid[fate.pid]
+
+
+def _forget_the_parents_children() -> None:
+    """In a fork child that lives on: the parent's children are not this process's to signal."""
+    _by_pid.clear()
+
+
+os.register_at_fork(after_in_child=_forget_the_parents_children)  # starts nothing: clears one map
+
+
+# ---- signals ------------------------------------------------------------------------------------
+
+
+def _in_group(pgid: int) -> list[Fate]:
+    fates = []
+    for pid, fate in list(_by_pid.items()):
+        try:
+            if os.getpgid(pid) == pgid:
+                fates.append(fate)
+        except OSError:
+            continue
+    return fates
+
+
+def _kill_targets(pid: int) -> Sequence[Fate]:
+    if pid > 0:
+        fate = _by_pid.get(pid)
+        return (fate,) if fate is not None else ()
+    if pid == 0:
+        return _in_group(os.getpgrp())
+    if pid == -1:
+        return list(_by_pid.values())
+    return _in_group(-pid)
+
+
+def _killpg_targets(pgid: int) -> Sequence[Fate]:
+    return _in_group(pgid if pgid > 0 else os.getpgrp())
+
+
+def _pidfd_targets(pidfd: int) -> Sequence[Fate]:
+    """The child a pidfd refers to, from its `Pid:` line (-1 once the process was reaped; none for a
+    descriptor that is no pidfd, which the call itself refuses)."""
+    try:
+        with open(f"/proc/self/fdinfo/{pidfd}", "rb") as info:
+            lines = info.read().splitlines()
+    except OSError:
+        return ()
+    for line in lines:
+        if line.startswith(b"Pid:"):
+            pid = int(line.split()[1])
+            return _kill_targets(pid) if pid > 0 else ()
+    return ()
+
+
+def _note(fates: Sequence[Fate], signum: int) -> list[tuple[Fate, tuple[int, int]]]:
+    sent = (signum, time_ns())
+    noted = []
+    for fate in fates:
+        if len(fate.signals) < MAX_SIGNALS:
+            fate.signals.append(sent)
+            noted.append((fate, sent))
+    return noted
+
+
+def _unnote(noted: list[tuple[Fate, tuple[int, int]]]) -> None:
+    for fate, sent in noted:
+        if sent in fate.signals:
+            fate.signals.remove(sent)
+
+
+def _sent(targets: Callable[[int], Sequence[Fate]]) -> Callable[..., Any]:
+    """A wrapper for `os.kill`-like functions: `(target, signal, ...)`, positional only."""
+
+    def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        noted = None
+        if _by_pid and len(args) >= 2:
+            target, signum = args[0], args[1]
+            if type(target) is int and isinstance(signum, int) and signum > 0:
+                try:
+                    fates = targets(target)
+                    if fates:
+                        noted = _note(fates, signum)
+                except Exception:
+                    _fault()
+        if not noted:
+            return wrapped(*args, **kwargs)
+        try:
+            return wrapped(*args, **kwargs)
+        except BaseException:
+            _unnote(noted)
+            raise
+
+    return wrapper
+
+
+def _process_signal(method: str) -> Callable[..., Any]:
+    """A wrapper for `asyncio.subprocess.Process.<method>`, which records the signal only where the
+    transport sends it from C (uvloop's): the standard library's transports reach `os.kill` or
+    `signal.pidfd_send_signal`, which record it themselves, and only if it is really sent."""
+    fixed = {"terminate": signal.SIGTERM, "kill": signal.SIGKILL}.get(method)
+
+    def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        noted = None
+        if _by_pid:
+            signum = fixed if fixed is not None else (args[0] if args else kwargs.get("signal"))
+            if isinstance(signum, int) and signum > 0:
+                try:
+                    if not isinstance(instance._transport, base_subprocess.BaseSubprocessTransport):
+                        fates = _kill_targets(instance.pid)
+                        if fates:
+                            noted = _note(fates, signum)
+                except Exception:
+                    _fault()
+        if not noted:
+            return wrapped(*args, **kwargs)
+        try:
+            return wrapped(*args, **kwargs)
+        except BaseException:
+            _unnote(noted)
+            raise
+
+    return wrapper
+
+
+def install() -> None:
+    wrapt.wrap_function_wrapper(os, "kill", _sent(_kill_targets))
+    wrapt.wrap_function_wrapper(os, "killpg", _sent(_killpg_targets))
+    if hasattr(signal, "pidfd_send_signal"):
+        wrapt.wrap_function_wrapper(signal, "pidfd_send_signal", _sent(_pidfd_targets))
+    for method in _PROCESS_METHODS:
+        wrapt.wrap_function_wrapper(asyncio.subprocess.Process, method, _process_signal(method))
+
+
+def uninstall() -> None:
+    unwrap(os, "kill")
+    unwrap(os, "killpg")
+    if hasattr(signal, "pidfd_send_signal"):
+        unwrap(signal, "pidfd_send_signal")
+    for method in _PROCESS_METHODS:
+        unwrap(asyncio.subprocess.Process, method)
+    _by_pid.clear()
+
+
+# ---- what the span says -------------------------------------------------------------------------
+
+
+def host_signals(fate: Fate, end_ns: int) -> list[tuple[int, int]]:
+    """The signals the host sent the child while it lived (the span ends at its reaping)."""
+    return [sent for sent in fate.signals if sent[1] <= end_ns]
+
+
+def annotate(fate: Fate, attributes: dict[str, Any], end_ns: int) -> None:
+    """The span's exec verdict and, when the host signalled the child, that fact."""
+    attributes[telemetry.SUBPROCESS_EXEC.name] = fate.exec
+    if host_signals(fate, end_ns):
+        attributes[telemetry.SIGNALLED_BY_HOST.name] = True
+
+
+def add_events(span: Any, fate: Fate | None, start_ns: int, end_ns: int, returncode: int | None,
+               lived: float, early_seconds: float) -> None:  # fmt: skip
+    """One `stallwatch.subprocess.host_signal` event per signal the host sent, and
+    `stallwatch.subprocess.early_signal` when a signal the host did not send killed a child that did
+    not exec, or one that died within `early_seconds` while its exec is unknown."""
+    sent = host_signals(fate, end_ns) if fate is not None else []
+    for signum, at_ns in sent:
+        span.add_event(
+            "stallwatch.subprocess.host_signal",
+            {"signal": signal_name(signum), "seconds": max(0, at_ns - start_ns) / 1e9},
+            at_ns,
+        )
+    if returncode is None or returncode >= 0 or sent:
+        return
+    exec_ = fate.exec if fate is not None else UNKNOWN
+    if exec_ == NOT_DONE or (exec_ == UNKNOWN and lived < early_seconds):
+        event = {
+            telemetry.EXIT_SIGNAL.name: signal_name(-returncode),
+            "seconds": lived,
+            telemetry.SUBPROCESS_EXEC.name: exec_,
+        }
+        span.add_event("stallwatch.subprocess.early_signal", event, end_ns)
+
+
+def killed_by(returncode: int, fate: Fate | None, end_ns: int) -> str:
+    """The span's status message for a child a signal killed."""
+    number = -returncode
+    text = f"killed by {signal_name(number)}"
+    if fate is None:
+        return text
+    if fate.exec == NOT_DONE:
+        text += " before exec"
+    if any(signum == number for signum, _ in host_signals(fate, end_ns)):
+        text += ", which the host sent"
+    return text
