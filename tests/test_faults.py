@@ -627,6 +627,8 @@ for _ in range(2):
 
 # The watchdog still watches the remade file: the loop blocked for twice the threshold is reported.
 BLOCK_THE_LOOP = """
+assert stallwatch_session.wait_for_watchdog(30), "the watchdog never read the remade heartbeat file"
+
 async def blocked():
     time.sleep(1.0)
 

@@ -243,9 +243,9 @@ def test_the_integration_turned_off_sends_nothing_while_sentry_works(sink, telem
         strand(ThreadPoolExecutor(max_workers=1, thread_name_prefix="model"), 0.0)
 
         async def main():
-            await asyncio.sleep(0.5)
             time.sleep(2.5)  # sync code on the loop: a loop_blocked freeze
 
+        assert session.wait_for_watchdog(30)
         asyncio.run(main())
         logs = pathlib.Path({str(telemetry_dir / "logs.jsonl")!r})
         deadline = time.monotonic() + 30

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SCENARIOS, attrs, clean_env, metric_points, otlp_items, run_scenario
+from conftest import SCENARIOS, attrs, clean_env, metric_points, otlp_items, run_python, run_scenario
 
 pytestmark = [
     pytest.mark.matrix,
@@ -28,6 +28,14 @@ def log_records(path: Path) -> list[dict]:
 
 def freeze_spans(path: Path) -> list[dict]:
     return [span for span in otlp_items(path, "spans") if span["name"] == "stallwatch.freeze"]
+
+
+def wait_for_freeze_detected(logs: Path, timeout: float = 30) -> None:
+    """Until the watchdog's "freeze detected" record is in the file exporter's logs (flushed at once)."""
+    deadline = time.monotonic() + timeout
+    while "freeze detected" not in (logs.read_text() if logs.exists() else ""):
+        assert time.monotonic() < deadline, "the watchdog reported no freeze"
+        time.sleep(0.05)
 
 
 def test_gil_held_freeze_is_reported_while_the_host_is_still_frozen(telemetry_dir):
@@ -94,8 +102,9 @@ def test_host_killed_during_a_freeze_is_recorded_and_the_watchdog_leaves(telemet
         [sys.executable, str(SCENARIOS / "freeze_probe.py"), str(telemetry_dir), "20"],
         env=clean_env(XDG_RUNTIME_DIR=str(runtime)), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )  # fmt: skip
-    watchdog_pid = json.loads(host.stdout.readline())["watchdog_pid"]
+    watchdog_pid = json.loads(host.stdout.readline())["watchdog_pid"]  # watching; the 20 s freeze starts 0.5 s later
     time.sleep(2.5)  # frozen for ~2 s by now, as a load balancer's health check would find it
+    wait_for_freeze_detected(telemetry_dir / "logs.jsonl")  # and reported (later, on a loaded machine)
     assert [p.suffix for p in runtime.iterdir()] == [".hb"]
     host.send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
@@ -283,13 +292,15 @@ parent_watchdog = session.watchdog_pid
 child = os.fork()
 if child == 0:  # a worker that lives on and serves, as gunicorn forks them after preloading the app
     before_loop = session.watchdog_pid
+    watched_before_loop = session.wait_for_watchdog(0)  # its parent's watchdog does not watch it
     async def serve():
-        await asyncio.sleep(0.3)
+        watched = await asyncio.to_thread(session.wait_for_watchdog, 30)  # its own, started with this loop
         time.sleep(1.5)  # sync code blocks the worker's loop
         await asyncio.sleep(0.2)
-        return session.watchdog_pid
-    serving = asyncio.run(serve())
-    print(json.dumps({"worker": os.getpid(), "before_loop": before_loop, "serving": serving}), flush=True)
+        return session.watchdog_pid, watched
+    serving, watched = asyncio.run(serve())
+    print(json.dumps({"worker": os.getpid(), "before_loop": before_loop, "serving": serving, "watched": watched,
+                      "watched_before_loop": watched_before_loop}), flush=True)
     sys.exit(0)
 os.waitpid(child, 0)
 after_worker = sorted(os.listdir(os.environ["XDG_RUNTIME_DIR"]))
@@ -318,12 +329,15 @@ def test_a_forked_worker_that_runs_an_event_loop_is_watched_as_a_host_of_its_own
     assert proc.returncode == 0, proc.stderr
     worker, host = (json.loads(line) for line in proc.stdout.splitlines())
     detected = [r for r in log_records(telemetry_dir / "logs.jsonl") if "freeze detected" in r["body"]["stringValue"]]
+    assert worker["watched_before_loop"] is False
     if watched == "false":
         assert worker["serving"] == worker["before_loop"] == host["watchdog"]
+        assert worker["watched"] is False  # at once: no watchdog of its own to wait for
         assert detected == []
         return
     # Its own watchdog, started as its loop started: not at the fork, not before.
     assert worker["before_loop"] == host["watchdog"]
+    assert worker["watched"] is True
     assert worker["serving"] not in (None, host["watchdog"])
     assert [(attrs(r)["stallwatch.freeze.kind"], f"host {worker['worker']} " in r["body"]["stringValue"])
             for r in detected] == [("loop_blocked", True)]  # fmt: skip
@@ -347,7 +361,7 @@ async def main():
 child = asyncio.run(main())
 if child == 0:  # the worker
     async def serve():
-        await asyncio.sleep(0.3)
+        assert await asyncio.to_thread(session.wait_for_watchdog, 30)  # its own watchdog, started with this loop
         time.sleep(1.5)  # blocks the worker's own loop: its watchdog reports it, with stacks
     if sys.argv[2] == "serves":
         asyncio.run(serve())
@@ -378,6 +392,64 @@ def test_a_worker_forked_while_faulthandler_is_armed_exits_and_is_watched_with_s
     assert attrs(record)["stallwatch.freeze.kind"] == "loop_blocked"
     stacks = attrs(record)["stallwatch.freeze.stacks"]
     assert stacks.startswith("Timeout (") and "in serve" in stacks  # the worker's own, not the host's
+
+
+def test_a_host_can_wait_until_its_watchdog_watches_it(tmp_path):
+    proc = run_python(
+        """
+        import json, stallwatch
+        from stallwatch.detect import heartbeat
+        session = stallwatch.setup(traces_exporter="none", metrics_exporter="none", logs_exporter="none")
+        watched = session.wait_for_watchdog(30)
+        marked = heartbeat.read(heartbeat.AREA.path)["watchdog_pid"]
+        print(json.dumps({"watched": watched, "marked": marked, "watchdog": session.watchdog_pid,
+                          "shutdown": stallwatch.shutdown()}))
+        """,
+        env=clean_env(XDG_RUNTIME_DIR=str(tmp_path)),
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["watched"] is True
+    assert result["marked"] == result["watchdog"]  # written by the watchdog into the host's heartbeat file
+    assert result["shutdown"] is True
+
+
+@pytest.mark.parametrize("how", ["turned_off", "killed", "shut_down"])
+def test_waiting_for_a_watchdog_that_does_not_watch_the_host_returns_false_without_waiting_out_the_timeout(
+    tmp_path, how
+):
+    proc = run_python(
+        f"""
+        import json, os, signal, time, stallwatch
+        session = stallwatch.setup(traces_exporter="none", metrics_exporter="none", logs_exporter="none",
+                                   watchdog={how != "turned_off"})
+        if {how!r} == "killed":
+            assert session.wait_for_watchdog(30)
+            os.kill(session.watchdog_pid, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:  # until it is a zombie (or the heartbeat thread reaped it)
+                try:
+                    with open(f"/proc/{{session.watchdog_pid}}/stat") as stat:
+                        if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
+                            break
+                except OSError:
+                    break
+                time.sleep(0.02)
+        if {how!r} == "shut_down":
+            assert session.wait_for_watchdog(30)
+            stallwatch.shutdown()
+        started = time.monotonic()
+        watched = session.wait_for_watchdog(30)
+        print(json.dumps({{"watched": watched, "waited": time.monotonic() - started}}))
+        """,
+        env=clean_env(XDG_RUNTIME_DIR=str(tmp_path)),
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["watched"] is False
+    assert result["waited"] < 10  # at once, not after the 30 s timeout
 
 
 def test_a_killed_watchdog_leaves_the_host_unaffected():
@@ -430,7 +502,6 @@ def test_child_dumping_core_before_exec_is_named(tmp_path):
                or "frozen" in r["body"]["stringValue"]]  # fmt: skip
     during = [r for r in records if int(r["timeUnixNano"]) < result["spawn_ended_ns"]]
     assert any(attrs(r)["stallwatch.freeze.cause"] == "child_core_dump" for r in during)
-    # (touching the ballast at start-up holds the GIL too: that is a freeze of its own)
     (span,) = [
         s
         for s in freeze_spans(tmp_path / "telemetry" / "traces.jsonl")
@@ -502,8 +573,8 @@ def test_the_watchdog_answers_a_prometheus_scrape_while_the_frozen_host_cannot(t
         [sys.executable, str(SCENARIOS / "freeze_probe.py"), str(telemetry_dir), "4"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )  # fmt: skip
-    json.loads(host.stdout.readline())  # set up; the freeze starts 0.5 s later and lasts 4 s
-    time.sleep(0.5 + 2.0)
+    json.loads(host.stdout.readline())  # watching; the 4 s freeze starts 0.5 s later
+    wait_for_freeze_detected(telemetry_dir / "logs.jsonl")
     from_host = _scrape(host_port, timeout=1.0)
     from_watchdog = _scrape(watchdog_port, timeout=2.0)
     host.communicate(timeout=60)

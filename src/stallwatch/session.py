@@ -51,6 +51,31 @@ class Session:
         """Pid of the freeze watchdog process, or None when it is off (STALLWATCH_WATCHDOG)."""
         return self._watchdog[1].pid if self._watchdog is not None else None
 
+    def wait_for_watchdog(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds until the freeze watchdog watches this process.
+
+        True once it reads this process's heartbeats from its poll loop: a freeze from then on is
+        reported. False when `timeout` passes first, and at once when no watchdog watches this
+        process: it is off (STALLWATCH_WATCHDOG) or dead, stallwatch was shut down, or this is a
+        forked worker whose first event loop has not started its own watchdog yet. Blocks the
+        calling thread (polls every 10 ms): call it off the event loop, or with `timeout=0` to ask.
+        """
+        from .detect import heartbeat
+
+        deadline = time.monotonic() + timeout
+        while True:
+            watchdog = self._watchdog
+            if watchdog is None or heartbeat.AREA is not watchdog[0] or not watchdog[0].writable:
+                return False
+            area, process = watchdog
+            if process.poll() is not None:
+                return False
+            if area.watched_by() == process.pid:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+
     @property
     def config_problems(self) -> tuple[Problem, ...]:
         """The settings `setup()` refused, each logged once: `setting` (the variable or keyword), `error`

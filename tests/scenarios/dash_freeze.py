@@ -23,6 +23,7 @@ os.register_at_fork(after_in_child=slow_library_child_handler)
 import stallwatch
 
 session = stallwatch.setup(freeze_threshold=0.5)
+assert session.wait_for_watchdog(30), "the freeze watchdog is not watching"
 
 import asyncio
 

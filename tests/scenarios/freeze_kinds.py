@@ -32,21 +32,21 @@ if mode == "core_dump":
 import stallwatch
 
 os.chdir(out)  # core_pattern "core": the dump lands here
+# Touched before setup(): touching it holds the GIL, a freeze of its own once the heartbeats run.
+ballast = bytearray((int(sys.argv[3]) if len(sys.argv) > 3 else 512) << 20 if mode == "core_dump" else 0)
+ballast[::4096] = b"\1" * len(range(0, len(ballast), 4096))
 # The child's core dump must outlast the threshold and a watchdog poll (0.1 s) to be seen: with the
 # page cache free, 512 MB dump in 0.3 s here, 1 GB in 0.6-3 s. A lower threshold for that mode.
 session = stallwatch.setup(
     file_dir=os.path.join(out, "telemetry"), freeze_threshold=0.25 if mode == "core_dump" else 0.5
 )
+assert session.wait_for_watchdog(30), "the freeze watchdog is not watching"
 
 import asyncio
 import json
 
-ballast = bytearray((int(sys.argv[3]) if len(sys.argv) > 3 else 512) << 20 if mode == "core_dump" else 0)
-ballast[::4096] = b"\1" * len(range(0, len(ballast), 4096))
-
 
 async def main() -> dict:
-    await asyncio.sleep(0.8)  # the watchdog is up and the heartbeats flow
     started = time.time_ns()
     if mode == "core_dump":
         CRASH["now"] = True

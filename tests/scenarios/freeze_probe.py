@@ -7,10 +7,11 @@ host's main thread waits in read() on libuv's pipe holding the GIL. Prints one J
 spawn's wall-clock start and end, the child's pid and the probe span's ids. With --block-loop
 the loop thread sleeps SECONDS in plain sync code instead (other threads keep running); with
 --read-child it reads, in plain sync code, the output of a child running this same interpreter,
-which sleeps SECONDS before it writes nothing and exits. The first
-line printed is the watchdog's pid, so a test can watch it. With --sentry=DSN, sentry-sdk is
-initialised with that DSN (a loopback sink) before stallwatch.setup(). The held spawn
-is `/bin/true`; with --args `/bin/true one two`, with --shell the shell command `true one two`.
+which sleeps SECONDS before it writes nothing and exits. The first line printed is the watchdog's
+pid, once the watchdog watches (the freeze starts 0.5 s later), so a test can watch it. With
+--sentry=DSN, sentry-sdk is initialised with that DSN (a loopback sink) before stallwatch.setup().
+The held spawn is `/bin/true`; with --args `/bin/true one two`, with --shell the shell command
+`true one two`.
 """
 
 import os
@@ -39,6 +40,7 @@ for argument in sys.argv:
 
         sentry_sdk.init(dsn=argument.removeprefix("--sentry="), release="probe@1", environment="test")
 session = stallwatch.setup(file_dir=out, freeze_threshold=1.0)
+assert session.wait_for_watchdog(30), "the freeze watchdog is not watching"
 print(json.dumps({"watchdog_pid": session.watchdog_pid}), flush=True)
 
 import asyncio
@@ -48,7 +50,7 @@ from opentelemetry import trace
 
 
 async def main() -> dict:
-    await asyncio.sleep(0.5)  # the watchdog is up and the loop heartbeat flows
+    await asyncio.sleep(0.5)  # loop heartbeats flow: each re-arms faulthandler's timer (STALLWATCH_FAULTHANDLER)
     with trace.get_tracer("probe").start_as_current_span("probe /healthcheck") as span:
         if "--block-loop" in sys.argv:
             started = time.time_ns()

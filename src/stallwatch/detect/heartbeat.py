@@ -7,7 +7,9 @@ the only witness is another process. The host writes two heartbeats into a small
 the interpreter runs: `loop_blocked`). Before each exec-bound spawn the host also writes what it
 spawns and the current span, so the watchdog can name the frozen operation. Each field is an
 aligned 8-byte store or a fixed byte range, written without locks; the watchdog tolerates a torn
-read by re-reading. No library does this, hence the hand-written layout.
+read by re-reading. No library does this, hence the hand-written layout. The watchdog writes one
+field itself: its pid, once it reads the file from its poll loop (`mark_watched`), which the host
+reads to know that a freeze would be seen from now on (`HeartbeatArea.watched_by`).
 
 The host holds an exclusive `flock` on its heartbeat file while it lives; the kernel drops it when
 the host (and any forked child still holding the descriptor) is gone, even on SIGKILL. The watchdog
@@ -37,11 +39,12 @@ from typing import Any
 from .._private import opener
 
 MAGIC = b"SWHB0001"
-# magic, host pid, flags, interpreter ns, loop ns, spawn-start ns, loop kind, spare, spawn command,
-# trace id, span id. Offsets are fixed so the watchdog can read fields one by one.
+# magic, host pid, flags, interpreter ns, loop ns, spawn-start ns, loop kind, watchdog pid, spawn
+# command, trace id, span id. Offsets are fixed so the watchdog can read fields one by one. The
+# watchdog pid is the only field the watchdog writes, and the host never does after creating the file.
 LAYOUT = struct.Struct("<8sIIqqqiI256s16s8s")
 OFFSET_INTERP, OFFSET_LOOP, OFFSET_SPAWN = 16, 24, 32
-OFFSET_LOOP_KIND = 40
+OFFSET_LOOP_KIND, OFFSET_WATCHDOG = 40, 44
 OFFSET_COMMAND, OFFSET_TRACE, OFFSET_SPAN = 48, 304, 320
 FLAG_LOOP_TRACKED = 1
 SWEEP_AGE_SECONDS = 10.0  # an unlocked file younger than this may be one a host is creating now
@@ -152,7 +155,9 @@ class HeartbeatArea:
         the path cannot be created (e.g. something else took the name).
         """
         fd, new, inode = self._create()
-        new[:] = self._map[:]
+        contents = bytearray(self._map)
+        contents[OFFSET_WATCHDOG : OFFSET_WATCHDOG + 4] = bytes(4)  # until the watchdog has read the new file
+        new[:] = contents
         # The old mapping is left to the garbage collector: a writer may hold it for one more store.
         old, (self._fd, self._map, self.inode) = self._fd, (fd, new, inode)
         os.close(old)
@@ -166,6 +171,14 @@ class HeartbeatArea:
             return
         with contextlib.suppress(ValueError):  # closed by stop() meanwhile: the heartbeats are over
             self._map[offset : offset + len(data)] = data
+
+    def watched_by(self) -> int:
+        """The pid of the watchdog that reads this file from its poll loop, 0 until one does (or
+        after `close()`)."""
+        try:
+            return int.from_bytes(self._map[OFFSET_WATCHDOG : OFFSET_WATCHDOG + 4], "little")
+        except ValueError:  # closed
+            return 0
 
     def _store(self, offset: int, value: int) -> None:
         self._write(offset, value.to_bytes(8, "little", signed=True))
@@ -199,6 +212,20 @@ class HeartbeatArea:
             self._map.close()
             self.path.unlink(missing_ok=True)
             fd, self._fd = self._fd, -1
+            os.close(fd)
+
+
+def mark_watched(path: Path) -> None:
+    """The watchdog's side: write its pid into the file at `path` (`HeartbeatArea.watched_by`).
+
+    A 4-byte store at an offset only the watchdog writes, through the page cache the host's mapping
+    shares. Never raises: a file that vanished is marked again once the host has made it again.
+    """
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            os.pwrite(fd, os.getpid().to_bytes(4, "little"), OFFSET_WATCHDOG)
+        finally:
             os.close(fd)
 
 
@@ -245,7 +272,7 @@ def read(path: Path) -> dict[str, Any] | None:
     fields = LAYOUT.unpack(data)
     if fields[0] != MAGIC:
         return None
-    _, pid, flags, interp, loop, spawn, loop_kind, _, command, trace_id, span_id = fields
+    _, pid, flags, interp, loop, spawn, loop_kind, watchdog_pid, command, trace_id, span_id = fields
     kinds = {v: k for k, v in LOOP_KINDS.items()}
     return {
         "pid": pid,
@@ -254,6 +281,7 @@ def read(path: Path) -> dict[str, Any] | None:
         "loop_ns": loop,
         "spawn_ns": spawn,
         "loop_kind": kinds.get(loop_kind, "none"),
+        "watchdog_pid": watchdog_pid,
         "spawn_command": command.rstrip(b"\0").decode(errors="replace"),
         "trace_id": trace_id.hex(),
         "span_id": span_id.hex(),

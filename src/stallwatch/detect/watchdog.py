@@ -9,6 +9,8 @@ is `loop_blocked`. It then reads `/proc` to say what the host waits on, exports 
 record and `stallwatch.freeze.active` at once through its own pipeline (same exporter settings),
 sends the freeze to Sentry when the host handed its Sentry options over (`stallwatch.sentry`),
 and at the thaw a `stallwatch.freeze` span covering the freeze plus `stallwatch.freeze.duration`.
+Once it has read the heartbeat file from its poll loop it writes its pid there
+(`heartbeat.mark_watched`), so the host can wait until it watches (`Session.wait_for_watchdog`).
 It exits within a poll interval of the host's exit (a pidfd); a freeze still open then is recorded
 with outcome `host_killed`, and the host's heartbeat files are removed. It also leaves, without
 reporting a freeze, when the heartbeats stop because the host exec'd another program: the host no
@@ -241,6 +243,8 @@ class Watchdog:
         snapshot = heartbeat.read(self.heartbeat_path)
         if snapshot is None:
             return
+        if snapshot["watchdog_pid"] != os.getpid():  # first read, or a file the host made again
+            heartbeat.mark_watched(self.heartbeat_path)
         now = time.monotonic_ns()
         interpreter_age = now - snapshot["interpreter_ns"]
         kind = None
