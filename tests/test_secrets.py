@@ -86,7 +86,7 @@ def test_no_output_of_any_instrumentation_carries_a_corpus_secret(sshd, http_ser
     bodies = [r["body"].get("stringValue", "") for r in otlp_items(telemetry / "logs.jsonl", "logs")]
     assert any(b.startswith("cloud resource create") for b in bodies), bodies
     assert {path for path, _ in receiver.requests} >= {"/v1/traces", "/v1/metrics", "/v1/logs"}
-    assert set(result["heartbeat_files"]) == {".hb", ".stacks", ".freezes"}
+    assert set(result["heartbeat_files"]) == {".hb", ".stacks"}
 
     outputs = {path.relative_to(tmp_path).as_posix(): path.read_bytes() for path in state.rglob("*") if path.is_file()}
     outputs |= {f"snapshot {path.name}": path.read_bytes() for path in snapshots.iterdir()}

@@ -8,7 +8,7 @@ Does: spawns on every path (Popen, shell, posix_spawn, uvloop exec and shell) wi
 strings and environments; a real dstack SSH tunnel with secret `-o` options and a secret-named key;
 Nebius calls with an IAM token and secrets in the payloads; executor items with secret arguments; a
 0.8 s block of the event loop, a freeze the watchdog reports. Before shutdown it copies the heartbeat
-file and its `.stacks`/`.freezes` companions into SNAPSHOT_DIR (shutdown removes them) and prints one
+file and its `.stacks` companion into SNAPSHOT_DIR (shutdown removes them) and prints one
 JSON line with their modes.
 """
 
@@ -170,18 +170,18 @@ async def main() -> None:
         await executor_items()
         proc = await asyncio.create_subprocess_shell(shell_lines[0], env=secret_env)  # the last spawn on the loop
         await proc.wait()
-    await asyncio.sleep(0.3)  # the loop heartbeat is tracked; then block the loop: a freeze
-    time.sleep(0.8)
-    reports = heartbeat.report_path(heartbeat.AREA.path)
+    assert await asyncio.to_thread(session.wait_for_watchdog, 30)
+    time.sleep(0.8)  # block the loop: a freeze
+    traces = session.files["traces"]
     deadline = time.monotonic() + 20
-    while not reports.exists() and time.monotonic() < deadline:  # the watchdog reports the thaw
-        await asyncio.sleep(0.05)
+    while b'"stallwatch.freeze"' not in traces.read_bytes() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)  # the watchdog exports the freeze's span at the thaw
 
 
 uvloop.run(main())
 files = {}
 area = heartbeat.AREA
-for path in (area.path, heartbeat.stacks_path(area.path), heartbeat.report_path(area.path)):
+for path in (area.path, heartbeat.stacks_path(area.path)):
     if path.exists():
         files[path.suffix] = stat.S_IMODE(path.stat().st_mode)
         shutil.copyfile(path, Path(snapshots) / path.name)
