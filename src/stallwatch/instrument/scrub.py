@@ -29,6 +29,7 @@ import functools
 import hashlib
 import itertools
 import math
+import operator
 import os
 import re
 from collections import Counter
@@ -48,20 +49,27 @@ _MAX_DEPTH = 8  # nesting of quoted words / KEY=VALUE values; deeper text is red
 # Actions for the value of a secret-named option or key.
 _SECRET = "secret"  # replace the value with [REDACTED]
 _IDENTITY = "identity"  # replace the path with key:<fingerprint of its file name>
-_USER = "user"  # `user:password`: redact what follows the first colon
+_USER = "user:"  # `user:password` (curl): redact what follows the first colon
+_USER_PERCENT = "user%"  # `user%password` (smbclient, rpcclient, net)
+_USER_COMMA = "user,"  # `user,password` (lftp)
+_USER_SLASH = "user/"  # `user/password@database` (sqlplus, rman, expdp ...): keep the user and the database
 _MAYBE_IDENTITY = "maybe-identity"  # `-i` outside ssh: an identity file if it looks like a path
 
 # Option / key names whose value is secret: searched (lower-cased, dashes kept) in the name.
 _SECRET_NAME = re.compile(
     r"passw|pwd|passphrase|pass(?![a-z])|pass(?:in|out|code|key)|token|secret|key|credential"
     r"|auth(?!ors?(?![a-z])|ority|orities)|cookie|session|signature|(?<![a-z])sig(?![a-z])|bearer|jwt|dsn"
-    r"|(?<![a-z])(?:pat|otp)(?![a-z])"
+    r"|(?<![a-z])(?:pat|otp|psk)(?![a-z])"
 )
 # Names (lower-cased, without `-_.`) that contain a secret word but never carry a secret value:
 # ssh options taking yes/no or algorithm lists, and flags that take no value at all.
 _NOT_SECRET = frozenset(
     {
         "addkeystoagent",
+        "authenticationdatabase",
+        "authenticationmechanism",
+        "authmechanism",
+        "authsource",
         "casignaturealgorithms",
         "challengeresponseauthentication",
         "gssapiauthentication",
@@ -93,7 +101,68 @@ _PROGRAMS = {
     for context, names in (
         ("ssh", ("ssh", "scp", "sftp", "autossh", "sshfs", "ssh-copy-id")),
         ("shell", ("sh", "bash", "dash", "zsh", "ksh", "ash", "fish")),
-        ("mysql", ("mysql", "mysqldump", "mysqladmin", "mysqlimport", "mysqlcheck", "mysqlshow", "mariadb")),
+        (
+            "mysql",
+            (
+                "mysql",
+                "mysqldump",
+                "mysqladmin",
+                "mysqlimport",
+                "mysqlcheck",
+                "mysqlshow",
+                "mysqlbinlog",
+                "mysqlpump",
+                "mysqlslap",
+                "mariadb",
+                "mariadb-dump",
+                "mariadb-admin",
+                "mariadb-import",
+                "mariadb-check",
+            ),
+        ),
+        (
+            "mongo",
+            (
+                "mongo",
+                "mongosh",
+                "mongodump",
+                "mongorestore",
+                "mongoexport",
+                "mongoimport",
+                "mongostat",
+                "mongotop",
+                "mongofiles",
+            ),
+        ),
+        ("smb", ("smbclient", "rpcclient", "smbcacls", "smbget", "smbtree", "smbcquotas", "net", "winexe", "wbinfo")),
+        (
+            "snmp",
+            (
+                "snmpwalk",
+                "snmpbulkwalk",
+                "snmpget",
+                "snmpbulkget",
+                "snmpgetnext",
+                "snmpset",
+                "snmptable",
+                "snmptrap",
+                "snmpinform",
+                "snmpdelta",
+                "snmpstatus",
+                "snmpdf",
+            ),
+        ),
+        ("freerdp", ("xfreerdp", "xfreerdp3", "wlfreerdp", "wlfreerdp3", "sdl-freerdp", "sdl-freerdp3")),
+        ("oracle", ("sqlplus", "rman", "expdp", "impdp", "sqlldr", "dgmgrl")),
+        ("ncftp", ("ncftp", "ncftpget", "ncftpput", "ncftpls")),
+        ("mosquitto", ("mosquitto_pub", "mosquitto_sub", "mosquitto_rr")),
+        ("rar", ("rar", "unrar")),
+        ("smbmap", ("smbmap",)),
+        ("lftp", ("lftp",)),
+        ("ipmitool", ("ipmitool",)),
+        ("rdesktop", ("rdesktop",)),
+        ("nmcli", ("nmcli",)),
+        ("git", ("git",)),
         ("ldap", ("ldapsearch", "ldapadd", "ldapmodify", "ldapdelete", "ldapwhoami", "ldappasswd")),
         ("zip", ("zip", "unzip")),
         ("7z", ("7z", "7za", "7zr")),
@@ -101,27 +170,38 @@ _PROGRAMS = {
         ("sshpass", ("sshpass",)),
         ("curl", ("curl",)),
         ("openssl", ("openssl",)),
-        ("redis-cli", ("redis-cli",)),
-        ("sqlcmd", ("sqlcmd",)),
+        ("redis-cli", ("redis-cli", "keydb-cli", "valkey-cli")),
+        ("sqlcmd", ("sqlcmd", "bcp", "osql")),
         ("htpasswd", ("htpasswd",)),
         ("login", ("login",)),  # docker/podman/helm/az/oc ... login
     )
     for name in names
 }
-# Per context, the single-letter options whose value is secret: letter -> (action, value may be separate).
-# A value glued to the letter (`-pS3cret`) is always scrubbed; mysql's lone `-p` prompts, so its next word stays.
+# Per context, the short options whose value is secret: letter(s) after the dash -> (action, value may be separate).
+# A value glued to the option (`-pS3cret`) is always scrubbed; a lone `-p` of mysql, 7z or rar prompts for the
+# password, so the next word stays.
 _SHORT_OPTIONS: dict[str, dict[str, tuple[str, bool]]] = {
     "sshpass": {"p": (_SECRET, True)},
     "login": {"p": (_SECRET, True)},  # docker/podman/helm/az/oc ... login -p
     "curl": {"u": (_USER, True), "U": (_USER, True), "E": (_USER, True), "b": (_SECRET, True)},
     "mysql": {"p": (_SECRET, False)},
-    "openssl": {"k": (_SECRET, True)},
+    "openssl": {"k": (_SECRET, True), "K": (_SECRET, True)},
     "redis-cli": {"a": (_SECRET, True)},
     "sqlcmd": {"P": (_SECRET, True)},
     "ldap": {"w": (_SECRET, True)},
     "zip": {"P": (_SECRET, True)},
     "7z": {"p": (_SECRET, False)},
+    "rar": {"p": (_SECRET, False), "hp": (_SECRET, False)},
     "useradd": {"p": (_SECRET, True)},
+    "mongo": {"p": (_SECRET, True)},
+    "smb": {"U": (_USER_PERCENT, True)},
+    "smbmap": {"p": (_SECRET, True)},
+    "lftp": {"u": (_USER_COMMA, True)},
+    "ncftp": {"p": (_SECRET, True)},
+    "ipmitool": {"P": (_SECRET, True), "k": (_SECRET, True), "y": (_SECRET, True)},
+    "mosquitto": {"P": (_SECRET, True)},
+    "snmp": {"A": (_SECRET, True), "X": (_SECRET, True), "c": (_SECRET, True)},  # auth, privacy, community
+    "rdesktop": {"p": (_SECRET, True)},
 }
 _SSH_FLAGS_WITH_VALUE = "BbcDEeFIiJLlmOoPpQRSWw"
 
@@ -129,23 +209,66 @@ _SSH_FLAGS_WITH_VALUE = "BbcDEeFIiJLlmOoPpQRSWw"
 
 _SCHEME = re.compile(r"(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]*://")
 _BARE_USERINFO = re.compile(r"(?<![\w.%+\-/:@\[])[\w.%+\-~]+:[^\s@/]+@(?!sha\d+:)(?=[\w\[])")
-_PEM = re.compile(r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----.*?(?:-----END [A-Z0-9 ]*PRIVATE KEY-----|\Z)", re.S)
+# Private key material: PEM and PGP armour (to the END line, or to the end if it is missing), PuTTY key files.
+_PEM = re.compile(
+    r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY(?: BLOCK)?-----.*?(?:-----END [A-Z0-9 ]*PRIVATE KEY(?: BLOCK)?-----|\Z)"
+    r"|PuTTY-User-Key-File-[0-9]+:.*",
+    re.S,
+)
 _AUTH_SCHEME = re.compile(r"(?i)(?<![A-Za-z0-9])(bearer|basic)(\s+)[^\s'\"]+")
 _SQL_PASSWORD = re.compile(r"(?i)(?<![\w-])(password|identified\s+by)(\s+)'(?:[^']|'')*'?")  # ... PASSWORD 'x'
+# Token shapes with a known prefix or layout, after the rule sets of gitleaks and detect-secrets (docs/scrubbing.md).
 _TOKENS = re.compile(
-    r"eyJ[A-Za-z0-9_-]{4,}\.[A-Za-z0-9_-]{4,}(?:\.[A-Za-z0-9_-]*)*"  # JWT (JWS, JWE)
-    r"|(?<![A-Za-z0-9])(?:AKIA|ASIA|ABIA|ACCA)[0-9A-Z]{16}(?![A-Za-z0-9])"  # AWS access key id
-    r"|(?<![A-Za-z0-9])(?:gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,})"  # GitHub
-    r"|(?<![A-Za-z0-9])(?:glpat-[A-Za-z0-9_-]{20,}|xox[abposr]-[A-Za-z0-9-]{10,}|[sr]k_(?:live|test)_[A-Za-z0-9]{16,})"
-    r"|(?<![A-Za-z0-9])(?:sk-[A-Za-z0-9_-]{20,}|AIza[0-9A-Za-z_-]{35}|npm_[A-Za-z0-9]{36}|hv[sbr]\.[A-Za-z0-9_-]{20,})"
-    r"|(?<![A-Za-z0-9])pypi-[A-Za-z0-9_-]{50,}"
+    r"eyJ[A-Za-z0-9_-]{4,}\.[A-Za-z0-9_-]{4,}(?:\.[A-Za-z0-9_-]*)*"  # JWT (JWS, JWE), Grafana API key
+    r"|(?<![A-Za-z0-9])(?:"
+    r"(?:A3T[A-Z0-9]|AKIA|ASIA|ABIA|ACCA)[0-9A-Z]{16}(?![A-Za-z0-9])"  # AWS access key id
+    r"|gh[pousr]_[A-Za-z0-9_]{20,}|github_pat_[A-Za-z0-9_]{20,}"  # GitHub
+    r"|gl(?:pat|dt|ft|soat|rt|cbt|ptt|agent|oas|imt|ffct)-[A-Za-z0-9_.-]{20,}|GR1348941[A-Za-z0-9_-]{20,}"  # GitLab
+    r"|glc_[A-Za-z0-9+/]{32,}={0,3}|glsa_[A-Za-z0-9_]{32,}"  # Grafana
+    r"|xox[abeoprs]-[A-Za-z0-9-]{10,}|xoxe\.xox[bp]-[A-Za-z0-9-]{10,}|xapp-[0-9]-[A-Za-z0-9-]{10,}"  # Slack
+    r"|[sr]k_(?:live|test|prod)_[A-Za-z0-9]{10,}|whsec_[A-Za-z0-9]{20,}"  # Stripe
+    r"|sk-[A-Za-z0-9_-]{20,}"  # OpenAI, Anthropic and the many APIs that copied the prefix
+    r"|AIza[0-9A-Za-z_-]{35}|ya29\.[0-9A-Za-z_-]{20,}|GOCSPX-[0-9A-Za-z_-]{20,}|1//0[0-9A-Za-z_-]{30,}"  # Google
+    r"|npm_[A-Za-z0-9]{36}|pypi-[A-Za-z0-9_-]{50,}|rubygems_[a-f0-9]{48}"  # package registries
+    r"|hv[sbr]\.[A-Za-z0-9_-]{20,}|hf_[A-Za-z]{30,}|api_org_[A-Za-z]{30,}"  # Vault, Hugging Face
+    r"|SG\.[A-Za-z0-9_-]{16,}\.[A-Za-z0-9_-]{16,}|SK[0-9a-fA-F]{32}"  # SendGrid, Twilio
+    r"|dapi[a-f0-9]{32}|do[opr]_v1_[a-f0-9]{64}|dp\.(?:pt|st|ct|sa|scim|audit)\.[A-Za-z0-9]{40,}"  # Databricks, ...
+    r"|dt0c01\.[A-Za-z0-9]{24}\.[A-Za-z0-9]{64}|shp(?:at|ca|pa|ss)_[a-fA-F0-9]{32}"  # Dynatrace, Shopify
+    r"|pscale_(?:tkn|oauth|pw)_[A-Za-z0-9_.=-]{32,}|PMAK-[a-fA-F0-9]{24}-[a-fA-F0-9]{34}"  # PlanetScale, Postman
+    r"|pul-[a-f0-9]{40}|pnu_[A-Za-z0-9]{36}|rdme_[a-z0-9]{70}|sntry[us]_[A-Za-z0-9_+/=]{40,}"  # Pulumi, ... Sentry
+    r"|lin_api_[A-Za-z0-9]{40}|ntn_[0-9]{11}[A-Za-z0-9]{35}|HRKU-[A-Za-z0-9_-]{20,}"  # Linear, Notion, Heroku
+    r"|AGE-SECRET-KEY-1[0-9A-Z]{58}|sq0(?:atp|csp)-[0-9A-Za-z_-]{22,}|EAA[A-Za-z0-9]{60,}"  # age, Square, Meta
+    r"|xkeysib-[a-f0-9]{64}-[A-Za-z0-9]{16}|pplx-[A-Za-z0-9]{48}|fio-u-[A-Za-z0-9_=-]{64}"  # Brevo, ...
+    r"|duffel_(?:test|live)_[A-Za-z0-9_=-]{43}|EZ[AT]K[A-Za-z0-9]{54}|FLW(?:SECK|PUBK)_TEST-[A-Za-z0-9]{12,}"
+    r"|fo1_[A-Za-z0-9_-]{43}|fm[12][ar]?_[A-Za-z0-9+/]{100,}={0,3}|ATATT3[A-Za-z0-9_=-]{100,}"  # Fly.io, Atlassian
+    r"|AKCp[A-Za-z0-9]{60,}|cmVmd[A-Za-z0-9]{59}|LTAI[A-Za-z0-9]{20}"  # Artifactory, Alibaba
+    r"|ops_eyJ[A-Za-z0-9+/]{100,}={0,3}|A3-[A-Z0-9]{6}-[A-Z0-9-]{20,}"  # 1Password
+    r"|[A-Za-z0-9_~.]{3}[0-9]Q~[A-Za-z0-9_~.-]{31,34}|sha256~[A-Za-z0-9_-]{43}"  # Azure AD, OpenShift
+    r"|b3BlbnNzaC1rZXktdjE[A-Za-z0-9+/=]*"  # an OpenSSH private key's base64 body ("openssh-key-v1")
+    r"|[0-9]{8,10}:[A-Za-z0-9_-]{35}(?![A-Za-z0-9_-])"  # Telegram bot token
+    r"|[MNO][A-Za-z0-9_-]{23,25}\.[A-Za-z0-9_-]{6}\.[A-Za-z0-9_-]{27,}"  # Discord bot token
+    r")"
 )
+# URLs, and the hosts of secret-bearing endpoints also written without a scheme.
+_URL = re.compile(
+    r"(?<![A-Za-z0-9+.\-])(?:[A-Za-z][A-Za-z0-9+.\-]*://|(?=(?:[\w-]+\.)*(?:hooks\.slack\.com|discord(?:app)?\.com"
+    r"|api\.telegram\.org|webhook\.office\.com|maker\.ifttt\.com|hooks\.zapier\.com|events\.pagerduty\.com"
+    r"|hc-ping\.com)/))[^\s'\"<>`]+"
+)
+# Path segments after which the rest of a URL's path is the secret (Mattermost, Rocket.Chat, Discord, Teams,
+# Zapier, Feishu hooks, PagerDuty integrations), and those naming the next segment as one (IFTTT `/with/key/K`).
+_HOOK_SEGMENTS = frozenset({"hook", "hooks", "webhook", "webhooks", "webhookb2", "incomingwebhook", "integration"})
+_KEY_SEGMENTS = frozenset({"key", "keys", "token", "tokens", "apikey", "api_key", "api-key", "secret", "password"})
+_WHOLE_PATH_HOSTS = ("hc-ping.com",)  # the whole path is the secret (healthchecks.io ping URLs)
+_TELEGRAM_BOT = re.compile(r"bot[0-9]+:.+")
 # Hex digests named as such (`sha256:...`, image digests) are content addresses, not secrets.
 _HEX = re.compile(
     r"(?<![A-Za-z0-9])(?<!sha1:)(?<!sha224:)(?<!sha256:)(?<!sha384:)(?<!sha512:)(?<!md5:)[0-9a-fA-F]{32,}"
 )
-_BLOB = re.compile(r"(?<![A-Za-z0-9+/_\-])[A-Za-z0-9+/_\-]{32,}={0,2}")
-_BLOB_ENTROPY = 4.1  # bits per character: random base64 of 32 characters averages 4.5, words and paths 3.5-4.1
+_GIT_WORD = re.compile(r"(?:^|[\s;&|(/])git\s")  # a shell string that runs git: its 40/64-hex words are object names
+_GIT_OBJECT_LENGTHS = (40, 64)  # SHA-1 and SHA-256 object names
+_RUN = re.compile(r"(?<![A-Za-z0-9+/_\-])[A-Za-z0-9+/_\-]{20,}={0,2}")  # a candidate for `_looks_random`
+_RUN_ENTROPY = 4.1  # bits per character: random base64 of 32 characters averages 4.5, words and paths 3.5-4.1
 # `name=value` (query strings, `a=b,password=c`, libpq keyword strings) and `name: value` / `"name": "value"`.
 _EQ_NAME = re.compile(r"(?<![A-Za-z0-9_.])(?P<name>[A-Za-z_][A-Za-z0-9_.\-]*)[ \t]*=(?!=)[ \t]*")
 _COLON_NAME = re.compile(
@@ -165,6 +288,8 @@ _IDENTITY_TEXT = re.compile(r"\s*IdentityFile(?:\s*=\s*|\s+)(?P<value>.*)", re.S
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
 _OPTION_LIKE = re.compile(r"--[A-Za-z][A-Za-z0-9\-]*(?:=.*)?|-[A-Za-z]", re.S)  # not taken as an option's value
 _SHELL_C = re.compile(r"-[A-Za-z]*c[A-Za-z]*")  # sh -c, bash -lc: the next argument is a command string
+_ORACLE_LOGIN = re.compile(r"(?P<head>(?:userid=)?[A-Za-z_][\w$#]*/)(?P<password>[^/@\s]+)(?P<database>@\S*)?", re.I)
+_FREERDP_SECRET = re.compile(r"(?i)(?<=[/,])(p|pth|gp|password|gateway-password):[^,]*")  # /p:X, /gateway:...,p:X
 _HTPASSWD_BATCH = re.compile(r"-[A-Za-z]*b[A-Za-z]*")
 _ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*", re.S)
 _SPACE = re.compile(r"\s")
@@ -452,25 +577,118 @@ def _inline(text: str, state: _State) -> str:
     text = _AUTH_SCHEME.sub(lambda match: match[1] + match[2] + REDACTED, text)
     text = _SQL_PASSWORD.sub(lambda match: match[1] + match[2] + REDACTED, text)
     text = _TOKENS.sub(REDACTED, text)
-    text = _HEX.sub(_hex_blob, text)
-    text = _BLOB.sub(_base64_blob, text)
+    if "/" in text:
+        text = _URL.sub(_url, text)
+    text = _HEX.sub(lambda match: _hex_blob(match, state), text)
+    text = _RUN.sub(_random_run, text)
     text = _named_values(text, _EQ_NAME, state)
     return _named_values(text, _COLON_NAME, state)
 
 
-def _hex_blob(match: re.Match[str]) -> str:
-    run = match.group()
-    if any(c.isdigit() for c in run) and any(c.isalpha() for c in run):
-        return REDACTED
-    return run
+def _url(match: re.Match[str]) -> str:
+    """A URL with the secret parts of its path redacted: what follows a hook segment, the segment after a
+    `key`/`token` segment, a Telegram `bot<token>`, and any random-looking segment."""
+    url = match.group()
+    scheme = url.find("://")
+    start = scheme + 3 if scheme >= 0 else 0
+    slash = url.find("/", start)
+    if slash < 0:
+        return url
+    end = min((i for i in (url.find("?", slash), url.find("#", slash)) if i >= 0), default=len(url))
+    host = url[start:slash].rpartition("@")[2].lower()
+    path = url[slash + 1 : end]
+    if host.endswith(_WHOLE_PATH_HOSTS) and path:
+        return url[: slash + 1] + REDACTED + url[end:]
+    segments = path.split("/")
+    if host == "hooks.slack.com" and len(segments) > 1:  # /services/T.../B.../secret, /workflows/..., /triggers/...
+        segments = [segments[0], REDACTED]
+    kept: list[str] = []
+    for segment in segments:
+        previous = kept[-1].lower() if kept else ""
+        if previous in _HOOK_SEGMENTS and segment:
+            kept.append(REDACTED)  # the rest of the path
+            break
+        if _TELEGRAM_BOT.fullmatch(segment):
+            segment = "bot" + REDACTED
+        elif (previous in _KEY_SEGMENTS and _value_like(segment)) or (
+            len(segment) >= 20 and _looks_random(segment.rstrip("="))
+        ):
+            segment = REDACTED
+        kept.append(segment)
+    return url[: slash + 1] + "/".join(kept) + url[end:]
 
 
-def _base64_blob(match: re.Match[str]) -> str:
+def _value_like(segment: str) -> bool:
+    """A URL path segment that reads as a value rather than a word: a digit or a capital in it, or long."""
+    return len(segment) >= 16 or any(c.isdigit() or c.isupper() for c in segment)
+
+
+def _hex_blob(match: re.Match[str], state: _State) -> str:
     run = match.group()
-    mixed = any(c.isdigit() for c in run) and any(c.islower() for c in run) and any(c.isupper() for c in run)
-    if mixed and _entropy(run) >= _BLOB_ENTROPY:
-        return REDACTED
-    return run
+    if not (any(c.isdigit() for c in run) and any(c.isalpha() for c in run)):
+        return run
+    if len(run) in _GIT_OBJECT_LENGTHS and (
+        state.program == "git" or _GIT_WORD.search(match.string, 0, match.start()) is not None
+    ):
+        return run  # a commit or object name given to git
+    return REDACTED
+
+
+def _random_run(match: re.Match[str]) -> str:
+    """A run of base64/base64url characters, redacted if it looks random. An absolute path, or the path of a
+    URL or file name (the run follows a dot), is judged segment by segment, so its words stay readable."""
+    run = match.group()
+    start = match.start()
+    if "/" in run and (run.startswith("/") or (start and match.string[start - 1] == ".")):
+        segments = run.split("/")
+        scrubbed = [REDACTED if len(s) >= 20 and _looks_random(s.rstrip("=")) else s for s in segments]
+        return "/".join(scrubbed)
+    return REDACTED if _looks_random(run.rstrip("=")) else run
+
+
+# How likely each character class follows another in text people write on command lines, against a random
+# base64url string. Classes: 0 lower-case vowel, 1 other lower-case letter, 2 upper-case vowel, 3 other upper-case
+# letter, 4 digit, 5 `+/_-`. `_FOLLOWS[a][b]`: how often class b follows class a in 1.9 million file names, package
+# names and command lines of a Debian system (paths, identifiers, man pages, CMake and Python modules).
+_FOLLOWS = (
+    (0.112, 0.805, 0.001, 0.003, 0.005, 0.074),
+    (0.480, 0.394, 0.001, 0.003, 0.009, 0.113),
+    (0.034, 0.340, 0.065, 0.494, 0.005, 0.062),
+    (0.379, 0.148, 0.172, 0.210, 0.011, 0.080),
+    (0.019, 0.097, 0.001, 0.004, 0.626, 0.253),
+    (0.202, 0.735, 0.009, 0.028, 0.019, 0.008),
+)
+_RANDOM_CLASS = (5 / 64, 21 / 64, 5 / 64, 21 / 64, 10 / 64, 2 / 64)  # each class's share of the base64url alphabet
+_CLASS_OF = str.maketrans(
+    {
+        **dict.fromkeys("aeiou", "0"),
+        **dict.fromkeys("bcdfghjklmnpqrstvwxyz", "1"),
+        **dict.fromkeys("AEIOU", "2"),
+        **dict.fromkeys("BCDFGHJKLMNPQRSTVWXYZ", "3"),
+        **dict.fromkeys("0123456789", "4"),
+        **dict.fromkeys("+/_-", "5"),
+    }
+)
+# log(random / written) for each pair of classes, by the pair's two class digits; pairs across a separator are
+# left out, so a path's words are judged as words.
+_PAIR_SCORE = {f"{a}{b}": math.log(_RANDOM_CLASS[b] / _FOLLOWS[a][b]) for a in range(5) for b in range(5)}
+_RANDOM_SCORE = 0.3  # mean score per pair from which a run is random: 99.9 % of random tokens of 24+ characters
+
+
+def _looks_random(core: str) -> bool:
+    """Whether a run of base64/base64url characters (20 or more, padding removed) looks like a random token
+    rather than words: it mixes upper and lower case, and its character classes follow each other as in random
+    text more than as in words (a likelihood ratio per pair of neighbours, `_PAIR_SCORE`), or it is a long
+    high-entropy run."""
+    if core.islower() or core.isupper() or len(core) < 20:
+        return False
+    classes = core.translate(_CLASS_OF)
+    scores = [score for score in map(_PAIR_SCORE.get, map(operator.add, classes, classes[1:])) if score is not None]
+    mean = sum(scores) / len(scores) if scores else 0.0
+    if mean >= _RANDOM_SCORE:
+        return True
+    long_and_dense = len(core) >= 32 and "/" not in core and any(c.isdigit() for c in core)
+    return long_and_dense and mean >= -_RANDOM_SCORE and _entropy(core) >= _RUN_ENTROPY
 
 
 def _entropy(text: str) -> float:
@@ -539,6 +757,9 @@ def _rules(raw: str, plain: str, state: _State, depth: int) -> str:
     elif state.program == "htpasswd" and _HTPASSWD_BATCH.fullmatch(plain):
         state.redact_rest = True
         return raw
+    special = _program_word(plain, state)
+    if special is not None:
+        return special
     short = _short_option(plain, state, depth)
     if short is not None:
         return short
@@ -567,6 +788,21 @@ def _rules(raw: str, plain: str, state: _State, depth: int) -> str:
     return raw
 
 
+def _program_word(plain: str, state: _State) -> str | None:
+    """Words only some programs take as credentials: sqlplus's `user/password@db`, xfreerdp's `/p:password`,
+    nmcli's `password VALUE`; None if not one."""
+    if state.program == "oracle":
+        login = _ORACLE_LOGIN.fullmatch(plain)
+        return login["head"] + REDACTED + (login["database"] or "") if login else None
+    if state.program == "freerdp" and plain.startswith("/"):
+        scrubbed = _FREERDP_SECRET.sub(lambda match: match[1] + ":" + REDACTED, plain)
+        return scrubbed if scrubbed != plain else None
+    if state.program == "nmcli" and _IDENTIFIER.fullmatch(plain) and state.kind(plain) == _SECRET:
+        state.pending = _SECRET  # nmcli dev wifi connect SSID password VALUE, ... wifi-sec.psk VALUE
+        return plain
+    return None
+
+
 def _short_option(plain: str, state: _State, depth: int) -> str | None:
     """Context-dependent single-letter options (`ssh -i`, `sshpass -p`, `curl -u`); None if not one."""
     match = _SHORT.fullmatch(plain)
@@ -584,11 +820,14 @@ def _short_option(plain: str, state: _State, depth: int) -> str | None:
             state.pending = _MAYBE_IDENTITY
             return plain
         return "-i" + _fingerprint(rest) if "/" in rest else None
-    action, separate = _SHORT_OPTIONS.get(state.program, {}).get(letter, ("", False))
+    options = _SHORT_OPTIONS.get(state.program, {})
+    name = plain[1:3] if plain[1:3] in options else letter
+    action, separate = options.get(name, ("", False))
     if not action:
         return None
+    rest = plain[1 + len(name) :]
     if rest:
-        return "-" + letter + _apply(action, rest)
+        return "-" + name + _apply(action, rest)
     if separate:
         state.pending = action
     return plain
@@ -652,7 +891,7 @@ def _consume(action: str, value: str) -> str | None:
         return None
     if action == _MAYBE_IDENTITY and not _PATH_LIKE.match(value):
         return None
-    if action == _USER and ":" not in value:
+    if action.startswith("user") and action[-1] not in value:
         return None
     return _apply(action, value)
 
@@ -660,9 +899,12 @@ def _consume(action: str, value: str) -> str | None:
 def _apply(action: str, value: str) -> str:
     if action in (_IDENTITY, _MAYBE_IDENTITY):
         return _fingerprint(value)
-    if action == _USER:
-        user, colon, _ = value.partition(":")
-        return user + colon + REDACTED if colon else value
+    if action.startswith("user"):
+        user, separator, rest = value.partition(action[-1])
+        if not separator:
+            return value
+        database = rest.rpartition("@")[1:] if action == _USER_SLASH else ("", "")
+        return user + separator + REDACTED + "".join(database)
     return REDACTED if value else value
 
 
