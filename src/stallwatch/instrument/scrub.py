@@ -99,7 +99,7 @@ _SETTERS = frozenset({"set", "config", "--global", "--local", "--system", "--wor
 _PROGRAMS = {
     name: context
     for context, names in (
-        ("ssh", ("ssh", "scp", "sftp", "autossh", "sshfs", "ssh-copy-id")),
+        ("ssh", ("ssh", "scp", "sftp", "autossh", "sshfs", "ssh-copy-id", "plink", "pscp", "psftp")),
         ("shell", ("sh", "bash", "dash", "zsh", "ksh", "ash", "fish")),
         (
             "mysql",
@@ -220,7 +220,7 @@ _SQL_PASSWORD = re.compile(r"(?i)(?<![\w-])(password|identified\s+by)(\s+)'(?:[^
 # Token shapes with a known prefix or layout, after the rule sets of gitleaks and detect-secrets (docs/scrubbing.md).
 _TOKENS = re.compile(
     r"eyJ[A-Za-z0-9_-]{4,}\.[A-Za-z0-9_-]{4,}(?:\.[A-Za-z0-9_-]*)*"  # JWT (JWS, JWE), Grafana API key
-    r"|(?<![A-Za-z0-9])(?:"
+    r"|(?:(?<![A-Za-z0-9])|(?<=(?<![A-Za-z0-9])-[A-Za-z]))(?:"  # a word's start, or glued to a short option
     r"(?:A3T[A-Z0-9]|AKIA|ASIA|ABIA|ACCA)[0-9A-Z]{16}(?![A-Za-z0-9])"  # AWS access key id
     r"|gh[pousr]_[A-Za-z0-9_]{20,}|github_pat_[A-Za-z0-9_]{20,}"  # GitHub
     r"|gl(?:pat|dt|ft|soat|rt|cbt|ptt|agent|oas|imt|ffct)-[A-Za-z0-9_.-]{20,}|GR1348941[A-Za-z0-9_-]{20,}"  # GitLab
@@ -263,10 +263,12 @@ _WHOLE_PATH_HOSTS = ("hc-ping.com",)  # the whole path is the secret (healthchec
 _TELEGRAM_BOT = re.compile(r"bot[0-9]+:.+")
 # Hex digests named as such (`sha256:...`, image digests) are content addresses, not secrets.
 _HEX = re.compile(
-    r"(?<![A-Za-z0-9])(?<!sha1:)(?<!sha224:)(?<!sha256:)(?<!sha384:)(?<!sha512:)(?<!md5:)[0-9a-fA-F]{32,}"
+    r"(?<![0-9a-fA-F])(?<!sha1:)(?<!sha224:)(?<!sha256:)(?<!sha384:)(?<!sha512:)(?<!md5:)[0-9a-fA-F]{32,}"
 )
 _GIT_WORD = re.compile(r"(?:^|[\s;&|(/])git\s")  # a shell string that runs git: its 40/64-hex words are object names
 _GIT_OBJECT_LENGTHS = (40, 64)  # SHA-1 and SHA-256 object names
+_GIT_BEFORE = frozenset(("", " ", "\t", "\n", ".", "="))  # what may stand before an object name: not a URL's `/`
+_GIT_AFTER = frozenset(("", " ", "\t", "\n", ".", "^", "~", ":"))
 _RUN = re.compile(r"(?<![A-Za-z0-9+/_\-])[A-Za-z0-9+/_\-]{20,}={0,2}")  # a candidate for `_looks_random`
 _RUN_ENTROPY = 4.1  # bits per character: random base64 of 32 characters averages 4.5, words and paths 3.5-4.1
 # `name=value` (query strings, `a=b,password=c`, libpq keyword strings) and `name: value` / `"name": "value"`.
@@ -294,7 +296,8 @@ _HTPASSWD_BATCH = re.compile(r"-[A-Za-z]*b[A-Za-z]*")
 _ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*", re.S)
 _SPACE = re.compile(r"\s")
 _QUOTED = re.compile(r"'[^']*'|\"(?:[^\"\\]|\\.)*\"", re.S)
-_PATH_LIKE = re.compile(r"[~.]|.*/|.*\.(?:pem|key|ppk)$|id_", re.S)  # `-i` outside ssh: a value like a key file
+# `-i` outside ssh (plink, knife ...): a value named like a key file; ansible's `-i inventory/prod.ini` stays.
+_KEY_PATH = re.compile(r".*(?:\.ssh/|(?:^|/)id_[^/]*$|key[^/]*$|\.(?:pem|ppk|p12|pfx)$)", re.S | re.I)
 
 
 @dataclass
@@ -627,23 +630,29 @@ def _hex_blob(match: re.Match[str], state: _State) -> str:
     run = match.group()
     if not (any(c.isdigit() for c in run) and any(c.isalpha() for c in run)):
         return run
-    if len(run) in _GIT_OBJECT_LENGTHS and (
-        state.program == "git" or _GIT_WORD.search(match.string, 0, match.start()) is not None
+    text, start, end = match.string, match.start(), match.end()
+    whole_word = text[start - 1 : start] in _GIT_BEFORE and text[end : end + 1] in _GIT_AFTER
+    if (
+        len(run) in _GIT_OBJECT_LENGTHS
+        and whole_word
+        and (state.program == "git" or _GIT_WORD.search(text, 0, start) is not None)
     ):
-        return run  # a commit or object name given to git
+        return run  # a commit or object name given to git (`git checkout SHA`, `SHA..SHA`, `SHA^`)
     return REDACTED
 
 
 def _random_run(match: re.Match[str]) -> str:
     """A run of base64/base64url characters, redacted if it looks random. An absolute path, or the path of a
-    URL or file name (the run follows a dot), is judged segment by segment, so its words stay readable."""
+    URL or file name (the run follows a dot), is judged segment by segment first, so that only a random segment
+    goes and the words around it stay readable."""
     run = match.group()
     start = match.start()
     if "/" in run and (run.startswith("/") or (start and match.string[start - 1] == ".")):
         segments = run.split("/")
         scrubbed = [REDACTED if len(s) >= 20 and _looks_random(s.rstrip("=")) else s for s in segments]
-        return "/".join(scrubbed)
-    return REDACTED if _looks_random(run.rstrip("=")) else run
+        if scrubbed != segments:
+            return "/".join(scrubbed)
+    return REDACTED if _looks_random(run.rstrip("=")) else run  # a path of words stays; base64 with `/` does not
 
 
 # How likely each character class follows another in text people write on command lines, against a random
@@ -819,7 +828,7 @@ def _short_option(plain: str, state: _State, depth: int) -> str | None:
         if not rest:
             state.pending = _MAYBE_IDENTITY
             return plain
-        return "-i" + _fingerprint(rest) if "/" in rest else None
+        return "-i" + _fingerprint(rest) if _KEY_PATH.match(rest) else None
     options = _SHORT_OPTIONS.get(state.program, {})
     name = plain[1:3] if plain[1:3] in options else letter
     action, separate = options.get(name, ("", False))
@@ -889,7 +898,7 @@ def _consume(action: str, value: str) -> str | None:
     the other rules."""
     if _OPTION_LIKE.fullmatch(value):
         return None
-    if action == _MAYBE_IDENTITY and not _PATH_LIKE.match(value):
+    if action == _MAYBE_IDENTITY and not _KEY_PATH.match(value):
         return None
     if action.startswith("user") and action[-1] not in value:
         return None
