@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from .._private import opener
+from ..instrument.scrub import scrub_value
 from . import heartbeat
 
 POLL_SECONDS = 0.1
@@ -370,8 +371,9 @@ class FreezeTelemetry:
         log("stallwatch: freeze over after %.1fs (%s, outcome %s)", seconds, freeze.kind, outcome, extra=attributes)
         self.flush()
         if outcome == "thawed":  # the host reads this and tells Sentry, if it uses Sentry
+            description = scrub_value(self._describe(freeze, time.monotonic_ns()))  # names what the host ran
             summary = {"kind": freeze.kind, "cause": freeze.diagnosis.cause, "seconds": round(seconds, 3),
-                       "description": self._describe(freeze, time.monotonic_ns())}  # fmt: skip
+                       "description": description}  # fmt: skip
             with open(self._reports, "a", opener=opener) as reports:
                 reports.write(json.dumps(summary) + "\n")
 

@@ -33,8 +33,10 @@ import operator
 import os
 import re
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+
+from .. import telemetry
 
 MAX_ARGS = 64  # arguments recorded; beyond, the last recorded element says how many were left out
 MAX_ARG_CHARS = 512  # characters recorded per argument, truncation marker included
@@ -43,6 +45,10 @@ REDACTED = "[REDACTED]"
 TRUNCATED = "...[truncated]"
 UNSCRUBBABLE = "[arguments could not be scrubbed]"  # the whole result if scrubbing itself failed
 
+_SHORTEST_SECRET = 12  # a shorter value can only hold a secret next to `=`, `:`, `@` or a space (`scrub_value`)
+_SEPARATES = re.compile(r"[=:@\s]")
+_CLEAN_VALUES_LIMIT = 4096  # values `scrub_value` found clean, kept until there are this many, then forgotten
+_clean_values: dict[str, None] = {}
 _SCAN_CHARS = 2 * MAX_ARG_CHARS  # an argument is cut to this many characters (at a word boundary) first
 _MAX_DEPTH = 8  # nesting of quoted words / KEY=VALUE values; deeper text is redacted whole
 
@@ -276,6 +282,8 @@ _EQ_NAME = re.compile(r"(?<![A-Za-z0-9_.])(?P<name>[A-Za-z_][A-Za-z0-9_.\-]*)[ \
 _COLON_NAME = re.compile(
     r"(?<![A-Za-z0-9_./])(?P<q>[\"']?)(?P<name>[A-Za-z_][A-Za-z0-9_.\-]*)(?P=q)[ \t]*:(?!//)[ \t]*"
 )
+_FINGERPRINTED = re.compile(r"key:[0-9a-f]{12}")
+_FINGERPRINT_BEFORE = re.compile(r"(?:^|[\s=]|(?<![A-Za-z0-9])-[A-Za-z]*i)$")  # where `_fingerprint` puts one
 _VALUE = re.compile(r"\"(?:[^\"\\]|\\.)*\"?|'[^']*'?|[^\s,;&'\"]+", re.S)
 
 # ---- layer 2: words ---------------------------------------------------------------------------
@@ -412,6 +420,50 @@ def scrub_text(value: object, limit: int = MAX_ARG_CHARS) -> str:
         return _clip(_argument(1, value, _State(())), limit)
     except Exception:
         return "?"
+
+
+def scrub_value(value: str) -> str:
+    """A string stallwatch recorded from the host, checked once more as it leaves the process (an attribute
+    value, a log body, a journal field, a freeze report): secrets replaced as in one command-line argument,
+    whatever wrapper recorded it and whether or not that wrapper scrubbed it. Idempotent on scrubbed text (an
+    identity file's `key:` fingerprint included). Unbounded: callers keep their own limits. Returns `value`
+    itself when nothing changed (the common case, remembered for repeated values). Never raises: "[REDACTED]"
+    if checking fails."""
+    try:
+        if (len(value) < _SHORTEST_SECRET and not _SEPARATES.search(value)) or value in _clean_values:
+            return value
+        state = _State(())
+        scrubbed = _text(_inline(value, state), state, 0)  # words: a recorded shell line stays one
+        if scrubbed == value:
+            if len(_clean_values) >= _CLEAN_VALUES_LIMIT:
+                _clean_values.clear()
+            _clean_values[value] = None  # clean: it leaves the process anyway, so keeping it here costs nothing
+            return value
+        return scrubbed
+    except Exception:
+        return REDACTED
+
+
+def scrub_attributes(attributes: Mapping[str, object]) -> Mapping[str, object]:
+    """`attributes` with each string value passed through `scrub_value` and each sequence of strings through
+    `scrub_args` (read as the argv it usually is, so a git object name stays one), but for the server-given ids
+    `telemetry.IDENTIFIERS` names; `attributes` itself when nothing changed."""
+    changed: dict[str, object] | None = None
+    for key, value in attributes.items():
+        if key in telemetry.IDENTIFIERS:
+            continue
+        if type(value) is str:
+            checked: object = scrub_value(value)
+        elif isinstance(value, (list, tuple)) and value and all(type(item) is str for item in value):
+            items = scrub_args(value)
+            checked = value if items == list(value) else type(value)(items)
+        else:
+            continue
+        if checked is not value:
+            if changed is None:
+                changed = dict(attributes)
+            changed[key] = checked
+    return attributes if changed is None else changed
 
 
 def clip_text(value: object, limit: int = MAX_NAME_CHARS) -> str | None:
@@ -713,8 +765,12 @@ def _named_values(text: str, pattern: re.Pattern[str], state: _State) -> str:
         if match.start() < position or state.kind(match["name"]) != _SECRET:
             continue
         value = _VALUE.match(text, match.end())
-        if value is None:
-            continue
+        if value is None or text.startswith(REDACTED, match.end()):
+            continue  # nothing, or scrubbed text checked once more
+        if _FINGERPRINTED.fullmatch(text, match.end("name") - 3, value.end()) and _FINGERPRINT_BEFORE.search(
+            text, 0, match.end("name") - 3
+        ):
+            continue  # an identity file's `key:` fingerprint: `-ikey:…`, `IdentityFile=key:…`
         parts += [text[position : match.end()], REDACTED]
         position = value.end()
     parts.append(text[position:])
@@ -729,7 +785,7 @@ def _text(text: str, state: _State, depth: int) -> str:
     if depth > _MAX_DEPTH:
         return REDACTED
     header = _HEADER.match(text)
-    if header and state.kind(header["name"]) == _SECRET:
+    if header and state.kind(header["name"]) == _SECRET and not _FINGERPRINTED.fullmatch(text.strip()):
         if header["value"].strip():
             return text[: header.start("value")] + REDACTED
         state.pending = _SECRET
@@ -780,7 +836,7 @@ def _rules(raw: str, plain: str, state: _State, depth: int) -> str:
         _option(option, state)
         return raw
     header = _HEADER.fullmatch(plain)
-    if header and state.kind(header["name"]) == _SECRET:
+    if header and state.kind(header["name"]) == _SECRET and not _FINGERPRINTED.fullmatch(plain):
         if header["value"]:
             scrubbed = plain[: header.start("value")] + REDACTED
             return _requote(raw, scrubbed) if _QUOTED.fullmatch(raw) else scrubbed
@@ -920,6 +976,8 @@ def _apply(action: str, value: str) -> str:
 def _fingerprint(path: str) -> str:
     """`key:` and 12 hex digits of the SHA-256 of the file name: the same key is recognisable, its path is not."""
     path = path.strip().strip("'\"").rstrip("/")
+    if _FINGERPRINTED.fullmatch(path):
+        return path  # scrubbed text checked once more
     name = path.rpartition("/")[2] or path
     return "key:" + hashlib.sha256(name.encode("utf-8", "backslashreplace")).hexdigest()[:12]
 
