@@ -9,8 +9,11 @@ import json
 import os
 from pathlib import Path
 
+from hypothesis import given, settings
+
 from conftest import attrs, clean_env, otlp_items, run_python
 from stallwatch.instrument.scrub import REDACTED, scrub_attributes, scrub_value
+from support.tokens import command_lines
 
 TESTS = Path(__file__).parent
 # Secrets no rule lists by name: only their shape or place gives them away.
@@ -123,3 +126,12 @@ def test_the_exit_check_leaves_scrubbed_text_and_ids_as_they_are():
     assert scrub_attributes(kept) is kept
     for text in ("psql (3 args)", '{"token":[REDACTED]}', f"PGPASSWORD={REDACTED} psql -h db"):
         assert scrub_value(text) is text
+
+
+@settings(max_examples=300, deadline=None)
+@given(command_lines())
+def test_a_random_token_in_a_recorded_string_is_caught_at_the_exit(case):
+    argv, shell, token = case
+    for value in (shell, " ".join(argv[1:]), f"spawn failed: {shell}"):
+        assert token not in scrub_value(value), value
+    assert token not in str(scrub_attributes({"stallwatch.args": argv})["stallwatch.args"])

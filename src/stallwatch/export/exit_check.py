@@ -65,9 +65,9 @@ def _span(span: Any) -> Any:
         return span
     name, attributes, events, links, status = span._name, span._attributes, span._events, span._links, span._status
     new_name = scrub_value(name) if type(name) is str else name
-    new_attributes = _attributes(attributes)
-    new_events = _events(events)
-    new_links = _links(links)
+    new_attributes = _attributes(attributes) if attributes else attributes
+    new_events = _events(events) if events else events
+    new_links = _links(links) if links else links
     description = status.description if status is not None else None
     new_status = status
     if description:
@@ -103,18 +103,18 @@ def _attributes(attributes: Any) -> Any:
 
 def _events(events: Any) -> Any:
     new = []
-    for event in events or ():
+    for event in events:
         scrubbed = _attributes(event.attributes)
         new.append(event if scrubbed is event.attributes else Event(event.name, scrubbed, event.timestamp))
-    return events if all(a is b for a, b in zip(new, events or (), strict=True)) else tuple(new)
+    return events if all(a is b for a, b in zip(new, events, strict=True)) else tuple(new)
 
 
 def _links(links: Any) -> Any:
     new = []
-    for link in links or ():
+    for link in links:
         scrubbed = _attributes(link.attributes)
         new.append(link if scrubbed is link.attributes else Link(link.context, scrubbed))
-    return links if all(a is b for a, b in zip(new, links or (), strict=True)) else tuple(new)
+    return links if all(a is b for a, b in zip(new, links, strict=True)) else tuple(new)
 
 
 def _log_item(item: Any) -> Any:

@@ -47,8 +47,11 @@ UNSCRUBBABLE = "[arguments could not be scrubbed]"  # the whole result if scrubb
 
 _SHORTEST_SECRET = 12  # a shorter value can only hold a secret next to `=`, `:`, `@` or a space (`scrub_value`)
 _SEPARATES = re.compile(r"[=:@\s]")
+_PLAIN_WORDS = re.compile(r"[A-Za-z0-9_.() ]*")  # no option dash, no `=`, `:`, `@`, `/`, quote
+_LONG_WORD = re.compile(r"[A-Za-z0-9_.]{20}")  # every token shape but a JWT's is longer; a JWT starts `eyJ`
 _CLEAN_VALUES_LIMIT = 4096  # values `scrub_value` found clean, kept until there are this many, then forgotten
 _clean_values: dict[str, None] = {}
+_clean_lists: dict[tuple[str, ...], None] = {}  # the same, for argument lists (`scrub_attributes`)
 _SCAN_CHARS = 2 * MAX_ARG_CHARS  # an argument is cut to this many characters (at a word boundary) first
 _MAX_DEPTH = 8  # nesting of quoted words / KEY=VALUE values; deeper text is redacted whole
 
@@ -67,6 +70,9 @@ _SECRET_NAME = re.compile(
     r"|auth(?!ors?(?![a-z])|ority|orities)|cookie|session|signature|(?<![a-z])sig(?![a-z])|bearer|jwt|dsn"
     r"|(?<![a-z])(?:pat|otp|psk)(?![a-z])"
 )
+# What makes a rule fire in plain words: a secret's name (nmcli's `password VALUE`, `set token VALUE`), an
+# authorization scheme, `IdentityFile PATH`, a JWT.
+_TRIGGERS = re.compile(_SECRET_NAME.pattern + r"|bearer|basic|identityfile|eyj")
 # Names (lower-cased, without `-_.`) that contain a secret word but never carry a secret value:
 # ssh options taking yes/no or algorithm lists, and flags that take no value at all.
 _NOT_SECRET = frozenset(
@@ -432,6 +438,8 @@ def scrub_value(value: str) -> str:
     try:
         if (len(value) < _SHORTEST_SECRET and not _SEPARATES.search(value)) or value in _clean_values:
             return value
+        if _PLAIN_WORDS.fullmatch(value) and not _LONG_WORD.search(value) and not _TRIGGERS.search(value.lower()):
+            return value  # short plain words, none a secret's name: no rule can fire (`name (N args)`, statuses)
         state = _State(())
         scrubbed = _text(_inline(value, state), state, 0)  # words: a recorded shell line stays one
         if scrubbed == value:
@@ -449,14 +457,22 @@ def scrub_attributes(attributes: Mapping[str, object]) -> Mapping[str, object]:
     `scrub_args` (read as the argv it usually is, so a git object name stays one), but for the server-given ids
     `telemetry.IDENTIFIERS` names; `attributes` itself when nothing changed."""
     changed: dict[str, object] | None = None
+    clean, identifiers = _clean_values, telemetry.IDENTIFIERS
     for key, value in attributes.items():
-        if key in telemetry.IDENTIFIERS:
-            continue
-        if type(value) is str:
+        kind = type(value)
+        if kind is str:
+            if value in clean or key in identifiers:
+                continue
             checked: object = scrub_value(value)
-        elif isinstance(value, (list, tuple)) and value and all(type(item) is str for item in value):
+        elif (kind is list or kind is tuple) and value and all(type(item) is str for item in value):
+            if key in identifiers or tuple(value) in _clean_lists:
+                continue
             items = scrub_args(value)
-            checked = value if items == list(value) else type(value)(items)
+            checked = value if items == list(value) else kind(items)
+            if checked is value:
+                if len(_clean_lists) >= _CLEAN_VALUES_LIMIT:
+                    _clean_lists.clear()
+                _clean_lists[tuple(value)] = None
         else:
             continue
         if checked is not value:
