@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 
 from secrets_corpus import CORPUS, HARMLESS, RULE_SET_TOKENS, fingerprint
 from stallwatch.instrument.scrub import (
+    _PROGRAMS,
+    _SHORT_OPTIONS,
     MAX_ARG_CHARS,
     MAX_ARGS,
     MAX_NAME_CHARS,
@@ -290,3 +292,10 @@ def test_a_random_token_is_told_from_words_by_how_its_characters_follow_each_oth
     words += ["SomeLongClassNameForTesting2Things", "TestHandleRequestWithRetries", "x86_64-unknown-linux-gnu"]
     assert all(_looks_random(token) for token in tokens)
     assert not [word for word in words if _looks_random(word)]
+
+
+def test_the_scrubbing_rules_document_names_every_tool_whose_short_options_are_scrubbed():
+    document = (Path(__file__).parent.parent / "docs" / "scrubbing.md").read_text()
+    tools = [name for name, context in _PROGRAMS.items() if context in _SHORT_OPTIONS]
+    assert len(tools) > 60
+    assert [tool for tool in tools if not re.search(rf"(?<![\w-]){re.escape(tool)}(?![\w-])", document)] == []

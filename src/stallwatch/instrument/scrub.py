@@ -438,16 +438,17 @@ def scrub_value(value: str) -> str:
     try:
         if (len(value) < _SHORTEST_SECRET and not _SEPARATES.search(value)) or value in _clean_values:
             return value
-        if _PLAIN_WORDS.fullmatch(value) and not _LONG_WORD.search(value) and not _TRIGGERS.search(value.lower()):
-            return value  # short plain words, none a secret's name: no rule can fire (`name (N args)`, statuses)
-        state = _State(())
-        scrubbed = _text(_inline(value, state), state, 0)  # words: a recorded shell line stays one
-        if scrubbed == value:
-            if len(_clean_values) >= _CLEAN_VALUES_LIMIT:
-                _clean_values.clear()
-            _clean_values[value] = None  # clean: it leaves the process anyway, so keeping it here costs nothing
-            return value
-        return scrubbed
+        # Short plain words, none a secret's name (`name (N args)`, statuses): no rule can fire.
+        plain = _PLAIN_WORDS.fullmatch(value) and not _LONG_WORD.search(value) and not _TRIGGERS.search(value.lower())
+        if not plain:
+            state = _State(())
+            scrubbed = _text(_inline(value, state), state, 0)  # words: a recorded shell line stays one
+            if scrubbed != value:
+                return scrubbed
+        if len(_clean_values) >= _CLEAN_VALUES_LIMIT:
+            _clean_values.clear()
+        _clean_values[value] = None  # clean: it leaves the process anyway, so keeping it here costs nothing
+        return value
     except Exception:
         return REDACTED
 
