@@ -11,11 +11,11 @@ git, on the same command lines: the ``before`` column.
 
 What stallwatch spends scrubbing one spawn, in µs of CPU, in the three places it does:
 
-- ``name and args``: on the host's thread inside the spawn call (`instrument.subprocess.describe`): the
-  executable's name (`executable_name`), and with args on, `scrub_args` of the argv. Before the exit check this
-  was all the scrubbing a spawn did.
-- ``heartbeat``: the heartbeat's spawn name (`name (N args)`) checked once more (`scrub_value`), on the host's
-  thread, for the spawns that fork (uvloop exec, fork-based Popen).
+- ``name and args``: `instrument.subprocess.describe` on the subprocess instrumentation's builder thread (the
+  calling thread only keeps references): the executable's name (`executable_name`), and with args on,
+  `scrub_args` of the argv. Before the exit check this was all the scrubbing a spawn did.
+- ``heartbeat``: the heartbeat's spawn name (`name (N args)`) checked once more (`scrub_value`), on the calling
+  thread just before the fork of a uvloop exec spawn (`forksafe.guard`).
 - ``exit check``: the spawn's finished span through `export.exit_check.checked`, on the batch exporter's thread.
 
 Command lines: the ordinary ones of `tests/secrets_corpus.py` (``HARMLESS``, what a server spawns every day)
@@ -125,15 +125,16 @@ def _summary(results: list[dict[str, Any]]) -> str:
     """The figures a reader wants, in words: ordinary command lines, warm and cold caches."""
     row = {(r["record_args"], r["cache"]): r for r in results if r["corpus"] == "ordinary"}
     off, off_cold, on, on_cold = row[False, "warm"], row[False, "cold"], row[True, "warm"], row[True, "cold"]
-    host = lambda r: r["name and args"] + r["heartbeat"]  # noqa: E731
     return (
-        f"Ordinary command lines, median per spawn. **Args off (the default)**: {host(off):.2f} µs on the host's "
-        f"thread against {off['before']:.2f} before the exit check ({host(off_cold):.1f} against "
-        f"{off_cold['before']:.1f} the first time a name is seen), plus {off['exit check']:.1f} µs on the export "
-        f"thread. **Args on**: {host(on):.1f} µs on the host's thread against {on['before']:.1f} before "
-        f"({on['name and args']:.1f} of it the scrubber itself), plus {on['exit check']:.1f} µs on the export "
-        f"thread for a command line seen before and {on_cold['exit check']:.1f} for a new one (the argument "
-        "list is scrubbed again there)."
+        f"Ordinary command lines, median per spawn. **Args off (the default)**: naming the executable costs "
+        f"{off['name and args']:.2f} µs on the builder thread, as before ({off['before']:.2f}); new: "
+        f"{off['heartbeat']:.2f} µs on the calling thread to check the heartbeat's spawn name "
+        f"({off_cold['heartbeat']:.1f} the first time a name is seen) and {off['exit check']:.1f} µs on the export "
+        f"thread for the exit check. **Args on**: the scrubber costs {on['name and args']:.1f} µs on the builder "
+        f"thread against {on['before']:.1f} before ({on_cold['name and args']:.1f} against "
+        f"{on_cold['before']:.1f} with cold caches); the exit check adds {on['exit check']:.1f} µs on the export "
+        f"thread for a command line seen before and {on_cold['exit check']:.1f} for a new one (its argument list is "
+        "scrubbed again there)."
     )
 
 
@@ -171,8 +172,8 @@ def main() -> None:
         f"Machine: {machine['nproc']} CPUs, Linux {machine['kernel']}, Python {machine['python']}, "
         f"opentelemetry-sdk {machine['versions']['opentelemetry-sdk']}; commit {machine['git_commit']}; "
         f"{machine['date']}; load {' '.join(machine['loadavg'])}.\n\n"
-        "| command lines | STALLWATCH_RECORD_ARGS | caches | before: name and args | name and args (host thread) "
-        "| heartbeat (host thread) | exit check (export thread) | total |\n|---|---|---|---|---|---|---|---|\n"
+        "| command lines | STALLWATCH_RECORD_ARGS | caches | before: name and args | name and args (builder thread) "
+        "| heartbeat (calling thread) | exit check (export thread) | total |\n|---|---|---|---|---|---|---|---|\n"
         + "\n".join(rows)
         + "\n"
     )
