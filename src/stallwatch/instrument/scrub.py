@@ -755,7 +755,7 @@ _CLASS_OF = str.maketrans(
 # log(random / written) for each pair of classes, by the pair's two class digits; pairs across a separator are
 # left out, so a path's words are judged as words.
 _PAIR_SCORE = {f"{a}{b}": math.log(_RANDOM_CLASS[b] / _FOLLOWS[a][b]) for a in range(5) for b in range(5)}
-_RANDOM_SCORE = 0.3  # mean score per pair from which a run is random: 99.9 % of random tokens of 24+ characters
+_RANDOM_SCORE = 0.3  # mean score per pair from which a run is random (docs/scrubbing.md: what it misses)
 
 
 def _looks_random(core: str) -> bool:
