@@ -9,8 +9,11 @@ checks every log record of the `stallwatch` loggers against `SECRETS` during eve
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import random
 import re
+import string
 from pathlib import Path, PurePosixPath
 
 JWT = "eyJhbGciOiJIUzI1NiIsInR5cCI6IkpXVCJ9.eyJzdWIiOiJqd3QtY29ycHVzLTQ0MDQifQ.JwtSig4404_q8Zt1xWm2VbN"
@@ -374,6 +377,291 @@ CORPUS: list[tuple[list[object], tuple[str, ...], tuple[str, ...]]] = [
     ),
 ]
 
+# ---- token shapes of public secret-scanning rule sets ----------------------------------------------
+# The layouts gitleaks (config/gitleaks.toml) and detect-secrets (its plugins) document, filled with characters
+# from a fixed-seed generator: test data of the right shape, never a real credential.
+_fill_rng = random.Random(20260601)
+_B62 = string.ascii_letters + string.digits
+_B64URL = _B62 + "-_"
+_B64 = _B62 + "+/"
+_HEXL = "0123456789abcdef"
+_UPPER_DIGITS = string.ascii_uppercase + string.digits
+
+
+def _fill(alphabet: str, size: int) -> str:
+    """`size` characters of `alphabet`, at least one of them a digit when the alphabet has digits."""
+    while True:
+        text = "".join(_fill_rng.choice(alphabet) for _ in range(size))
+        if not any(c.isdigit() for c in alphabet) or any(c.isdigit() for c in text):
+            return text
+
+
+def _jwt() -> str:
+    header, claims = b'{"alg":"RS256","typ":"JWT"}', b'{"sub":"corpus-5301","iat":1717200000}'
+    parts = [base64.urlsafe_b64encode(part).decode().rstrip("=") for part in (header, claims)]
+    return ".".join([*parts, _fill(_B64URL, 43)])
+
+
+RULE_SET_TOKENS: dict[str, str] = {
+    "aws-access-key-id": "AKIA" + _fill(_UPPER_DIGITS, 16),
+    "aws-secret-access-key": _fill(_B64, 40),
+    "github-pat": "ghp_" + _fill(_B62, 36),
+    "github-fine-grained-pat": "github_pat_" + _fill(_B62 + "_", 82),
+    "gitlab-pat": "glpat-" + _fill(_B64URL, 20),
+    "gitlab-runner-token": "glrt-" + _fill(_B64URL, 20),
+    "slack-bot-token": "xoxb-" + _fill(string.digits, 12) + "-" + _fill(string.digits, 12) + "-" + _fill(_B62, 24),
+    "slack-app-token": "xapp-1-" + _fill(_UPPER_DIGITS, 11) + "-" + _fill(string.digits, 13) + "-" + _fill(_HEXL, 64),
+    "stripe-secret-key": "sk_live_" + _fill(_B62, 24),
+    "stripe-webhook-secret": "whsec_" + _fill(_B62, 32),
+    "openai-api-key": "sk-proj-" + _fill(_B64URL, 74) + "T3BlbkFJ" + _fill(_B64URL, 74),
+    "anthropic-api-key": "sk-ant-api03-" + _fill(_B64URL, 93) + "AA",
+    "gcp-api-key": "AIza" + _fill(_B64URL, 35),
+    "google-oauth-access-token": "ya29." + _fill(_B64URL, 80),
+    "google-oauth-client-secret": "GOCSPX-" + _fill(_B64URL, 28),
+    "npm-token": "npm_" + _fill(_B62, 36),
+    "pypi-token": "pypi-AgEIcHlwaS5vcmc" + _fill(_B64URL, 70),
+    "rubygems-token": "rubygems_" + _fill(_HEXL, 48),
+    "vault-service-token": "hvs." + _fill(_B64URL, 90),
+    "huggingface-token": "hf_" + _fill(string.ascii_letters, 34),
+    "sendgrid-api-key": "SG." + _fill(_B64URL, 22) + "." + _fill(_B64URL, 43),
+    "twilio-api-key": "SK" + _fill(_HEXL, 32),
+    "databricks-token": "dapi" + _fill(_HEXL, 32),
+    "digitalocean-pat": "dop_v1_" + _fill(_HEXL, 64),
+    "doppler-token": "dp.pt." + _fill(_B62, 43),
+    "dynatrace-token": "dt0c01." + _fill(_UPPER_DIGITS, 24) + "." + _fill(_UPPER_DIGITS, 64),
+    "shopify-access-token": "shpat_" + _fill(_HEXL, 32),
+    "planetscale-token": "pscale_tkn_" + _fill(_B64URL, 43),
+    "postman-api-key": "PMAK-" + _fill(_HEXL, 24) + "-" + _fill(_HEXL, 34),
+    "pulumi-token": "pul-" + _fill(_HEXL, 40),
+    "prefect-token": "pnu_" + _fill(_B62, 36),
+    "sentry-user-token": "sntryu_" + _fill(_HEXL, 64),
+    "linear-api-key": "lin_api_" + _fill(_B62, 40),
+    "notion-token": "ntn_" + _fill(string.digits, 11) + _fill(_B62, 35),
+    "heroku-api-key-v2": "HRKU-AA" + _fill(_B64URL, 58),
+    "age-secret-key": "AGE-SECRET-KEY-1" + _fill("QPZRY9X8GF2TVDW0S3JN54KHCE6MUA7L", 58),
+    "square-access-token": "sq0atp-" + _fill(_B64URL, 22),
+    "mailgun-key": "key-" + _fill(_HEXL, 32),
+    "mailchimp-key": _fill(_HEXL, 32) + "-us14",
+    "telegram-bot-token": _fill(string.digits, 10) + ":AA" + _fill(_B64URL, 33),
+    "discord-bot-token": "M" + _fill(_B64URL, 23) + "." + _fill(_B64URL, 6) + "." + _fill(_B64URL, 27),
+    "jwt": _jwt(),
+    "azure-ad-client-secret": _fill(_B62, 3) + "8Q~" + _fill(_B62 + "_~.-", 34),
+    "openshift-token": "sha256~" + _fill(_B64URL, 43),
+    "artifactory-api-key": "AKCp" + _fill(_B62, 69),
+    "alibaba-access-key-id": "LTAI" + _fill(_B62, 20),
+    "1password-service-account": "ops_eyJ" + _fill(_B64, 250),
+    "grafana-cloud-token": "glc_" + _fill(_B62, 40),
+    "grafana-service-account": "glsa_" + _fill(_B62, 32) + "_" + _fill(_HEXL, 8),
+    "atlassian-api-token": "ATATT3" + _fill(_B64URL, 186),
+    "azure-storage-account-key": _fill(_B64, 86) + "==",
+    "hex-secret-64": _fill(_HEXL, 64),
+    "openssh-private-key-body": "b3BlbnNzaC1rZXktdjEAAAAA" + _fill(_B64, 60),
+}
+# Where a bare token lands on a command line: no name says it is secret, only its shape.
+_POSITIONS = (
+    lambda t: ["deploy-tool", "push", "--region", "eu-west-1", t],
+    lambda t: ["worker", f"--value={t}", "--verbose"],
+    lambda t: [f"run-job --target prod {t} && echo done"],
+    lambda t: ["client", "--json", f'{{"value": "{t}", "retries": 3}}'],
+    lambda t: [f"DEPLOY_VALUE={t} ./release.sh --dry-run"],
+)
+RULE_SET_COMMANDS: list[tuple[list[object], tuple[str, ...], tuple[str, ...]]] = [
+    (_POSITIONS[number % len(_POSITIONS)](token), (token,), ()) for number, token in enumerate(RULE_SET_TOKENS.values())
+]
+_PGP_BODY = _fill(_B64, 64)
+KEY_MATERIAL: list[tuple[list[object], tuple[str, ...], tuple[str, ...]]] = [
+    (
+        [
+            "gpg",
+            "--import",
+            f"-----BEGIN PGP PRIVATE KEY BLOCK-----\n\n{_PGP_BODY}\n=Ab3d\n-----END PGP PRIVATE KEY BLOCK-----",
+        ],
+        (_PGP_BODY,),
+        ("gpg", "--import"),
+    ),
+    (
+        ["putty-import", f"PuTTY-User-Key-File-3: ssh-ed25519\nEncryption: none\nPrivate-Lines: 1\n{_PGP_BODY[:40]}"],
+        (_PGP_BODY[:40],),
+        ("putty-import",),
+    ),
+]
+
+# Credentials glued to (or following) the short options of the tools that take them that way, and secrets
+# carried in the path of a URL.
+_OPENSSL_KEY = "5191" + _fill(_HEXL, 60)
+SHORT_OPTION_CREDENTIALS: list[tuple[list[object], tuple[str, ...], tuple[str, ...]]] = [
+    (
+        ["smbclient", "-Uadmin%SmbGlued-5170", "//files.example.com/share"],
+        ("SmbGlued-5170",),
+        ("-Uadmin%", "//files.example.com/share"),
+    ),
+    (["rpcclient", "-U", "ops%RpcSep-5171", "dc1.example.com"], ("RpcSep-5171",), ("ops%", "dc1.example.com")),
+    (
+        ["lftp", "-u", "deploy,LftpPw-5172", "sftp://files.example.com"],
+        ("LftpPw-5172",),
+        ("deploy,", "sftp://files.example.com"),
+    ),
+    (
+        ["sqlplus", "-s", "scott/OraclePw-5173@db.example.com:1521/ORCL", "@report.sql"],
+        ("OraclePw-5173",),
+        ("scott/", "@db.example.com:1521/ORCL", "@report.sql"),
+    ),
+    (
+        ["expdp", "system/ExpdpPw-5174@prod", "directory=dp_dir", "dumpfile=full.dmp"],
+        ("ExpdpPw-5174",),
+        ("system/", "@prod", "dumpfile=full.dmp"),
+    ),
+    (
+        ["xfreerdp", "/v:10.0.0.7", "/u:admin", "/p:RdpPw-5175", "/cert:ignore"],
+        ("RdpPw-5175",),
+        ("/v:10.0.0.7", "/u:admin", "/p:", "/cert:ignore"),
+    ),
+    (["rdesktop", "-u", "admin", "-pRdesktopPw-5176", "10.0.0.7"], ("RdesktopPw-5176",), ("admin", "10.0.0.7")),
+    (
+        ["ipmitool", "-I", "lanplus", "-H", "10.1.1.1", "-U", "root", "-PIpmiPw-5177", "chassis", "status"],
+        ("IpmiPw-5177",),
+        ("lanplus", "10.1.1.1", "chassis"),
+    ),
+    (
+        ["mosquitto_pub", "-h", "mqtt.example.com", "-u", "sensor", "-PMqttPw-5178", "-t", "t/1", "-m", "42"],
+        ("MqttPw-5178",),
+        ("mqtt.example.com", "sensor", "t/1"),
+    ),
+    (
+        [
+            "snmpwalk",
+            "-v3",
+            "-l",
+            "authPriv",
+            "-u",
+            "mon",
+            "-a",
+            "SHA",
+            "-ASnmpAuth-5179",
+            "-x",
+            "AES",
+            "-XSnmpPriv-5180",
+            "10.0.0.1",
+        ],
+        ("SnmpAuth-5179", "SnmpPriv-5180"),
+        ("authPriv", "10.0.0.1"),
+    ),
+    (["snmpget", "-v2c", "-cSnmpComm-5181", "10.0.0.1", "sysUpTime.0"], ("SnmpComm-5181",), ("-v2c", "sysUpTime.0")),
+    (
+        ["mongodump", "--host", "db.example.com", "-u", "backup", "-pMongoGlued-5182"],
+        ("MongoGlued-5182",),
+        ("db.example.com", "backup"),
+    ),
+    (["unrar", "x", "-pUnrarPw-5183", "archive.rar"], ("UnrarPw-5183",), ("unrar", "archive.rar")),
+    (["rar", "a", "-hpRarHeader-5184", "backup.rar", "data/"], ("RarHeader-5184",), ("backup.rar", "data/")),
+    (
+        ["ncftpput", "-u", "web", "-pNcftpPw-5185", "ftp.example.com", "/www", "index.html"],
+        ("NcftpPw-5185",),
+        ("ftp.example.com", "index.html"),
+    ),
+    (["keydb-cli", "-aKeydbPw-5186", "PING"], ("KeydbPw-5186",), ("keydb-cli", "PING")),
+    (
+        ["nmcli", "device", "wifi", "connect", "Office-5G", "password", "WifiPw-5187"],
+        ("WifiPw-5187",),
+        ("connect", "Office-5G", "password"),
+    ),
+    (
+        ["nmcli", "con", "modify", "office", "wifi-sec.psk", "WifiPsk-5188"],
+        ("WifiPsk-5188",),
+        ("modify", "wifi-sec.psk"),
+    ),
+    (
+        ["bcp", "db.dbo.orders", "out", "orders.dat", "-S", "sql.example.com", "-U", "sa", "-PBcpPw-5189"],
+        ("BcpPw-5189",),
+        ("orders.dat", "sql.example.com"),
+    ),
+    (
+        ["sh", "-c", "mysqldump -uroot -pShellGlued-5190 shop > /backup/shop.sql"],
+        ("ShellGlued-5190",),
+        ("mysqldump -uroot -p", "/backup/shop.sql"),
+    ),
+    (
+        ["sudo", "mysql", "-uadmin", "-pSudoGlued-5191", "-e", "SHOW DATABASES"],
+        ("SudoGlued-5191",),
+        ("sudo", "-uadmin", "SHOW DATABASES"),
+    ),
+    (
+        ["openssl", "enc", "-aes-256-cbc", "-K", _OPENSSL_KEY, "-iv", "00", "-in", "plain.txt"],
+        (_OPENSSL_KEY,),
+        ("-aes-256-cbc", "plain.txt"),
+    ),
+]
+URL_PATH_SECRETS: list[tuple[list[object], tuple[str, ...], tuple[str, ...]]] = [
+    (
+        [
+            "curl",
+            "-X",
+            "POST",
+            "-d",
+            "{}",
+            "https://hooks.slack.com/services/T0CORPUS1/B0CORPUS2/slackhooksecretfivetwo",
+        ],
+        ("slackhooksecretfivetwo",),
+        ("https://hooks.slack.com/services/",),
+    ),
+    (
+        ["curl", "-d", "@m.json", "hooks.slack.com/services/T0CORPUS1/B0CORPUS2/SlackBareHost5192xy"],
+        ("SlackBareHost5192xy",),
+        ("hooks.slack.com/services/",),
+    ),
+    (
+        ["curl", "https://discord.com/api/webhooks/112233445566778899/DiscordHookSecret-5193_xyzABC"],
+        ("DiscordHookSecret-5193_xyzABC",),
+        ("https://discord.com/api/webhooks/",),
+    ),
+    (
+        ["curl", "https://api.telegram.org/bot5194123456:AAtelegramCorpusToken5194abcdefghijk/sendMessage"],
+        ("AAtelegramCorpusToken5194abcdefghijk",),
+        ("https://api.telegram.org/bot", "/sendMessage"),
+    ),
+    (
+        ["curl", "https://mattermost.example.com/hooks/mmhooksecret5195qwertyuiop"],
+        ("mmhooksecret5195qwertyuiop",),
+        ("https://mattermost.example.com/hooks/",),
+    ),
+    (
+        ["curl", "https://example.webhook.office.com/webhookb2/5196aaaa-1111@2222/IncomingWebhook/5196bbbb/cccc"],
+        ("5196aaaa-1111@2222", "5196bbbb"),
+        ("https://example.webhook.office.com/webhookb2/",),
+    ),
+    (
+        ["curl", "https://maker.ifttt.com/trigger/deploy/with/key/IftttKey5197abc"],
+        ("IftttKey5197abc",),
+        ("https://maker.ifttt.com/trigger/deploy/with/key/",),
+    ),
+    (
+        ["curl", "https://hc-ping.com/5198aaaa-1111-4222-8333-944445555666"],
+        ("5198aaaa-1111-4222-8333-944445555666",),
+        ("https://hc-ping.com/",),
+    ),
+    (
+        ["curl", "https://events.pagerduty.com/integration/PagerDutyKey5199xyz/enqueue"],
+        ("PagerDutyKey5199xyz",),
+        ("https://events.pagerduty.com/integration/",),
+    ),
+    (
+        ["curl", "https://hooks.zapier.com/hooks/catch/5200123/ZapierHook5200/"],
+        ("ZapierHook5200", "5200123"),
+        ("https://hooks.zapier.com/hooks/",),
+    ),
+    (
+        ["sh", "-c", "curl -fsS -d @payload.json https://hooks.slack.com/workflows/T0C/A0C/5201/SlackWorkflow5201abc"],
+        ("SlackWorkflow5201abc",),
+        ("curl -fsS -d @payload.json https://hooks.slack.com/workflows/",),
+    ),
+    (
+        ["wget", "-q", "https://downloads.example.com/private/Xk29fLq0VbN7cTr4WmZp1sYd/report.pdf"],
+        ("Xk29fLq0VbN7cTr4WmZp1sYd",),
+        ("https://downloads.example.com/private/", "/report.pdf"),
+    ),
+]
+CORPUS += [*SHORT_OPTION_CREDENTIALS, *URL_PATH_SECRETS, *RULE_SET_COMMANDS, *KEY_MATERIAL]  # fmt: skip
+
 # Command lines without secrets: recorded unchanged.
 HARMLESS: list[list[str]] = [
     ["ssh", "-N", "-o", "ServerAliveInterval=30", "-o", "StrictHostKeyChecking=accept-new", "ops@bastion.example.com"],
@@ -389,6 +677,78 @@ HARMLESS: list[list[str]] = [
     ["rsync", "-az", "--delete", "src/", "backup@store.example.com:/srv/backup/"],
     ["uv", "run", "pytest", "-k", "SomeLongClassNameForTesting2Things"],
     ["docker", "run", "-p", "8080:80", "-u", "1000:1000", "nginx"],
+    # What a server spawns every day: each must read as it was written.
+    ["git", "checkout", "3f2a9c0b7e1d4f6a8b5c2e9d1a7f3b6c0d4e5f6a"],  # a commit name given to git
+    ["git", "log", "--oneline", "origin/main..HEAD"],
+    ["git", "clone", "https://github.com/psf/requests.git"],
+    ["git", "commit", "-m", "Fix the flaky retry test on CI"],
+    ["git", "rebase", "-i", "HEAD~3"],
+    ["git", "show", "a1b2c3d"],
+    ["sh", "-c", "cd /srv/app && git fetch origin && git reset --hard 9c1e2d3f4a5b6c7d8e9f0a1b2c3d4e5f6a7b8c9d"],
+    [
+        "docker",
+        "run",
+        "--rm",
+        "-it",
+        "-p",
+        "8080:80",
+        "-v",
+        "/srv/data:/data:ro",
+        "-e",
+        "LOG_LEVEL=debug",
+        "--name",
+        "web-1",
+        "nginx:1.25-alpine",
+    ],
+    ["docker", "exec", "-it", "web-1", "sh"],
+    ["docker", "build", "-t", "registry.example.com/team/api:2024.06.1", "-f", "docker/Dockerfile.prod", "."],
+    ["kubectl", "-n", "prod", "rollout", "restart", "deployment/api-server"],
+    ["kubectl", "logs", "-f", "api-server-7d9f8b6c5-x2klp", "-c", "app", "--since=10m"],
+    ["kubectl", "port-forward", "svc/postgres", "5432:5432"],
+    ["kubectl", "apply", "-f", "k8s/overlays/production/kustomization.yaml"],
+    ["kubectl", "get", "secret", "db-credentials", "-o", "yaml"],
+    ["ssh", "-L", "8080:localhost:80", "host.example.com"],
+    ["ssh", "-o", "ServerAliveInterval=30", "-p", "2222", "deploy@10.20.30.40", "uptime"],
+    ["scp", "-r", "build/", "deploy@files.example.com:/var/www/app/"],
+    ["pip", "install", "pkg==1.2.3", "requests>=2.31,<3"],
+    ["python", "-m", "module", "--flag", "value"],
+    ["python3", "-m", "http.server", "8000", "--bind", "127.0.0.1"],
+    ["uvicorn", "app.main:app", "--host", "0.0.0.0", "--port", "8000", "--workers", "4"],
+    ["gunicorn", "-w", "4", "-b", "0.0.0.0:8000", "myproject.wsgi:application"],
+    ["cat", "/var/log/nginx/access.log"],
+    ["cat", "/usr/share/icons/Adwaita/48x48/actions/insert-object-symbolic.png"],
+    ["tar", "-czf", "/backups/db-2024-06-01.tar.gz", "-C", "/var/lib/postgresql", "data"],
+    ["rsync", "-avz", "--exclude", ".git", "./", "backup@nas.local:/volume1/backups/"],
+    ["ping", "-c", "3", "192.168.1.1"],
+    ["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", "https://api.example.com/v2/health"],
+    ["curl", "http://[2001:db8::1]:8080/metrics"],
+    ["curl", "https://api.example.com/v1/oauth/token/refresh"],
+    ["dig", "+short", "api.internal.example.com", "AAAA"],
+    ["cp", "/tmp/3fa85f64-5717-4562-b3fc-2c963f66afa6.json", "/data/uploads/"],
+    ["ls", "-la", "/home/alice/Projects/MyApp2/src"],
+    ["psql", "-h", "db.example.com", "-U", "app", "-d", "appdb", "-c", "SELECT count(*) FROM users"],
+    ["mysql", "-u", "root", "-p", "shop"],
+    ["terraform", "plan", "-var-file=envs/prod.tfvars", "-out=plan.out"],
+    ["ansible-playbook", "-i", "inventory/prod.ini", "site.yml", "--limit", "webservers"],
+    ["helm", "upgrade", "--install", "api", "./charts/api", "--namespace", "prod", "--set", "image.tag=v1.4.2"],
+    ["aws", "s3", "cp", "s3://my-bucket/reports/2024/06/summary.csv", "."],
+    ["gcloud", "compute", "instances", "list", "--project", "my-project-123456"],
+    ["node", "dist/server.js", "--max-old-space-size=4096"],
+    ["java", "-Xmx2g", "-jar", "build/libs/service-1.0.0-SNAPSHOT.jar", "--spring.profiles.active=prod"],
+    ["ffmpeg", "-i", "input.mp4", "-c:v", "libx264", "-crf", "23", "output.mp4"],
+    ["journalctl", "-u", "nginx.service", "--since", "2024-06-01 10:00:00"],
+    ["systemctl", "restart", "postgresql@15-main"],
+    ["pytest", "-q", "tests/test_api.py::TestUserEndpoints::test_create_user_returns_201"],
+    ["make", "-j8", "CFLAGS=-O2 -g"],
+    ["go", "test", "./...", "-run", "TestHandleRequestWithRetries"],
+    ["cargo", "build", "--release", "--target", "x86_64-unknown-linux-gnu"],
+    ["openssl", "x509", "-in", "/etc/ssl/certs/DigiCert_Global_Root_G2.pem", "-noout", "-text"],
+    ["sha256sum", "dist/app-linux-amd64.tar.gz"],
+    ["mongosh", "--host", "db.example.com", "--authenticationDatabase", "admin", "-u", "reader"],
+    ["vault", "kv", "get", "secret/myapp/config"],
+    ["ssh-keygen", "-t", "ed25519", "-C", "alice@example.com", "-N", ""],
+    ["nvidia-smi", "--query-gpu=name,memory.used", "--format=csv,noheader"],
+    ["bash", "-lc", "source .venv/bin/activate && python manage.py migrate --noinput"],
 ]
 
 # ---- secrets by other routes than a command line ---------------------------------------------------
@@ -458,7 +818,8 @@ EXECUTOR_SECRETS = ("ExecutorArgSecret-8601", "ExecutorKwPw-8602")
 
 def _distinctive(secret: str) -> bool:
     """Long and odd enough that finding it in any output can only mean a leak (not "correct" or "8642")."""
-    return len(secret) >= 8 and any(c.isdigit() for c in secret) and not re.search(r"[\s'\"\\]", secret)
+    odd = any(c.isdigit() for c in secret) or len(secret) >= 20  # a long generated token may hold no digit
+    return len(secret) >= 8 and odd and not re.search(r"[\s'\"\\]", secret)
 
 
 # Every secret the suite seeds anywhere, as searched for in stallwatch's outputs.

@@ -3,24 +3,30 @@ of them while keeping the harmless parts, and no input at all may make it raise 
 
 from __future__ import annotations
 
+import random
 import re
+import shlex
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from secrets_corpus import CORPUS, HARMLESS, fingerprint
+from secrets_corpus import CORPUS, HARMLESS, RULE_SET_TOKENS, fingerprint
 from stallwatch.instrument.scrub import (
+    _PROGRAMS,
+    _SHORT_OPTIONS,
     MAX_ARG_CHARS,
     MAX_ARGS,
     MAX_NAME_CHARS,
     REDACTED,
     UNSCRUBBABLE,
+    _looks_random,
     compile_patterns,
     executable_name,
     scrub_args,
 )
+from support.tokens import ENCODINGS, command_lines
 
 
 def test_corpus_leaks_no_seeded_secret_and_keeps_the_harmless_parts():
@@ -245,3 +251,51 @@ def test_a_secret_in_a_secret_position_never_survives(case):
     text = "\n".join(out)
     assert "ZQ" not in text, f"seeded secret {secret!r} leaked: {argv} -> {out}"
     assert re.search(r"\[REDACTED\]|key:[0-9a-f]{12}", text), out
+
+
+# ---- secrets nobody listed -----------------------------------------------------------------------
+
+
+def _fragments(token: str, size: int = 16) -> set[str]:
+    return {token[start : start + size] for start in range(max(1, len(token) - size + 1))}
+
+
+@pytest.mark.parametrize("name", sorted(RULE_SET_TOKENS))
+def test_every_token_shape_of_the_public_rule_sets_is_redacted_wherever_it_stands(name):
+    token = RULE_SET_TOKENS[name]
+    for argv in (
+        ["tool", token],
+        ["tool", f"--value={token}"],
+        ["tool", "--data", token],
+        [f"tool --target prod {shlex.quote(token)} && echo done"],
+        ["tool", f"JOB_VALUE={token}"],
+        ["tool", f'{{"v": "{token}"}}'],
+    ):
+        text = "\n".join(scrub_args(argv))
+        assert not _fragments(token) & set(_fragments(text)), f"{name}: {argv} -> {text}"
+
+
+@settings(max_examples=500, deadline=None)
+@given(command_lines())
+def test_a_generated_random_token_never_survives_in_any_position_of_an_argv_or_a_shell_string(case):
+    argv, shell, token = case
+    for recorded in (scrub_args(argv), scrub_args([shell]), scrub_args(["sh", "-c", shell])):
+        check_bounded(recorded)
+        text = "\n".join(recorded)
+        assert not _fragments(token) & _fragments(text), f"{token!r} leaked: {argv} -> {recorded}"
+
+
+def test_a_random_token_is_told_from_words_by_how_its_characters_follow_each_other():
+    generator = random.Random(5)
+    tokens = [ENCODINGS[kind](generator.randbytes(24)) for kind in ("base64url", "base62") for _ in range(2000)]
+    words = [word for argv in HARMLESS for arg in argv for word in re.findall(r"[A-Za-z0-9+/_-]{20,}", arg)]
+    words += ["SomeLongClassNameForTesting2Things", "TestHandleRequestWithRetries", "x86_64-unknown-linux-gnu"]
+    assert all(_looks_random(token) for token in tokens)
+    assert not [word for word in words if _looks_random(word)]
+
+
+def test_the_scrubbing_rules_document_names_every_tool_whose_short_options_are_scrubbed():
+    document = (Path(__file__).parent.parent / "docs" / "scrubbing.md").read_text()
+    tools = [name for name, context in _PROGRAMS.items() if context in _SHORT_OPTIONS]
+    assert len(tools) > 60
+    assert [tool for tool in tools if not re.search(rf"(?<![\w-]){re.escape(tool)}(?![\w-])", document)] == []

@@ -6,21 +6,24 @@ directories it creates 0700. The leak guard in conftest proves here that it fail
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import shutil
 import stat
 import subprocess
 import sys
-import tempfile
 import textwrap
+import uuid
 from pathlib import Path
 
-from conftest import SCENARIOS, attrs, clean_env, otlp_items, run_python
-from secrets_corpus import SECRETS, SSH_IDENTITY_DIR, SSH_IDENTITY_NAME, URLS, leaked
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import attrs, clean_env, otlp_items, run_python
+from secrets_corpus import SECRETS, URLS, leaked
 from sshd_fixture import HTTP_BODY
 from stallwatch.detect import heartbeat
+from support.everywhere import run_everywhere
+from support.tokens import command_lines
 
 TESTS = Path(__file__).parent
 
@@ -39,37 +42,9 @@ def _private(path: Path) -> bool:
 
 
 def test_no_output_of_any_instrumentation_carries_a_corpus_secret(sshd, http_server, receiver, tmp_path):
-    state, snapshots, runtime = tmp_path / "state", tmp_path / "snapshots", tmp_path / "runtime"
-    snapshots.mkdir()
-    runtime.mkdir(mode=0o700)
-    key = tmp_path / SSH_IDENTITY_DIR / SSH_IDENTITY_NAME  # a key whose path is a secret too
-    key.parent.mkdir()
-    shutil.copyfile(sshd.identity, key)
-    key.chmod(0o600)
-    env = clean_env(
-        XDG_STATE_HOME=str(state),  # stallwatch creates state/stallwatch/{telemetry,journal}
-        XDG_RUNTIME_DIR=str(runtime),  # the heartbeat file and its companions
-        PYTHONPATH=os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])),
-        OTEL_EXPORTER_OTLP_ENDPOINT=receiver.url,
-        OTEL_TRACES_EXPORTER="otlp,file",
-        OTEL_METRICS_EXPORTER="otlp,file",
-        OTEL_LOGS_EXPORTER="otlp,file",
-        OTEL_METRIC_EXPORT_INTERVAL="3600000",
-        STALLWATCH_RECORD_ARGS="true",
-        STALLWATCH_PROPAGATE_TO_CHILDREN="true",
-        STALLWATCH_LOG_LEVEL="DEBUG",
-        STALLWATCH_FREEZE_THRESHOLD="0.3",
-        STALLWATCH_FAULTHANDLER="true",
-    )
-    del env["STALLWATCH_JOURNAL_DIR"]  # the default, under XDG_STATE_HOME
-    with tempfile.TemporaryDirectory(prefix="sw-") as sock_dir:  # short: unix socket paths are limited
-        proc = subprocess.run(
-            [sys.executable, str(SCENARIOS / "secrets_everywhere.py"), str(snapshots), sshd.user, sshd.host,
-             str(sshd.port), str(key), str(http_server), sock_dir],
-            env=env, capture_output=True, timeout=180,
-        )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr.decode(errors="replace")
-    result = json.loads(proc.stdout.decode().strip().splitlines()[-1])
+    run = run_everywhere(sshd, http_server, receiver, tmp_path)
+    result, state, outputs = run.result, run.state, run.outputs
+    snapshots = tmp_path / "snapshots"
 
     # The scenario really did it all, so that finding nothing means something.
     assert result["sync_spawns"][1] == [0] and result["loop_spawns"] == [12, [0]]
@@ -88,10 +63,6 @@ def test_no_output_of_any_instrumentation_carries_a_corpus_secret(sshd, http_ser
     assert {path for path, _ in receiver.requests} >= {"/v1/traces", "/v1/metrics", "/v1/logs"}
     assert set(result["heartbeat_files"]) == {".hb", ".stacks"}
 
-    outputs = {path.relative_to(tmp_path).as_posix(): path.read_bytes() for path in state.rglob("*") if path.is_file()}
-    outputs |= {f"snapshot {path.name}": path.read_bytes() for path in snapshots.iterdir()}
-    outputs |= {f"OTLP {path} #{n}": body for n, (path, body) in enumerate(receiver.requests)}
-    outputs |= {"stdout": proc.stdout, "stderr": proc.stderr}
     assert any(path.endswith(".journal") for path in outputs)
     leaks = _scan(outputs)
     assert leaks == {}, "\n".join(f"{where}: {found}" for where, found in leaks.items())
@@ -104,6 +75,31 @@ def test_no_output_of_any_instrumentation_carries_a_corpus_secret(sshd, http_ser
     loose = {path.relative_to(tmp_path).as_posix(): oct(_mode(path)) for path in created if not _private(path)}
     loose |= {f"heartbeat {kind}": oct(mode) for kind, mode in result["heartbeat_files"].items() if mode != 0o600}
     assert loose == {}
+
+
+@settings(
+    max_examples=2,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(st.lists(command_lines(), min_size=40, max_size=40))
+def test_generated_random_tokens_in_any_argv_or_shell_position_leave_no_output_of_any_instrumentation(
+    sshd, http_server, receiver, tmp_path, cases
+):
+    tokens = [token for _, _, token in cases]
+    extra = {"argv": [argv for argv, _, _ in cases], "tokens": tokens}
+    run = run_everywhere(sshd, http_server, receiver, tmp_path / uuid.uuid4().hex, extra)
+
+    assert run.result["extra_sync_spawns"] == [83, [0]] and run.result["extra_loop_spawns"] == [8, [0]]
+    spans = otlp_items(run.state / "stallwatch" / "telemetry" / "traces.jsonl", "spans")
+    recorded = [a for span in spans for a in attrs(span).get("process.command_args", {}).get("values", [])]
+    assert sum("[REDACTED]" in str(a) for a in recorded) >= len(cases), "the generated cases reached the scrubber"
+    leaks = {
+        where: found
+        for where, data in run.outputs.items()
+        if (found := sorted({token for token in tokens if token.encode() in data}))
+    }
+    assert leaks == {}
 
 
 def test_a_bad_setting_holding_a_secret_is_reported_without_it(tmp_path):

@@ -501,6 +501,11 @@ CLOUD_RESOURCE_ID = Attribute("stallwatch.cloud.resource.id", "Id of the resourc
 CLOUD_ACTION = Attribute("stallwatch.cloud.action", "What the ledger record is about.", ("create", "delete"))
 CLOUD_STATUS = Attribute("stallwatch.cloud.status", "Outcome of a ledger call: gRPC status name, `timeout`, ...")
 CLOUD_RPC = Attribute("stallwatch.cloud.rpc", "`{rpc.service}/{rpc.method}` of a ledger record.")
+IDENTIFIERS = frozenset(
+    attribute.name for attribute in (NEBIUS_REQUEST_ID, NEBIUS_TRACE_ID, CLOUD_OPERATION_ID, CLOUD_RESOURCE_ID)
+)
+"""Attributes holding ids a server handed out: random-looking, never secret, and what a postmortem joins on, so the
+last check before telemetry leaves the process (`instrument.scrub.scrub_attributes`) keeps them as they are."""
 
 
 @dataclass(frozen=True)

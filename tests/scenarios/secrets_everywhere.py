@@ -10,6 +10,9 @@ Nebius calls with an IAM token and secrets in the payloads; executor items with 
 0.8 s block of the event loop, a freeze the watchdog reports. Before shutdown it copies the heartbeat
 file and its `.stacks` companion into SNAPSHOT_DIR (shutdown removes them) and prints one
 JSON line with their modes.
+With SECRETS_EXTRA_CASES naming a JSON file of generated cases ({"argv": [[...]], "tokens": [...]}), each argv
+is also spawned on the sync paths (as argv and as a shell line, never run), the first few on the loop (exec,
+and a shell really running `true` with the quoted words), and the tokens are given to executor items.
 """
 
 import asyncio
@@ -69,6 +72,8 @@ shell_lines = [
     "true " + " ".join(shlex.quote(url) for url, _ in URLS),
     *(argv[0] for argv in argv_lines if len(argv) == 1),  # command strings from the corpus
 ]
+extra_path = os.environ.get("SECRETS_EXTRA_CASES")
+extra = json.loads(Path(extra_path).read_text()) if extra_path else {"argv": [], "tokens": []}
 result: dict[str, object] = {}
 
 
@@ -82,6 +87,14 @@ def spawn_everything() -> None:
     pid = os.posix_spawn("/bin/true", ["curl", "-u", "admin:CurlPw-8830", URLS[0][0]], secret_env)
     codes.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
     result["sync_spawns"] = [len(codes), sorted(set(codes))]
+    codes = []
+    for argv in extra["argv"]:
+        codes.append(subprocess.run(argv, executable="/bin/true", env=secret_env).returncode)
+        codes.append(subprocess.run(shlex.join(argv), shell=True, executable="/bin/true").returncode)
+    for argv in extra["argv"][:3]:
+        pid = os.posix_spawn("/bin/true", argv, secret_env)
+        codes.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+    result["extra_sync_spawns"] = [len(codes), sorted(set(codes))]
 
 
 async def spawn_on_the_loop() -> None:
@@ -93,6 +106,14 @@ async def spawn_on_the_loop() -> None:
         proc = await asyncio.create_subprocess_shell(line, env=secret_env)
         codes.append(await proc.wait())
     result["loop_spawns"] = [len(codes), sorted(set(codes))]
+    codes = []
+    for argv in extra["argv"][:5]:
+        proc = await asyncio.create_subprocess_exec(*argv, executable="/bin/true", env=secret_env)
+        codes.append(await proc.wait())
+    for argv in extra["argv"][:3]:
+        proc = await asyncio.create_subprocess_shell("true " + shlex.join(argv[1:]), env=secret_env)
+        codes.append(await proc.wait())
+    result["extra_loop_spawns"] = [len(codes), sorted(set(codes))]
 
 
 async def tunnel() -> None:
@@ -158,6 +179,8 @@ async def executor_items() -> None:
         results.append(type(failed.exception()).__name__)
     results.append(await loop.run_in_executor(None, work, *EXECUTOR_ARGS))
     results.append(await asyncio.to_thread(work, *EXECUTOR_ARGS, token=EXECUTOR_ARGS[1]))
+    if extra["tokens"]:
+        await loop.run_in_executor(None, work, *extra["tokens"])
     result["executor"] = results
 
 

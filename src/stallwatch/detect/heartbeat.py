@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from .._private import opener
+from ..instrument.scrub import scrub_value
 
 MAGIC = b"SWHB0001"
 # magic, host pid, flags, interpreter ns, loop ns, spawn-start ns, loop kind, watchdog pid, spawn
@@ -197,7 +198,8 @@ class HeartbeatArea:
         self._write(12, flags.to_bytes(4, "little"))
 
     def spawning(self, command: str, trace_id: int, span_id: int) -> None:
-        """Before an exec-bound spawn: what is spawned and under which span."""
+        """Before an exec-bound spawn: what is spawned (checked for secrets once more) and under which span."""
+        command = scrub_value(command)
         self._write(OFFSET_COMMAND, command.encode(errors="replace")[:256].ljust(256, b"\0"))
         self._write(OFFSET_TRACE, trace_id.to_bytes(16, "big"))
         self._write(OFFSET_SPAN, span_id.to_bytes(8, "big"))

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..instrument.scrub import scrub_value
 from . import heartbeat
 
 POLL_SECONDS = 0.1
@@ -400,7 +401,7 @@ class FreezeTelemetry:
         spawning = bool(freeze.snapshot.get("spawn_ns"))
         child = next((c for c in found.children if c["pid"] == found.waits_on_child), None)
         context = {
-            "description": self._describe(freeze, now_ns),
+            "description": scrub_value(self._describe(freeze, now_ns)),  # names what the host ran
             "host_pid": self._pid,
             "frozen_seconds": round((now_ns - freeze.started_mono_ns) / 1e9, 3),
             "main_thread_state": found.state,

@@ -76,6 +76,7 @@ from opentelemetry.trace import TraceFlags
 from .. import telemetry
 from ..instrument import histograms
 from ..instrument._common import dropped_values
+from . import exit_check
 from .span_json import FIELD_READABLE
 
 DROP_REASONS = telemetry.DROP_REASON.values
@@ -190,6 +191,7 @@ class GuardedExporter:
         if self.breaker.backoff and len(batch) > PROBE_ITEMS:
             self.gate.drop(self.signal, self.breaker.reason, len(batch) - PROBE_ITEMS)
             batch = batch[:PROBE_ITEMS]
+        batch = exit_check.checked(self.signal, batch)  # what stallwatch recorded from the host, checked once more
         self.in_flight = len(batch)
         started = time.monotonic()
         try:

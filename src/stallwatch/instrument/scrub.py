@@ -1,10 +1,11 @@
-"""Scrub secrets out of child command lines before they are recorded on spans.
+"""Scrub secrets out of what stallwatch records from the host: child command lines, free text, and every
+string once more as it leaves the process.
 
 With `STALLWATCH_RECORD_ARGS=true` a child's argv (or a shell's command string) becomes the span
 attribute `process.command_args`. Command lines routinely carry credentials: `--password=...`,
 `PGPASSWORD=... psql`, `curl -H "Authorization: Bearer ..."`, `git clone https://user:token@...`,
-`ssh -i /home/ops/.ssh/id_prod`. This module replaces them with `[REDACTED]` (identity files with a
-short fingerprint of their file name) and bounds what is recorded.
+`mysql -pS3cret`, webhook URLs, bare tokens nobody named. This module replaces them with `[REDACTED]`
+(identity files with a short fingerprint of their file name) and bounds what is recorded.
 
 It is hand-written because no maintained library scrubs argv for secrets: log-scrubbing and
 secret-scanning tools work on free text or files, know nothing of option/value pairs split across
@@ -12,15 +13,19 @@ arguments, and are far too heavy to import into every instrumented process. It u
 standard library and never raises: a scrubber failure must not take down the host's spawn.
 
 Layers, each meant to catch what another misses (the policy is to leak nothing, at the price of
-sometimes hiding a harmless value):
+sometimes hiding a harmless value; docs/scrubbing.md lists every rule and what is kept):
 
-1. Shapes anywhere in an argument: URL user-info, `user:pass@host`, `Bearer`/`Basic` credentials,
-   SQL `PASSWORD '...'` literals, JWTs, AWS access key ids, GitHub/GitLab/Slack/... tokens, PEM
-   private keys, long high-entropy hex/base64 runs, and `name=value` / `name: value` pairs whose
-   name is secret.
+1. Shapes anywhere in an argument: key material, URL user-info, `Bearer`/`Basic` credentials, SQL
+   `PASSWORD '...'` literals, the token layouts of public secret-scanning rule sets, secret-bearing URL
+   paths (webhooks), long hex, random-looking runs (`_looks_random`), and `name=value` / `name: value`
+   pairs whose name is secret.
 2. Structure, word by word (shell quoting understood, so a shell command string is scrubbed like an
-   argv): `--name=value`, `--name value`, `KEY=VALUE`, `Header: value`, ssh identity files, and
-   per-program short options (`sshpass -p`, `docker login -p`, `curl -u`, `mysql -p...`, ...).
+   argv): `--name=value`, `--name value`, `KEY=VALUE`, `Header: value`, ssh identity files, and the
+   short options and plain words of the tools that take credentials that way (`mysql -p...`,
+   `smbclient -Uuser%...`, `sqlplus user/...@db`, ...).
+
+`scrub_value` / `scrub_attributes` apply the same rules to strings leaving the process (the exit check),
+leaving scrubbed text as it is.
 """
 
 from __future__ import annotations
@@ -29,12 +34,15 @@ import functools
 import hashlib
 import itertools
 import math
+import operator
 import os
 import re
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from .. import telemetry
 
 MAX_ARGS = 64  # arguments recorded; beyond, the last recorded element says how many were left out
 MAX_ARG_CHARS = 512  # characters recorded per argument, truncation marker included
@@ -43,26 +51,43 @@ REDACTED = "[REDACTED]"
 TRUNCATED = "...[truncated]"
 UNSCRUBBABLE = "[arguments could not be scrubbed]"  # the whole result if scrubbing itself failed
 
+_SHORTEST_SECRET = 12  # a shorter value can only hold a secret next to `=`, `:`, `@` or a space (`scrub_value`)
+_SEPARATES = re.compile(r"[=:@\s]")
+_PLAIN_WORDS = re.compile(r"[A-Za-z0-9_.() ]*")  # no option dash, no `=`, `:`, `@`, `/`, quote
+_LONG_WORD = re.compile(r"[A-Za-z0-9_.]{20}")  # every token shape but a JWT's is longer; a JWT starts `eyJ`
+_CLEAN_VALUES_LIMIT = 4096  # values `scrub_value` found clean, kept until there are this many, then forgotten
+_clean_values: dict[str, None] = {}
+_clean_lists: dict[tuple[str, ...], None] = {}  # the same, for argument lists (`scrub_attributes`)
 _SCAN_CHARS = 2 * MAX_ARG_CHARS  # an argument is cut to this many characters (at a word boundary) first
 _MAX_DEPTH = 8  # nesting of quoted words / KEY=VALUE values; deeper text is redacted whole
 
 # Actions for the value of a secret-named option or key.
 _SECRET = "secret"  # replace the value with [REDACTED]
 _IDENTITY = "identity"  # replace the path with key:<fingerprint of its file name>
-_USER = "user"  # `user:password`: redact what follows the first colon
+_USER = "user:"  # `user:password` (curl): redact what follows the first colon
+_USER_PERCENT = "user%"  # `user%password` (smbclient, rpcclient, net)
+_USER_COMMA = "user,"  # `user,password` (lftp)
+_USER_SLASH = "user/"  # `user/password@database` (sqlplus, rman, expdp ...): keep the user and the database
 _MAYBE_IDENTITY = "maybe-identity"  # `-i` outside ssh: an identity file if it looks like a path
 
 # Option / key names whose value is secret: searched (lower-cased, dashes kept) in the name.
 _SECRET_NAME = re.compile(
     r"passw|pwd|passphrase|pass(?![a-z])|pass(?:in|out|code|key)|token|secret|key|credential"
     r"|auth(?!ors?(?![a-z])|ority|orities)|cookie|session|signature|(?<![a-z])sig(?![a-z])|bearer|jwt|dsn"
-    r"|(?<![a-z])(?:pat|otp)(?![a-z])"
+    r"|(?<![a-z])(?:pat|otp|psk)(?![a-z])"
 )
+# What makes a rule fire in plain words: a secret's name (nmcli's `password VALUE`, `set token VALUE`), an
+# authorization scheme, `IdentityFile PATH`, a JWT.
+_TRIGGERS = re.compile(_SECRET_NAME.pattern + r"|bearer|basic|identityfile|eyj")
 # Names (lower-cased, without `-_.`) that contain a secret word but never carry a secret value:
 # ssh options taking yes/no or algorithm lists, and flags that take no value at all.
 _NOT_SECRET = frozenset(
     {
         "addkeystoagent",
+        "authenticationdatabase",
+        "authenticationmechanism",
+        "authmechanism",
+        "authsource",
         "casignaturealgorithms",
         "challengeresponseauthentication",
         "gssapiauthentication",
@@ -92,9 +117,70 @@ _SETTERS = frozenset({"set", "config", "--global", "--local", "--system", "--wor
 _PROGRAMS = {
     name: context
     for context, names in (
-        ("ssh", ("ssh", "scp", "sftp", "autossh", "sshfs", "ssh-copy-id")),
+        ("ssh", ("ssh", "scp", "sftp", "autossh", "sshfs", "ssh-copy-id", "plink", "pscp", "psftp")),
         ("shell", ("sh", "bash", "dash", "zsh", "ksh", "ash", "fish")),
-        ("mysql", ("mysql", "mysqldump", "mysqladmin", "mysqlimport", "mysqlcheck", "mysqlshow", "mariadb")),
+        (
+            "mysql",
+            (
+                "mysql",
+                "mysqldump",
+                "mysqladmin",
+                "mysqlimport",
+                "mysqlcheck",
+                "mysqlshow",
+                "mysqlbinlog",
+                "mysqlpump",
+                "mysqlslap",
+                "mariadb",
+                "mariadb-dump",
+                "mariadb-admin",
+                "mariadb-import",
+                "mariadb-check",
+            ),
+        ),
+        (
+            "mongo",
+            (
+                "mongo",
+                "mongosh",
+                "mongodump",
+                "mongorestore",
+                "mongoexport",
+                "mongoimport",
+                "mongostat",
+                "mongotop",
+                "mongofiles",
+            ),
+        ),
+        ("smb", ("smbclient", "rpcclient", "smbcacls", "smbget", "smbtree", "smbcquotas", "net", "winexe", "wbinfo")),
+        (
+            "snmp",
+            (
+                "snmpwalk",
+                "snmpbulkwalk",
+                "snmpget",
+                "snmpbulkget",
+                "snmpgetnext",
+                "snmpset",
+                "snmptable",
+                "snmptrap",
+                "snmpinform",
+                "snmpdelta",
+                "snmpstatus",
+                "snmpdf",
+            ),
+        ),
+        ("freerdp", ("xfreerdp", "xfreerdp3", "wlfreerdp", "wlfreerdp3", "sdl-freerdp", "sdl-freerdp3")),
+        ("oracle", ("sqlplus", "rman", "expdp", "impdp", "sqlldr", "dgmgrl")),
+        ("ncftp", ("ncftp", "ncftpget", "ncftpput", "ncftpls")),
+        ("mosquitto", ("mosquitto_pub", "mosquitto_sub", "mosquitto_rr")),
+        ("rar", ("rar", "unrar")),
+        ("smbmap", ("smbmap",)),
+        ("lftp", ("lftp",)),
+        ("ipmitool", ("ipmitool",)),
+        ("rdesktop", ("rdesktop",)),
+        ("nmcli", ("nmcli",)),
+        ("git", ("git",)),
         ("ldap", ("ldapsearch", "ldapadd", "ldapmodify", "ldapdelete", "ldapwhoami", "ldappasswd")),
         ("zip", ("zip", "unzip")),
         ("7z", ("7z", "7za", "7zr")),
@@ -102,27 +188,38 @@ _PROGRAMS = {
         ("sshpass", ("sshpass",)),
         ("curl", ("curl",)),
         ("openssl", ("openssl",)),
-        ("redis-cli", ("redis-cli",)),
-        ("sqlcmd", ("sqlcmd",)),
+        ("redis-cli", ("redis-cli", "keydb-cli", "valkey-cli")),
+        ("sqlcmd", ("sqlcmd", "bcp", "osql")),
         ("htpasswd", ("htpasswd",)),
         ("login", ("login",)),  # docker/podman/helm/az/oc ... login
     )
     for name in names
 }
-# Per context, the single-letter options whose value is secret: letter -> (action, value may be separate).
-# A value glued to the letter (`-pS3cret`) is always scrubbed; mysql's lone `-p` prompts, so its next word stays.
+# Per context, the short options whose value is secret: letter(s) after the dash -> (action, value may be separate).
+# A value glued to the option (`-pS3cret`) is always scrubbed; a lone `-p` of mysql, 7z or rar prompts for the
+# password, so the next word stays.
 _SHORT_OPTIONS: dict[str, dict[str, tuple[str, bool]]] = {
     "sshpass": {"p": (_SECRET, True)},
     "login": {"p": (_SECRET, True)},  # docker/podman/helm/az/oc ... login -p
     "curl": {"u": (_USER, True), "U": (_USER, True), "E": (_USER, True), "b": (_SECRET, True)},
     "mysql": {"p": (_SECRET, False)},
-    "openssl": {"k": (_SECRET, True)},
+    "openssl": {"k": (_SECRET, True), "K": (_SECRET, True)},
     "redis-cli": {"a": (_SECRET, True)},
     "sqlcmd": {"P": (_SECRET, True)},
     "ldap": {"w": (_SECRET, True)},
     "zip": {"P": (_SECRET, True)},
     "7z": {"p": (_SECRET, False)},
+    "rar": {"p": (_SECRET, False), "hp": (_SECRET, False)},
     "useradd": {"p": (_SECRET, True)},
+    "mongo": {"p": (_SECRET, True)},
+    "smb": {"U": (_USER_PERCENT, True)},
+    "smbmap": {"p": (_SECRET, True)},
+    "lftp": {"u": (_USER_COMMA, True)},
+    "ncftp": {"p": (_SECRET, True)},
+    "ipmitool": {"P": (_SECRET, True), "k": (_SECRET, True), "y": (_SECRET, True)},
+    "mosquitto": {"P": (_SECRET, True)},
+    "snmp": {"A": (_SECRET, True), "X": (_SECRET, True), "c": (_SECRET, True)},  # auth, privacy, community
+    "rdesktop": {"p": (_SECRET, True)},
 }
 _SSH_FLAGS_WITH_VALUE = "BbcDEeFIiJLlmOoPpQRSWw"
 
@@ -130,28 +227,75 @@ _SSH_FLAGS_WITH_VALUE = "BbcDEeFIiJLlmOoPpQRSWw"
 
 _SCHEME = re.compile(r"(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]*://")
 _BARE_USERINFO = re.compile(r"(?<![\w.%+\-/:@\[])[\w.%+\-~]+:[^\s@/]+@(?!sha\d+:)(?=[\w\[])")
-_PEM = re.compile(r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----.*?(?:-----END [A-Z0-9 ]*PRIVATE KEY-----|\Z)", re.S)
+# Private key material: PEM and PGP armour (to the END line, or to the end if it is missing), PuTTY key files.
+_PEM = re.compile(
+    r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY(?: BLOCK)?-----.*?(?:-----END [A-Z0-9 ]*PRIVATE KEY(?: BLOCK)?-----|\Z)"
+    r"|PuTTY-User-Key-File-[0-9]+:.*",
+    re.S,
+)
 _AUTH_SCHEME = re.compile(r"(?i)(?<![A-Za-z0-9])(bearer|basic)(\s+)[^\s'\"]+")
 _SQL_PASSWORD = re.compile(r"(?i)(?<![\w-])(password|identified\s+by)(\s+)'(?:[^']|'')*'?")  # ... PASSWORD 'x'
+# Token shapes with a known prefix or layout, after the rule sets of gitleaks and detect-secrets (docs/scrubbing.md).
 _TOKENS = re.compile(
-    r"eyJ[A-Za-z0-9_-]{4,}\.[A-Za-z0-9_-]{4,}(?:\.[A-Za-z0-9_-]*)*"  # JWT (JWS, JWE)
-    r"|(?<![A-Za-z0-9])(?:AKIA|ASIA|ABIA|ACCA)[0-9A-Z]{16}(?![A-Za-z0-9])"  # AWS access key id
-    r"|(?<![A-Za-z0-9])(?:gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,})"  # GitHub
-    r"|(?<![A-Za-z0-9])(?:glpat-[A-Za-z0-9_-]{20,}|xox[abposr]-[A-Za-z0-9-]{10,}|[sr]k_(?:live|test)_[A-Za-z0-9]{16,})"
-    r"|(?<![A-Za-z0-9])(?:sk-[A-Za-z0-9_-]{20,}|AIza[0-9A-Za-z_-]{35}|npm_[A-Za-z0-9]{36}|hv[sbr]\.[A-Za-z0-9_-]{20,})"
-    r"|(?<![A-Za-z0-9])pypi-[A-Za-z0-9_-]{50,}"
+    r"eyJ[A-Za-z0-9_-]{4,}\.[A-Za-z0-9_-]{4,}(?:\.[A-Za-z0-9_-]*)*"  # JWT (JWS, JWE), Grafana API key
+    r"|(?:(?<![A-Za-z0-9])|(?<=(?<![A-Za-z0-9])-[A-Za-z]))(?:"  # a word's start, or glued to a short option
+    r"(?:A3T[A-Z0-9]|AKIA|ASIA|ABIA|ACCA)[0-9A-Z]{16}(?![A-Za-z0-9])"  # AWS access key id
+    r"|gh[pousr]_[A-Za-z0-9_]{20,}|github_pat_[A-Za-z0-9_]{20,}"  # GitHub
+    r"|gl(?:pat|dt|ft|soat|rt|cbt|ptt|agent|oas|imt|ffct)-[A-Za-z0-9_.-]{20,}|GR1348941[A-Za-z0-9_-]{20,}"  # GitLab
+    r"|glc_[A-Za-z0-9+/]{32,}={0,3}|glsa_[A-Za-z0-9_]{32,}"  # Grafana
+    r"|xox[abeoprs]-[A-Za-z0-9-]{10,}|xoxe\.xox[bp]-[A-Za-z0-9-]{10,}|xapp-[0-9]-[A-Za-z0-9-]{10,}"  # Slack
+    r"|[sr]k_(?:live|test|prod)_[A-Za-z0-9]{10,}|whsec_[A-Za-z0-9]{20,}"  # Stripe
+    r"|sk-[A-Za-z0-9_-]{20,}"  # OpenAI, Anthropic and the many APIs that copied the prefix
+    r"|AIza[0-9A-Za-z_-]{35}|ya29\.[0-9A-Za-z_-]{20,}|GOCSPX-[0-9A-Za-z_-]{20,}|1//0[0-9A-Za-z_-]{30,}"  # Google
+    r"|npm_[A-Za-z0-9]{36}|pypi-[A-Za-z0-9_-]{50,}|rubygems_[a-f0-9]{48}"  # package registries
+    r"|hv[sbr]\.[A-Za-z0-9_-]{20,}|hf_[A-Za-z]{30,}|api_org_[A-Za-z]{30,}"  # Vault, Hugging Face
+    r"|SG\.[A-Za-z0-9_-]{16,}\.[A-Za-z0-9_-]{16,}|SK[0-9a-fA-F]{32}"  # SendGrid, Twilio
+    r"|dapi[a-f0-9]{32}|do[opr]_v1_[a-f0-9]{64}|dp\.(?:pt|st|ct|sa|scim|audit)\.[A-Za-z0-9]{40,}"  # Databricks, ...
+    r"|dt0c01\.[A-Za-z0-9]{24}\.[A-Za-z0-9]{64}|shp(?:at|ca|pa|ss)_[a-fA-F0-9]{32}"  # Dynatrace, Shopify
+    r"|pscale_(?:tkn|oauth|pw)_[A-Za-z0-9_.=-]{32,}|PMAK-[a-fA-F0-9]{24}-[a-fA-F0-9]{34}"  # PlanetScale, Postman
+    r"|pul-[a-f0-9]{40}|pnu_[A-Za-z0-9]{36}|rdme_[a-z0-9]{70}|sntry[us]_[A-Za-z0-9_+/=]{40,}"  # Pulumi, ... Sentry
+    r"|lin_api_[A-Za-z0-9]{40}|ntn_[0-9]{11}[A-Za-z0-9]{35}|HRKU-[A-Za-z0-9_-]{20,}"  # Linear, Notion, Heroku
+    r"|AGE-SECRET-KEY-1[0-9A-Z]{58}|sq0(?:atp|csp)-[0-9A-Za-z_-]{22,}|EAA[A-Za-z0-9]{60,}"  # age, Square, Meta
+    r"|xkeysib-[a-f0-9]{64}-[A-Za-z0-9]{16}|pplx-[A-Za-z0-9]{48}|fio-u-[A-Za-z0-9_=-]{64}"  # Brevo, ...
+    r"|duffel_(?:test|live)_[A-Za-z0-9_=-]{43}|EZ[AT]K[A-Za-z0-9]{54}|FLW(?:SECK|PUBK)_TEST-[A-Za-z0-9]{12,}"
+    r"|fo1_[A-Za-z0-9_-]{43}|fm[12][ar]?_[A-Za-z0-9+/]{100,}={0,3}|ATATT3[A-Za-z0-9_=-]{100,}"  # Fly.io, Atlassian
+    r"|AKCp[A-Za-z0-9]{60,}|cmVmd[A-Za-z0-9]{59}|LTAI[A-Za-z0-9]{20}"  # Artifactory, Alibaba
+    r"|ops_eyJ[A-Za-z0-9+/]{100,}={0,3}|A3-[A-Z0-9]{6}-[A-Z0-9-]{20,}"  # 1Password
+    r"|[A-Za-z0-9_~.]{3}[0-9]Q~[A-Za-z0-9_~.-]{31,34}|sha256~[A-Za-z0-9_-]{43}"  # Azure AD, OpenShift
+    r"|b3BlbnNzaC1rZXktdjE[A-Za-z0-9+/=]*"  # an OpenSSH private key's base64 body ("openssh-key-v1")
+    r"|[0-9]{8,10}:[A-Za-z0-9_-]{35}(?![A-Za-z0-9_-])"  # Telegram bot token
+    r"|[MNO][A-Za-z0-9_-]{23,25}\.[A-Za-z0-9_-]{6}\.[A-Za-z0-9_-]{27,}"  # Discord bot token
+    r")"
 )
+# URLs, and the hosts of secret-bearing endpoints also written without a scheme.
+_URL = re.compile(
+    r"(?<![A-Za-z0-9+.\-])(?:[A-Za-z][A-Za-z0-9+.\-]*://|(?=(?:[\w-]+\.)*(?:hooks\.slack\.com|discord(?:app)?\.com"
+    r"|api\.telegram\.org|webhook\.office\.com|maker\.ifttt\.com|hooks\.zapier\.com|events\.pagerduty\.com"
+    r"|hc-ping\.com)/))[^\s'\"<>`]+"
+)
+# Path segments after which the rest of a URL's path is the secret (Mattermost, Rocket.Chat, Discord, Teams,
+# Zapier, Feishu hooks, PagerDuty integrations), and those naming the next segment as one (IFTTT `/with/key/K`).
+_HOOK_SEGMENTS = frozenset({"hook", "hooks", "webhook", "webhooks", "webhookb2", "incomingwebhook", "integration"})
+_KEY_SEGMENTS = frozenset({"key", "keys", "token", "tokens", "apikey", "api_key", "api-key", "secret", "password"})
+_WHOLE_PATH_HOSTS = ("hc-ping.com",)  # the whole path is the secret (healthchecks.io ping URLs)
+_TELEGRAM_BOT = re.compile(r"bot[0-9]+:.+")
 # Hex digests named as such (`sha256:...`, image digests) are content addresses, not secrets.
 _HEX = re.compile(
-    r"(?<![A-Za-z0-9])(?<!sha1:)(?<!sha224:)(?<!sha256:)(?<!sha384:)(?<!sha512:)(?<!md5:)[0-9a-fA-F]{32,}"
+    r"(?<![0-9a-fA-F])(?<!sha1:)(?<!sha224:)(?<!sha256:)(?<!sha384:)(?<!sha512:)(?<!md5:)[0-9a-fA-F]{32,}"
 )
-_BLOB = re.compile(r"(?<![A-Za-z0-9+/_\-])[A-Za-z0-9+/_\-]{32,}={0,2}")
-_BLOB_ENTROPY = 4.1  # bits per character: random base64 of 32 characters averages 4.5, words and paths 3.5-4.1
+_GIT_WORD = re.compile(r"(?:^|[\s;&|(/])git\s")  # a shell string that runs git: its 40/64-hex words are object names
+_GIT_OBJECT_LENGTHS = (40, 64)  # SHA-1 and SHA-256 object names
+_GIT_BEFORE = frozenset(("", " ", "\t", "\n", ".", "="))  # what may stand before an object name: not a URL's `/`
+_GIT_AFTER = frozenset(("", " ", "\t", "\n", ".", "^", "~", ":"))
+_RUN = re.compile(r"(?<![A-Za-z0-9+/_\-])[A-Za-z0-9+/_\-]{20,}={0,2}")  # a candidate for `_looks_random`
+_RUN_ENTROPY = 4.1  # bits per character: random base64 of 32 characters averages 4.5, words and paths 3.5-4.1
 # `name=value` (query strings, `a=b,password=c`, libpq keyword strings) and `name: value` / `"name": "value"`.
 _EQ_NAME = re.compile(r"(?<![A-Za-z0-9_.])(?P<name>[A-Za-z_][A-Za-z0-9_.\-]*)[ \t]*=(?!=)[ \t]*")
 _COLON_NAME = re.compile(
     r"(?<![A-Za-z0-9_./])(?P<q>[\"']?)(?P<name>[A-Za-z_][A-Za-z0-9_.\-]*)(?P=q)[ \t]*:(?!//)[ \t]*"
 )
+_FINGERPRINTED = re.compile(r"key:[0-9a-f]{12}")
+_FINGERPRINT_BEFORE = re.compile(r"(?:^|[\s=]|(?<![A-Za-z0-9])-[A-Za-z]*i)$")  # where `_fingerprint` puts one
 _VALUE = re.compile(r"\"(?:[^\"\\]|\\.)*\"?|'[^']*'?|[^\s,;&'\"]+", re.S)
 
 # ---- layer 2: words ---------------------------------------------------------------------------
@@ -166,11 +310,14 @@ _IDENTITY_TEXT = re.compile(r"\s*IdentityFile(?:\s*=\s*|\s+)(?P<value>.*)", re.S
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
 _OPTION_LIKE = re.compile(r"--[A-Za-z][A-Za-z0-9\-]*(?:=.*)?|-[A-Za-z]", re.S)  # not taken as an option's value
 _SHELL_C = re.compile(r"-[A-Za-z]*c[A-Za-z]*")  # sh -c, bash -lc: the next argument is a command string
+_ORACLE_LOGIN = re.compile(r"(?P<head>(?:userid=)?[A-Za-z_][\w$#]*/)(?P<password>[^/@\s]+)(?P<database>@\S*)?", re.I)
+_FREERDP_SECRET = re.compile(r"(?i)(?<=[/,])(p|pth|gp|password|gateway-password):[^,]*")  # /p:X, /gateway:...,p:X
 _HTPASSWD_BATCH = re.compile(r"-[A-Za-z]*b[A-Za-z]*")
 _ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*", re.S)
 _SPACE = re.compile(r"\s")
 _QUOTED = re.compile(r"'[^']*'|\"(?:[^\"\\]|\\.)*\"", re.S)
-_PATH_LIKE = re.compile(r"[~.]|.*/|.*\.(?:pem|key|ppk)$|id_", re.S)  # `-i` outside ssh: a value like a key file
+# `-i` outside ssh (plink, knife ...): a value named like a key file; ansible's `-i inventory/prod.ini` stays.
+_KEY_PATH = re.compile(r".*(?:\.ssh/|(?:^|/)id_[^/]*$|key[^/]*$|\.(?:pem|ppk|p12|pfx)$)", re.S | re.I)
 
 
 @dataclass
@@ -298,6 +445,61 @@ def scrub_text(value: object, limit: int = MAX_ARG_CHARS) -> str:
         return _clip(_argument(1, value, _State(())), limit)
     except Exception:
         return "?"
+
+
+def scrub_value(value: str) -> str:
+    """A string stallwatch recorded from the host, checked once more as it leaves the process (an attribute
+    value, a log body, a journal field, a freeze report): secrets replaced as in one command-line argument,
+    whatever wrapper recorded it and whether or not that wrapper scrubbed it. Idempotent on scrubbed text (an
+    identity file's `key:` fingerprint included). Unbounded: callers keep their own limits. Returns `value`
+    itself when nothing changed (the common case, remembered for repeated values). Never raises: "[REDACTED]"
+    if checking fails."""
+    try:
+        if (len(value) < _SHORTEST_SECRET and not _SEPARATES.search(value)) or value in _clean_values:
+            return value
+        # Short plain words, none a secret's name (`name (N args)`, statuses): no rule can fire.
+        plain = _PLAIN_WORDS.fullmatch(value) and not _LONG_WORD.search(value) and not _TRIGGERS.search(value.lower())
+        if not plain:
+            state = _State(())
+            scrubbed = _text(_inline(value, state), state, 0)  # words: a recorded shell line stays one
+            if scrubbed != value:
+                return scrubbed
+        if len(_clean_values) >= _CLEAN_VALUES_LIMIT:
+            _clean_values.clear()
+        _clean_values[value] = None  # clean: it leaves the process anyway, so keeping it here costs nothing
+        return value
+    except Exception:
+        return REDACTED
+
+
+def scrub_attributes(attributes: Mapping[str, object]) -> Mapping[str, object]:
+    """`attributes` with each string value passed through `scrub_value` and each sequence of strings through
+    `scrub_args` (read as the argv it usually is, so a git object name stays one), but for the server-given ids
+    `telemetry.IDENTIFIERS` names; `attributes` itself when nothing changed."""
+    changed: dict[str, object] | None = None
+    clean, identifiers = _clean_values, telemetry.IDENTIFIERS
+    for key, value in attributes.items():
+        kind = type(value)
+        if kind is str:
+            if value in clean or key in identifiers:
+                continue
+            checked: object = scrub_value(value)
+        elif (kind is list or kind is tuple) and value and all(type(item) is str for item in value):
+            if key in identifiers or tuple(value) in _clean_lists:
+                continue
+            items = scrub_args(value)
+            checked = value if items == list(value) else kind(items)
+            if checked is value:
+                if len(_clean_lists) >= _CLEAN_VALUES_LIMIT:
+                    _clean_lists.clear()
+                _clean_lists[tuple(value)] = None
+        else:
+            continue
+        if checked is not value:
+            if changed is None:
+                changed = dict(attributes)
+            changed[key] = checked
+    return attributes if changed is None else changed
 
 
 def clip_text(value: object, limit: int = MAX_NAME_CHARS) -> str | None:
@@ -466,25 +668,124 @@ def _inline(text: str, state: _State) -> str:
     text = _AUTH_SCHEME.sub(lambda match: match[1] + match[2] + REDACTED, text)
     text = _SQL_PASSWORD.sub(lambda match: match[1] + match[2] + REDACTED, text)
     text = _TOKENS.sub(REDACTED, text)
-    text = _HEX.sub(_hex_blob, text)
-    text = _BLOB.sub(_base64_blob, text)
+    if "/" in text:
+        text = _URL.sub(_url, text)
+    text = _HEX.sub(lambda match: _hex_blob(match, state), text)
+    text = _RUN.sub(_random_run, text)
     text = _named_values(text, _EQ_NAME, state)
     return _named_values(text, _COLON_NAME, state)
 
 
-def _hex_blob(match: re.Match[str]) -> str:
-    run = match.group()
-    if any(c.isdigit() for c in run) and any(c.isalpha() for c in run):
-        return REDACTED
-    return run
+def _url(match: re.Match[str]) -> str:
+    """A URL with the secret parts of its path redacted: what follows a hook segment, the segment after a
+    `key`/`token` segment, a Telegram `bot<token>`, and any random-looking segment."""
+    url = match.group()
+    scheme = url.find("://")
+    start = scheme + 3 if scheme >= 0 else 0
+    slash = url.find("/", start)
+    if slash < 0:
+        return url
+    end = min((i for i in (url.find("?", slash), url.find("#", slash)) if i >= 0), default=len(url))
+    host = url[start:slash].rpartition("@")[2].lower()
+    path = url[slash + 1 : end]
+    if host.endswith(_WHOLE_PATH_HOSTS) and path:
+        return url[: slash + 1] + REDACTED + url[end:]
+    segments = path.split("/")
+    if host == "hooks.slack.com" and len(segments) > 1:  # /services/T.../B.../secret, /workflows/..., /triggers/...
+        segments = [segments[0], REDACTED]
+    kept: list[str] = []
+    for segment in segments:
+        previous = kept[-1].lower() if kept else ""
+        if previous in _HOOK_SEGMENTS and segment:
+            kept.append(REDACTED)  # the rest of the path
+            break
+        if _TELEGRAM_BOT.fullmatch(segment):
+            segment = "bot" + REDACTED
+        elif (previous in _KEY_SEGMENTS and _value_like(segment)) or (
+            len(segment) >= 20 and _looks_random(segment.rstrip("="))
+        ):
+            segment = REDACTED
+        kept.append(segment)
+    return url[: slash + 1] + "/".join(kept) + url[end:]
 
 
-def _base64_blob(match: re.Match[str]) -> str:
+def _value_like(segment: str) -> bool:
+    """A URL path segment that reads as a value rather than a word: a digit or a capital in it, or long."""
+    return len(segment) >= 16 or any(c.isdigit() or c.isupper() for c in segment)
+
+
+def _hex_blob(match: re.Match[str], state: _State) -> str:
     run = match.group()
-    mixed = any(c.isdigit() for c in run) and any(c.islower() for c in run) and any(c.isupper() for c in run)
-    if mixed and _entropy(run) >= _BLOB_ENTROPY:
-        return REDACTED
-    return run
+    if not (any(c.isdigit() for c in run) and any(c.isalpha() for c in run)):
+        return run
+    text, start, end = match.string, match.start(), match.end()
+    whole_word = text[start - 1 : start] in _GIT_BEFORE and text[end : end + 1] in _GIT_AFTER
+    if (
+        len(run) in _GIT_OBJECT_LENGTHS
+        and whole_word
+        and (state.program == "git" or _GIT_WORD.search(text, 0, start) is not None)
+    ):
+        return run  # a commit or object name given to git (`git checkout SHA`, `SHA..SHA`, `SHA^`)
+    return REDACTED
+
+
+def _random_run(match: re.Match[str]) -> str:
+    """A run of base64/base64url characters, redacted if it looks random. An absolute path, or the path of a
+    URL or file name (the run follows a dot), is judged segment by segment first, so that only a random segment
+    goes and the words around it stay readable."""
+    run = match.group()
+    start = match.start()
+    if "/" in run and (run.startswith("/") or (start and match.string[start - 1] == ".")):
+        segments = run.split("/")
+        scrubbed = [REDACTED if len(s) >= 20 and _looks_random(s.rstrip("=")) else s for s in segments]
+        if scrubbed != segments:
+            return "/".join(scrubbed)
+    return REDACTED if _looks_random(run.rstrip("=")) else run  # a path of words stays; base64 with `/` does not
+
+
+# How likely each character class follows another in text people write on command lines, against a random
+# base64url string. Classes: 0 lower-case vowel, 1 other lower-case letter, 2 upper-case vowel, 3 other upper-case
+# letter, 4 digit, 5 `+/_-`. `_FOLLOWS[a][b]`: how often class b follows class a in 1.9 million file names, package
+# names and command lines of a Debian system (paths, identifiers, man pages, CMake and Python modules).
+_FOLLOWS = (
+    (0.112, 0.805, 0.001, 0.003, 0.005, 0.074),
+    (0.480, 0.394, 0.001, 0.003, 0.009, 0.113),
+    (0.034, 0.340, 0.065, 0.494, 0.005, 0.062),
+    (0.379, 0.148, 0.172, 0.210, 0.011, 0.080),
+    (0.019, 0.097, 0.001, 0.004, 0.626, 0.253),
+    (0.202, 0.735, 0.009, 0.028, 0.019, 0.008),
+)
+_RANDOM_CLASS = (5 / 64, 21 / 64, 5 / 64, 21 / 64, 10 / 64, 2 / 64)  # each class's share of the base64url alphabet
+_CLASS_OF = str.maketrans(
+    {
+        **dict.fromkeys("aeiou", "0"),
+        **dict.fromkeys("bcdfghjklmnpqrstvwxyz", "1"),
+        **dict.fromkeys("AEIOU", "2"),
+        **dict.fromkeys("BCDFGHJKLMNPQRSTVWXYZ", "3"),
+        **dict.fromkeys("0123456789", "4"),
+        **dict.fromkeys("+/_-", "5"),
+    }
+)
+# log(random / written) for each pair of classes, by the pair's two class digits; pairs across a separator are
+# left out, so a path's words are judged as words.
+_PAIR_SCORE = {f"{a}{b}": math.log(_RANDOM_CLASS[b] / _FOLLOWS[a][b]) for a in range(5) for b in range(5)}
+_RANDOM_SCORE = 0.3  # mean score per pair from which a run is random (docs/scrubbing.md: what it misses)
+
+
+def _looks_random(core: str) -> bool:
+    """Whether a run of base64/base64url characters (20 or more, padding removed) looks like a random token
+    rather than words: it mixes upper and lower case, and its character classes follow each other as in random
+    text more than as in words (a likelihood ratio per pair of neighbours, `_PAIR_SCORE`), or it is a long
+    high-entropy run."""
+    if core.islower() or core.isupper() or len(core) < 20:
+        return False
+    classes = core.translate(_CLASS_OF)
+    scores = [score for score in map(_PAIR_SCORE.get, map(operator.add, classes, classes[1:])) if score is not None]
+    mean = sum(scores) / len(scores) if scores else 0.0
+    if mean >= _RANDOM_SCORE:
+        return True
+    long_and_dense = len(core) >= 32 and "/" not in core and any(c.isdigit() for c in core)
+    return long_and_dense and mean >= -_RANDOM_SCORE and _entropy(core) >= _RUN_ENTROPY
 
 
 def _entropy(text: str) -> float:
@@ -500,8 +801,12 @@ def _named_values(text: str, pattern: re.Pattern[str], state: _State) -> str:
         if match.start() < position or state.kind(match["name"]) != _SECRET:
             continue
         value = _VALUE.match(text, match.end())
-        if value is None:
-            continue
+        if value is None or text.startswith(REDACTED, match.end()):
+            continue  # nothing, or scrubbed text checked once more
+        if _FINGERPRINTED.fullmatch(text, match.end("name") - 3, value.end()) and _FINGERPRINT_BEFORE.search(
+            text, 0, match.end("name") - 3
+        ):
+            continue  # an identity file's `key:` fingerprint: `-ikey:…`, `IdentityFile=key:…`
         parts += [text[position : match.end()], REDACTED]
         position = value.end()
     parts.append(text[position:])
@@ -516,7 +821,7 @@ def _text(text: str, state: _State, depth: int) -> str:
     if depth > _MAX_DEPTH:
         return REDACTED
     header = _HEADER.match(text)
-    if header and state.kind(header["name"]) == _SECRET:
+    if header and state.kind(header["name"]) == _SECRET and not _FINGERPRINTED.fullmatch(text.strip()):
         if header["value"].strip():
             return text[: header.start("value")] + REDACTED
         state.pending = _SECRET
@@ -553,6 +858,9 @@ def _rules(raw: str, plain: str, state: _State, depth: int) -> str:
     elif state.program == "htpasswd" and _HTPASSWD_BATCH.fullmatch(plain):
         state.redact_rest = True
         return raw
+    special = _program_word(plain, state)
+    if special is not None:
+        return special
     short = _short_option(plain, state, depth)
     if short is not None:
         return short
@@ -564,7 +872,7 @@ def _rules(raw: str, plain: str, state: _State, depth: int) -> str:
         _option(option, state)
         return raw
     header = _HEADER.fullmatch(plain)
-    if header and state.kind(header["name"]) == _SECRET:
+    if header and state.kind(header["name"]) == _SECRET and not _FINGERPRINTED.fullmatch(plain):
         if header["value"]:
             scrubbed = plain[: header.start("value")] + REDACTED
             return _requote(raw, scrubbed) if _QUOTED.fullmatch(raw) else scrubbed
@@ -579,6 +887,21 @@ def _rules(raw: str, plain: str, state: _State, depth: int) -> str:
         if inner != plain:
             return _requote(raw, inner)
     return raw
+
+
+def _program_word(plain: str, state: _State) -> str | None:
+    """Words only some programs take as credentials: sqlplus's `user/password@db`, xfreerdp's `/p:password`,
+    nmcli's `password VALUE`; None if not one."""
+    if state.program == "oracle":
+        login = _ORACLE_LOGIN.fullmatch(plain)
+        return login["head"] + REDACTED + (login["database"] or "") if login else None
+    if state.program == "freerdp" and plain.startswith("/"):
+        scrubbed = _FREERDP_SECRET.sub(lambda match: match[1] + ":" + REDACTED, plain)
+        return scrubbed if scrubbed != plain else None
+    if state.program == "nmcli" and _IDENTIFIER.fullmatch(plain) and state.kind(plain) == _SECRET:
+        state.pending = _SECRET  # nmcli dev wifi connect SSID password VALUE, ... wifi-sec.psk VALUE
+        return plain
+    return None
 
 
 def _short_option(plain: str, state: _State, depth: int) -> str | None:
@@ -597,12 +920,15 @@ def _short_option(plain: str, state: _State, depth: int) -> str | None:
         if not rest:
             state.pending = _MAYBE_IDENTITY
             return plain
-        return "-i" + _fingerprint(rest) if "/" in rest else None
-    action, separate = _SHORT_OPTIONS.get(state.program, {}).get(letter, ("", False))
+        return "-i" + _fingerprint(rest) if _KEY_PATH.match(rest) else None
+    options = _SHORT_OPTIONS.get(state.program, {})
+    name = plain[1:3] if plain[1:3] in options else letter
+    action, separate = options.get(name, ("", False))
     if not action:
         return None
+    rest = plain[1 + len(name) :]
     if rest:
-        return "-" + letter + _apply(action, rest)
+        return "-" + name + _apply(action, rest)
     if separate:
         state.pending = action
     return plain
@@ -664,9 +990,9 @@ def _consume(action: str, value: str) -> str | None:
     the other rules."""
     if _OPTION_LIKE.fullmatch(value):
         return None
-    if action == _MAYBE_IDENTITY and not _PATH_LIKE.match(value):
+    if action == _MAYBE_IDENTITY and not _KEY_PATH.match(value):
         return None
-    if action == _USER and ":" not in value:
+    if action.startswith("user") and action[-1] not in value:
         return None
     return _apply(action, value)
 
@@ -674,15 +1000,20 @@ def _consume(action: str, value: str) -> str | None:
 def _apply(action: str, value: str) -> str:
     if action in (_IDENTITY, _MAYBE_IDENTITY):
         return _fingerprint(value)
-    if action == _USER:
-        user, colon, _ = value.partition(":")
-        return user + colon + REDACTED if colon else value
+    if action.startswith("user"):
+        user, separator, rest = value.partition(action[-1])
+        if not separator:
+            return value
+        database = rest.rpartition("@")[1:] if action == _USER_SLASH else ("", "")
+        return user + separator + REDACTED + "".join(database)
     return REDACTED if value else value
 
 
 def _fingerprint(path: str) -> str:
     """`key:` and 12 hex digits of the SHA-256 of the file name: the same key is recognisable, its path is not."""
     path = path.strip().strip("'\"").rstrip("/")
+    if _FINGERPRINTED.fullmatch(path):
+        return path  # scrubbed text checked once more
     name = path.rpartition("/")[2] or path
     return "key:" + hashlib.sha256(name.encode("utf-8", "backslashreplace")).hexdigest()[:12]
 

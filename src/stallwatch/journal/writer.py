@@ -62,9 +62,13 @@ from opentelemetry.sdk.trace import ReadableSpan
 from .. import ledger
 from .._private import make_directories
 from ..instrument.light_span import LightSpan
+from ..instrument.scrub import scrub_attributes, scrub_value
 from . import frames
 
-_RECORDING = (ReadableSpan, LightSpan)  # the spans that record (SDK spans are ReadableSpans)
+_RECORDING = (ReadableSpan, LightSpan)
+# Fields that hold ids (what replay and the postmortem join on): random-looking, never secret, never scrubbed.
+_ID_FIELDS = frozenset({"trace_id", "span_id", "parent_span_id", "key", "resource_id", "operation_id", "request_id",
+                        "boot_id"})  # fmt: skip  # the spans that record (SDK spans are ReadableSpans)
 
 _log = logging.getLogger("stallwatch.journal")
 
@@ -407,7 +411,7 @@ class Journal:
         kind = record["type"]
         if kind in ("start", "end"):
             record = _span_fields(record)
-        frame = frames.encode(record)
+        frame = frames.encode(_scrubbed(record))
         if kind == "start":
             state.open_spans[record["span_id"]] = frame
         elif kind == "end":
@@ -537,6 +541,19 @@ def _span_fields(record: dict[str, Any]) -> dict[str, Any]:
         record["error_type"] = record["attributes"].get("error.type")
     record["trace_id"] = f"{context.trace_id:032x}"
     record["span_id"] = f"{context.span_id:016x}"
+    return record
+
+
+def _scrubbed(record: dict[str, Any]) -> dict[str, Any]:
+    """`record` with every string stallwatch recorded from the host (span names, attribute values, causes)
+    checked for secrets once more, in place; ids stay as they are."""
+    for name, value in record.items():
+        if name in _ID_FIELDS:
+            continue
+        if type(value) is str:
+            record[name] = scrub_value(value)
+        elif name == "attributes" and isinstance(value, Mapping):
+            record[name] = scrub_attributes(value)
     return record
 
 

@@ -1,0 +1,137 @@
+"""The last check before spans and log records leave the process: every string stallwatch recorded from the host
+passes the scrubber's detector once more, whichever wrapper recorded it and whether or not it scrubbed it.
+
+The door is `GuardedExporter.export`, which every span and log exporter of stallwatch's pipeline sits behind
+(file, console, OTLP over HTTP or gRPC): one place, on the batch worker's thread, after the host's call has
+returned. Only stallwatch's own items are checked: spans of the `stallwatch` instrumentation scope and log
+records of the `stallwatch` loggers. The host's own spans and records are the host's to scrub, as without
+stallwatch. What is checked: span names, attribute values (event and link attributes included), status
+descriptions, log bodies; never the ids `telemetry.IDENTIFIERS` names, nor numbers.
+
+A finished span or record is shared by every exporter and may be read by another thread at the same time, so it
+is never changed: an item with something to redact is exported as a shallow copy with the redacted fields, the
+SDK's private fields set as the SDK's own constructors set them. `scrub.scrub_value` remembers clean values, so
+the usual item (short names and statuses that repeat) costs a few dictionary lookups.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from opentelemetry.attributes import BoundedAttributes
+from opentelemetry.sdk.trace import Event, ReadableSpan
+from opentelemetry.trace import Link, Status
+
+from .. import telemetry
+from ..instrument._common import FAULTS
+from ..instrument.scrub import scrub_attributes, scrub_value
+from .span_json import FIELD_READABLE, plain_attributes
+
+_OWN_SCOPE = telemetry.INSTRUMENTATION_SCOPE
+_SETTINGS = {"traces": "OTEL_TRACES_EXPORTER", "logs": "OTEL_LOGS_EXPORTER"}
+
+
+def checked(signal: str, batch: Sequence[Any]) -> Sequence[Any]:
+    """`batch` of `signal` ("traces" or "logs") as it may leave: the same sequence when nothing had to change.
+    An item that cannot be checked is dropped (counted as a fault of the signal), never exported unchecked."""
+    check = _span if signal == "traces" else _log_item
+    out: list[Any] | None = None
+    for index, item in enumerate(batch):
+        try:
+            result = check(item)
+        except Exception:
+            FAULTS.record(signal, _SETTINGS.get(signal, "OTEL_TRACES_EXPORTER"),
+                          "an item that could not be checked for secrets was dropped", off="none")  # fmt: skip
+            result = None
+        if result is not item:
+            if out is None:
+                out = list(batch[:index])
+            if result is not None:
+                out.append(result)
+        elif out is not None:
+            out.append(item)
+    return batch if out is None else out
+
+
+def _span(span: Any) -> Any:
+    """`span`, or a copy with its host-recorded strings scrubbed, if it is one of stallwatch's."""
+    if not isinstance(span, ReadableSpan):
+        return span
+    exact = type(span) in FIELD_READABLE
+    scope = span._instrumentation_scope if exact else span.instrumentation_scope
+    if scope is None or scope.name != _OWN_SCOPE:
+        return span
+    name, attributes, events, links, status = span._name, span._attributes, span._events, span._links, span._status
+    new_name = scrub_value(name) if type(name) is str else name
+    new_attributes = _attributes(attributes) if attributes else attributes
+    new_events = _events(events) if events else events
+    new_links = _links(links) if links else links
+    description = status.description if status is not None else None
+    new_status = status
+    if description:
+        scrubbed = scrub_value(description)
+        if scrubbed is not description:
+            new_status = Status(status.status_code, scrubbed)
+    unchanged = new_attributes is attributes and new_events is events and new_links is links
+    if unchanged and new_name is name and new_status is status:
+        return span
+    clone = copy.copy(span)
+    clone._name, clone._attributes, clone._events, clone._links, clone._status = (
+        new_name, new_attributes, new_events, new_links, new_status,
+    )  # fmt: skip
+    return clone
+
+
+def _attributes(attributes: Any) -> Any:
+    """`attributes` (a dict, or the SDK's `BoundedAttributes`) scrubbed; the same object when nothing changed."""
+    if not attributes:
+        return attributes
+    plain = plain_attributes(attributes)
+    if not isinstance(plain, Mapping):
+        return attributes
+    scrubbed = scrub_attributes(plain)
+    if scrubbed is plain:
+        return attributes
+    if isinstance(attributes, BoundedAttributes):
+        bounded = BoundedAttributes(attributes.maxlen, scrubbed, immutable=True, max_value_len=attributes.max_value_len)
+        bounded.dropped = attributes.dropped  # what the original dropped is still what was dropped
+        return bounded
+    return dict(scrubbed)
+
+
+def _events(events: Any) -> Any:
+    new = []
+    for event in events:
+        scrubbed = _attributes(event.attributes)
+        new.append(event if scrubbed is event.attributes else Event(event.name, scrubbed, event.timestamp))
+    return events if all(a is b for a, b in zip(new, events, strict=True)) else tuple(new)
+
+
+def _links(links: Any) -> Any:
+    new = []
+    for link in links:
+        scrubbed = _attributes(link.attributes)
+        new.append(link if scrubbed is link.attributes else Link(link.context, scrubbed))
+    return links if all(a is b for a, b in zip(new, links, strict=True)) else tuple(new)
+
+
+def _log_item(item: Any) -> Any:
+    """A batch item (`LogData` up to SDK 1.38, `ReadableLogRecord` since), or a copy with the record's body and
+    attributes scrubbed, if the record comes from a `stallwatch` logger."""
+    scope = getattr(item, "instrumentation_scope", None)
+    scope_name = getattr(scope, "name", None) or ""
+    if scope_name != _OWN_SCOPE and not scope_name.startswith(_OWN_SCOPE + "."):
+        return item
+    record = item.log_record
+    body, attributes = record.body, record.attributes
+    new_body = scrub_value(body) if type(body) is str else body
+    new_attributes = _attributes(attributes)
+    if new_body is body and new_attributes is attributes:
+        return item
+    new_record = copy.copy(record)
+    new_record.body, new_record.attributes = new_body, new_attributes
+    clone = copy.copy(item)
+    object.__setattr__(clone, "log_record", new_record)  # a frozen dataclass since SDK 1.39
+    return clone

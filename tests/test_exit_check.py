@@ -1,0 +1,137 @@
+"""The last check at the exit: a wrapper that records host data without scrubbing it (a span, its events and
+status, a log record of a stallwatch logger, the journal's records of that span, the heartbeat's spawn name)
+still leaks nothing, in a real host with the file and OTLP exporters and the journal on. Ids stay, and so do
+the host's own spans: they are the host's to scrub."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from hypothesis import given, settings
+
+from conftest import attrs, clean_env, otlp_items, run_python
+from stallwatch.instrument.scrub import REDACTED, scrub_attributes, scrub_value
+from support.tokens import command_lines
+
+TESTS = Path(__file__).parent
+# Secrets no rule lists by name: only their shape or place gives them away.
+TOKENS = {
+    "span_name": "Zq7LmN4vBw7KpR3tYs9DfG6hJc2Xa8",
+    "attribute": "ghp_ExitCheck5301abcdefghijklmnopqrstuvwx",
+    "argv": "ExitArgvGlued-5302",
+    "event": "Tb4Xn9QwE2rPz7LkV5mC8yHs3Gd6Jf",
+    "status": "sk_live_ExitCheckStatus5303abcdefgh",
+    "hook": "ExitHookSecret5304abcdefgh",
+    "log": "Pq2Wd8Zr5Ty1Ux7Vb4Nm9Kc3Hj6Lg0A",
+    "log_attribute": "xoxb-5305-5306-ExitCheckSlackabcdef",
+    "heartbeat": "Rk8Fs2Ld5Mw9Qz3Xc7Vb1Nh4Jg6Tp0E",
+    "nested_journal": "Jn5Cb8Xv2Mz7Lk4Qw9Er1Ty6Ui3Op0A",
+}
+RESOURCE_ID = "computeinstance-e00exitcheck5307"
+NEBIUS_TRACE_ID = "0af7651916cd43dd8448eb211c80319c"  # an id that looks like a hex token, kept by design
+HOST_VALUE = "Bearer HostOwnValue-5308"  # the host's own span: not stallwatch's to change
+
+HOST = f"""
+import json, logging
+import stallwatch
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
+from stallwatch import journal
+from stallwatch.detect import heartbeat
+
+session = stallwatch.setup()
+assert session.error is None, session.error
+t = {json.dumps(TOKENS)}
+careless = trace.get_tracer("stallwatch")  # a wrapper of stallwatch's that forgets to scrub
+with careless.start_as_current_span("deploy " + t["span_name"], attributes={{
+    "stallwatch.test.value": "token " + t["attribute"],
+    "stallwatch.test.args": ["mysql", "-uroot", "-p" + t["argv"], "shop"],
+    "stallwatch.cloud.resource.id": {RESOURCE_ID!r},
+    "stallwatch.nebius.trace_id": {NEBIUS_TRACE_ID!r},
+}}) as span:
+    token = journal.span_started(span, "test", durable=True)
+    span.set_attribute("stallwatch.test.later", {{"nested": t["nested_journal"]}}["nested"])
+    span.add_event("attempt", {{"message": "retrying with " + t["event"]}})
+    span.set_status(Status(StatusCode.ERROR, "refused " + t["status"]))
+    journal.span_ended(span, durable=True, started=None)
+logging.getLogger("stallwatch.test").warning(
+    "posted to https://hooks.slack.com/services/T0EXIT/B0EXIT/%s with %s", t["hook"], t["log"],
+    extra={{"stallwatch.test.token": t["log_attribute"]}},
+)
+with trace.get_tracer("host-app").start_as_current_span("host request", attributes={{"auth": {HOST_VALUE!r}}}):
+    pass
+heartbeat.AREA.spawning("curl " + t["heartbeat"], 1, 2)
+print(json.dumps({{"heartbeat": heartbeat.read(heartbeat.AREA.path)["spawn_command"]}}))
+stallwatch.shutdown(10)
+"""
+
+
+def _run_host(tmp_path: Path, receiver_url: str) -> tuple[dict, dict[str, bytes]]:
+    telemetry_dir, journal_dir, runtime = tmp_path / "telemetry", tmp_path / "journal", tmp_path / "runtime"
+    runtime.mkdir(mode=0o700)
+    env = clean_env(
+        STALLWATCH_FILE_DIR=str(telemetry_dir),
+        STALLWATCH_JOURNAL_DIR=str(journal_dir),
+        OTEL_EXPORTER_OTLP_ENDPOINT=receiver_url,
+        OTEL_TRACES_EXPORTER="otlp,file",
+        OTEL_LOGS_EXPORTER="otlp,file",
+        OTEL_METRICS_EXPORTER="none",
+        XDG_RUNTIME_DIR=str(runtime),  # the heartbeat file, beside the watchdog's
+        PYTHONPATH=os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])),
+    )
+    proc = run_python(HOST, env=env)
+    assert proc.returncode == 0, proc.stderr
+    outputs = {p.relative_to(tmp_path).as_posix(): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    return json.loads(proc.stdout.strip().splitlines()[-1]), outputs
+
+
+def test_what_a_careless_wrapper_records_leaves_the_process_scrubbed_through_every_exit(tmp_path, receiver):
+    result, outputs = _run_host(tmp_path, receiver.url)
+    outputs |= {f"OTLP {path} #{n}": body for n, (path, body) in enumerate(receiver.requests)}
+    outputs["heartbeat spawn name"] = result["heartbeat"].encode()
+    assert any(name.endswith(".journal") for name in outputs)
+    leaks = {
+        where: found
+        for where, data in outputs.items()
+        if (found := [name for name, token in TOKENS.items() if token.encode() in data])
+    }
+    assert leaks == {}
+
+    spans = {span["name"]: attrs(span) for span in otlp_items(tmp_path / "telemetry" / "traces.jsonl", "spans")}
+    ours = spans[f"deploy {REDACTED}"]
+    assert ours["stallwatch.test.value"] == f"token {REDACTED}"
+    assert ours["stallwatch.test.args"]["values"] == [
+        {"stringValue": "mysql"},
+        {"stringValue": "-uroot"},
+        {"stringValue": "-p" + REDACTED},
+        {"stringValue": "shop"},
+    ]
+    assert ours["stallwatch.cloud.resource.id"] == RESOURCE_ID and ours["stallwatch.nebius.trace_id"] == NEBIUS_TRACE_ID
+    assert spans["host request"]["auth"] == HOST_VALUE
+    bodies = [r["body"]["stringValue"] for r in otlp_items(tmp_path / "telemetry" / "logs.jsonl", "logs")]
+    assert f"posted to https://hooks.slack.com/services/{REDACTED} with {REDACTED}" in bodies
+    assert result["heartbeat"] == f"curl {REDACTED}"
+    journal = b"".join(data for name, data in outputs.items() if name.endswith(".journal"))
+    assert RESOURCE_ID.encode() in journal and NEBIUS_TRACE_ID.encode() in journal
+
+
+def test_the_exit_check_leaves_scrubbed_text_and_ids_as_they_are():
+    already = ["ssh", "-i", "key:0123456789ab", "-o", "IdentityFile=key:ba9876543210", f"--token={REDACTED}", "h"]
+    assert scrub_attributes({"process.command_args": already})["process.command_args"] == already
+    git = ["git", "checkout", "3f2a9c0b7e1d4f6a8b5c2e9d1a7f3b6c0d4e5f6a"]
+    assert scrub_attributes({"process.command_args": git})["process.command_args"] == git
+    kept = {"stallwatch.nebius.trace_id": NEBIUS_TRACE_ID, "process.pid": 42, "stallwatch.loop": "uvloop"}
+    assert scrub_attributes(kept) is kept
+    for text in ("psql (3 args)", '{"token":[REDACTED]}', f"PGPASSWORD={REDACTED} psql -h db"):
+        assert scrub_value(text) is text
+
+
+@settings(max_examples=300, deadline=None)
+@given(command_lines())
+def test_a_random_token_in_a_recorded_string_is_caught_at_the_exit(case):
+    argv, shell, token = case
+    for value in (shell, " ".join(argv[1:]), f"spawn failed: {shell}"):
+        assert token not in scrub_value(value), value
+    assert token not in str(scrub_attributes({"stallwatch.args": argv})["stallwatch.args"])
