@@ -275,7 +275,9 @@ def test_every_token_shape_of_the_public_rule_sets_is_redacted_wherever_it_stand
         assert not _fragments(token) & set(_fragments(text)), f"{name}: {argv} -> {text}"
 
 
-@settings(max_examples=500, deadline=None)
+# The same 500 examples on every run: the shape detector misses about 1 in 100,000 random base64
+# tokens by design (docs/scrubbing.md), which fresh examples each run would turn into a rare flake.
+@settings(max_examples=500, deadline=None, derandomize=True)
 @given(command_lines())
 def test_a_generated_random_token_never_survives_in_any_position_of_an_argv_or_a_shell_string(case):
     argv, shell, token = case

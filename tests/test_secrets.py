@@ -77,9 +77,10 @@ def test_no_output_of_any_instrumentation_carries_a_corpus_secret(sshd, http_ser
     assert loose == {}
 
 
-@settings(
+@settings(  # derandomized for the reason given in test_scrub's property test
     max_examples=2,
     deadline=None,
+    derandomize=True,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 @given(st.lists(command_lines(), min_size=40, max_size=40))
