@@ -169,3 +169,23 @@ def test_dstack_server_started_by_stallwatch_run_records_its_forks_and_spawns_an
 
 def _resources(path: Path) -> list[dict]:
     return [resource for request in read_jsonl(path) for resource in request.get("resourceMetrics", [])]
+
+
+WARNING = "STALLWATCH_PROVIDERS=host, but the host has installed no OpenTelemetry tracer or meter provider"
+
+
+def test_host_providers_that_never_appear_get_one_line_at_stallwatchs_first_record_and_installed_ones_none(tmp_path):
+    spawn_twice = "import subprocess\nsubprocess.run(['true'])\nsubprocess.run(['true'])\n"
+    install = textwrap.dedent("""\
+        from opentelemetry import metrics, trace
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.trace import TracerProvider
+        trace.set_tracer_provider(TracerProvider())
+        metrics.set_meter_provider(MeterProvider())
+    """)
+    env = launcher_env(tmp_path, STALLWATCH_PROVIDERS="host")
+    for host, lines in ((spawn_twice, 1), (install + spawn_twice, 0)):
+        run = subprocess.run(
+            [STALLWATCH, "run", "--", "python", "-c", host], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert run.returncode == 0 and run.stderr.count(WARNING) == lines, run.stderr
