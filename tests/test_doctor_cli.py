@@ -377,3 +377,18 @@ def test_doctor_setup_serves_prometheus_on_free_ports_not_the_ones_the_host_list
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stderr == ""  # no "cannot listen", no "Telemetry is off"
     assert json.loads(proc.stdout)["watchdog"]["alive"] is True
+
+
+@pytest.mark.skipif(importlib.util.find_spec("uvloop") is None, reason="the advice is about uvloop")
+def test_the_uvloop_advice_names_the_fix_for_the_host_inspected_and_goes_once_spawns_avoid_fork(tmp_path):
+    def advice(*args: str, **env: str) -> list[str]:
+        result = stallwatch_cli("doctor", "--no-probe", "--json", *args, env=clean_env(**env), cwd=tmp_path)
+        return json.loads(result.stdout)["advice"]
+
+    plain = [a for a in advice() if "uvloop forks" in a]
+    assert len(plain) == 1 and "loop=stallwatch.uvicorn_loop()" in plain[0], plain
+    dstack = [a for a in advice("--import", "dstack._internal.server.app") if "uvloop forks" in a]
+    assert len(dstack) == 1 and "STALLWATCH_UVLOOP_SPAWN=vfork for `dstack server`" in dstack[0], dstack
+    assert "uvicorn_loop" not in dstack[0]  # dstack builds its own uvicorn: that fix does not apply
+    fixed = advice("--setup", "--import", "dstack._internal.server.app", STALLWATCH_UVLOOP_SPAWN="vfork")
+    assert not [a for a in fixed if "uvloop forks" in a], fixed

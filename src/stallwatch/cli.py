@@ -1,4 +1,4 @@
-"""The `stallwatch` command: `doctor`, `demo`, `postmortem` and `leaks`."""
+"""The `stallwatch` command: `run`, `doctor`, `demo`, `postmortem` and `leaks`."""
 
 from __future__ import annotations
 
@@ -12,6 +12,43 @@ import traceback
 from pathlib import Path
 
 import stallwatch
+
+RUN_EXAMPLES = """\
+examples:
+  stallwatch run -- dstack server --port 3000
+  stallwatch run -- uvicorn app:app --loop stallwatch:uvicorn_loop
+  stallwatch run -m http.server 8000       (same as: stallwatch run -- python -m http.server 8000)
+  STALLWATCH_PROVIDERS=host DSTACK_OTEL_TRACES_ENABLED=1 stallwatch run -- dstack server
+
+The command runs as itself (exec): same argv, exit status and signals. Its Python process imports
+stallwatch before anything else and runs setup() from the OTEL_* and STALLWATCH_* variables. Python
+processes the command starts in turn do not load stallwatch; forked workers keep its session. A
+command that cannot be found exits with status 127, one that cannot be executed with 126."""
+
+
+def _run(arguments: list[str]) -> int:
+    """Exec the command with the bootstrap first on its PYTHONPATH; returns only when the exec failed."""
+    if arguments[:1] == ["--"]:
+        arguments = arguments[1:]
+    elif arguments[:1] == ["-m"]:
+        arguments = [sys.executable, *arguments]
+    if not arguments or arguments == [sys.executable, "-m"]:
+        print("usage: stallwatch run (-m MODULE [ARGS...] | -- COMMAND [ARGS...]); see stallwatch run --help",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["STALLWATCH_RUN_PYTHONPATH"] = saved or ""  # restored by the bootstrap
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(__file__).with_name("_bootstrap")), *([saved] if saved else [])]
+    )
+    try:
+        os.execvp(arguments[0], arguments)
+    except OSError as error:
+        if isinstance(error, FileNotFoundError):
+            print(f"stallwatch run: {arguments[0]}: command not found", file=sys.stderr)
+            return 127
+        print(f"stallwatch run: {arguments[0]}: cannot execute: {error.strerror or error}", file=sys.stderr)
+        return 126
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -115,6 +152,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"stallwatch {stallwatch.__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
+    run = commands.add_parser(
+        "run",
+        help="run a command with stallwatch started first in its Python process",
+        description="Run COMMAND (a console script such as `dstack server`, or `python ...`) with stallwatch "
+        "imported and set up before the command's own imports, as opentelemetry-instrument and ddtrace-run do.",
+        usage="stallwatch run [-h] (-m MODULE [ARGS...] | -- COMMAND [ARGS...])",
+        epilog=RUN_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    run.add_argument("-m", dest="module", metavar="MODULE", help="run a module with this Python, as python -m")
+    run.add_argument("command", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    run.set_defaults(run=lambda args: _run(["-m", args.module, *args.command] if args.module else args.command))
+
     doctor = commands.add_parser(
         "doctor", help="report fork hazards; exit status 1 while one remains", description=stallwatch.doctor.__doc__
     )
@@ -186,6 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    arguments = sys.argv[1:] if argv is None else argv
+    if arguments[:1] == ["run"] and arguments[1:2] not in ([], ["-h"], ["--help"]):
+        return _run(arguments[1:])  # the command's own options are never ours
     args = build_parser().parse_args(argv)
     if getattr(args, "probes", 1) < 1:
         build_parser().error("--probes must be at least 1")

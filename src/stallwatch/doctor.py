@@ -161,7 +161,7 @@ def doctor(probe: bool = True, journal: dict[str, Any] | None = None) -> Report:
         built = ", ".join(f"{n} {cls}" for cls, n in sorted(FORK_SAFETY.preexisting.items()))
         hazards.append(
             f"OpenTelemetry objects built before `import stallwatch` ({built}) still start threads in "
-            "fork children; import stallwatch (or stallwatch.auto) first"
+            f"fork children; {_import_first_fix()}"
         )
 
     handlers: list[HandlerProbe] = []
@@ -177,14 +177,13 @@ def doctor(probe: bool = True, journal: dict[str, Any] | None = None) -> Report:
         if unattributed_starts or unattributed:
             hazards.append(
                 f"handlers registered before `import stallwatch` started {unattributed_starts} Python "
-                f"thread(s) and left OS threads {unattributed} in a fork child; import stallwatch first"
+                f"thread(s) and left OS threads {unattributed} in a fork child; {_import_first_fix()}"
             )
 
-    if loops.uvicorn_auto_picks == "uvloop" or loops.running == "uvloop":
-        advice.append(
-            "uvloop forks for every subprocess and holds the GIL until exec; run uvicorn with "
-            'loop=stallwatch.uvicorn_loop() ("asyncio") or --loop asyncio'
-        )
+    uvloop_spawn = sys.modules.get("stallwatch.forksafe.uvloop_spawn")  # loaded by STALLWATCH_UVLOOP_SPAWN=vfork
+    spawns_by_vfork = uvloop_spawn is not None and uvloop_spawn.installed()
+    if (loops.uvicorn_auto_picks == "uvloop" or loops.running == "uvloop") and not spawns_by_vfork:
+        advice.append(f"uvloop forks for every subprocess and holds the GIL until exec; {_uvloop_fix()}")
     sentry = _sentry_report()
     if sentry["version"] and not sentry["safe"]:
         advice.append(f"upgrade sentry-sdk to 2.59 or newer: {sentry['fork_safety']}")
@@ -242,6 +241,28 @@ def _watchdog_report() -> dict[str, Any]:
 def _watchdog_process() -> subprocess.Popen[bytes] | None:
     running = session.current()
     return running._watchdog[1] if running is not None and running._watchdog is not None else None
+
+
+def _launched_by_its_own_entry_point() -> str | None:
+    """The command of a host whose server starts uvicorn itself (its code cannot be edited), if loaded."""
+    return "dstack server" if "dstack._internal.server.app" in sys.modules else None
+
+
+def _uvloop_fix() -> str:
+    command = _launched_by_its_own_entry_point()
+    if command is not None:  # it builds its own uvicorn: only stallwatch's spawn method applies
+        return f"set STALLWATCH_UVLOOP_SPAWN=vfork for `{command}` (uvloop then spawns without fork)"
+    return (
+        'run uvicorn with loop=stallwatch.uvicorn_loop() ("asyncio") or --loop asyncio, or keep uvloop and set '
+        "STALLWATCH_UVLOOP_SPAWN=vfork"
+    )
+
+
+def _import_first_fix() -> str:
+    command = _launched_by_its_own_entry_point()
+    if command is not None:
+        return f"start it with `stallwatch run -- {command}`"
+    return "import stallwatch (or stallwatch.auto) first, or start the server with `stallwatch run -- COMMAND`"
 
 
 def check_journal(

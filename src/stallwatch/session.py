@@ -155,6 +155,10 @@ def _start(fork_safety: ForkSafety, overrides: dict[str, Any]) -> Session:
                 )
             return Session(settings, fork_safety, error=str(exc) if isinstance(exc, ConfigError) else repr(exc))
     config.report(settings.problems)
+    if settings.providers == "host":
+        from .instrument._common import on_first_record
+
+        on_first_record(_warn_when_the_host_exports_nothing)
     _register_instruments()
     _instrument(settings)
     journal = _start_journal(settings) if settings.journal else None
@@ -173,6 +177,22 @@ def _start(fork_safety: ForkSafety, overrides: dict[str, Any]) -> Session:
     atexit.register(_shutdown_at_exit)
     _keep_the_tail_on_sigterm(settings.shutdown_timeout)
     return Session(settings, fork_safety, dict(pipeline.files) if pipeline else {}, None, pipeline, watchdog, journal)
+
+
+def _warn_when_the_host_exports_nothing() -> None:
+    """With STALLWATCH_PROVIDERS=host, at stallwatch's first record: one line if the host has not
+    installed a tracer or a meter provider, since everything stallwatch records is then dropped."""
+    from opentelemetry import trace
+
+    if isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider) and isinstance(
+        metrics.get_meter_provider(), metrics._internal._ProxyMeterProvider
+    ):
+        _log.warning(
+            "stallwatch: STALLWATCH_PROVIDERS=host, but the host has installed no OpenTelemetry tracer or meter "
+            "provider: nothing stallwatch records will be exported. Unset STALLWATCH_PROVIDERS so that stallwatch "
+            "installs its own, or turn the host's OpenTelemetry on (dstack: DSTACK_OTEL_TRACES_ENABLED=1 and "
+            "DSTACK_OTEL_METRICS_ENABLED=1; or run it under opentelemetry-instrument)."
+        )
 
 
 def _register_instruments() -> None:

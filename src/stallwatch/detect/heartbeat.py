@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from .._private import opener
+from ..instrument._common import first_record
 from ..instrument.scrub import scrub_value
 
 MAGIC = b"SWHB0001"
@@ -591,4 +592,5 @@ def _beat(beats: _LoopBeats) -> None:
         faulthandler.dump_traceback_later(_threshold, file=_stacks_file)  # replaces the previous timer
         _armed_by = pid
     if _lag_histogram is not None:
+        first_record()
         _lag_histogram.record(max(0.0, now - beats.sent), {"stallwatch.loop": beats.kind})

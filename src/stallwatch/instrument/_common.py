@@ -109,6 +109,24 @@ class Faults:
 
 FAULTS = Faults()
 
+_first_record_checks: list[Callable[[], None]] = []
+
+
+def on_first_record(check: Callable[[], None]) -> None:
+    """Run `check` once, at the first span or measurement stallwatch records through a provider that
+    is not an SDK's (so far only the host's, with STALLWATCH_PROVIDERS=host)."""
+    _first_record_checks.append(check)
+
+
+def first_record() -> None:
+    """Where stallwatch records through a provider that may not be an SDK's: the checks, once."""
+    while _first_record_checks:
+        try:
+            check = _first_record_checks.pop()  # atomic: two threads never run the same check
+        except IndexError:
+            return
+        check()
+
 
 # How a Sentry user turns stallwatch's events off, as `Faults.record`'s `setting` and `off`.
 SENTRY_COMPONENT, SENTRY_SETTING, SENTRY_OFF = "sentry", "disabled_integrations", "[StallwatchIntegration()]"

@@ -39,6 +39,7 @@ from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode,
 from opentelemetry.util import types
 
 from ..export import guarded, span_json
+from ._common import first_record
 
 _LOCK = threading.Lock()  # guards every LightSpan's rare mutations (events, status, foreign attributes)
 _STOCK = (sdk_trace.SpanProcessor, sdk_export.BatchSpanProcessor, sdk_export.SimpleSpanProcessor)
@@ -193,6 +194,7 @@ def start(
     (`export.guarded.shed`); not for spans the journal must see in flight."""
     sdk = _sdk_tracer(tracer)
     if sdk is None:
+        first_record()
         return tracer.start_span(name, context=context, kind=kind, attributes=attributes, start_time=start_time)
     sampler = sdk.sampler
     if parent is not None:

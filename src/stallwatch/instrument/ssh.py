@@ -32,7 +32,7 @@ from opentelemetry.util.types import AttributeValue
 from .. import journal, telemetry
 from .._version import __version__
 from . import scrub
-from ._common import FAULTS, SPAWN_OBSERVER, Deferred, instrument, meter, signal_name
+from ._common import FAULTS, SPAWN_OBSERVER, Deferred, first_record, instrument, meter, signal_name
 
 _log = logging.getLogger("stallwatch")
 COMPONENT = "ssh"
@@ -89,6 +89,7 @@ class _Operation:
         self.started = perf_counter()
         self.returncode: int | None = None
         self.ended = False
+        first_record()
         self.span = self.instruments.tracer.start_span(span_name, kind=SpanKind.CLIENT, attributes=attributes)
         self.journaled = journal.span_started(self.span, COMPONENT, durable=phase == "open")
 

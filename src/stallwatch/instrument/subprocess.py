@@ -59,7 +59,17 @@ from .._version import __version__
 from ..forksafe import guard
 from ..forksafe.loop import loop_kind
 from . import child_fate, light_span, scrub
-from ._common import FAULTS, SPAWN_OBSERVER, Counts, Deferred, instrument, meter, signal_name, unwrap_method
+from ._common import (
+    FAULTS,
+    SPAWN_OBSERVER,
+    Counts,
+    Deferred,
+    first_record,
+    instrument,
+    meter,
+    signal_name,
+    unwrap_method,
+)
 
 _log = logging.getLogger("stallwatch")
 COMPONENT = "subprocess"
@@ -297,6 +307,7 @@ def _begin(state: _State, loop: str | asyncio.AbstractEventLoop | None, method: 
 def _start_span_now(state: _State, child: _Child, program: object) -> None:
     """With propagation on, the span starts before the spawn: its context goes into TRACEPARENT."""
     child.name = scrub.executable_name(program)
+    first_record()
     child.span = state.tracer.start_span(
         child.name, context=child.parent, kind=SpanKind.CLIENT, start_time=child.start_ns
     )

@@ -1,0 +1,191 @@
+"""`stallwatch run -- COMMAND`: the command's own process starts stallwatch before its imports, and
+is otherwise the command (argv, exit status, signals). Real processes throughout, dstack included."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import attrs, clean_env, latest_total, otlp_items, read_jsonl
+from support.served import Served
+
+BIN = Path(sys.executable).parent
+STALLWATCH = str(BIN / "stallwatch")
+
+# The command's first lines: was stallwatch set up before anything of the command was imported?
+CHECK_SETUP = """\
+import sys
+before_imports = "stallwatch" in sys.modules and sys.modules["stallwatch"].FORK_SAFETY is not None
+import os
+import stallwatch.session
+assert before_imports, "stallwatch was not imported before the command's first line"
+assert stallwatch.session.current() is not None and stallwatch.session.current().telemetry_enabled
+assert "STALLWATCH_RUN_PYTHONPATH" not in os.environ
+"""
+
+
+def launcher_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """A clean environment whose PATH finds this virtualenv's python and console scripts first."""
+    return clean_env(
+        **{
+            "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+            "STALLWATCH_FILE_DIR": str(tmp_path / "telemetry"),
+            "STALLWATCH_WATCHDOG": "false",
+            **extra,
+        }
+    )
+
+
+def test_a_python_command_runs_with_stallwatch_set_up_first_and_keeps_its_argv_and_exit_status(tmp_path):
+    script = CHECK_SETUP + textwrap.dedent("""\
+        assert sys.argv == ["-c", "first", "--second"], sys.argv
+        assert "PYTHONPATH" not in os.environ and not any("_bootstrap" in entry for entry in sys.path)
+        print("checked", flush=True)
+        sys.exit(3)
+    """)
+    run = subprocess.run(
+        [STALLWATCH, "run", "--", "python", "-c", script, "first", "--second"],
+        env=launcher_env(tmp_path), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert (run.returncode, run.stdout) == (3, "checked\n"), run.stderr
+
+
+def test_python_processes_the_command_starts_do_not_load_stallwatch_again(tmp_path):
+    script = CHECK_SETUP + textwrap.dedent("""\
+        import subprocess
+        child = "import sys; print('stallwatch' in sys.modules, sys.path.count('/elsewhere'))"
+        print(subprocess.run([sys.executable, "-c", child], capture_output=True, text=True).stdout, end="")
+    """)
+    run = subprocess.run(
+        [STALLWATCH, "run", "--", "python", "-c", script],
+        env=launcher_env(tmp_path, PYTHONPATH="/elsewhere"), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert (run.returncode, run.stdout) == (0, "False 1\n"), run.stderr
+
+
+def test_the_environments_own_sitecustomize_still_runs_after_stallwatch(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import sys\nSTALLWATCH_FIRST = 'stallwatch.session' in sys.modules\n")
+    script = CHECK_SETUP + "import sitecustomize\nprint(sitecustomize.STALLWATCH_FIRST, os.environ['PYTHONPATH'])\n"
+    run = subprocess.run(
+        [STALLWATCH, "run", "--", "python", "-c", script],
+        env=launcher_env(tmp_path, PYTHONPATH=str(site)), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert (run.returncode, run.stdout) == (0, f"True {site}\n"), run.stderr
+
+
+def test_the_module_form_runs_the_module_with_its_own_options(tmp_path):
+    package = tmp_path / "app"
+    package.mkdir()
+    (package / "serve.py").write_text(CHECK_SETUP + "print(sys.argv[1:], flush=True)\nsys.exit(4)\n")
+    run = subprocess.run(
+        [STALLWATCH, "run", "-m", "serve", "--help", "x"],
+        env=launcher_env(tmp_path, PYTHONPATH=str(package)), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert (run.returncode, run.stdout) == (4, "['--help', 'x']\n"), run.stderr
+
+
+def test_the_launched_process_is_the_command_so_sigterm_reaches_it_and_its_status_is_the_signal(tmp_path):
+    script = CHECK_SETUP + "import signal\nprint('ready', os.getpid(), file=sys.stderr, flush=True)\nsignal.pause()\n"
+    served = Served([STALLWATCH, "run", "--", "python", "-c", script], env=launcher_env(tmp_path))
+    try:
+        assert int(served.wait_for(r"ready (\d+)", timeout=60)[1]) == served.process.pid
+        served.process.send_signal(signal.SIGTERM)
+        assert served.finish() == -signal.SIGTERM
+    finally:
+        served.kill()
+
+
+def test_a_missing_command_exits_127_with_one_line_and_no_command_is_a_usage_error(tmp_path):
+    missing = subprocess.run(
+        [STALLWATCH, "run", "--", "no-such-command-zz", "arg"],
+        env=launcher_env(tmp_path), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert (missing.returncode, missing.stderr) == (127, "stallwatch run: no-such-command-zz: command not found\n")
+    for arguments in ([], ["--"], ["-m"]):
+        usage = subprocess.run(
+            [STALLWATCH, "run", *arguments], env=launcher_env(tmp_path), capture_output=True, text=True, timeout=60
+        )
+        assert usage.returncode == 2 and "stallwatch run --help" in usage.stderr, usage.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _wait_until_served(url: str, served: Served, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert served.process.poll() is None, f"the server ended ({served.process.returncode}):\n{served.stderr()}"
+        try:
+            with urllib.request.urlopen(url, timeout=5):
+                return
+        except urllib.error.HTTPError:
+            return  # it answers
+        except OSError:
+            time.sleep(0.5)
+    raise AssertionError(f"{url} never answered:\n{served.stderr()}")
+
+
+def test_dstack_server_started_by_stallwatch_run_records_its_forks_and_spawns_and_flushes_on_sigterm(tmp_path):
+    pytest.importorskip("dstack._internal.server.app", reason="dstack server needs the dstack[server] extra")
+    port = _free_port()
+    env = launcher_env(
+        tmp_path, HOME=str(tmp_path / "home"), DSTACK_SERVER_DIR=str(tmp_path / "server"),
+        OTEL_SERVICE_NAME="dstack-server", STALLWATCH_WATCHDOG="true",
+    )  # fmt: skip
+    served = Served(
+        [STALLWATCH, "run", "--", "dstack", "server", "--host", "127.0.0.1", "--port", str(port), "-y"],
+        env=env, cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        _wait_until_served(f"http://127.0.0.1:{port}/", served, timeout=180)
+        served.process.send_signal(signal.SIGTERM)
+        assert served.finish(timeout=60) in (0, -signal.SIGTERM), served.stderr()
+    finally:
+        served.kill()
+    traces, metrics = tmp_path / "telemetry" / "traces.jsonl", tmp_path / "telemetry" / "metrics.jsonl"
+    resources = [attrs(resource["resource"]) for resource in _resources(metrics)]
+    host = [r for r in resources if r.get("stallwatch.process.role") != "watchdog"]
+    assert host and all(r["service.name"] == "dstack-server" for r in host), resources
+    assert any(r.get("stallwatch.process.role") == "watchdog" for r in resources), "no freeze watchdog ran"
+    assert latest_total(metrics, "stallwatch.loop.lag") >= 0  # the heartbeat of dstack's event loop
+    spawned = [span for span in otlp_items(traces, "spans") if attrs(span).get("process.executable.name")]
+    assert spawned, "dstack spawns git and ssh at start: their spans are missing"
+
+
+def _resources(path: Path) -> list[dict]:
+    return [resource for request in read_jsonl(path) for resource in request.get("resourceMetrics", [])]
+
+
+WARNING = "STALLWATCH_PROVIDERS=host, but the host has installed no OpenTelemetry tracer or meter provider"
+
+
+def test_host_providers_that_never_appear_get_one_line_at_stallwatchs_first_record_and_installed_ones_none(tmp_path):
+    spawn_twice = "import subprocess\nsubprocess.run(['true'])\nsubprocess.run(['true'])\n"
+    install = textwrap.dedent("""\
+        from opentelemetry import metrics, trace
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.trace import TracerProvider
+        trace.set_tracer_provider(TracerProvider())
+        metrics.set_meter_provider(MeterProvider())
+    """)
+    env = launcher_env(tmp_path, STALLWATCH_PROVIDERS="host")
+    for host, lines in ((spawn_twice, 1), (install + spawn_twice, 0)):
+        run = subprocess.run(
+            [STALLWATCH, "run", "--", "python", "-c", host], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert run.returncode == 0 and run.stderr.count(WARNING) == lines, run.stderr
