@@ -660,9 +660,9 @@ WORK_ITEM_SPAN = Span(
 
 REPLAYED_SPAN = Span(
     "(the original span's name)", "INTERNAL",
-    "A tunnel or Nebius span that was open when its process died, replayed at the next `setup()` from the "
-    "journal with its original trace/span ids, parent and start; it ends at the last evidence of life, "
-    "status ERROR.",
+    "An SSH (tunnel or paramiko) or Nebius span that was open when its process died, replayed at the next "
+    "`setup()` from the journal with its original trace/span ids, parent and start; it ends at the last evidence "
+    "of life, status ERROR.",
     (INTERRUPTED, INTERRUPTED_REASON),
 )  # fmt: skip
 
