@@ -17,8 +17,8 @@ through a wrapt post-import hook; `setup()` runs it unless `STALLWATCH_INSTRUMEN
 - `SSHClient.open_sftp`: the `ssh.sftp` span runs until the SFTP channel closes (`SFTPClient.close`
   closes it).
 
-The private names are checked when paramiko is imported; without them, commands and
-SFTP sessions are not spanned (one WARNING naming the setting), connections still are. The destination
+The private names are checked when paramiko is imported; a paramiko without them is left
+untouched, with one WARNING naming the setting. The destination
 host is scrubbed like a command-line argument; the user name is never recorded, the command line only
 with `STALLWATCH_RECORD_ARGS=true`, scrubbed.
 """
