@@ -97,6 +97,7 @@ def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sshd]:
             AllowStreamLocalForwarding yes
             StreamLocalBindUnlink yes
             X11Forwarding no
+            Subsystem sftp internal-sftp
             PrintMotd no
             LogLevel VERBOSE
             """)

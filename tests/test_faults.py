@@ -209,6 +209,38 @@ def host_calls():
     return {"async": outcome(lambda: asyncio.run(session(sock))), "sync": outcome(lambda: sync_session(sock))}
 """
 
+PARAMIKO = """
+import socket
+import paramiko
+
+USER, HOST, PORT, IDENTITY = sys.argv[1:5]
+with socket.socket() as probe:  # a port nothing listens on
+    probe.bind(("127.0.0.1", 0))
+    CLOSED_PORT = probe.getsockname()[1]
+
+def connect(port):
+    client = paramiko.SSHClient()
+    client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
+    client.connect(HOST, port=port, username=USER, key_filename=IDENTITY, look_for_keys=False, allow_agent=False,
+                   timeout=30)
+    return client
+
+def session():
+    client = connect(int(PORT))
+    _, stdout, _ = client.exec_command("echo hi; exit 3")
+    said, status = stdout.read().decode(), stdout.channel.recv_exit_status()
+    _, stdout, _ = client.exec_command("kill -KILL $$")
+    killed = stdout.channel.recv_exit_status()
+    sftp = client.open_sftp()
+    listed = len(sftp.listdir("/")) > 0
+    sftp.close()
+    client.close()
+    return [said, status, killed, listed]
+
+def host_calls():
+    return {"session": outcome(session), "refused": outcome(lambda: connect(CLOSED_PORT))}
+"""
+
 NEBIUS = """
 from nebius.api.nebius.common.v1 import ResourceMetadata
 from nebius.api.nebius.compute.v1 import (
@@ -396,6 +428,7 @@ WRAPPERS = {
     ),
     "instrument_tunnel": (TUNNEL_CLASS, *SSH, 5),
     "dstack SSHTunnel": (DSTACK_TUNNEL, *SSH, 6),  # aopen, acheck, aexec, aclose, open, close
+    "paramiko": (PARAMIKO, "ssh", "STALLWATCH_INSTRUMENT_SSH", ("stallwatch.instrument.paramiko", "_peer"), 2),
     "Nebius request": (NEBIUS, *NEBIUS_CALLS, 5),  # create, the operation's poll, get, get, delete
     "ThreadPoolExecutor.submit": (EXECUTOR_SUBMIT, *EXECUTOR, 2),  # one per executor built
     "asyncio.to_thread": (TO_THREAD, *EXECUTOR, 2),
@@ -492,7 +525,7 @@ def test_an_instrumentation_fault_never_reaches_the_host(wrapper, fault, tmp_pat
     workload, component, setting, builder, attribute_faults = WRAPPERS[wrapper]
     args: list[str] = []
     with tempfile.TemporaryDirectory(prefix="sw-") as sock_dir:  # short: unix socket paths are limited
-        if wrapper == "dstack SSHTunnel":
+        if wrapper in ("dstack SSHTunnel", "paramiko"):
             sshd, http_port = request.getfixturevalue("sshd"), request.getfixturevalue("http_server")
             args = [sshd.user, sshd.host, str(sshd.port), str(sshd.identity), str(http_port), sock_dir]
         code = child(workload, setup=f"{files(tmp_path)}, watchdog=False", fault=fault_code(fault, builder))

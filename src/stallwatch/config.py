@@ -333,7 +333,8 @@ OPTIONS: tuple[Option, ...] = (
         "instrument_ssh",
         "`true`",
         "Spans and metrics for SSH tunnel open/close (dstack's `SSHTunnel`, instrumented when it is imported; "
-        "other classes through `stallwatch.instrument_tunnel`).",
+        "other classes through `stallwatch.instrument_tunnel`) and for paramiko connections, remote commands and "
+        "SFTP sessions (instrumented when `paramiko` is imported).",
     ),
     Option(
         "STALLWATCH_INSTRUMENT_NEBIUS",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib.util
 import logging
 import os
 import signal
@@ -353,6 +354,12 @@ def _instrument(settings: Settings) -> None:
         from .instrument import ssh
 
         ssh.install_presets()
+        if importlib.util.find_spec("paramiko") is not None:  # else the dependency check would log an error
+            from .instrument.paramiko import ParamikoInstrumentor
+
+            connections = ParamikoInstrumentor()
+            if not connections.is_instrumented_by_opentelemetry:
+                connections.instrument(settings=settings)
     if settings.instrument_nebius:
         from .instrument.nebius import NebiusInstrumentor
 

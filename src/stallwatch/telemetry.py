@@ -182,6 +182,12 @@ SIGNALLED_BY_HOST = Attribute(
     type="boolean",
 )
 SSH_PHASE = Attribute("stallwatch.ssh.phase", "Which tunnel operation failed.", ("open", "close"))
+SSH_AUTH = Attribute(
+    "stallwatch.ssh.auth",
+    "Outcome of a paramiko connection's authentication; absent when the connection failed before it "
+    "(refused, unknown host key, timeout).",
+    ("success", "failure"),
+)
 
 RPC_SERVICE = Attribute("rpc.service", "Full gRPC service name, e.g. `nebius.compute.v1.InstanceService`.")
 RPC_METHOD = Attribute("rpc.method", "gRPC method name, e.g. `Create`.")
@@ -369,6 +375,27 @@ SSH_TUNNEL_FAILURES = Metric(
     "Tunnel opens or closes that raised or whose ssh child failed (non-zero exit status or killed by a signal).",
     (SSH_PHASE, EXIT_SIGNAL, ERROR_TYPE),
 )  # fmt: skip
+SSH_CONNECT_DURATION = Metric(
+    "stallwatch.ssh.connect.duration", "histogram", "s",
+    "Time a paramiko `SSHClient.connect` took: TCP, key exchange and authentication (successful or not).",
+    bounds=SSH_BUCKETS,
+)  # fmt: skip
+SSH_CONNECTIONS_ACTIVE = Metric(
+    "stallwatch.ssh.connections.active", "updowncounter", "{connection}",
+    "paramiko SSH connections established and not closed yet.",
+)  # fmt: skip
+SSH_CONNECTION_FAILURES = Metric(
+    "stallwatch.ssh.connection.failures", "counter", "{failure}",
+    "paramiko connects that raised, by `error.type` (`NoValidConnectionsError` when refused) and "
+    "`stallwatch.ssh.auth` (`failure` when the server rejected the credentials).",
+    (SSH_AUTH, ERROR_TYPE),
+)  # fmt: skip
+SSH_COMMAND_DURATION = Metric(
+    "stallwatch.ssh.command.duration", "histogram", "s",
+    "Remote commands run through paramiko, from the exec request to the exit status (or the channel's close); "
+    "`error.type` is the non-zero exit status, the signal name, `closed` (no status) or the exception class.",
+    (ERROR_TYPE,),
+)  # fmt: skip
 
 NEBIUS_CALL_DURATION = Metric(
     "stallwatch.nebius.call.duration", "histogram", "s",
@@ -425,6 +452,10 @@ METRICS: tuple[Metric, ...] = (
     SSH_TUNNEL_CLOSE_DURATION,
     SSH_TUNNEL_ACTIVE,
     SSH_TUNNEL_FAILURES,
+    SSH_CONNECT_DURATION,
+    SSH_CONNECTIONS_ACTIVE,
+    SSH_CONNECTION_FAILURES,
+    SSH_COMMAND_DURATION,
     NEBIUS_CALL_DURATION,
     NEBIUS_CALLS_ACTIVE,
     CLOUD_RESOURCES_CREATED,
@@ -485,6 +516,12 @@ SSH_BACKGROUND = Attribute(
 SSH_EXIT_STATUS = Attribute(
     "stallwatch.ssh.exit.status",
     "Return code of the last ssh child of the operation (negative: killed by a signal).",
+    type="int",
+)
+SSH_COMMAND_EXIT_STATUS = Attribute(
+    "stallwatch.ssh.command.exit_status",
+    "Exit status the server reported for a remote command; absent when it reported none (a signal killed "
+    "the command, see `stallwatch.exit.signal`, or the channel closed first).",
     type="int",
 )
 
@@ -555,6 +592,27 @@ SSH_EXEC_SPAN = Span(
     "ssh.tunnel.exec", "CLIENT", "A command run over the tunnel's master connection.",
     (*_TUNNEL_ATTRIBUTES, SSH_EXIT_STATUS, ERROR_TYPE),
 )  # fmt: skip
+_PEER_ATTRIBUTES = (SERVER_ADDRESS, SERVER_PORT)
+SSH_CONNECTION_SPAN = Span(
+    "ssh.connection", "CLIENT",
+    "A paramiko SSH connection, from `SSHClient.connect` to `SSHClient.close`. Status ERROR when connect "
+    "raised (refused, host key, authentication): the span then ends with it.",
+    (*_PEER_ATTRIBUTES, SSH_AUTH, ERROR_TYPE),
+    ("`stallwatch.ssh.connected` when connect returned: `seconds` it took.",),
+)  # fmt: skip
+SSH_COMMAND_SPAN = Span(
+    "ssh.command", "CLIENT",
+    "A remote command run through paramiko (`exec_command`), from the exec request until the server reports "
+    "its exit status or signal, or its channel closes. Status ERROR for a non-zero status, a signal, a close "
+    "without status or an exec that raised. The command line is recorded only with `STALLWATCH_RECORD_ARGS=true`, "
+    "scrubbed.",
+    (*_PEER_ATTRIBUTES, PROCESS_EXECUTABLE_NAME, PROCESS_COMMAND_ARGS, SSH_COMMAND_EXIT_STATUS, EXIT_SIGNAL,
+     ERROR_TYPE),
+)  # fmt: skip
+SSH_SFTP_SPAN = Span(
+    "ssh.sftp", "CLIENT", "A paramiko SFTP session, from `open_sftp` until its channel closes.",
+    (*_PEER_ATTRIBUTES, ERROR_TYPE),
+)  # fmt: skip
 
 NEBIUS_SPAN = Span(
     "{rpc.service}/{rpc.method}", "CLIENT",
@@ -607,15 +665,15 @@ WORK_ITEM_SPAN = Span(
 
 REPLAYED_SPAN = Span(
     "(the original span's name)", "INTERNAL",
-    "A tunnel or Nebius span that was open when its process died, replayed at the next `setup()` from the "
-    "journal with its original trace/span ids, parent and start; it ends at the last evidence of life, "
-    "status ERROR.",
+    "An SSH (tunnel or paramiko) or Nebius span that was open when its process died, replayed at the next "
+    "`setup()` from the journal with its original trace/span ids, parent and start; it ends at the last evidence "
+    "of life, status ERROR.",
     (INTERRUPTED, INTERRUPTED_REASON),
 )  # fmt: skip
 
 SPANS: tuple[Span, ...] = (
-    SUBPROCESS_SPAN, SSH_OPEN_SPAN, SSH_CLOSE_SPAN, SSH_CHECK_SPAN, SSH_EXEC_SPAN, NEBIUS_SPAN, FREEZE_SPAN,
-    WORK_ITEM_SPAN, REPLAYED_SPAN,
+    SUBPROCESS_SPAN, SSH_OPEN_SPAN, SSH_CLOSE_SPAN, SSH_CHECK_SPAN, SSH_EXEC_SPAN, SSH_CONNECTION_SPAN,
+    SSH_COMMAND_SPAN, SSH_SFTP_SPAN, NEBIUS_SPAN, FREEZE_SPAN, WORK_ITEM_SPAN, REPLAYED_SPAN,
 )  # fmt: skip
 
 # ---- Sentry events (`stallwatch.sentry`) ------------------------------------------------------
