@@ -153,7 +153,7 @@ def test_a_freeze_is_in_sentry_while_the_host_is_still_frozen_and_only_once(sink
     assert event["fingerprint"] == ["stallwatch", "freeze", "gil_held", "child_before_exec"]
     assert event["message"] == "stallwatch: host frozen, gil_held (child_before_exec)"
     assert event["level"] == "error"
-    assert event["tags"]["stallwatch.freeze.spawn"] == "true (0 args)"
+    assert event["tags"]["stallwatch.freeze.spawn"] == "true (1 args)"
     assert event["contexts"]["trace"]["trace_id"] == event["tags"]["otel.trace_id"] == result["trace_id"]
     assert event["contexts"]["trace"]["span_id"] == result["span_id"]  # the frozen probe's span
     facts = event["contexts"]["stallwatch"]

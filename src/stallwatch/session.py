@@ -69,7 +69,7 @@ class Session:
             if watchdog is None or heartbeat.AREA is not watchdog[0] or not watchdog[0].writable:
                 return False
             area, process = watchdog
-            if process.poll() is not None:
+            if not _running(process):
                 return False
             if area.watched_by() == process.pid:
                 return True
@@ -96,6 +96,18 @@ class Session:
     def shutdown(self, timeout: float | None = None) -> bool:
         """Same as `stallwatch.shutdown()`."""
         return shutdown(timeout)
+
+
+def _running(process: subprocess.Popen[bytes]) -> bool:
+    """Whether `process` still runs. `Popen.poll()` alone says so too while another thread (the
+    heartbeat's check of the watchdog) holds its wait lock, even for a dead or reaped child."""
+    if process.poll() is not None:
+        return False
+    try:
+        with open(f"/proc/{process.pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:  # reaped meanwhile
+        return False
 
 
 _lock = threading.RLock()  # re-entrant: the SIGTERM handler may run in the main thread inside setup()
