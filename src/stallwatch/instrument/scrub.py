@@ -777,7 +777,7 @@ def _looks_random(core: str) -> bool:
     rather than words: it mixes upper and lower case, and its character classes follow each other as in random
     text more than as in words (a likelihood ratio per pair of neighbours, `_PAIR_SCORE`), or it is a long
     high-entropy run."""
-    if core.islower() or core.isupper() or len(core) < 20:
+    if core.islower() or core.isupper() or len(core) < 20 or _reads_as_words(core):
         return False
     classes = core.translate(_CLASS_OF)
     scores = [score for score in map(_PAIR_SCORE.get, map(operator.add, classes, classes[1:])) if score is not None]
@@ -786,6 +786,26 @@ def _looks_random(core: str) -> bool:
         return True
     long_and_dense = len(core) >= 32 and "/" not in core and any(c.isdigit() for c in core)
     return long_and_dense and mean >= -_RANDOM_SCORE and _entropy(core) >= _RUN_ENTROPY
+
+
+_WORD_PART = re.compile(r"[A-Z][a-z]+|[a-z]+|[0-9]{1,2}|[_-]")
+_VOWEL = re.compile(r"[aeiouyAEIOUY]")
+
+
+def _reads_as_words(core: str) -> bool:
+    """Whether `core` is an identifier made of words (`PyThreadState_SetAsyncExc`, `ThreadPoolExecutor`):
+    two or more capitalised or lower-case parts, each with a vowel, and short numbers. Random base64 reads
+    so about once in 10,000 at 20 characters and almost never from 32 (docs/scrubbing.md)."""
+    position = words = 0
+    for part in _WORD_PART.finditer(core):
+        if part.start() != position:
+            return False
+        if part.group()[0].isalpha():
+            if not _VOWEL.search(part.group()):
+                return False
+            words += 1
+        position = part.end()
+    return position == len(core) and words >= 2
 
 
 def _entropy(text: str) -> float:
