@@ -112,7 +112,7 @@ def test_backend_exports_and_torn_lines_are_read(tmp_path):
 
     proc = postmortem("--file", str(tmp_path / "tempo.json"), "--file", str(tmp_path / "traces.jsonl"))
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.count("gil_held freeze, 3.0 s, cause child_core_dump") == 2
+    assert proc.stdout.count("gil_held freeze, 3.0 s, cause child_core_dump") == 4  # in the headline and timeline
     assert "1 unreadable lines skipped" in proc.stdout
 
 
