@@ -437,36 +437,28 @@ def choose(
 
 
 def _collapse(events: list[Event]) -> list[Event]:
-    """Runs of healthy spawns of one process, one line each: count, blocked p50 and max."""
-    result: list[Event] = []
-    run: list[Event] = []
-
-    def flush() -> None:
-        if len(run) == 1:
-            result.append(run[0])
-        elif run:
-            blocked = sorted(float(e.attributes.get("stallwatch.spawn.blocked_seconds") or 0) for e in run)
-            summary = (
-                f"{len(run)} spawns, blocked p50 {blocked[len(blocked) // 2] * 1000:.0f} ms, "
-                f"max {blocked[-1] * 1000:.0f} ms"
-            )
-            traces = list(dict.fromkeys(e.trace_id for e in run if e.trace_id))
-            result.append(Event(run[0].start_ns, "spawn", "spawns", summary, max(e.end_ns or e.start_ns for e in run),
-                                "info", {"count": len(run), "trace_ids": traces}, process=run[0].process))  # fmt: skip
-        run.clear()
-
+    """Healthy spawns of one process between two notable ones, as one line: count, blocked p50 and max."""
+    kept: list[Event] = []
+    runs: dict[tuple[str, int], list[Event]] = {}
+    notable: dict[str, int] = {}
     for event in events:
-        if event.kind == "spawn" and event.attributes.get("_healthy"):
-            if run and run[0].process != event.process:
-                flush()
-            run.append(event)
+        if event.kind == "spawn" and event.attributes.pop("_healthy", False):
+            runs.setdefault((event.process, notable.get(event.process, 0)), []).append(event)
             continue
-        flush()
-        result.append(event)
-    flush()
-    for event in result:
-        event.attributes.pop("_healthy", None)
-    return result
+        if event.kind == "spawn":
+            notable[event.process] = notable.get(event.process, 0) + 1
+        kept.append(event)
+    for run in runs.values():
+        if len(run) == 1:
+            kept.append(run[0])
+            continue
+        blocked = sorted(float(e.attributes.get("stallwatch.spawn.blocked_seconds") or 0) for e in run)
+        p50, top = blocked[len(blocked) // 2] * 1000, blocked[-1] * 1000
+        summary = f"{len(run)} spawns, blocked p50 {p50:.0f} ms, max {top:.0f} ms"
+        traces = list(dict.fromkeys(e.trace_id for e in run if e.trace_id))
+        kept.append(Event(run[0].start_ns, "spawn", "spawns", summary, max(e.end_ns or e.start_ns for e in run),
+                          "info", {"count": len(run), "trace_ids": traces}, process=run[0].process))  # fmt: skip
+    return sorted(kept, key=lambda e: e.start_ns)
 
 
 def build(
@@ -497,8 +489,7 @@ def build(
         blocked = float(event.attributes.get("stallwatch.spawn.blocked_seconds") or 0)
         if event.kind == "spawn" and event.severity == "info" and blocked < NOTABLE_BLOCKED_SECONDS:
             event.attributes["_healthy"] = True  # a frozen spawn is blocked for the freeze: never healthy
-    selected = [e for e in events if _in_window(e, since_ns, until_ns)]
-    return _collapse(sorted(selected, key=lambda e: e.start_ns))
+    return _collapse(sorted((e for e in events if _in_window(e, since_ns, until_ns)), key=lambda e: e.start_ns))
 
 
 def _walk(children: dict[str, list[dict[str, Any]]], parent: str, depth: int, rows: list[dict[str, Any]]) -> None:
@@ -756,6 +747,13 @@ def _svg(events: list[Event]) -> str:
     return "".join(parts)
 
 
+def _html_traces(event: Event) -> str:
+    if event.kind != "spawns":
+        return html.escape(_trace_note(event))
+    ids = event.attributes.get("trace_ids", [])
+    return f"<details><summary>{len(ids)} traces</summary>{html.escape(', '.join(ids))}</details>"
+
+
 def _html_rows(events: list[Event], t0: int, kind: str) -> str:
     rows = []
     for event in events:
@@ -764,7 +762,7 @@ def _html_rows(events: list[Event], t0: int, kind: str) -> str:
             f'<tr class="{event.severity} {kind}" data-kind="{html.escape(event.kind)}">'
             f"<td>{_relative(event.start_ns, t0)}<br><small>{html.escape(event.start)}</small></td>"
             f"<td>{html.escape(event.lane)}</td><td>{html.escape(event.summary + duration)}</td>"
-            f'<td class="id">{html.escape(_trace_note(event))}</td></tr>'
+            f'<td class="id">{_html_traces(event)}</td></tr>'
         )
     return "".join(rows)
 
