@@ -24,12 +24,13 @@ make_venv() {  # make_venv NAME PYTHON PIP-ARGS...
 }
 
 # Debian packages the tests run for real: sshd (SSH tunnel tests), prometheus and promtool
-# (dashboards and alert rules). Installed when missing and possible (root with apt-get);
+# (dashboards and alert rules), chromium (the postmortem's HTML report at 800 and 1400 px). Installed when missing and possible (root with apt-get);
 # otherwise those tests skip and say which package to install.
 need=()
 [ -x /usr/sbin/sshd ] || need+=(openssh-server)
 command -v ssh >/dev/null || need+=(openssh-client)
 command -v promtool >/dev/null || need+=(prometheus)
+command -v chromium >/dev/null || need+=(chromium)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     log "apt-get install ${need[*]}"

@@ -3,15 +3,30 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import clean_env, run_scenario
+from support.chromium import CHROMIUM, MISSING, measure
 
 STALLWATCH = [sys.executable, "-m", "stallwatch.cli", "postmortem"]
+
+
+@pytest.fixture(scope="module")
+def two_hosts(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, dict]:
+    """One directory, two hosts with their watchdogs: first 20 healthy spawns then a spawn frozen 2 s
+    before exec (service unknown_service:python), then a loop blocked 1.5 s (service `other`)."""
+    directory = tmp_path_factory.mktemp("shared")
+    first = run_scenario("freeze_probe.py", str(directory), "2", "--healthy=20", timeout=120)
+    env = clean_env() | {"OTEL_SERVICE_NAME": "other"}
+    second = run_scenario("freeze_probe.py", str(directory), "1.5", "--block-loop", env=env, timeout=120)
+    return directory, first, second
 
 
 def postmortem(*args: str) -> subprocess.CompletedProcess:
@@ -78,10 +93,10 @@ with FakeNebius() as fake:
     (candidate,) = report["leak_candidates"]
     assert candidate["stallwatch.cloud.rpc"] == "nebius.compute.v1.InstanceService/Create"
     assert candidate["stallwatch.cloud.resource.type"] == "compute.instance"
-    assert (
-        "Leak candidates (cloud resources asked for with no recorded outcome): 1"
-        in postmortem("--dir", str(tmp_path)).stdout
-    )
+    text = postmortem("--dir", str(tmp_path)).stdout
+    assert "Leak candidates (cloud resources asked for with no recorded outcome): 1" in text
+    assert "   type | id | operation | time | pid | trace\n" in text  # a table, not a raw dict
+    assert f"   compute.instance | - | nebius.compute.v1.InstanceService/Create | {candidate['time']} | " in text
 
 
 def test_user_mistakes_get_one_line_and_status_2_never_a_traceback(tmp_path):
@@ -112,7 +127,7 @@ def test_backend_exports_and_torn_lines_are_read(tmp_path):
 
     proc = postmortem("--file", str(tmp_path / "tempo.json"), "--file", str(tmp_path / "traces.jsonl"))
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.count("gil_held freeze, 3.0 s, cause child_core_dump") == 2
+    assert proc.stdout.count("gil_held freeze, 3.0 s, cause child_core_dump") == 4  # in the headline and timeline
     assert "1 unreadable lines skipped" in proc.stdout
 
 
@@ -120,3 +135,100 @@ def test_postmortem_is_reachable_from_the_installed_command():
     script = Path(sys.executable).parent / "stallwatch"  # the console script, next to the venv's interpreter
     proc = subprocess.run([str(script), "postmortem", "--help"], capture_output=True, text=True, env=clean_env())
     assert proc.returncode == 0 and "--since" in proc.stdout, proc.stderr
+
+
+def test_the_report_leads_with_the_freeze_collapses_healthy_spawns_and_names_every_trace(two_hosts):
+    directory, first, _ = two_hosts
+    report = json.loads(postmortem("--dir", str(directory), "--pid", str(first["pid"]), "--format", "json").stdout)
+
+    headline = report["headline"][0]
+    assert headline["kind"] == "freeze" and "cause child_before_exec" in headline["summary"]
+    assert first["trace_id"] in headline["links"]  # the freeze leads to the host's trace
+    (collapsed,) = [e for e in report["events"] if e["kind"] == "spawns"]
+    assert collapsed["attributes"]["count"] == 20 and collapsed["summary"].startswith("20 spawns, blocked p50 ")
+    assert len(collapsed["attributes"]["trace_ids"]) == 20
+    (frozen,) = [e for e in report["events"] if e["kind"] == "spawn"]  # the only spawn row left: the frozen one
+    assert frozen["trace_id"] == first["trace_id"] and frozen["attributes"]["stallwatch.spawn.blocked_seconds"] >= 1.9
+    assert all(e["trace_id"] for e in report["events"] if e["span_id"] and e["kind"] != "spawns")
+    tree = report["traces"][first["trace_id"]]  # the host's span tree, as a waterfall
+    assert [(row["name"], row["depth"]) for row in tree] == [("probe /healthcheck", 0), ("true", 1)]
+    (host,) = [p for p in report["processes"] if p["role"] == "host"]
+    assert report["counters"][host["key"]]["stallwatch.subprocess.exits"] == 21  # its own, not the last exporter's
+
+
+def test_one_host_and_its_watchdog_per_report_chosen_by_service_or_pid(two_hosts, tmp_path):
+    directory, first, second = two_hosts
+
+    def report(*args: str) -> dict:
+        proc = postmortem("--dir", str(directory), "--format", "json", *args)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)
+
+    def hosts(found: dict) -> set[tuple[str, int]]:
+        return {(p["role"], p["pid"]) for p in found["processes"]}
+
+    newest = report()
+    assert hosts(newest) == {("host", second["pid"]), ("watchdog", second["pid"])}
+    assert {p["pid"] for p in newest["other_processes"]} == {first["pid"]}
+    assert [e["kind"] for e in newest["headline"]][:1] == ["freeze"]
+    assert "loop_blocked" in newest["headline"][0]["summary"] and not any(
+        e["lane"] == "spawn" for e in newest["events"]
+    )
+    assert report("--service", "other") == newest
+    by_pid = report("--pid", str(first["pid"]))
+    assert hosts(by_pid) == {("host", first["pid"]), ("watchdog", first["pid"])}
+    assert report("--service", "unknown_service:python") == by_pid
+    every = report("--all-processes")
+    assert len(every["processes"]) == 4 and every["other_processes"] == []
+    assert {e["summary"].split(",")[0] for e in every["headline"] if e["kind"] == "freeze"} == {
+        "gil_held freeze", "loop_blocked freeze"
+    }  # fmt: skip
+    missing = postmortem("--dir", str(directory), "--pid", "1")
+    assert missing.returncode == 2 and "no process with pid 1" in missing.stderr, missing.stderr
+
+    out = tmp_path / "report.html"
+    old = os.umask(0o022)
+    try:
+        assert postmortem("--dir", str(directory), "--format", "html", "--out", str(out)).returncode == 0
+    finally:
+        os.umask(old)
+    assert out.stat().st_mode & 0o777 == 0o600
+
+
+def test_text_and_json_carry_the_same_events_trace_ids_and_totals(two_hosts):
+    directory, _, _ = two_hosts
+    text = postmortem("--dir", str(directory), "--all-processes").stdout
+    report = json.loads(postmortem("--dir", str(directory), "--all-processes", "--format", "json").stdout)
+
+    timeline = text[text.index("\nTimeline (") : text.index("\nTraces involved")]
+    rows = [line for line in timeline.splitlines() if line.strip()][1:]  # below its heading
+    assert len(rows) == len(report["events"])
+    for row, event in zip(rows, report["events"], strict=True):
+        assert event["start"] in row and event["summary"] in row
+        for trace_id in [event["trace_id"], *event["links"], *event["attributes"].get("trace_ids", [])]:
+            assert trace_id in row, (trace_id, row)
+    for trace_id, tree in report["traces"].items():
+        assert f"trace {trace_id}" in text and all(f"(span {r['span_id']})" in text for r in tree)
+    totals = text[text.index("Totals per process") :]
+    for process in report["processes"]:
+        if process["key"] in report["counters"]:
+            block = totals[totals.index(process["label"]) :]
+            for name, value in report["counters"][process["key"]].items():
+                assert f"{name}: {value:g}" in block.split("\n   host")[0].split("\n   watchdog")[0]
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason=MISSING)
+@pytest.mark.parametrize("width", [800, 1400])
+def test_the_html_report_fits_the_window_and_shows_the_freeze_before_the_healthy_spawns(two_hosts, tmp_path, width):
+    directory, first, _ = two_hosts
+    page = tmp_path / "report.html"
+    proc = postmortem("--dir", str(directory), "--pid", str(first["pid"]), "--format", "html", "--out", str(page))
+    assert proc.returncode == 0, proc.stderr
+
+    found = measure(page, width)
+    assert found["innerWidth"] == width
+    assert found["scrollWidth"] <= found["innerWidth"], found["scrollWidth"]  # no horizontal scrolling
+    assert found["rows"][0] == "freeze" and found["rows"].index("freeze") < found["rows"].index("spawns")
+    assert first["trace_id"] in found["text"]  # the frozen spawn's trace, in its row and its waterfall
+    report = json.loads(postmortem("--dir", str(directory), "--pid", str(first["pid"]), "--format", "json").stdout)
+    assert all(e["trace_id"] in found["text"] for e in report["events"] if e["trace_id"])

@@ -99,7 +99,9 @@ def _postmortem(args: argparse.Namespace) -> int:
         until = postmortem.parse_time(args.until, now) if args.until else None
         directory = Path(args.dir) if args.dir else (None if args.files or args.journal else Path(args.default_dir))
         journal = Path(args.journal) if args.journal else None
-        result = postmortem.timeline(directory, [Path(f) for f in args.files], since, until, journal)
+        result = postmortem.timeline(
+            directory, [Path(f) for f in args.files], since, until, journal, args.service, args.pid, args.all_processes
+        )
     except postmortem.InputError as error:
         print(f"stallwatch postmortem: {error}", file=sys.stderr)
         return 2
@@ -107,7 +109,7 @@ def _postmortem(args: argparse.Namespace) -> int:
     output = render[args.format](result)
     if args.out:
         try:
-            Path(args.out).write_text(output, encoding="utf-8")
+            postmortem.write_report(Path(args.out), output)
         except OSError as error:
             print(f"stallwatch postmortem: cannot write {args.out}: {error.strerror or error}", file=sys.stderr)
             return 2
@@ -210,6 +212,11 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     post.add_argument(
         "--journal", help="a journal directory (STALLWATCH_JOURNAL_DIR): what dead processes left in flight"
+    )
+    post.add_argument("--service", help="the process group of this service.name (default: the newest host's)")
+    post.add_argument("--pid", type=int, help="the process group of the host with this pid and its watchdog")
+    post.add_argument(
+        "--all-processes", action="store_true", help="every process in the inputs, not one host and its watchdog"
     )
     post.add_argument("--since", help="start of the window: ISO time or a duration back from now (90s, 15m, 2h)")
     post.add_argument("--until", help="end of the window, same forms as --since")

@@ -331,12 +331,12 @@ def _incident_stages(out: Path, result: DemoResult, say: Callable[[str], None]) 
     say("[5/5] stallwatch postmortem over all of it ...")
     from . import postmortem
 
-    timeline = postmortem.timeline(out)
+    timeline = postmortem.timeline(out, every_process=True)  # every stage is a host of its own
     result.postmortem_events = len(timeline.events)
     result.create_killed_leak_candidates = len(timeline.leak_candidates)
     report = out / "postmortem.html"
-    report.write_text(postmortem.format_html(timeline), encoding="utf-8")
-    (out / "postmortem.txt").write_text(postmortem.format_text(timeline), encoding="utf-8")
+    postmortem.write_report(report, postmortem.format_html(timeline))
+    postmortem.write_report(out / "postmortem.txt", postmortem.format_text(timeline))
     result.report = str(report)
 
 

@@ -11,7 +11,7 @@ which sleeps SECONDS before it writes nothing and exits. The first line printed 
 pid, once the watchdog watches (the freeze starts 0.5 s later), so a test can watch it. With
 --sentry=DSN, sentry-sdk is initialised with that DSN (a loopback sink) before stallwatch.setup().
 The held spawn is `/bin/true`; with --args `/bin/true one two`, with --shell the shell command
-`true one two`.
+`true one two`. With --healthy=N, N healthy `/bin/true` spawns (each its own trace) run first.
 """
 
 import os
@@ -51,6 +51,9 @@ from opentelemetry import trace
 
 async def main() -> dict:
     await asyncio.sleep(0.5)  # loop heartbeats flow: each re-arms faulthandler's timer (STALLWATCH_FAULTHANDLER)
+    for argument in sys.argv:
+        for _ in range(int(argument.removeprefix("--healthy=")) if argument.startswith("--healthy=") else 0):
+            await (await asyncio.create_subprocess_exec("/bin/true")).wait()
     with trace.get_tracer("probe").start_as_current_span("probe /healthcheck") as span:
         if "--block-loop" in sys.argv:
             started = time.time_ns()
@@ -84,6 +87,7 @@ async def main() -> dict:
         "trace_id": format(context.trace_id, "032x"),
         "span_id": format(context.span_id, "016x"),
         "watchdog_pid": session.watchdog_pid,
+        "pid": os.getpid(),
     }
 
 
