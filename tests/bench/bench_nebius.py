@@ -31,8 +31,12 @@ ratio share a process; it reports the median per-pair ratio with a 95 % bootstra
 interpreters then switch, with the instrumentor off, what a user would write instead
 (``handmade_sdk_span``: an OpenTelemetry SDK span per call, started in the caller's context and
 ended when the call returns, through the same provider; series ``get_sdk_span`` and
-``create_sdk_span``), so the two can be read side by side. The per-configuration runs above take
-the cost apart (journal, export), with the noise of comparing separate processes.
+``create_sdk_span``), so the two can be read side by side. The peers a user would pick instead run
+likewise, K fresh interpreters each without stallwatch set up (``peer_worker``): sentry-sdk (series
+``get_sentry``) and ddtrace (``get_ddtrace``), each alternating blocks of ``get`` on an SDK client with
+a plain channel and one carrying the peer's gRPC client interceptors; each checks that its peer
+recorded exactly one span per traced call and none on the plain one. The per-configuration runs
+above take the cost apart (journal, export), with the noise of comparing separate processes.
 """
 
 from __future__ import annotations
@@ -65,7 +69,7 @@ WARMUPS = 20
 BLOCK = 25
 TARGET = 1.05
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
-VERSIONED = ("nebius", "grpcio", "opentelemetry-sdk", "stallwatch")
+VERSIONED = ("nebius", "grpcio", "opentelemetry-sdk", "stallwatch", "sentry-sdk", "ddtrace")
 
 
 def p99(samples: list[float]) -> float:
@@ -193,10 +197,112 @@ def paired_worker(address: str, pairs: int, block: int, seed: int) -> dict[str, 
         shutil.rmtree(file_dir, ignore_errors=True)
 
 
+PEERS = ("sentry", "ddtrace")
+
+
+def enable_peer(peer: str, address: str) -> tuple[list[Any], Callable[[bool], None], Callable[[], int]]:
+    """Turn on `peer` in this process. Returns (its gRPC aio client interceptors, for the SDK's
+    `interceptors=`; `block(on)`, called before each block: for sentry, finishes the open transaction
+    and starts the next, since its spans need one; `recorded()`, the peer's client spans finished so
+    far, counted, then dropped before any network).
+
+    The peers' documented switches (sentry's `GRPCIntegration`, `ddtrace.patch(grpc=True)`) wrap
+    `grpc.aio.insecure_channel`, which breaks the SDK's channels: sentry passes `interceptors=` by
+    keyword where the SDK passes it by position (TypeError), and ddtrace's interceptor runs first and
+    hands the SDK's idempotency interceptor its metadata as a list (TypeError). So the same
+    interceptors go in through the SDK's own option, after the SDK's."""
+    count = [0]
+    if peer == "sentry":
+        import sentry_sdk
+        from sentry_sdk.integrations.grpc.aio.client import (
+            SentryUnaryStreamClientInterceptor,
+            SentryUnaryUnaryClientInterceptor,
+        )
+
+        def drop(event: Any, hint: Any) -> None:
+            count[0] += sum(span.get("op") == "grpc.client" for span in event.get("spans", []))
+
+        sentry_sdk.init(dsn="http://public@127.0.0.1:9/1", traces_sample_rate=1.0, default_integrations=False,
+                        before_send_transaction=drop)  # fmt: skip
+        open_transaction: list[Any] = []
+
+        def block(on: bool) -> None:
+            if open_transaction:
+                open_transaction.pop().__exit__(None, None, None)
+            open_transaction.append(sentry_sdk.start_transaction(name="bench", op="bench"))
+            open_transaction[-1].__enter__()
+
+        def recorded() -> int:
+            block(False)
+            return count[0]
+
+        return [SentryUnaryUnaryClientInterceptor(), SentryUnaryStreamClientInterceptor()], block, recorded
+    os.environ.update(
+        DD_TRACE_ENABLED="true",
+        DD_TRACE_AGENT_URL="http://127.0.0.1:9",
+        DD_INSTRUMENTATION_TELEMETRY_ENABLED="false",
+        DD_REMOTE_CONFIGURATION_ENABLED="false",
+    )
+    import ddtrace
+    from ddtrace.contrib.internal.grpc.aio_client_interceptor import create_aio_client_interceptors
+    from ddtrace.trace import tracer
+
+    class Drop:
+        def process_trace(self, trace: list[Any]) -> None:
+            count[0] += sum(span.name == "grpc" for span in trace)
+
+    ddtrace.patch(grpc=True)
+    tracer.configure(trace_processors=[Drop()])
+    host, port = address.rsplit(":", 1)
+    return list(create_aio_client_interceptors(host, int(port))), (lambda on: None), (lambda: count[0])
+
+
+def peer_worker(peer: str, address: str, pairs: int, block: int, seed: int) -> dict[str, Any]:
+    """Peer off / on in one interpreter (no stallwatch setup): SDK client A has a plain channel,
+    client B one with the peer's interceptors; blocks of `get` alternate between A and B."""
+    from nebius.api.nebius.common.v1 import ResourceMetadata
+    from nebius.api.nebius.compute.v1 import CreateInstanceRequest, GetInstanceRequest, InstanceServiceClient
+
+    from stallwatch.fake_nebius import sdk_for
+
+    async def run() -> dict[str, Any]:
+        interceptors, on_block, recorded = enable_peer(peer, address)
+        async with sdk_for(address) as plain_sdk, sdk_for(address, interceptors=interceptors) as traced_sdk:
+            plain, traced = InstanceServiceClient(plain_sdk), InstanceServiceClient(traced_sdk)
+            request = CreateInstanceRequest(metadata=ResourceMetadata(name="bench", parent_id="project-bench"))
+            resource = (await plain.create(request, timeout=10)).resource_id
+            on_block(True)
+            for sdk in (plain, traced):
+                for _ in range(WARMUPS):
+                    await sdk.get(GetInstanceRequest(id=resource), timeout=10)
+            warm = recorded()
+            if warm != WARMUPS:
+                raise RuntimeError(f"{peer} recorded {warm} spans for {WARMUPS} calls on the traced client")
+            client = [plain]
+
+            def switch(on: bool) -> None:
+                client[0] = traced if on else plain
+                on_block(on)
+
+            async def get() -> Any:
+                return await client[0].get(GetInstanceRequest(id=resource), timeout=10)
+
+            blocks = await run_blocks(get, switch, pairs, block, seed)
+            spans = recorded() - warm
+            expected = pairs * (block + 3)
+            if spans != expected:
+                raise RuntimeError(f"{peer} recorded {spans} spans for {expected} calls on the traced client")
+            return {f"get_{peer}": blocks}
+
+    return asyncio.run(run())
+
+
 def run_paired(address: str, pairs: int, block: int, processes: int) -> dict[str, Any]:
     me = str(Path(__file__).resolve())
     commands = [[sys.executable, me, "--paired-worker", address, str(pairs), str(block), str(number)]
                 for number in range(processes)]  # fmt: skip
+    commands += [[sys.executable, me, "--peer-worker", peer, address, str(pairs), str(block), str(number)]
+                 for number in range(processes) for peer in PEERS]  # fmt: skip
     return run_processes(commands, timeout=600)
 
 
@@ -250,7 +356,11 @@ def render_markdown(
         "",
         f"**Paired** ({settings['processes']} interpreters x {settings['pairs']} pairs of blocks of {BLOCK} calls, "
         "the Nebius instrumentor switched on and off inside each; see `_paired.py`): median per-pair ratio "
-        "on / off, its 95 % bootstrap interval, and the median added per call.",
+        "on / off, its 95 % bootstrap interval, and the median added per call. `*_sdk_span`: a hand-made "
+        "OpenTelemetry SDK span per call instead, same interpreters. `get_sentry`, `get_ddtrace`: "
+        f"{settings['processes']} more interpreters each, no stallwatch, blocks alternating between an SDK "
+        "client with a plain channel and one with the peer's gRPC client interceptors (one span per call, "
+        "counted and dropped).",
         "",
         f"| series | off p50 ms | on p50 ms | ratio | 95 % interval | added ms | ≤ {TARGET} |",
         "|---|---|---|---|---|---|---|",
@@ -312,9 +422,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--worker", nargs=3, metavar=("CONFIG", "ADDRESS", "N"), help=argparse.SUPPRESS)
     paired_metavar = ("ADDRESS", "PAIRS", "BLOCK", "SEED")
     parser.add_argument("--paired-worker", nargs=4, metavar=paired_metavar, help=argparse.SUPPRESS)
+    parser.add_argument("--peer-worker", nargs=5, metavar=("PEER", *paired_metavar), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.worker or args.paired_worker:
-        if args.worker:
+    if args.worker or args.paired_worker or args.peer_worker:
+        if args.peer_worker:
+            peer, address, pairs, block, seed = args.peer_worker
+            print(json.dumps(peer_worker(peer, address, int(pairs), int(block), int(seed))))
+        elif args.worker:
             config, address, calls = args.worker
             print(json.dumps(worker(config, address, int(calls))))
         else:
