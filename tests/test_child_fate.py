@@ -4,6 +4,7 @@ dstack's real foreground SSH tunnel against a loopback sshd."""
 
 from __future__ import annotations
 
+import importlib.util
 import tempfile
 from pathlib import Path
 
@@ -113,6 +114,7 @@ def test_a_child_that_dies_before_exec_is_labelled_so_from_the_kernels_flag(fate
     assert native["stallwatch.spawn.method"] == "fork"  # a copy of the host, as in incident 000
 
 
+@pytest.mark.skipif(importlib.util.find_spec("dstack") is None, reason="dstack (the test extras) is not installed")
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_closing_a_dstack_foreground_tunnel_kills_its_ssh_and_the_span_says_the_host_did(
     sshd, http_server, tmp_path, loop

@@ -381,6 +381,10 @@ def test_doctor_setup_serves_prometheus_on_free_ports_not_the_ones_the_host_list
 
 
 @pytest.mark.skipif(importlib.util.find_spec("uvloop") is None, reason="the advice is about uvloop")
+@pytest.mark.skipif(
+    importlib.util.find_spec("dstack") is None or importlib.util.find_spec("uvicorn") is None,
+    reason="the advice is about uvicorn and dstack hosts (the test extras)",
+)
 def test_the_uvloop_advice_names_the_fix_for_the_host_inspected_and_goes_once_spawns_avoid_fork(tmp_path):
     def advice(*args: str, **env: str) -> list[str]:
         result = stallwatch_cli("doctor", "--no-probe", "--json", *args, env=clean_env(**env), cwd=tmp_path)
