@@ -34,6 +34,7 @@ and logged once, naming `STALLWATCH_INSTRUMENT_SUBPROCESS`.
 from __future__ import annotations
 
 import asyncio.base_events
+import asyncio.base_subprocess
 import contextlib
 import contextvars
 import logging
@@ -695,12 +696,20 @@ class _TimedSteps:
 
 
 def _watch_protocol(protocol: Any, child: _Child, transports: list[Any]) -> None:
-    """Learn the exit from the protocol's `process_exited`, which both loops call after reaping."""
+    """Learn the exit from the protocol's `process_exited`, which both loops call after reaping.
+
+    The standard library's transports (the standard loop's, and the vfork route's under uvloop)
+    call it on a later loop turn, and their `_wait()` returns at once once the return code is set,
+    so `Process.wait()` can return before it: there the transport's `_process_exited`, which sets
+    the return code, ends the span first. uvloop's own transport wakes its waiters after
+    `process_exited` has run."""
     made = protocol.connection_made
     exited = protocol.process_exited
 
     def connection_made(transport: Any) -> Any:
         transports.append(transport)
+        if isinstance(transport, asyncio.base_subprocess.BaseSubprocessTransport):
+            _end_when_the_return_code_is_set(transport, child)
         return made(transport)
 
     def process_exited() -> Any:
@@ -716,6 +725,19 @@ def _watch_protocol(protocol: Any, child: _Child, transports: list[Any]) -> None
 
     protocol.connection_made = connection_made
     protocol.process_exited = process_exited
+
+
+def _end_when_the_return_code_is_set(transport: Any, child: _Child) -> None:
+    process_exited = transport._process_exited
+
+    def ended_first(returncode: int) -> Any:
+        try:
+            _exited(child, returncode)
+        except Exception:
+            _fault()
+        return process_exited(returncode)
+
+    transport._process_exited = ended_first
 
 
 def _watching_factory(protocol_factory: Callable[[], Any], child: _Child) -> Callable[[], Any]:
