@@ -15,6 +15,14 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 
 
+def raw_path(out: Path, name: str) -> Path:
+    """Where a benchmark writes its raw numbers: `raw/NAME` under its output directory.
+
+    Only the Markdown summaries are committed; git ignores `tests/bench/results/raw/`."""
+    (out / "raw").mkdir(parents=True, exist_ok=True)
+    return out / "raw" / name
+
+
 def clean_env() -> dict[str, str]:
     """This environment without OTEL_/STALLWATCH_/GRPC_ variables, so every worker starts alike."""
     return {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "STALLWATCH_", "GRPC_"))}

@@ -2,14 +2,14 @@
 
 Run from the repository root (a full run takes about five minutes)::
 
-    .venv/bin/python tests/bench/bench_backend_faults.py            # or: python tests/bench/bench_backend_faults.py
-    .venv/bin/python tests/bench/bench_backend_faults.py --quick    # smoke test, < 1 min, writes to a temp dir
+    .venvs/main/bin/python tests/bench/bench_backend_faults.py
+    .venvs/main/bin/python tests/bench/bench_backend_faults.py --quick    # smoke test, < 1 min, writes to a temp dir
 
 Options: ``--seconds S`` measured seconds per run (default 8, after 1 s of warm-up), ``--rate R``
 requests per second (default 1000), ``--rounds N`` (default 3), ``--quick`` (2 s, 1 round, HTTP
 faults only), ``--configs A,B`` (only those configurations, and ``off``), ``--out DIR`` (default
 ``tests/bench/results``; with ``--quick``, a fresh temporary directory). Writes
-``backend_faults.json`` (raw numbers and machine info) and ``backend_faults.md``.
+``raw/backend_faults.json`` (raw numbers and machine info) and ``backend_faults.md``.
 
 Paired (``--pairs N``; ``--seconds`` then defaults to 4): the target's verdict with a confidence
 interval. Rounds of a whole run rotate through fifteen configurations, so ``off`` and a fault run
@@ -22,7 +22,7 @@ Each pair gives one ratio, p99 of the configuration / p99 of its baseline run; r
 median ratio with its 95 % bootstrap interval (``_paired.py``), ``met`` when the whole interval is
 at or under 1.05x, ``not met`` when it is all above, else ``undecided`` (no verdict under five
 pairs). ``--baseline discard-metrics`` asks what a fault adds to the recording that goes on
-whatever the backend does. Writes ``backend_faults_paired.{json,md}``.
+whatever the backend does. Writes ``backend_faults_paired.md`` (raw numbers: ``raw/backend_faults_paired.json``).
 
 The host, in a fresh interpreter, imports stallwatch first and calls ``stallwatch.setup()`` from
 the environment (the freeze watchdog off: it is another process, not the host). It then serves
@@ -77,7 +77,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _machine import clean_env, machine_info
+from _machine import clean_env, machine_info, raw_path
 from _paired import ratio_interval, verdict
 
 HERE = Path(__file__).resolve().parent
@@ -376,7 +376,7 @@ def benchmark(seconds: float, rate: int, rounds: int, names: list[str], out: Pat
                 "spawn_every": SPAWN_EVERY, "configs": names}  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     report = {"machine": info, "settings": settings, "summary": [asdict(r) for r in rows], "runs": runs}
-    (out / "backend_faults.json").write_text(json.dumps(report, indent=1) + "\n")
+    raw_path(out, "backend_faults.json").write_text(json.dumps(report, indent=1) + "\n")
     markdown = render_markdown(rows, info, settings)
     (out / "backend_faults.md").write_text(markdown)
     return markdown
@@ -405,7 +405,7 @@ def paired_benchmark(seconds: float, rate: int, pairs: int, names: list[str], ou
                 "spawn_every": SPAWN_EVERY, "configs": names, "baseline": baseline, "target": TARGET}  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     report = {"machine": info, "settings": settings, "summary": summary, "runs": [compact(run) for run in runs]}
-    (out / "backend_faults_paired.json").write_text(json.dumps(report, indent=1) + "\n")
+    raw_path(out, "backend_faults_paired.json").write_text(json.dumps(report, indent=1) + "\n")
     markdown = render_paired(summary, info, settings)
     (out / "backend_faults_paired.md").write_text(markdown)
     return markdown
@@ -522,12 +522,15 @@ def main(argv: list[str] | None = None) -> None:
         names = [args.baseline, *(name for name in names if name != args.baseline)]  # the control first
         seconds = args.seconds or (2.0 if args.quick else PAIRED_SECONDS)
         print(paired_benchmark(seconds, args.rate, args.pairs, names, out, args.baseline))
-        print(f"results: {out / 'backend_faults_paired.json'}, {out / 'backend_faults_paired.md'}", file=sys.stderr)
+        print(
+            f"results: {raw_path(out, 'backend_faults_paired.json')}, {out / 'backend_faults_paired.md'}",
+            file=sys.stderr,
+        )
         return
     seconds = args.seconds or (2.0 if args.quick else 8.0)
     rounds = args.rounds or (1 if args.quick else 3)
     print(benchmark(seconds, args.rate, rounds, names, out))
-    print(f"results: {out / 'backend_faults.json'}, {out / 'backend_faults.md'}", file=sys.stderr)
+    print(f"results: {raw_path(out, 'backend_faults.json')}, {out / 'backend_faults.md'}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -2,13 +2,13 @@
 
 Run from the repository root (a full run takes about two minutes)::
 
-    .venv/bin/python tests/bench/bench_executor.py            # or: python tests/bench/bench_executor.py
-    .venv/bin/python tests/bench/bench_executor.py --quick    # smoke test, < 20 s, writes to a temp dir
+    .venvs/main/bin/python tests/bench/bench_executor.py
+    .venvs/main/bin/python tests/bench/bench_executor.py --quick    # smoke test, < 20 s, writes to a temp dir
 
 Options: ``--items N`` work items per repeat (default 2000), ``--repeats K`` timed repeats per run
 (default 5, after one warm-up of min(N, 500) items), ``--rounds R`` (default 5), ``--quick`` (500
 items, 3 repeats, 1 round), ``--no-pin`` (see below), ``--out DIR`` (default
-``tests/bench/results``; with ``--quick``, a fresh temporary directory). Writes ``executor.json``
+``tests/bench/results``; with ``--quick``, a fresh temporary directory). Writes ``raw/executor.json``
 (raw numbers and machine info) and ``executor.md`` (the tables) to the output directory.
 
 The cost measured is the wall time of submit + completion, divided by the number of items, of a
@@ -94,7 +94,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from _machine import clean_env, machine_info
+from _machine import clean_env, machine_info, raw_path
 from _paired import run_blocks, run_processes, switch_for, table
 
 CONFIGS = ("bare", "stallwatch", "bare_traced", "stallwatch_traced")
@@ -652,7 +652,7 @@ def render_markdown(
 
 
 def benchmark(items: int, repeats: int, rounds: int, cpu: int, out: Path, pairs: int, processes: int) -> str:
-    """Run every round, write executor.json and executor.md into `out`, return the markdown."""
+    """Run every round, write raw/executor.json and executor.md into `out`, return the markdown."""
     info = {**machine_info(VERSIONED), "source_digest": source_digest()}
     paired = run_paired(pairs, processes)
     runs = []
@@ -688,7 +688,7 @@ def benchmark(items: int, repeats: int, rounds: int, cpu: int, out: Path, pairs:
         "summary": [asdict(r) for r in rows],
         "runs": runs,
     }
-    (out / "executor.json").write_text(json.dumps(report, indent=1) + "\n")
+    raw_path(out, "executor.json").write_text(json.dumps(report, indent=1) + "\n")
     markdown = render_markdown(rows, comparisons, info, settings, paired)
     (out / "executor.md").write_text(markdown)
     return markdown
@@ -729,7 +729,7 @@ def main(argv: list[str] | None = None) -> None:
     pairs = args.pairs or (4 if args.quick else 20)
     processes = args.processes or (1 if args.quick else 3)
     print(benchmark(items, repeats, rounds, cpu, out, pairs, processes))
-    print(f"results: {out / 'executor.json'}, {out / 'executor.md'}", file=sys.stderr)
+    print(f"results: {raw_path(out, 'executor.json')}, {out / 'executor.md'}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -3,14 +3,14 @@ record costs with each storage the journal could have used.
 
 Run from the repository root (a full run takes about a minute)::
 
-    .venv/bin/python tests/bench/bench_journal.py            # or: python tests/bench/bench_journal.py
-    .venv/bin/python tests/bench/bench_journal.py --quick    # smoke test, < 15 s, writes to a temp dir
+    .venvs/main/bin/python tests/bench/bench_journal.py
+    .venvs/main/bin/python tests/bench/bench_journal.py --quick    # smoke test, < 15 s, writes to a temp dir
 
 Options: ``--ops N`` operations per run for the buffered configurations (default 5000; the durable
 ones make N/10), ``--rounds R`` (default 3), ``--quick`` (1000 ops, 1 round), ``--dir DIR`` where
 the journals are written (default: a fresh directory under the system temp dir; its filesystem is
 recorded), ``--out DIR`` (default ``tests/bench/results``; with ``--quick``, a fresh temporary
-directory). Writes ``journal.json`` and ``journal.md``.
+directory). Writes ``raw/journal.json`` and ``journal.md``.
 
 Each sample is the wall time of one call in the calling thread (``perf_counter_ns``). ``cpu_us``
 is the process CPU time per operation over the whole series, flusher thread included (the
@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from _machine import clean_env, machine_info
+from _machine import clean_env, machine_info, raw_path
 
 CONFIGS = ("no_journal", "buffered", "durable", "append_fdatasync", "sqlite_wal_full", "sqlite_wal_normal")
 DURABLE = ("durable", "append_fdatasync", "sqlite_wal_full", "sqlite_wal_normal")
@@ -266,7 +266,7 @@ def render_markdown(rows: list[Row], info: dict[str, Any], settings: dict[str, A
 
 
 def benchmark(ops: int, rounds: int, base: Path, out: Path) -> str:
-    """Run every round, write journal.json and journal.md into `out`, return the markdown."""
+    """Run every round, write raw/journal.json and journal.md into `out`, return the markdown."""
     info = machine_info(VERSIONED)
     runs = []
     for number, config in schedule(rounds):
@@ -278,7 +278,7 @@ def benchmark(ops: int, rounds: int, base: Path, out: Path) -> str:
     settings = {"ops": ops, "warmups": WARMUPS, "rounds": rounds, "filesystem": filesystem(base)}
     out.mkdir(parents=True, exist_ok=True)
     report = {"machine": info, "settings": settings, "summary": [asdict(r) for r in rows], "runs": runs}
-    (out / "journal.json").write_text(json.dumps(report, indent=1) + "\n")
+    raw_path(out, "journal.json").write_text(json.dumps(report, indent=1) + "\n")
     markdown = render_markdown(rows, info, settings)
     (out / "journal.md").write_text(markdown)
     return markdown
@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
     base = args.dir or Path(tempfile.mkdtemp(prefix="bench_journal_"))
     out = args.out or (Path(tempfile.mkdtemp(prefix="bench_journal_out_")) if args.quick else DEFAULT_OUT)
     print(benchmark(ops, rounds, base, out))
-    print(f"results: {out / 'journal.json'}, {out / 'journal.md'}", file=sys.stderr)
+    print(f"results: {raw_path(out, 'journal.json')}, {out / 'journal.md'}", file=sys.stderr)
 
 
 if __name__ == "__main__":

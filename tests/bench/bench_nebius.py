@@ -2,7 +2,7 @@
 
 Run from the repository root (a full run takes about a minute)::
 
-    .venvs/main/bin/python tests/bench/bench_nebius.py            # writes tests/bench/results/nebius.{json,md}
+    .venvs/main/bin/python tests/bench/bench_nebius.py            # tests/bench/results/nebius.md, raw/nebius.json
     .venvs/main/bin/python tests/bench/bench_nebius.py --quick    # smoke test, writes to a temp dir
 
 Options: ``--calls N`` timed calls per series and run (default 300, after 20 warm-ups), ``--rounds R``
@@ -55,7 +55,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from _machine import clean_env, machine_info
+from _machine import clean_env, machine_info, raw_path
 from _paired import run_blocks, run_processes, switch_for, verdict
 
 CONFIGS = ("uninstrumented", "instrumented", "no_journal", "no_export")
@@ -404,7 +404,7 @@ def benchmark(calls: int, rounds: int, pairs: int, processes: int, block: int, o
     settings = {"calls": calls, "rounds": rounds, "warmups": WARMUPS, "pairs": pairs, "processes": processes,
                 "block": block}  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
-    (out / "nebius.json").write_text(json.dumps({"machine": info, "settings": settings, "paired": paired,
+    raw_path(out, "nebius.json").write_text(json.dumps({"machine": info, "settings": settings, "paired": paired,
                                                  "summary": rows, "runs": runs}, indent=1) + "\n")  # fmt: skip
     markdown = render_markdown(rows, paired, info, settings)
     (out / "nebius.md").write_text(markdown)
@@ -443,7 +443,7 @@ def main(argv: list[str] | None = None) -> None:
     block = 10 if args.quick else BLOCK
     out = args.out or (Path(tempfile.mkdtemp(prefix="bench_nebius_")) if args.quick else DEFAULT_OUT)
     print(benchmark(calls, rounds, pairs, processes, block, out))
-    print(f"results: {out / 'nebius.json'}, {out / 'nebius.md'}", file=sys.stderr)
+    print(f"results: {raw_path(out, 'nebius.json')}, {out / 'nebius.md'}", file=sys.stderr)
 
 
 if __name__ == "__main__":

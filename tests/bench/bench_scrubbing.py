@@ -4,7 +4,7 @@ Run from the repository root (about a minute)::
 
     .venvs/main/bin/python tests/bench/bench_scrubbing.py
 
-Writes ``scrubbing.json`` (raw numbers, machine) and ``scrubbing.md`` (the table) to ``tests/bench/results``
+Writes ``raw/scrubbing.json`` (raw numbers, machine) and ``scrubbing.md`` (the table) to ``tests/bench/results``
 (``--out DIR`` elsewhere; ``--repeat N`` timed calls per command line, default 200). ``--baseline REV`` (default
 ``60f7be5``, the commit before the exit check and the shape rules) also times that commit's scrubber, loaded from
 git, on the same command lines: the ``before`` column.
@@ -43,7 +43,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent.parent / "src")]
 
-from _machine import machine_info  # noqa: E402
+from _machine import machine_info, raw_path  # noqa: E402
 from opentelemetry.sdk.resources import Resource  # noqa: E402
 from opentelemetry.sdk.trace import ReadableSpan  # noqa: E402
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope  # noqa: E402
@@ -159,7 +159,7 @@ def main() -> None:
                 print(results[-1], flush=True)
     machine = machine_info(("opentelemetry-sdk",))
     options.out.mkdir(parents=True, exist_ok=True)
-    (options.out / "scrubbing.json").write_text(json.dumps({"machine": machine, "results": results}, indent=1))
+    raw_path(options.out, "scrubbing.json").write_text(json.dumps({"machine": machine, "results": results}, indent=1))
     rows = [
         f"| {r['corpus']} ({r['lines']}) | {'on' if r['record_args'] else 'off'} | {r['cache']} | {r['before']:.1f} "
         f"| {r['name and args']:.1f} | {r['heartbeat']:.2f} | {r['exit check']:.1f} | {r['total']:.1f} |"

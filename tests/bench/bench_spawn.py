@@ -2,12 +2,12 @@
 
 Run from the repository root (a full run takes a few minutes)::
 
-    .venv/bin/python tests/bench/bench_spawn.py            # or: python tests/bench/bench_spawn.py
-    .venv/bin/python tests/bench/bench_spawn.py --quick    # smoke test, < 30 s, writes to a temp dir
+    .venvs/main/bin/python tests/bench/bench_spawn.py
+    .venvs/main/bin/python tests/bench/bench_spawn.py --quick    # smoke test, < 30 s, writes to a temp dir
 
 Options: ``--spawns N`` measured spawns per run (default 200, after 10 warm-ups), ``--rounds R``
 (default 3), ``--quick`` (20 spawns, 1 round, ``rss0`` only), ``--out DIR`` (default
-``tests/bench/results``; with ``--quick``, a fresh temporary directory). Writes ``spawn.json``
+``tests/bench/results``; with ``--quick``, a fresh temporary directory). Writes ``raw/spawn.json``
 (raw numbers and machine info) and ``spawn.md`` (the table) to the output directory.
 
 "Frozen time" is the wall time of ``await asyncio.create_subprocess_exec("/bin/true", ...)`` with
@@ -54,7 +54,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from _machine import clean_env, machine_info
+from _machine import clean_env, machine_info, raw_path
 
 CONFIGS = ("no_otel", "otel_no_fork_hooks", "stock_otel", "stallwatch", "asyncio")
 RSS_BYTES = {"rss0": 0, "rss1g": 1 << 30}
@@ -274,7 +274,7 @@ def render_markdown(rows: list[Row], info: dict[str, Any], settings: dict[str, A
 
 
 def benchmark(spawns: int, rounds: int, rss_variants: list[str], out: Path) -> str:
-    """Run every round, write spawn.json and spawn.md into `out`, return the markdown."""
+    """Run every round, write raw/spawn.json and spawn.md into `out`, return the markdown."""
     info = machine_info(VERSIONED)
     runs = []
     for number, config, rss in schedule(rss_variants, rounds):
@@ -286,7 +286,7 @@ def benchmark(spawns: int, rounds: int, rss_variants: list[str], out: Path) -> s
     settings = {"spawns": spawns, "warmups": WARMUPS, "rounds": rounds, "rss": rss_variants}
     out.mkdir(parents=True, exist_ok=True)
     report = {"machine": info, "settings": settings, "summary": [asdict(r) for r in rows], "runs": runs}
-    (out / "spawn.json").write_text(json.dumps(report, indent=1) + "\n")
+    raw_path(out, "spawn.json").write_text(json.dumps(report, indent=1) + "\n")
     markdown = render_markdown(rows, info, settings)
     (out / "spawn.md").write_text(markdown)
     return markdown
@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> None:
     rss_variants = ["rss0"] if args.quick else list(RSS_BYTES)
     out = args.out or (Path(tempfile.mkdtemp(prefix="bench_spawn_")) if args.quick else DEFAULT_OUT)
     print(benchmark(spawns, rounds, rss_variants, out))
-    print(f"results: {out / 'spawn.json'}, {out / 'spawn.md'}", file=sys.stderr)
+    print(f"results: {raw_path(out, 'spawn.json')}, {out / 'spawn.md'}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -3,14 +3,14 @@ uvloop's own fork and with ``STALLWATCH_UVLOOP_SPAWN=vfork``, and what the instr
 
 Run from the repository root (a full run takes about two minutes)::
 
-    .venv/bin/python tests/bench/bench_subprocess.py            # or: python tests/bench/bench_subprocess.py
-    .venv/bin/python tests/bench/bench_subprocess.py --quick    # smoke test, < 40 s, writes to a temp dir
+    .venvs/main/bin/python tests/bench/bench_subprocess.py
+    .venvs/main/bin/python tests/bench/bench_subprocess.py --quick    # smoke test, < 40 s, writes to a temp dir
 
 Options: ``--spawns N`` measured spawns per blocked-time run (default 200, after 10 warm-ups),
 ``--samples M`` measured round trips per series of an overhead run (default 300, after 10
 warm-ups), ``--rounds R`` (default 10), ``--quick`` (20 spawns, 50 samples, 1 round, ``rss0``
 only), ``--out DIR`` (default ``tests/bench/results``; with ``--quick``, a fresh temporary
-directory). Writes ``subprocess.json`` (raw numbers and machine info) and ``subprocess.md`` (the
+directory). Writes ``raw/subprocess.json`` (raw numbers and machine info) and ``subprocess.md`` (the
 tables) to the output directory.
 
 Every worker runs in a fresh interpreter, imports ``stallwatch`` first (only the standard library
@@ -93,7 +93,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _machine import clean_env, machine_info
+from _machine import clean_env, machine_info, raw_path
 from _paired import run_blocks, run_processes, switch_for, table, verdict
 from bench_spawn import Ticker, p99, touch_memory, vm_rss_mb
 
@@ -832,7 +832,7 @@ def render_markdown(
 def benchmark(
     spawns: int, samples: int, rounds: int, rss_variants: list[str], pairs: int, processes: int, out: Path
 ) -> str:
-    """Run every round, write subprocess.json and subprocess.md into `out`, return the markdown."""
+    """Run every round, write raw/subprocess.json and subprocess.md into `out`, return the markdown."""
     info = machine_info(VERSIONED)
     runs = []
     for number, config, rss in schedule(rss_variants, rounds):
@@ -863,7 +863,7 @@ def benchmark(
         "checks": method_checks(rows, overhead),
         "runs": runs,
     }
-    (out / "subprocess.json").write_text(json.dumps(report, indent=1) + "\n")
+    raw_path(out, "subprocess.json").write_text(json.dumps(report, indent=1) + "\n")
     markdown = render_markdown(rows, overhead, paired, info, settings)
     (out / "subprocess.md").write_text(markdown)
     return markdown
@@ -901,7 +901,7 @@ def main(argv: list[str] | None = None) -> None:
     pairs = args.pairs or (4 if args.quick else 30)
     processes = args.processes or (1 if args.quick else 4)
     print(benchmark(spawns, samples, rounds, rss_variants, pairs, processes, out))
-    print(f"results: {out / 'subprocess.json'}, {out / 'subprocess.md'}", file=sys.stderr)
+    print(f"results: {raw_path(out, 'subprocess.json')}, {out / 'subprocess.md'}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -2,12 +2,12 @@
 
 Run from the repository root (about two minutes)::
 
-    .venv/bin/python tests/bench/bench_watchdog.py            # or: python tests/bench/bench_watchdog.py
-    .venv/bin/python tests/bench/bench_watchdog.py --quick    # smoke test, ~20 s, writes to a temp dir
+    .venvs/main/bin/python tests/bench/bench_watchdog.py
+    .venvs/main/bin/python tests/bench/bench_watchdog.py --quick    # smoke test, ~20 s, writes to a temp dir
 
 Options: ``--idle S`` seconds of idle host (default 60), ``--spawns N`` uvloop spawns (default
 1000), ``--freezes F`` injected freezes (default 20), ``--quick`` (5 s, 100 spawns, 3 freezes),
-``--out DIR`` (default ``tests/bench/results``). Writes ``watchdog.json`` and ``watchdog.md``.
+``--out DIR`` (default ``tests/bench/results``). Writes ``raw/watchdog.json`` and ``watchdog.md``.
 
 Measured in one host process (a fresh interpreter) after ``stallwatch.setup(file_dir=...)``:
 
@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _machine import clean_env, machine_info
+from _machine import clean_env, machine_info, raw_path
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 VERSIONED = ("uvloop", "opentelemetry-sdk", "stallwatch")
@@ -170,7 +170,9 @@ def main(argv: list[str] | None = None) -> None:
     lat = latencies(result["freeze_starts_ns"], detections(telemetry))
     info = machine_info(VERSIONED)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "watchdog.json").write_text(json.dumps({"machine": info, "result": result, "latencies_s": lat}, indent=1))
+    raw_path(out, "watchdog.json").write_text(
+        json.dumps({"machine": info, "result": result, "latencies_s": lat}, indent=1)
+    )
     markdown = render(result, lat, info)
     (out / "watchdog.md").write_text(markdown)
     print(markdown)
