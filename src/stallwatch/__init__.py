@@ -43,7 +43,7 @@ FORK_SAFETY = _forksafe.install()
 def setup(**overrides: Any) -> Session:
     """Start stallwatch: build the telemetry pipeline and register its instruments.
 
-    Settings come from the environment (``OTEL_*`` and ``STALLWATCH_*``, see the README) and from
+    Settings come from the environment (``OTEL_*`` and ``STALLWATCH_*``, see docs/configuration.md) and from
     keyword overrides named like ``Settings`` fields, e.g. ``setup(traces_exporter="console",
     file_dir="/var/lib/app/telemetry")``. Idempotent: a second call returns the running session.
 

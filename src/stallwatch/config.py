@@ -6,7 +6,8 @@ own setting: it falls back to that setting's default (for a bad keyword: to its 
 variable), and a `Problem` naming the variable or keyword, the value (secrets redacted), what it
 accepts and what is used instead is recorded in `Settings.problems`; `setup()` logs each once
 (`report`). With `strict` on, `ConfigError` names every problem instead. `OPTIONS` documents each
-knob; the README's configuration table is checked against it by a test.
+knob; docs/configuration.md is generated from it (`python -m stallwatch._docs`) and a test
+keeps the two equal.
 """
 
 from __future__ import annotations
@@ -1022,7 +1023,7 @@ def _resource_attributes(text: str, name: str) -> dict[str, str]:
 
 
 def reference_markdown() -> str:
-    """Render the configuration table that the README embeds."""
+    """Render the settings table of docs/configuration.md."""
     lines = ["| Variable | `setup()` keyword | Default | Meaning |", "|---|---|---|---|"]
     for option in OPTIONS:
         keyword = f"`{option.keyword}`" if option.keyword else "(environment only)"

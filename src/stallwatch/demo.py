@@ -345,7 +345,7 @@ def format_text(result: DemoResult) -> str:
     live = "while still frozen" if result.freeze_detected_while_frozen else "NO"
     return "\n".join(
         [
-            "stallwatch demo: health probes that spawn children, as in incidents/000",
+            "stallwatch demo: health probes that spawn children, as in incident 000",
             f"  event loop                        {result.loop}",
             f"  probes answered                   {result.probes_answered}",
             f"  spawns (blocked in spawn call)    {result.spawns} (p50 {result.spawn_blocked_ms_p50} ms, "

@@ -1,4 +1,4 @@
-"""Scoped interruption of executor work (incidents/002_…).
+"""Scoped interruption of executor work (incident 002 in docs/incidents.md).
 
 `PyThreadState_SetAsyncExc` schedules an exception that fires at the target's next check point,
 which for a thread parked in a C call is whenever that call returns — by then a pooled worker may
@@ -121,7 +121,7 @@ class Work:
 def current_work() -> Work | None:
     """The work item the calling executor thread runs, to interrupt exactly it later.
 
-    Keep it per request (never in a slot shared by overlapping requests: incidents/002's second
+    Keep it per request (never in a slot shared by overlapping requests: incident 002's second
     bug) and pass it to `interrupt_thread()`; it then never hits another request's item.
     """
     record = RUNNING.get(threading.get_ident())
@@ -216,7 +216,7 @@ def _refused(ident: int, exc_type: Any) -> None:
     name = getattr(exc_type, "__name__", None) or scrub_text(exc_type, MAX_NAME_CHARS)
     message = (
         f"refused PyThreadState_SetAsyncExc({name}) on idle executor worker {ident}: it would kill the worker and "
-        "strand the next item (incidents/002)"
+        "strand the next item (incident 002 in docs/incidents.md)"
     )
     _log.warning("stallwatch: %s. STALLWATCH_GUARD_ASYNC_EXC=false passes such calls through.", message)
     worker = next((thread for thread in threading.enumerate() if thread.ident == ident), None)

@@ -1,8 +1,8 @@
 """The telemetry contract: every metric, attribute and resource attribute stallwatch emits.
 
 This module is the single source of names. Instrumentation imports its names from here, and the
-README's telemetry reference is generated from `reference_markdown()` (a test checks that they
-match). Names follow the OpenTelemetry semantic conventions where one exists (`process.*`,
+telemetry reference in docs/telemetry.md is generated from `reference_markdown()` (a test checks
+that they match). Names follow the OpenTelemetry semantic conventions where one exists (`process.*`,
 `error.type`) and use the `stallwatch.` prefix otherwise. Durations are histograms in seconds.
 """
 
@@ -145,8 +145,8 @@ DROP_REASON = Attribute(
     "stallwatch.telemetry.drop_reason",
     "Why telemetry was dropped: `queue_full` (the exporter fell behind; for metrics, values that waited for a "
     "collection past an instrumentation's limit of 100,000), `export_failed` (the backend refused "
-    "or failed), `backend_down` (made while the last export had failed: dropped at once, see README "
-    '"Guarantees"), `shutdown_timeout` (still queued when STALLWATCH_SHUTDOWN_TIMEOUT ran out), `backend_slow` '
+    "or failed), `backend_down` (made while the last export had failed: dropped at once, see "
+    "docs/guarantees.md), `shutdown_timeout` (still queued when STALLWATCH_SHUTDOWN_TIMEOUT ran out), `backend_slow` "
     "(made while the last export took longer than STALLWATCH_SLOW_EXPORT_SECONDS: dropped at once). A sampled "
     "span that starts while every span queue is full or the backend is down or slow is not recorded at all, "
     "and counted with that reason.",
@@ -492,7 +492,8 @@ SUBPROCESS_EXEC = Attribute(
     "stallwatch.subprocess.exec",
     "Whether the child ran its program, from the kernel's forked-never-exec'd flag: `done` (the flag was clear, "
     "or a vfork/posix_spawn child was still running when its spawn call returned), `not_done` (the flag was "
-    "set: it died before exec, as in incident 000), `unknown` (reaped by someone else before stallwatch looked).",
+    "set: it died before exec, as in the freeze incident), `unknown` (reaped by someone else before stallwatch "
+    "looked).",
     ("done", "not_done", "unknown"),
 )
 RUNNING_AT_SHUTDOWN = Attribute(
@@ -567,7 +568,7 @@ SUBPROCESS_SPAN = Span(
     ("`stallwatch.subprocess.host_signal` when the host sent the child a signal, at that time: `signal`, "
      "`seconds` (since the spawn).",
      "`stallwatch.subprocess.early_signal`: a signal the host did not send killed the child, and it had not "
-     "exec'd (`stallwatch.subprocess.exec=not_done`: incident 000's signature) or it died within 1 s of the "
+     "exec'd (`stallwatch.subprocess.exec=not_done`: the freeze incident's signature) or it died within 1 s of the "
      "spawn and stallwatch could not tell (`unknown`); attributes `stallwatch.exit.signal`, `seconds`, "
      "`stallwatch.subprocess.exec`.",),
 )  # fmt: skip
@@ -722,7 +723,7 @@ SENTRY_FREEZE = SentryEvent(
 SENTRY_WORKER_DIED = SentryEvent(
     "worker_died", "warning", "stallwatch: executor worker died of {error.type} ({stallwatch.executor.name})",
     (EXECUTOR_NAME, ERROR_TYPE), (EXECUTOR_NAME, ERROR_TYPE, THREAD_NAME), ("description", "cause", "held_an_item"),
-    "wedges", "host", "An executor thread ended by an exception (a stale async `SystemExit`, as in incident 002).",
+    "wedges", "host", "An executor thread ended by an exception (a stale async `SystemExit`: the wedge incident).",
 )  # fmt: skip
 SENTRY_ORPHANED_ITEM = SentryEvent(
     "orphaned_item", "error", "stallwatch: executor item will never complete ({stallwatch.executor.name})",
@@ -766,7 +767,7 @@ INSTRUMENTATION_SCOPE = "stallwatch"
 
 
 def reference_markdown() -> str:
-    """Render the telemetry reference that the README embeds."""
+    """Render the telemetry tables of docs/telemetry.md."""
     lines = [
         "| Metric (OTel name) | Prometheus series | Kind | Unit | Attributes | Meaning |",
         "|---|---|---|---|---|---|",
@@ -792,7 +793,7 @@ def reference_markdown() -> str:
 
 
 def sentry_markdown() -> str:
-    """Render the README's table of Sentry events."""
+    """Render the table of Sentry events in docs/telemetry.md."""
     lines = [
         "| `stallwatch.kind` | Sent by | Level | Title | Fingerprint | Tags | `stallwatch` context | Meaning |",
         "|---|---|---|---|---|---|---|---|",

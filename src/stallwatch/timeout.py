@@ -1,7 +1,7 @@
 """`execution_timeout`: a timeout armed before the first await, that keeps watching the thread
 work it guarded; and cheap counters of asyncio timeouts by call site.
 
-In incidents/002_… the second request hung at its first `await asyncio.to_thread(...)`, and its
+In incident 002 in docs/incidents.md the second request hung at its first `await asyncio.to_thread(...)`, and its
 execution timeout — armed only later, at `asyncio.wait(..., timeout=)` — never started. A scope
 entered at the top of the request times that await out too. A timeout cannot stop a thread,
 though: work the scope submitted to an executor keeps running after the deadline, so it is

@@ -1,4 +1,4 @@
-"""Heartbeats in shared memory, read by the watchdog process (incidents/000_…).
+"""Heartbeats in shared memory, read by the watchdog process (incident 000 in docs/incidents.md).
 
 While uvloop forks it holds the GIL until the child execs, so no Python thread of the host runs;
 the only witness is another process. The host writes two heartbeats into a small mmap'd file

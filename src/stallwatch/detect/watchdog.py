@@ -1,5 +1,5 @@
 """The freeze watchdog: a second process that sees a frozen host while the freeze lasts
-(incidents/000_…).
+(incident 000 in docs/incidents.md).
 
 `setup()` starts it with the standard library's vfork/posix_spawn path (never `fork()` of the big
 host) as `python -m stallwatch.detect.watchdog --pid HOST --heartbeat FILE`. It reads the host's

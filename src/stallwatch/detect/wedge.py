@@ -1,5 +1,5 @@
 """Wedge detection for executors: the request that awaits forever while every counter is healthy
-(incidents/002_…).
+(incident 002 in docs/incidents.md).
 
 A worker's death is recorded the moment `_worker` returns abnormally (see `instrument.executor`).
 A periodic check (a daemon thread started on first need, restarted lazily in a fork child that

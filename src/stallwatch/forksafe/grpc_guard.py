@@ -2,7 +2,7 @@
 
 grpcio's Linux wheels enable core fork support by default; its `pthread_atfork` child handler
 restarts the `event_engine`/`lifeguard` threads in every child, including children forked only to
-exec (uvloop spawns, incidents/000_…). gRPC's own advice for fork+exec is
+exec (uvloop spawns, incident 000 in docs/incidents.md). gRPC's own advice for fork+exec is
 `GRPC_ENABLE_FORK_SUPPORT=false`, read by the core when it first initialises, so it must be in the
 environment before the first channel exists. This module sets it, and tells whether gRPC threads
 are running (the `stallwatch.grpc.active` attribute) without importing grpc.

@@ -1,7 +1,7 @@
 """Exec-bound child guard and fork accounting.
 
 A real `fork()` runs every Python `os.register_at_fork` handler in the child. uvloop forks for
-every subprocess and runs them although the child only execs (incidents/000_…; uvloop#749), and so
+every subprocess and runs them although the child only execs (incident 000 in docs/incidents.md; uvloop#749), and so
 does `Popen(preexec_fn=...)`. This module wraps `os.register_at_fork` at `import stallwatch`, so
 each handler registered afterwards is skipped when the fork is *exec-bound*: the fork happens
 inside a uvloop `subprocess_exec`/`subprocess_shell` call or a `Popen` with `preexec_fn`, which

@@ -1,7 +1,7 @@
 """Which event loop spawns our subprocesses, and what uvicorn would pick.
 
 uvloop starts every subprocess with a real `fork()` and holds the GIL until the child execs; the
-standard asyncio loop uses vfork/posix_spawn and runs no at-fork handlers (incidents/000_…).
+standard asyncio loop uses vfork/posix_spawn and runs no at-fork handlers (incident 000 in docs/incidents.md).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def uvicorn_loop() -> str:
     """The `loop=` value to pass to `uvicorn.run()` (or `--loop`) so subprocess spawns never fork.
 
     Returns ``"asyncio"``: the standard loop spawns with vfork/posix_spawn, which runs no at-fork
-    handlers and does not hold the GIL while the child execs (incidents/000_…). Use it as
+    handlers and does not hold the GIL while the child execs (incident 000 in docs/incidents.md). Use it as
     ``uvicorn.run(app, loop=stallwatch.uvicorn_loop())``.
     """
     return "asyncio"

@@ -3,7 +3,7 @@
 uvloop's ``Loop.subprocess_exec``/``subprocess_shell`` start every child with libuv's ``uv_spawn``,
 a real ``fork()``: every ``pthread_atfork`` handler (gRPC's) and every ``os.register_at_fork``
 handler runs in the child, and the loop thread holds the GIL until the child execs
-(incidents/000_…). ``subprocess.Popen`` uses ``vfork()`` (CPython 3.10+ on Linux) or
+(incident 000 in docs/incidents.md). ``subprocess.Popen`` uses ``vfork()`` (CPython 3.10+ on Linux) or
 ``posix_spawn()``, where no fork handler runs and no page table is copied. `install()` wraps both
 uvloop methods (``wrapt``, on uvloop's ``Loop`` class, whether uvloop is imported before or after)
 so that they spawn through ``Popen`` instead.

@@ -1,7 +1,7 @@
 """Executor instrumentation: every `concurrent.futures.ThreadPoolExecutor`, including an event
 loop's default executor (`run_in_executor`, `asyncio.to_thread`).
 
-incidents/002_… is a worker that died between `work_queue.get()` and `_WorkItem.run()`: the item
+incident 002 in docs/incidents.md is a worker that died between `work_queue.get()` and `_WorkItem.run()`: the item
 it had dequeued was referenced by nothing, its future stayed pending, and the awaiting request hung
 with every counter healthy. No wrapper of `_WorkItem.run` can see that item, so stallwatch counts
 the queue itself: each executor's `SimpleQueue` is replaced at construction by a subclass whose

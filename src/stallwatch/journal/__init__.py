@@ -1,7 +1,7 @@
 """The crash-safe journal: a local, append-only, per-process record of operations in flight.
 
 OpenTelemetry exports a span only when it ends, so the operations a killed process had in flight
-(incidents/000_…: a frozen server killed by its health check while it created Nebius instances)
+(incident 000 in docs/incidents.md: a frozen server killed by its health check while it created Nebius instances)
 leave no trace at all. The journal writes them to a local file as they start and end, with the
 cloud ledger's create/delete intents and outcomes and the watchdog's freeze records, and the next
 start (`replay()`) turns what never ended into spans with the original ids and reports the cloud
