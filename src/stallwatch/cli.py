@@ -13,17 +13,110 @@ from pathlib import Path
 
 import stallwatch
 
+OVERVIEW = """\
+Keep an async Python server from freezing silently or wedging unseen: start stallwatch in it,
+check it for fork hazards, replay both incidents stallwatch is built around, and read what it
+recorded after an incident.
+
+examples:
+  stallwatch run -- uvicorn app:app --loop asyncio   start your server with stallwatch set up first
+  stallwatch doctor --import myserver.app            check your server for fork hazards
+  stallwatch demo                                    replay both incidents (a freeze, a wedge) here
+  stallwatch postmortem --since 2h                   the incident timeline of the last two hours
+  stallwatch leaks                                   cloud resources a killed server may have leaked
+
+Settings come from OTEL_* and STALLWATCH_* variables. `stallwatch COMMAND --help` says more."""
+
+RUN_DESCRIPTION = """\
+Run COMMAND (a console script such as `dstack server` or `uvicorn`, or `python ...`) with
+stallwatch imported and set up before any of the command's own imports, without changing its
+code, as opentelemetry-instrument and ddtrace-run do. Settings come from the OTEL_* and
+STALLWATCH_* variables, e.g. OTEL_SERVICE_NAME and OTEL_EXPORTER_OTLP_ENDPOINT."""
+
 RUN_EXAMPLES = """\
 examples:
   stallwatch run -- dstack server --port 3000
-  stallwatch run -- uvicorn app:app --loop stallwatch:uvicorn_loop
+  stallwatch run -- uvicorn app:app --loop asyncio
   stallwatch run -m http.server 8000       (same as: stallwatch run -- python -m http.server 8000)
+  OTEL_EXPORTER_OTLP_ENDPOINT=http://collector:4318 stallwatch run -- python worker.py
   STALLWATCH_PROVIDERS=host DSTACK_OTEL_TRACES_ENABLED=1 stallwatch run -- dstack server
 
-The command runs as itself (exec): same argv, exit status and signals. Its Python process imports
-stallwatch before anything else and runs setup() from the OTEL_* and STALLWATCH_* variables. Python
-processes the command starts in turn do not load stallwatch; forked workers keep its session. A
-command that cannot be found exits with status 127, one that cannot be executed with 126."""
+The command runs as itself (exec): same argv, exit status and signals. Python processes the
+command starts in turn do not load stallwatch; forked workers keep its session (a server that
+starts fresh interpreters for its workers, such as `uvicorn --workers`, needs
+`import stallwatch.auto` in its app module instead). A command that cannot be found exits with
+status 127, one that cannot be executed with 126."""
+
+DOCTOR_DESCRIPTION = """\
+Check this machine, and your server when you name its module, for the fork hazards behind the
+freeze incident. The report lists the installed versions, the event loop uvicorn would pick,
+gRPC's fork state and GRPC_* variables, every at-fork handler with the threads it starts in a
+real test child, Sentry's fork safety, whether the journal directory is usable and whether the
+freeze watchdog runs, then a verdict with what to change. Nothing of the servers already running
+on the machine is touched."""
+
+DOCTOR_EXAMPLES = """\
+examples:
+  stallwatch doctor                                   this machine and its installed packages
+  stallwatch doctor --import myserver.app             also what your server's module registers
+  stallwatch doctor --import myserver.app --setup     also with stallwatch set up as your server runs it
+  stallwatch doctor --json > doctor.json              for a script or a ticket
+
+exit status: 0 when no fork hazard remains, 1 while one does, 2 when an --import fails."""
+
+DEMO_DESCRIPTION = """\
+Replay both incidents stallwatch is built around, on this machine and on local files (no
+collector or cloud account needed; about 15 s), and show what stallwatch recorded:
+  1. health probes spawn children on a uvloop server: no thread starts in the children;
+  2. a spawn held before exec freezes a host, and the watchdog reports it while it is frozen;
+  3. a Nebius create (against a fake server) is in flight when the host is killed: a leak candidate;
+  4. a stale SystemExit is aimed at an executor worker: refused, then (guard off) the dead worker
+     is found and the stranded request healed;
+  5. `stallwatch postmortem` runs over all of it and writes postmortem.html into the output
+     directory."""
+
+DEMO_EXAMPLES = """\
+examples:
+  stallwatch demo                          files and report in ./stallwatch-demo
+  stallwatch demo --out /tmp/sw-demo       elsewhere
+  stallwatch demo --json                   the summary as JSON
+
+exit status: 0 when every stage showed what it should, 1 when one did not, 2 when the output
+directory cannot be created."""
+
+POSTMORTEM_DESCRIPTION = """\
+Turn what stallwatch exported into an incident timeline: first what happened (freezes with their
+cause and the spawn that froze, executor wedges), then in time order the notable spawns, SSH
+failures, Nebius calls, wedges and timeouts, each with its trace id, the span trees of each
+freeze, wedge or leak, and the leak candidates. Reads the file exporter's directory, or OTLP/JSON
+files exported from a trace backend such as Tempo. When several servers share a directory, the
+report covers the newest one and its watchdog unless --service, --pid or --all-processes says
+otherwise."""
+
+POSTMORTEM_EXAMPLES = """\
+examples:
+  stallwatch postmortem                                       the default telemetry directory
+  stallwatch postmortem --dir /var/lib/app/telemetry --since 2h
+  stallwatch postmortem --file tempo-trace.json --format html --out incident.html
+  stallwatch postmortem --journal ~/.local/state/stallwatch/journal   what dead processes left open
+  stallwatch postmortem --service control-plane --since 2026-12-06T07:00 --until 2026-12-06T08:00
+
+exit status: 0 with a report, 2 when an input is missing or unreadable or --out cannot be written."""
+
+LEAKS_DESCRIPTION = """\
+List the leak candidates of a journal directory: cloud resources (Nebius creates) that a server
+asked for and died before it saw the answer, so the cloud may hold resources nothing tracks.
+Each stays open, counted by stallwatch.cloud.resources.unconfirmed (the UnconfirmedCloudResource
+alert), until you confirm it: find the resource in the cloud by its time and trace id, adopt or
+delete it, then confirm its key."""
+
+LEAKS_EXAMPLES = """\
+examples:
+  stallwatch leaks                                     list the candidates, one line each with its KEY
+  stallwatch leaks --journal-dir /var/lib/app/journal  another server's journal directory
+  stallwatch leaks --confirm KEY                       close a candidate once reconciled
+
+exit status: 0, or 2 when a key to confirm is unknown or the journal setting is invalid."""
 
 
 def _run(arguments: list[str]) -> int:
@@ -150,25 +243,29 @@ def _leaks(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="stallwatch", description=stallwatch.__doc__.splitlines()[0])
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(prog="stallwatch", description=OVERVIEW, formatter_class=raw)
     parser.add_argument("--version", action="version", version=f"stallwatch {stallwatch.__version__}")
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = commands.add_parser(
         "run",
-        help="run a command with stallwatch started first in its Python process",
-        description="Run COMMAND (a console script such as `dstack server`, or `python ...`) with stallwatch "
-        "imported and set up before the command's own imports, as opentelemetry-instrument and ddtrace-run do.",
+        help="start a command (your server) with stallwatch set up first in its Python process",
+        description=RUN_DESCRIPTION,
         usage="stallwatch run [-h] (-m MODULE [ARGS...] | -- COMMAND [ARGS...])",
         epilog=RUN_EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=raw,
     )
-    run.add_argument("-m", dest="module", metavar="MODULE", help="run a module with this Python, as python -m")
+    run.add_argument("-m", dest="module", metavar="MODULE", help="run a Python module, as python -m MODULE does")
     run.add_argument("command", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     run.set_defaults(run=lambda args: _run(["-m", args.module, *args.command] if args.module else args.command))
 
     doctor = commands.add_parser(
-        "doctor", help="report fork hazards; exit status 1 while one remains", description=stallwatch.doctor.__doc__
+        "doctor",
+        help="check this machine and your server for fork hazards; exit status 1 while one remains",
+        description=DOCTOR_DESCRIPTION,
+        epilog=DOCTOR_EXAMPLES,
+        formatter_class=raw,
     )
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     doctor.add_argument(
@@ -177,66 +274,102 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="MODULE",
-        help="import your server's module first, so the report covers what it registers (repeatable)",
+        help="import your server's module first (found from the current directory, as uvicorn finds it), so "
+        "the report covers the handlers and threads it adds; repeatable",
     )
     doctor.add_argument(
         "--setup",
         action="store_true",
-        help="run stallwatch.setup() from the environment first (journal, telemetry and heartbeat files in a "
-        "temporary directory, removed at the end)",
+        help="set stallwatch up from the OTEL_* and STALLWATCH_* variables first, as your server would; its "
+        "files go to a temporary directory removed at the end",
     )
-    doctor.add_argument("--no-probe", action="store_true", help="skip the test fork that counts thread starts")
+    doctor.add_argument(
+        "--no-probe",
+        action="store_true",
+        help="do not fork a test child to count the threads each at-fork handler starts (quicker, less precise)",
+    )
     doctor.set_defaults(run=_doctor)
 
-    demo = commands.add_parser("demo", help="run the incident-000 scenario locally and show what was recorded")
-    demo.add_argument(
-        "--out", default="stallwatch-demo", help="directory for the telemetry files (default: %(default)s)"
+    demo = commands.add_parser(
+        "demo",
+        help="replay both incidents (a freeze and a wedge) on this machine and show what was recorded",
+        description=DEMO_DESCRIPTION,
+        epilog=DEMO_EXAMPLES,
+        formatter_class=raw,
     )
-    demo.add_argument("--probes", type=int, default=20, help="health probes to serve (default: %(default)s)")
-    demo.add_argument("--json", action="store_true", help="print the result as JSON")
+    demo.add_argument(
+        "--out",
+        default="stallwatch-demo",
+        metavar="DIR",
+        help="directory for the telemetry files and the report, created if missing (default: %(default)s)",
+    )
+    demo.add_argument(
+        "--probes",
+        type=int,
+        default=20,
+        metavar="N",
+        help="health probes the demo server answers in stage 1, each spawning a child (default: %(default)s)",
+    )
+    demo.add_argument("--json", action="store_true", help="print the summary as JSON instead of text")
     demo.set_defaults(run=_demo)
 
     from .config import Settings
 
     post = commands.add_parser(
         "postmortem",
-        help="print an incident timeline from the telemetry files",
-        description="Freezes, spawns around them, SSH failures, Nebius calls and leak candidates, executor "
-        "wedges and timeouts, in time order, from the file exporter's OTLP/JSON files or OTLP/JSON files "
-        "exported from a trace backend.",
+        help="print the incident timeline of what stallwatch recorded",
+        description=POSTMORTEM_DESCRIPTION,
+        epilog=POSTMORTEM_EXAMPLES,
+        formatter_class=raw,
     )
-    post.add_argument("--dir", help="the file exporter's directory (default: STALLWATCH_FILE_DIR's default)")
+    post.add_argument(
+        "--dir",
+        metavar="DIR",
+        help=f"the telemetry directory your server wrote (STALLWATCH_FILE_DIR; default: {Settings().file_dir})",
+    )
     post.add_argument(
         "--file", dest="files", action="append", default=[], metavar="FILE",
-        help="an OTLP/JSON file (JSON lines or one document, e.g. exported from Tempo); repeatable",
+        help="an OTLP/JSON file, as JSON lines or one document (e.g. a trace exported from Tempo); repeatable",
     )  # fmt: skip
     post.add_argument(
-        "--journal", help="a journal directory (STALLWATCH_JOURNAL_DIR): what dead processes left in flight"
+        "--journal",
+        metavar="DIR",
+        help="also read this journal directory (STALLWATCH_JOURNAL_DIR) as it is, without replaying it: what "
+        "dead processes left open, their unconfirmed creates and the watchdog's freeze records",
     )
-    post.add_argument("--service", help="the process group of this service.name (default: the newest host's)")
-    post.add_argument("--pid", type=int, help="the process group of the host with this pid and its watchdog")
+    post.add_argument("--service", metavar="NAME", help="report on the server with this OTEL_SERVICE_NAME")
+    post.add_argument("--pid", type=int, metavar="PID", help="report on the server with this process id")
+    post.add_argument("--all-processes", action="store_true", help="report on every process in the inputs together")
     post.add_argument(
-        "--all-processes", action="store_true", help="every process in the inputs, not one host and its watchdog"
+        "--since",
+        metavar="WHEN",
+        help="start of the window: an ISO time (UTC unless it names a zone), or a duration back from now "
+        "(90s, 15m, 2h, 1d)",
     )
-    post.add_argument("--since", help="start of the window: ISO time or a duration back from now (90s, 15m, 2h)")
-    post.add_argument("--until", help="end of the window, same forms as --since")
-    post.add_argument("--format", choices=("text", "json", "html"), default="text", help="default: %(default)s")
-    post.add_argument("--out", help="write the report to this file instead of standard output")
+    post.add_argument("--until", metavar="WHEN", help="end of the window, in the same forms as --since")
+    post.add_argument(
+        "--format",
+        choices=("text", "json", "html"),
+        default="text",
+        help="text (default) or json carry the same facts; html is one offline file with an SVG timeline, for --out",
+    )
+    post.add_argument("--out", metavar="FILE", help="write the report to FILE (mode 0600) instead of the terminal")
     post.set_defaults(run=_postmortem, default_dir=str(Settings().file_dir))
 
     leaks = commands.add_parser(
         "leaks",
-        help="list the leak candidates (unconfirmed creates) of a journal directory, or confirm them",
-        description="Creates a dead process asked the cloud for and never saw answered. Each stays open, and "
-        "stallwatch.cloud.resources.unconfirmed (the UnconfirmedCloudResource alert) counts it, until it is "
-        "confirmed: reconcile it against the cloud (find the resource by the time and trace id, adopt or "
-        "delete it), then confirm its key.",
+        help="list the cloud resources killed servers may have leaked, or confirm them once reconciled",
+        description=LEAKS_DESCRIPTION,
+        epilog=LEAKS_EXAMPLES,
+        formatter_class=raw,
     )
     leaks.add_argument(
-        "--journal-dir", help=f"the journal directory (default: STALLWATCH_JOURNAL_DIR, else {Settings().journal_dir})"
+        "--journal-dir",
+        metavar="DIR",
+        help=f"the journal directory (default: STALLWATCH_JOURNAL_DIR, else {Settings().journal_dir})",
     )
     leaks.add_argument(
-        "--confirm", nargs="+", metavar="KEY", help="close these candidates: they were reconciled against the cloud"
+        "--confirm", nargs="+", metavar="KEY", help="close these candidates: each was reconciled against the cloud"
     )
     leaks.set_defaults(run=_leaks)
     return parser
