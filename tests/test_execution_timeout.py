@@ -1,4 +1,4 @@
-"""`execution_timeout` arms before the first await (incidents/002: request 2 hung at its first
+"""`execution_timeout` arms before the first await (incident 002: request 2 hung at its first
 `await asyncio.to_thread(...)`, before its timeout existed), keeps watching thread work it cannot
 stop, and asyncio's own timeouts are counted by call site. Overlapping requests on one shared
 actor never interrupt each other's work. Fresh interpreters, real threads."""

@@ -1,4 +1,4 @@
-"""incidents/002's race, randomised and seeded (tests/scenarios/executor_stress.py): EOF or RST,
+"""incident 002's race, randomised and seeded (tests/scenarios/executor_stress.py): EOF or RST,
 inject before or after the peer goes away. The incident's semantics wedge most trials; the
 guard (default) and interrupt_thread() wedge none."""
 

@@ -1,4 +1,4 @@
-"""incidents/002: a stale async SystemExit kills an idle pooled worker, and the next request's
+"""incident 002: a stale async SystemExit kills an idle pooled worker, and the next request's
 item is lost with it. Real threads, real sockets, real ctypes injection, fresh interpreters."""
 
 from __future__ import annotations

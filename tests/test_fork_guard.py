@@ -1,4 +1,4 @@
-"""The freeze of incidents/000_…: what runs inside fork children, with and without stallwatch.
+"""The freeze of incident 000: what runs inside fork children, with and without stallwatch.
 
 Every scenario is a fresh interpreter doing real forks: real `os.fork()`, real uvloop
 `asyncio.create_subprocess_exec`, real `Popen(preexec_fn=...)`, a real gRPC server and grpc.aio

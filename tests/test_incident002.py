@@ -1,4 +1,4 @@
-"""incidents/002 replayed end to end: an asyncio actor, a real runner process on a Unix socket,
+"""incident 002 replayed end to end: an asyncio actor, a real runner process on a Unix socket,
 a 1 s execution timeout, NDIF's interrupt (stop the runner, then inject SystemExit with ctypes),
 and the next request. Runs on every CPython of the version matrix (tests/run.sh)."""
 

@@ -1,6 +1,6 @@
 """The crash-safe journal (issue 6): real files, real processes, real SIGKILLs.
 
-A server killed mid-freeze (incidents/000_…) exports nothing it held in memory. These tests kill
+A server killed mid-freeze (incident 000) exports nothing it held in memory. These tests kill
 journaling processes with SIGKILL and check what the next start recovers: the operations in
 flight as spans with their original ids, and every cloud create whose intent was durable either
 as completed (with its resource id) or as a leak candidate."""

@@ -1,4 +1,4 @@
-"""The freeze of incidents/000, seen from outside while it lasts: real uvloop spawns whose child
+"""The freeze of incident 000, seen from outside while it lasts: real uvloop spawns whose child
 hangs before exec, a real watchdog process reading real /proc (tests/scenarios/freeze_probe.py)."""
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ Options: ``--spawns N`` measured spawns per run (default 200, after 10 warm-ups)
 
 "Frozen time" is the wall time of ``await asyncio.create_subprocess_exec("/bin/true", ...)`` with
 stdin/stdout/stderr on DEVNULL: the call itself, not the wait for exit. uvloop forks there and
-holds the GIL until the child execs (incidents/000_…), so a ticker thread that sleeps 1 ms in a
+holds the GIL until the child execs (incident 000), so a ticker thread that sleeps 1 ms in a
 loop also records its largest gap. Configurations, each run in its own fresh interpreter:
 
 - ``no_otel``: uvloop, no OpenTelemetry.

@@ -1,4 +1,4 @@
-"""Scenario: incidents/002's race, randomised: a stale async SystemExit against a pooled worker.
+"""Scenario: incident 002's race, randomised: a stale async SystemExit against a pooled worker.
 
 Usage: [STOCK_RUN=1] python executor_stress.py {naive|guard|api} TRIALS SEED
 Each trial: a 1-worker pool; item A parks in recv on a socket; after a random 0-4 ms gap the

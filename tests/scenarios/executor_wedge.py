@@ -1,4 +1,4 @@
-"""Scenario: incidents/002 in its smallest form, on a 1-worker ThreadPoolExecutor.
+"""Scenario: incident 002 in its smallest form, on a 1-worker ThreadPoolExecutor.
 
 Usage: python executor_wedge.py {guard|noguard} {heal|noheal} DIR
 Item A parks in sock.recv; the peer closes, so A ends by another path and the worker goes idle;

@@ -1,4 +1,4 @@
-"""Scenario: the other freezes of incidents/000: a child that dumps core before exec, and a
+"""Scenario: the other freezes of incident 000: a child that dumps core before exec, and a
 standard-loop spawn whose preexec_fn hangs.
 
 Usage: python freeze_kinds.py {core_dump|preexec} DIR [BALLAST_MB]

@@ -1,4 +1,4 @@
-"""Scenario: a GIL-held freeze as in incidents/000, made on purpose.
+"""Scenario: a GIL-held freeze as in incident 000, made on purpose.
 
 Usage: python freeze_probe.py DIR [SECONDS] [--block-loop | --read-child] [--sentry=DSN] [--args | --shell]
 A library registered an after-fork handler before stallwatch was imported (so the exec-bound guard

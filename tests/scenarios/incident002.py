@@ -1,6 +1,6 @@
 """Scenario: a stale SystemExit from an execution timeout kills asyncio's default-executor worker.
 
-Replays incidents/002_d0b9802ad020a8bc.txt (NDIF's untrusted execution timeout wedges the replica)
+Replays incident 002 of docs/incidents.md (NDIF's untrusted execution timeout wedges the replica)
 in plain asyncio, with the incident's real mechanics:
 
 1. `Actor.run(request)` first awaits `asyncio.to_thread(set_env, request)` -- an await made before

@@ -1,7 +1,7 @@
 """Runner child for tests/scenarios/incident002.py: a stand-in for NDIF's per-request sandbox runner.
 
 Usage: python incident002_runner.py SOCKET_PATH
-Listens on SOCKET_PATH and serves exactly one request (incidents/002_d0b9802ad020a8bc.txt): reads a
+Listens on SOCKET_PATH and serves exactly one request (incident 002 in docs/incidents.md): reads a
 header frame {"id", "sleep_s", "trailer_bytes"}, runs the "user block" (sleeps sleep_s), only then
 reads the trailer bytes, answers {"id", "result"} and exits.
 
