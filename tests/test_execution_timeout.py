@@ -9,8 +9,7 @@ import json
 
 import pytest
 
-from conftest import run_python
-from test_executor_wedge import attrs, latest_total, metric_points
+from conftest import attrs, latest_total, metric_points, run_python
 
 pytestmark = pytest.mark.matrix
 
