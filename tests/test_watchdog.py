@@ -279,7 +279,7 @@ def test_a_fork_child_exiting_normally_leaves_its_parents_heartbeat_files_and_wa
 
 
 _FORKED_WORKER = """
-import asyncio, json, os, sys, time, stallwatch
+import asyncio, json, os, pathlib, sys, time, stallwatch
 session = stallwatch.setup(file_dir=sys.argv[1], freeze_threshold=0.5)
 parent_watchdog = session.watchdog_pid
 child = os.fork()
@@ -289,7 +289,10 @@ if child == 0:  # a worker that lives on and serves, as gunicorn forks them afte
     async def serve():
         watched = await asyncio.to_thread(session.wait_for_watchdog, 30)  # its own, started with this loop
         time.sleep(1.5)  # sync code blocks the worker's loop
-        await asyncio.sleep(0.2)
+        traces, deadline = pathlib.Path(sys.argv[1], "traces.jsonl"), time.monotonic() + 30
+        while watched and not (traces.exists() and b'"stallwatch.freeze"' in traces.read_bytes()):
+            assert time.monotonic() < deadline, "its watchdog exported no freeze"
+            await asyncio.sleep(0.01)  # until its watchdog has seen the thaw and exported the freeze
         return session.watchdog_pid, watched
     serving, watched = asyncio.run(serve())
     print(json.dumps({"worker": os.getpid(), "before_loop": before_loop, "serving": serving, "watched": watched,
