@@ -487,7 +487,7 @@ def test_raw_protocol_callbacks_in_the_same_order(mode):
         events.append("returned")
         assert isinstance(protocol, Recorder)
         code = await transport._wait()
-        await asyncio.sleep(0.05)
+        await until(lambda: "pipe_connection_lost 1" in events, "the pipe's EOF arrives")
         transport.close()
         return code
 
