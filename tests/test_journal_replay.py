@@ -9,11 +9,12 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 from conftest import attrs, clean_env, latest_total, otlp_items, run_python
 from stallwatch.fake_nebius import INSTANCE_SERVICE, FakeNebius
+from support.processes import command_line, is_gone
+from support.waiting import wait_until
 
 HOST = """
 import os, sys, time
@@ -35,9 +36,9 @@ async def main():
         with trace.get_tracer("control-plane").start_as_current_span("provision") as span:
             create = asyncio.ensure_future(InstanceServiceClient(sdk).create(
                 CreateInstanceRequest(metadata=ResourceMetadata(name="h200", parent_id="project-x")), timeout=600))
-            await asyncio.sleep(1.0)  # the create is in flight (the fake cloud sits on it)
             context = span.get_span_context()
             print(json.dumps({"trace_id": f"{context.trace_id:032x}"}), flush=True)
+            await asyncio.to_thread(sys.stdin.readline)  # the create reached the fake cloud, which sits on it
             if freeze == "freeze":
                 HANG[0] = 60.0  # a probe's ssh spawn, held before exec: the whole host freezes here
                 await asyncio.create_subprocess_exec("/bin/true")
@@ -54,14 +55,21 @@ def _kill_during_create(tmp_path, freeze: str) -> str:
         fake.delay_next(f"{INSTANCE_SERVICE}/Create", 120)
         host = subprocess.Popen(
             [sys.executable, "-c", textwrap.dedent(HOST), str(journal_dir), str(first), fake.address, freeze],
-            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=clean_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         trace_id = json.loads(host.stdout.readline())["trace_id"]
-        time.sleep(3.0 if freeze == "freeze" else 0.5)  # frozen ~2 s: the health check gives up on it
+        wait_until(lambda: fake.count(f"{INSTANCE_SERVICE}/Create") == 1, "the create is in flight")
+        host.stdin.write("go\n")
+        host.stdin.flush()
+        if freeze == "freeze":  # frozen past the threshold: the watchdog reports it, the health check gives up
+            logs = first / "logs.jsonl"
+            wait_until(lambda: logs.exists() and "freeze detected" in logs.read_text(), "the freeze is reported")
         held = _children(host.pid)  # the forked copy held before exec, and the watchdog
+        watchdogs = [pid for pid in held if "stallwatch.detect.watchdog" in command_line(pid)]
         host.send_signal(signal.SIGKILL)
-        host.wait(10)
-        time.sleep(0.5)  # the watchdog sees its host die and writes host_killed, then leaves
+        host.wait(30)
+        for pid in watchdogs:  # it sees its host die, writes host_killed, then leaves
+            wait_until(lambda: is_gone(pid), "the watchdog left")  # noqa: B023
         for pid in held:  # the held copy would sleep on for a minute
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)

@@ -7,13 +7,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from conftest import clean_env, run_scenario
 from support.chromium import CHROMIUM, MISSING, measure
+from support.waiting import wait_until
 
 STALLWATCH = [sys.executable, "-m", "stallwatch.cli", "postmortem"]
 
@@ -83,7 +83,8 @@ with FakeNebius() as fake:
         env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )  # fmt: skip
     assert host.stdout.readline().strip() == "creating"
-    time.sleep(3)  # the intent record is exported (logs batch every second); the create is still in flight
+    logs = tmp_path / "logs.jsonl"  # the intent record exported (logs batch every second); the create is in flight
+    wait_until(lambda: logs.exists() and "create requested" in logs.read_text(), "the create's intent is exported")
     host.send_signal(signal.SIGKILL)  # the health check
     host.wait(10)
 

@@ -21,9 +21,8 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, TraceFlags
 
 from stallwatch.export import log_protobuf, span_protobuf
-from test_log_json import _batch as _log_batch
-from test_log_json import _Bridge
-from test_span_json import _light_spans, _spans
+from support.sample_logs import Bridge, log_batch
+from support.sample_spans import light_spans, sdk_spans
 
 pytestmark = pytest.mark.matrix  # what the SDK's encoder writes differs across its versions
 
@@ -51,7 +50,7 @@ def test_it_is_used_exactly_where_it_writes_the_installed_sdks_bytes():
 def test_sdk_made_spans_and_equal_resources_in_separate_objects_give_the_sdks_bytes():
     if not span_protobuf.matches_sdk():
         pytest.skip("this SDK's encoder writes otherwise (see the test above)")
-    spans = _spans()
+    spans = sdk_spans()
     assert span_protobuf.encode_spans_protobuf(spans) == _sdk_bytes(spans)
     # Equal resources and scopes that are distinct objects, interleaved: grouped by equality, in order.
     first, same = Resource({"r": "x"}), Resource({"r": "x"})
@@ -69,7 +68,7 @@ def test_sdk_made_spans_and_equal_resources_in_separate_objects_give_the_sdks_by
 def test_light_spans_give_the_sdks_bytes():
     if not span_protobuf.matches_sdk():
         pytest.skip("this SDK's encoder writes otherwise (see the first test)")
-    spans = _light_spans()
+    spans = light_spans()
     assert span_protobuf.encode_spans_protobuf(spans) == _sdk_bytes(spans)
 
 
@@ -104,7 +103,7 @@ def test_a_failure_inside_the_writer_still_exports_the_batch_as_the_sdk_would(mo
         raise RuntimeError("a bug in the writer")
 
     monkeypatch.setattr(span_protobuf, "_span", broken)
-    spans = _spans()
+    spans = sdk_spans()
     assert span_protobuf.fast_encoder(encode_spans)(spans).SerializePartialToString() == _sdk_bytes(spans)
 
 
@@ -171,7 +170,7 @@ def test_log_records_give_the_sdks_bytes_or_go_to_the_sdks_encoder():
         assert log_protobuf.with_fast_encoding(OTLPLogExporter) is OTLPLogExporter
     # test_log_json's batch: every body kind (mappings and None go to the SDK's encoder), exceptions,
     # spans, scopes, equal resources in separate objects.
-    batch = _log_batch()
+    batch = log_batch()
     assert log_protobuf.fast_encoder(encode_logs)(batch).SerializeToString() == _log_bytes(batch)
     written = [item for item in batch if _writes(item)]
     assert len(written) >= 20  # all but mapping bodies and the like
@@ -193,7 +192,7 @@ def _writes(item: Any) -> bool:
     ids=["int-overflow", "surrogate", "mapping-body"],
 )
 def test_a_log_value_it_does_not_write_sends_the_whole_batch_to_the_sdks_encoder(body, extra):
-    bridge = _Bridge()
+    bridge = Bridge()
     bridge.provider("a", Resource({"service.name": "svc"}))
     logger = bridge.logger("a", "app")
     logger.info("plain")
@@ -214,7 +213,7 @@ def test_a_log_value_it_does_not_write_sends_the_whole_batch_to_the_sdks_encoder
 
 _SIGNALS = {  # signal: (encoder module, its function, SDK exporter class, SDK encoder, request class, batch)
     "traces": (span_protobuf, "encode_spans_protobuf", OTLPSpanExporter, encode_spans, ExportTraceServiceRequest,
-               _spans),
+               sdk_spans),
     "logs": (log_protobuf, "encode_logs_protobuf", OTLPLogExporter, encode_logs, ExportLogsServiceRequest,
              log_protobuf._probe),
 }  # fmt: skip

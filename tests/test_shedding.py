@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,7 @@ from stallwatch.export.guarded import (
 )
 from stallwatch.export.shedding import SheddingTracer, SheddingTracerProvider, exemplar_filter
 from stallwatch.instrument import light_span
+from support.waiting import wait_until
 
 sys.path.insert(0, str(SCENARIOS))
 from reliability_collectors import serve
@@ -105,7 +105,7 @@ def test_host_tracers_shed_while_the_backend_is_down_keeping_ids_and_the_sampled
 def test_after_the_back_off_only_the_probe_is_recorded_until_it_answers(refused: Pipeline):
     refused.fail_an_export()
     assert not refused.tracer.start_span("down").is_recording()
-    time.sleep(refused.processor.guard.breaker.down_until - time.monotonic() + 0.05)
+    wait_until(lambda: not refused.processor.guard.breaker.down(), "the back-off is over")
     # The back-off is over: the next export is a probe of PROBE_ITEMS items, so that many are recorded.
     for _ in range(PROBE_ITEMS):
         span = refused.tracer.start_span("probe")
@@ -166,9 +166,7 @@ def test_spans_shed_while_the_queue_is_full_of_a_collector_that_never_answers(mo
         try:
             for _ in range(4):  # a full batch: the worker takes it and waits on the collector
                 pipeline.tracer.start_span("in flight").end()
-            deadline = time.monotonic() + 5
-            while pipeline.processor.guard.in_flight == 0 and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_until(lambda: pipeline.processor.guard.in_flight, "the worker exports the batch")
             assert pipeline.processor.guard.in_flight == 4
             for _ in range(4):
                 pipeline.tracer.start_span("queued").end()

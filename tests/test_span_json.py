@@ -5,75 +5,18 @@ from __future__ import annotations
 import json
 
 import pytest
-from opentelemetry import context as otel_context
-from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
+from opentelemetry.trace import Link, SpanContext, TraceFlags
 
 from stallwatch.export.file import to_otlp_json
 from stallwatch.export.span_json import encode_spans_json
-from stallwatch.instrument import light_span
+from support.sample_spans import light_spans, sdk_spans
 
 pytestmark = pytest.mark.matrix  # the protobuf route differs across SDK versions
-
-
-def _spans() -> list:
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider(resource=Resource.create({"service.name": "svc", "n": 2}))
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    tracer, other = provider.get_tracer("x", "1.0"), provider.get_tracer("y")
-    remote = SpanContext(
-        0x1234, 0x5678, is_remote=True, trace_flags=TraceFlags(1), trace_state=TraceState([("k", "v")])
-    )
-    attributes = {"s": "é\n\"q\"", "i": 3, "neg": -7, "big": 2**62, "f": 1.5, "t": True, "l": ["x", "y"],
-                  "li": [1, 2], "lb": [True, False], "lf": [0.5]}  # fmt: skip
-    with tracer.start_as_current_span("parent"):
-        child = tracer.start_span("child", kind=SpanKind.CLIENT, attributes=attributes, links=[Link(remote, {"w": 1})])
-        child.add_event("event", {"k": 1})
-        child.add_event("bare")
-        child.set_status(Status(StatusCode.ERROR, "boom"))
-        child.end()
-        with other.start_as_current_span("server", kind=SpanKind.SERVER) as server:
-            server.set_status(Status(StatusCode.OK))
-        for kind in (SpanKind.PRODUCER, SpanKind.CONSUMER):
-            tracer.start_span(kind.name, kind=kind).end()
-    tracer.start_span("remote child", context=trace.set_span_in_context(trace.NonRecordingSpan(remote))).end()
-    return list(exporter.get_finished_spans())
-
-
-def _light_spans() -> list:
-    """Light spans as the processors get them (they are their own `ReadableSpan`): an executor-like
-    item with its durations, one that other code changed in every way, a root client span with its
-    own start, and one under a remote parent with a trace state."""
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider(resource=Resource.create({"service.name": "svc"}), span_limits=SpanLimits(max_events=1))
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    tracer = provider.get_tracer("stallwatch", "0.1")
-    remote = SpanContext(0xAB, 0xCD, is_remote=True, trace_flags=TraceFlags(1), trace_state=TraceState([("k", "v")]))
-    with tracer.start_as_current_span("request") as request:
-        context = trace.set_span_in_context(request)
-        item = light_span.start(tracer, "pool work item", context, {"stallwatch.executor.name": "pool"})
-        item.set_own_attributes(
-            {"stallwatch.executor.queue_seconds": 102933 / 1e9, "stallwatch.executor.run_seconds": 2.5e-05}
-        )
-        item.end()
-        changed = light_span.start(tracer, "changed", context, {"a": 1})
-        changed.set_attributes({"s": "x", "l": [1, 2]})
-        changed.add_event("first", {"k": 1})
-        changed.add_event("second")  # past max_events: the first is dropped, and counted
-        changed.add_link(remote, {"why": "test"})
-        changed.set_status(Status(StatusCode.ERROR, "boom"))
-        changed.update_name("changed again")
-        changed.end()
-    light_span.start(tracer, "true", otel_context.Context(), {"process.pid": 7}, SpanKind.CLIENT, 1_000).end(2_000)
-    light_span.start(tracer, "remote child", trace.set_span_in_context(trace.NonRecordingSpan(remote)), {}).end()
-    spans = [span for span in exporter.get_finished_spans() if span.name != "request"]
-    assert [type(span) for span in spans] == [light_span.LightSpan] * 4
-    return spans
 
 
 def _flatten(document: dict, keep_flags: bool) -> list[tuple[str, str, str]]:
@@ -90,7 +33,7 @@ def _flatten(document: dict, keep_flags: bool) -> list[tuple[str, str, str]]:
     return sorted(rows)
 
 
-@pytest.mark.parametrize(("make", "count"), [(_spans, 6), (_light_spans, 4)], ids=["sdk_spans", "light_spans"])
+@pytest.mark.parametrize(("make", "count"), [(sdk_spans, 6), (light_spans, 4)], ids=["sdk_spans", "light_spans"])
 def test_the_direct_encoder_matches_the_protobuf_route_field_by_field(make, count):
     """Light spans are read through their own fields (`FIELD_READABLE`); the SDK's encoder reads
     their properties."""
@@ -118,7 +61,7 @@ class _OtherReadableSpan(ReadableSpan):
 
 
 def test_spans_of_other_types_are_read_through_their_properties_with_the_same_result():
-    spans = _spans()
+    spans = sdk_spans()
     others = []
     for span in spans:
         other = object.__new__(_OtherReadableSpan)
@@ -196,5 +139,5 @@ def test_the_encoder_loads_from_its_file_alone_as_the_executor_benchmark_loads_i
     assert spec is not None and spec.loader is not None
     standalone = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(standalone)
-    spans = _spans()
+    spans = sdk_spans()
     assert standalone.encode_spans_json(spans) == encode_spans_json(spans)

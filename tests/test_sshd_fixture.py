@@ -11,7 +11,6 @@ import signal
 import socket
 import subprocess
 import tempfile
-import time
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,8 @@ from dstack._internal.core.services.ssh.tunnel import IPSocket, SocketPair, SSHT
 from dstack._internal.utils.path import FilePath
 
 from sshd_fixture import HTTP_BODY, Sshd
+from support.processes import is_gone
+from support.waiting import wait_until
 
 TUNNEL_LOGGER = "dstack._internal.core.services.ssh.tunnel"
 
@@ -73,22 +74,6 @@ async def get_async(path: Path) -> bytes:
     head, _, body = response.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.0 200 "), head
     return body
-
-
-def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 5) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting until {what}"
-        time.sleep(0.02)
-
-
-def is_dead(pid: int) -> bool:
-    """Exited, or a zombie: the daemonized ssh master is reparented to a PID 1 that may never reap it."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return True
-    return stat.rpartition(")")[2].split()[0] in ("Z", "X")
 
 
 def master_pid(tunnel: SSHTunnel) -> int:
@@ -193,7 +178,7 @@ def test_tunnel_close_after_master_killed(
         tunnel.open()
     pid = master_pid(tunnel)
     os.kill(pid, signal.SIGKILL)
-    wait_until(lambda: is_dead(pid), f"the ssh master (pid {pid}) is dead")
+    wait_until(lambda: is_gone(pid), f"the ssh master (pid {pid}) is dead")
     control_sock = Path(tunnel.control_sock_path)
     assert control_sock.exists()  # SIGKILL leaves the master's control socket behind
 

@@ -32,6 +32,7 @@ import uvloop
 
 from conftest import run_python
 from stallwatch.forksafe import uvloop_spawn
+from support.waiting import until
 
 pytestmark = pytest.mark.matrix  # Popen/asyncio internals differ across CPython versions
 
@@ -315,16 +316,15 @@ def test_cancelled_spawn_kills_and_reaps_the_child(mode):
 
     async def main():
         task = asyncio.ensure_future(spawn("sleep", "30", stdin=PIPE, stdout=PIPE))
-        await asyncio.sleep(0)  # Popen ran, the pipes are being connected
-        assert len(children() - before) == 1
+        deadline = time.monotonic() + 30
+        while not children() - before:  # a loop step at a time: Popen ran, the pipes are being connected
+            assert time.monotonic() < deadline and not task.done()
+            await asyncio.sleep(0)
+        assert len(children() - before) == 1 and not task.done()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        for _ in range(100):
-            if not children() - before:
-                return True
-            await asyncio.sleep(0.02)
-        return False
+        return await until(lambda: not children() - before, "the cancelled spawn's child is reaped")
 
     assert run(mode, main)
 
@@ -487,7 +487,7 @@ def test_raw_protocol_callbacks_in_the_same_order(mode):
         events.append("returned")
         assert isinstance(protocol, Recorder)
         code = await transport._wait()
-        await asyncio.sleep(0.05)
+        await until(lambda: "pipe_connection_lost 1" in events, "the pipe's EOF arrives")
         transport.close()
         return code
 

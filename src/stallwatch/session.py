@@ -169,8 +169,10 @@ def _start(fork_safety: ForkSafety, overrides: dict[str, Any]) -> Session:
             return Session(settings, fork_safety, error=str(exc) if isinstance(exc, ConfigError) else repr(exc))
     config.report(settings.problems)
     if settings.providers == "host":
+        from .export import exit_check
         from .instrument._common import on_first_record
 
+        exit_check.check_host_providers()  # before any instrumentor asks for a tracer
         on_first_record(_warn_when_the_host_exports_nothing)
     _register_instruments()
     _instrument(settings)

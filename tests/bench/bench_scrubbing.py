@@ -9,7 +9,7 @@ Writes ``raw/scrubbing.json`` (raw numbers, machine) and ``scrubbing.md`` (the t
 ``60f7be5``, the commit before the exit check and the shape rules) also times that commit's scrubber, loaded from
 git, on the same command lines: the ``before`` column.
 
-What stallwatch spends scrubbing one spawn, in µs of CPU, in the three places it does:
+What stallwatch spends scrubbing one spawn, in µs of CPU, in the places it does (the exit check in one of two):
 
 - ``name and args``: `instrument.subprocess.describe` on the subprocess instrumentation's builder thread (the
   calling thread only keeps references): the executable's name (`executable_name`), and with args on,
@@ -17,6 +17,8 @@ What stallwatch spends scrubbing one spawn, in µs of CPU, in the three places i
 - ``heartbeat``: the heartbeat's spawn name (`name (N args)`) checked once more (`scrub_value`), on the calling
   thread just before the fork of a uvloop exec spawn (`forksafe.guard`).
 - ``exit check``: the spawn's finished span through `export.exit_check.checked`, on the batch exporter's thread.
+- ``exit check, host providers``: the same span through `export.exit_check.CheckedSpans.on_end` (in front of a
+  processor that does nothing), with ``STALLWATCH_PROVIDERS=host``: on the thread that ends the span.
 
 Command lines: the ordinary ones of `tests/secrets_corpus.py` (``HARMLESS``, what a server spawns every day)
 and its command lines with secrets (``CORPUS``). Each is timed warm (the same command line spawned again: the
@@ -45,7 +47,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent.parent / "src")]
 
 from _machine import machine_info, raw_path  # noqa: E402
 from opentelemetry.sdk.resources import Resource  # noqa: E402
-from opentelemetry.sdk.trace import ReadableSpan  # noqa: E402
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor  # noqa: E402
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope  # noqa: E402
 from opentelemetry.trace import SpanContext, SpanKind  # noqa: E402
 
@@ -55,6 +57,7 @@ from stallwatch.instrument import scrub, subprocess  # noqa: E402
 
 SCOPE = InstrumentationScope("stallwatch", "bench")
 RESOURCE = Resource({"service.name": "bench"})
+HOST = "exit check, host providers"
 
 
 def _span(name: str, attributes: dict[str, Any]) -> ReadableSpan:
@@ -107,7 +110,10 @@ def _old_scrubber(revision: str) -> ModuleType:
 
 
 def measure(lines: list[list[object]], record_args: bool, cold: bool, repeat: int, before: ModuleType) -> dict:
-    parts: dict[str, list[float]] = {"before": [], "name and args": [], "heartbeat": [], "exit check": []}
+    parts: dict[str, list[float]] = {
+        "before": [], "name and args": [], "heartbeat": [], "exit check": [], HOST: []
+    }  # fmt: skip
+    host = exit_check.CheckedSpans(SpanProcessor())
     for argv in lines:
         name, attributes = subprocess.describe(argv[0], argv, "uvloop", record_args)
         command = f"{name} ({len(argv) - 1} args)"
@@ -116,6 +122,7 @@ def measure(lines: list[list[object]], record_args: bool, cold: bool, repeat: in
         parts["name and args"].append(_median_us(_name_and_args(scrub, argv, record_args), repeat, cold))
         parts["heartbeat"].append(_median_us(lambda: scrub.scrub_value(command), repeat, cold))  # noqa: B023
         parts["exit check"].append(_median_us(lambda: exit_check.checked("traces", [span]), repeat, cold))  # noqa: B023
+        parts[HOST].append(_median_us(lambda: host.on_end(span), repeat, cold))  # noqa: B023
     medians = {part: statistics.median(values) for part, values in parts.items()}
     medians["total"] = medians["name and args"] + medians["heartbeat"] + medians["exit check"]
     return medians
@@ -134,7 +141,9 @@ def _summary(results: list[dict[str, Any]]) -> str:
         f"thread against {on['before']:.1f} before ({on_cold['name and args']:.1f} against "
         f"{on_cold['before']:.1f} with cold caches); the exit check adds {on['exit check']:.1f} µs on the export "
         f"thread for a command line seen before and {on_cold['exit check']:.1f} for a new one (its argument list is "
-        "scrubbed again there)."
+        f"scrubbed again there). With `STALLWATCH_PROVIDERS=host` the exit check runs on the thread that ends the "
+        f"span instead: {off[HOST]:.1f} µs with args off, {on[HOST]:.1f} with args on ({on_cold[HOST]:.1f} for a new "
+        "command line)."
     )
 
 
@@ -162,7 +171,8 @@ def main() -> None:
     raw_path(options.out, "scrubbing.json").write_text(json.dumps({"machine": machine, "results": results}, indent=1))
     rows = [
         f"| {r['corpus']} ({r['lines']}) | {'on' if r['record_args'] else 'off'} | {r['cache']} | {r['before']:.1f} "
-        f"| {r['name and args']:.1f} | {r['heartbeat']:.2f} | {r['exit check']:.1f} | {r['total']:.1f} |"
+        f"| {r['name and args']:.1f} | {r['heartbeat']:.2f} | {r['exit check']:.1f} "
+        f"| {r[HOST]:.1f} | {r['total']:.1f} |"
         for r in results
     ]
     (options.out / "scrubbing.md").write_text(
@@ -173,9 +183,8 @@ def main() -> None:
         f"opentelemetry-sdk {machine['versions']['opentelemetry-sdk']}; commit {machine['git_commit']}; "
         f"{machine['date']}; load {' '.join(machine['loadavg'])}.\n\n"
         "| command lines | STALLWATCH_RECORD_ARGS | caches | before: name and args | name and args (builder thread) "
-        "| heartbeat (calling thread) | exit check (export thread) | total |\n|---|---|---|---|---|---|---|---|\n"
-        + "\n".join(rows)
-        + "\n"
+        "| heartbeat (calling thread) | exit check (export thread) | exit check, host providers (ending thread) "
+        "| total (stallwatch providers) |\n|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
     )
 
 

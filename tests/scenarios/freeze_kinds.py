@@ -46,7 +46,16 @@ import asyncio
 import json
 
 
+def freeze_spans() -> int:
+    traces = os.path.join(out, "telemetry", "traces.jsonl")
+    if not os.path.exists(traces):
+        return 0
+    with open(traces, "rb") as file:
+        return file.read().count(b'"stallwatch.freeze"')
+
+
 async def main() -> dict:
+    exported = freeze_spans()
     started = time.time_ns()
     if mode == "core_dump":
         CRASH["now"] = True
@@ -56,7 +65,10 @@ async def main() -> dict:
         child = await asyncio.create_subprocess_exec("/bin/true", preexec_fn=lambda: time.sleep(2))
     ended = time.time_ns()
     code = await child.wait()
-    await asyncio.sleep(1.0)  # let the watchdog see the thaw
+    deadline = time.monotonic() + 30
+    while freeze_spans() == exported:  # until the watchdog has seen the thaw and exported the freeze
+        assert time.monotonic() < deadline, "the watchdog exported no freeze"
+        await asyncio.sleep(0.01)
     return {"spawn_started_ns": started, "spawn_ended_ns": ended, "returncode": code, "child_pid": child.pid}
 
 

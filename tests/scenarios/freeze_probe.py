@@ -44,13 +44,36 @@ assert session.wait_for_watchdog(30), "the freeze watchdog is not watching"
 print(json.dumps({"watchdog_pid": session.watchdog_pid}), flush=True)
 
 import asyncio
+from pathlib import Path
 
 import uvloop
 from opentelemetry import trace
 
+from stallwatch.detect import heartbeat
+
+
+async def until(predicate, what: str) -> None:
+    deadline = time.monotonic() + 30
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        await asyncio.sleep(0.01)
+
+
+def loop_beat_since(began_ns: int) -> bool:
+    state = heartbeat.read(heartbeat.AREA.path)
+    return state is not None and state["loop_tracked"] and state["loop_ns"] > began_ns
+
+
+def freeze_spans() -> int:
+    """Freeze spans exported to the directory so far (another host may share it)."""
+    traces = Path(out) / "traces.jsonl"
+    return traces.read_bytes().count(b'"stallwatch.freeze"') if traces.exists() else 0
+
 
 async def main() -> dict:
-    await asyncio.sleep(0.5)  # loop heartbeats flow: each re-arms faulthandler's timer (STALLWATCH_FAULTHANDLER)
+    # Loop heartbeats flow: each re-arms faulthandler's timer (STALLWATCH_FAULTHANDLER).
+    began, exported = time.monotonic_ns(), freeze_spans()
+    await until(lambda: loop_beat_since(began), "the loop heartbeat beats")
     for argument in sys.argv:
         for _ in range(int(argument.removeprefix("--healthy=")) if argument.startswith("--healthy=") else 0):
             await (await asyncio.create_subprocess_exec("/bin/true")).wait()
@@ -78,7 +101,7 @@ async def main() -> dict:
             ended = time.time_ns()
             HANG["seconds"] = 0.0
             await child.wait()
-    await asyncio.sleep(1.5)  # let the watchdog see the thaw
+    await until(lambda: freeze_spans() > exported, "the watchdog exported the freeze at its thaw")
     context = span.get_span_context()
     return {
         "spawn_started_ns": started,

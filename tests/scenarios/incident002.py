@@ -181,7 +181,10 @@ class Pool:
 # -- the actor: NDIF's BaseModelDeployment.run / SandboxModelDeployment, reduced to the mechanics ----
 
 
-SETTLE_SECONDS = 0.05
+def idle(ident: int | None) -> bool:
+    """Thread `ident` is an executor worker back in its loop, between items (waiting for the next)."""
+    frame = sys._current_frames().get(ident or 0)
+    return frame is not None and frame.f_code.co_name == "_worker" and "futures" in frame.f_code.co_filename
 
 
 def kill_thread(ident: int | None, exc_type: type[BaseException] = SystemExit) -> int:
@@ -249,9 +252,12 @@ class Actor:
             self.execution_sandbox.stop()
         # The order the incident's root-cause analysis observed: by the time kill_thread runs, the
         # worker has seen EOF, finished item 1 and gone idle. On a loaded machine the worker can
-        # lag behind the loop thread here; a short pause keeps the replay on the incident's path.
-        time.sleep(SETTLE_SECONDS)
+        # lag behind the loop thread here: wait until it waits for its next item.
         ident = self.execution_ident
+        deadline = time.monotonic() + 30
+        while not idle(ident):
+            assert time.monotonic() < deadline, "the executor worker never went idle"
+            time.sleep(0.005)
         name = thread_name(ident)
         return {"thread": name, "set_async_exc": kill_thread(ident)}
 

@@ -10,6 +10,7 @@ import asyncio
 import json
 import sys
 import threading
+import time
 
 import stallwatch
 
@@ -77,8 +78,12 @@ async def main(fake, sdk):
             result["deadline"] = outcome(error)
     with tracer.start_as_current_span("cancelled"):
         fake.delay_next(GET, 3)
+        gets = fake.count(GET)
         task = asyncio.ensure_future(instances.get(GetInstanceRequest(id=op.resource_id), timeout=10))
-        await asyncio.sleep(0.3)
+        deadline = time.monotonic() + 30
+        while fake.count(GET) == gets:  # until the call is in flight: the fake sits on it
+            assert time.monotonic() < deadline, "the call never reached the fake"
+            await asyncio.sleep(0.01)
         task.cancel()
         try:
             await task

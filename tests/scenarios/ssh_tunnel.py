@@ -59,7 +59,7 @@ def kill_master(tunnel):
     proc = subprocess.run(tunnel.check_command(), capture_output=True, text=True, timeout=10)
     pid = int(re.search(r"Master running \(pid=(\d+)\)", proc.stderr).group(1))
     os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
             state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]

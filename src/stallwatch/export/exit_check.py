@@ -1,9 +1,15 @@
 """The last check before spans and log records leave the process: every string stallwatch recorded from the host
 passes the scrubber's detector once more, whichever wrapper recorded it and whether or not it scrubbed it.
 
-The door is `GuardedExporter.export`, which every span and log exporter of stallwatch's pipeline sits behind
-(file, console, OTLP over HTTP or gRPC): one place, on the batch worker's thread, after the host's call has
-returned. Only stallwatch's own items are checked: spans of the `stallwatch` instrumentation scope and log
+With stallwatch's providers the door is `GuardedExporter.export`, which every span and log exporter of
+stallwatch's pipeline sits behind (file, console, OTLP over HTTP or gRPC): one place, on the batch worker's
+thread, after the host's call has returned. With the host's (`STALLWATCH_PROVIDERS=host`) stallwatch's items
+leave through the host's processors and exporters, so the door is in front of those processors instead
+(`check_host_providers`): every tracer or logger an SDK provider makes for a `stallwatch` scope ends its spans
+and emits its records through a `CheckedSpans` / `CheckedLogs` wrapper around the provider's processors, on the
+thread that ends the span or logs the record, before any of the host's processors sees the item. The host's
+processors, exporters and tracers are not touched, nor are its own spans. Only stallwatch's own items are
+checked: spans of the `stallwatch` instrumentation scope and log
 records of the `stallwatch` loggers. The host's own spans and records are the host's to scrub, as without
 stallwatch. What is checked: span names, attribute values (event and link attributes included), status
 descriptions, log bodies; never the ids `telemetry.IDENTIFIERS` names, nor numbers.
@@ -17,9 +23,11 @@ the usual item (short names and statuses that repeat) costs a few dictionary loo
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import wrapt
 from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.trace import Link, Status
@@ -39,12 +47,7 @@ def checked(signal: str, batch: Sequence[Any]) -> Sequence[Any]:
     check = _span if signal == "traces" else _log_item
     out: list[Any] | None = None
     for index, item in enumerate(batch):
-        try:
-            result = check(item)
-        except Exception:
-            FAULTS.record(signal, _SETTINGS.get(signal, "OTEL_TRACES_EXPORTER"),
-                          "an item that could not be checked for secrets was dropped", off="none")  # fmt: skip
-            result = None
+        result = _one(signal, check, item)
         if result is not item:
             if out is None:
                 out = list(batch[:index])
@@ -53,6 +56,16 @@ def checked(signal: str, batch: Sequence[Any]) -> Sequence[Any]:
         elif out is not None:
             out.append(item)
     return batch if out is None else out
+
+
+def _one(signal: str, check: Callable[[Any], Any], item: Any) -> Any:
+    """`check(item)`, or None (counted as a fault of `signal`) when the check itself fails."""
+    try:
+        return check(item)
+    except Exception:
+        FAULTS.record(signal, _SETTINGS.get(signal, "OTEL_TRACES_EXPORTER"),
+                      "an item that could not be checked for secrets was dropped", off="none")  # fmt: skip
+        return None
 
 
 def _span(span: Any) -> Any:
@@ -95,7 +108,10 @@ def _attributes(attributes: Any) -> Any:
     if scrubbed is plain:
         return attributes
     if isinstance(attributes, BoundedAttributes):
-        bounded = BoundedAttributes(attributes.maxlen, scrubbed, immutable=True, max_value_len=attributes.max_value_len)
+        immutable = getattr(attributes, "_immutable", True)  # a record's stay open to the processors after this one
+        bounded = BoundedAttributes(
+            attributes.maxlen, scrubbed, immutable=immutable, max_value_len=attributes.max_value_len
+        )
         bounded.dropped = attributes.dropped  # what the original dropped is still what was dropped
         return bounded
     return dict(scrubbed)
@@ -135,3 +151,92 @@ def _log_item(item: Any) -> Any:
     clone = copy.copy(item)
     object.__setattr__(clone, "log_record", new_record)  # a frozen dataclass since SDK 1.39
     return clone
+
+
+class CheckedSpans:
+    """The span processor of a tracer for stallwatch's scope made by a host's provider: the provider's own
+    processors (`inner`), with each finished span checked first. Whatever else a tracer or span asks of its
+    processor (`_on_ending`, the processor list the fast span path reads) is the inner one's."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def on_start(self, span: Any, parent_context: Any = None) -> None:
+        self.inner.on_start(span, parent_context=parent_context)
+
+    def on_end(self, span: Any) -> None:
+        checked = _one("traces", _span, span)
+        if checked is not None:
+            self.inner.on_end(checked)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class CheckedLogs:
+    """The log record processor of a logger for a `stallwatch` scope made by a host's provider, as `CheckedSpans`
+    (`on_emit` since SDK 1.39, `emit` before)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def on_emit(self, record: Any) -> None:
+        checked = _one("logs", _log_item, record)
+        if checked is not None:
+            self.inner.on_emit(checked)
+
+    def emit(self, record: Any) -> None:
+        checked = _one("logs", _log_item, record)
+        if checked is not None:
+            self.inner.emit(checked)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def _scope_name(name: object = None, *args: object, **kwargs: object) -> object:
+    """The first argument of `get_tracer` / `get_logger`, however it was passed."""
+    return kwargs.get("instrumenting_module_name", kwargs.get("name", name))
+
+
+def _checked_tracer(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+    tracer = wrapped(*args, **kwargs)
+    try:
+        if _scope_name(*args, **kwargs) == _OWN_SCOPE:
+            processor = getattr(tracer, "span_processor", None)  # none on a disabled provider's no-op tracer
+            if processor is not None and type(processor) is not CheckedSpans:
+                tracer.span_processor = CheckedSpans(processor)
+    except Exception:
+        _unchecked("traces")
+    return tracer
+
+
+def _checked_logger(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+    logger = wrapped(*args, **kwargs)
+    try:
+        name = _scope_name(*args, **kwargs)
+        if type(name) is str and (name == _OWN_SCOPE or name.startswith(_OWN_SCOPE + ".")):
+            processor = getattr(logger, "_multi_log_record_processor", None)
+            if processor is not None and type(processor) is not CheckedLogs:
+                logger._multi_log_record_processor = CheckedLogs(processor)
+    except Exception:
+        _unchecked("logs")
+    return logger
+
+
+def _unchecked(signal: str) -> None:
+    FAULTS.record(signal, "STALLWATCH_PROVIDERS", "stallwatch's items may reach the host's exporters unchecked",
+                  off="stallwatch")  # fmt: skip
+
+
+@functools.cache
+def check_host_providers() -> None:
+    """Route stallwatch's spans and log records through the exit check in every SDK tracer and logger provider
+    (the host's, with `STALLWATCH_PROVIDERS=host`), whenever it was or will be built: a tracer or logger for a
+    `stallwatch` scope gets its provider's processors behind `CheckedSpans` / `CheckedLogs`. Once per process;
+    other scopes' tracers and loggers come back as the provider made them."""
+    from opentelemetry.sdk import _logs as sdk_logs
+    from opentelemetry.sdk import trace as sdk_trace
+
+    wrapt.wrap_function_wrapper(sdk_trace, "TracerProvider.get_tracer", _checked_tracer)
+    wrapt.wrap_function_wrapper(sdk_logs, "LoggerProvider.get_logger", _checked_logger)
