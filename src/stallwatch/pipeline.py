@@ -425,12 +425,14 @@ def _prometheus_reader(settings: Settings, pipeline: Pipeline) -> MetricReader:
     pipeline._closers += [server.shutdown, server.server_close]
 
     class Reader(PrometheusMetricReader):  # type: ignore[misc]
-        """The stock reader, whose scrapes also carry stallwatch's own histograms (`histograms`)."""
+        """The stock reader, whose scrapes also carry stallwatch's own histograms (`histograms`), and the
+        resource's `PROMETHEUS_RESOURCE_LABELS` as labels of every series."""
 
         def _receive_metrics(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> None:
             super()._receive_metrics(histograms.inject(metrics_data), timeout_millis, **kwargs)
 
-    return Reader()
+    labelled = {attribute.name for attribute in telemetry.PROMETHEUS_RESOURCE_LABELS}
+    return Reader(resource_attribute_filter=labelled.__contains__)
 
 
 def _otlp_endpoint(settings: Settings, signal: str, http: bool) -> str | None:

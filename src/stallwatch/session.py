@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import importlib.util
 import logging
 import os
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -144,6 +146,7 @@ def _start(fork_safety: ForkSafety, overrides: dict[str, Any]) -> Session:
         config.report(settings.problems)
         return Session(settings, fork_safety)
     settings = config.prepare_directories(settings, overrides)
+    settings = _identified(settings)
     config.withhold_from_sdk(settings.problems)  # before the SDK, or the watchdog, reads the environment
     watchdog = _start_watchdog(settings) if settings.watchdog else None  # before any thread of ours
     pipeline = None
@@ -275,6 +278,15 @@ def _start_journal(settings: Settings) -> Any:
     journal.activate(current)
     journal.install_recorder(current)
     return current
+
+
+def _identified(settings: Settings) -> Settings:
+    """`settings` with a `service.instance.id`: the one set, else a new UUID (as the OpenTelemetry
+    semantic conventions recommend), decided before the watchdog starts so that it carries the same."""
+    if telemetry.SERVICE_INSTANCE_ID.name in settings.resource_attributes:
+        return settings
+    identity = {**settings.resource_attributes, telemetry.SERVICE_INSTANCE_ID.name: str(uuid.uuid4())}
+    return dataclasses.replace(settings, resource_attributes=identity)
 
 
 def _watchdog_environment(settings: Settings, forked: bool) -> dict[str, str]:

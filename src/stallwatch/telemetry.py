@@ -201,7 +201,26 @@ CLOUD_RESOURCE_TYPE = Attribute(
     "stallwatch.cloud.resource.type", "Kind of cloud resource, from the service name: `compute.instance`, ..."
 )
 
-RESOURCE_ATTRIBUTES: tuple[Attribute, ...] = (RESOURCE_VERSION, RESOURCE_UVLOOP_VERSION, RESOURCE_GRPC_FORK_SUPPORT)
+SERVICE_NAME = Attribute(
+    "service.name",
+    "The service (`OTEL_SERVICE_NAME`); the freeze watchdog carries its host's, and a label on every "
+    "Prometheus series.",
+)
+SERVICE_INSTANCE_ID = Attribute(
+    "service.instance.id",
+    "The process: the one set in `OTEL_RESOURCE_ATTRIBUTES`, else a UUID made at setup. The freeze watchdog "
+    "carries its host's, and a label on every Prometheus series, so one value selects a host and its freezes.",
+)
+
+RESOURCE_ATTRIBUTES: tuple[Attribute, ...] = (
+    RESOURCE_VERSION,
+    RESOURCE_UVLOOP_VERSION,
+    RESOURCE_GRPC_FORK_SUPPORT,
+    SERVICE_NAME,
+    SERVICE_INSTANCE_ID,
+)
+# The resource attributes the Prometheus exporter puts on every series (the rest go to `target_info` only).
+PROMETHEUS_RESOURCE_LABELS: tuple[Attribute, ...] = (SERVICE_NAME, SERVICE_INSTANCE_ID)
 
 # ---- metrics ----------------------------------------------------------------------------------
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..config import Settings
 from ..instrument.scrub import scrub_value
 from . import heartbeat
 
@@ -482,7 +483,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["STALLWATCH_INSTRUMENT_EXECUTOR"] = "false"
     import stallwatch
 
-    stallwatch.setup(resource_attributes={"stallwatch.process.role": "watchdog",
+    # The host's resource attributes (its service.instance.id among them) and the watchdog's own.
+    inherited = Settings.load().resource_attributes
+    stallwatch.setup(resource_attributes={**inherited, "stallwatch.process.role": "watchdog",
                                           "stallwatch.watched.pid": str(args.pid)})  # fmt: skip
     journal = None
     if args.journal_dir is not None:
