@@ -108,13 +108,13 @@ def test_the_generator_takes_every_metric_name_from_telemetry():
 
 
 def test_every_name_in_the_expressions_is_in_the_telemetry_contract():
-    series, labels = {"up", "target_info"}, {"job", "instance", "le", "service_name"}
+    series, labels = {"up", "target_info"}, {"job", "instance", "le", "service_name", "service_instance_id"}
     for metric in telemetry.METRICS:
         base = metric.prometheus_name
         series |= {base, f"{base}_bucket", f"{base}_sum", f"{base}_count"} if metric.kind == "histogram" else {base}
         labels |= {a.name.replace(".", "_").replace("-", "_") for a in metric.attributes}
     keywords = {"sum", "max", "by", "rate", "increase", "histogram_quantile", "unless", "offset", "or", "and"}
-    keywords |= {"last_over_time"}
+    keywords |= {"last_over_time", "on", "group_left"}
     for where, expr in promql():
         bare = re.sub(r'"[^"]*"|\$__rate_interval|\b\d+(\.\d+)?[smhd]?\b', " ", expr)
         for word in re.findall(r"[A-Za-z_][A-Za-z0-9_]*", bare):
@@ -128,10 +128,10 @@ def test_dashboards_have_variables_titles_descriptions_units_and_annotations():
         assert "__inputs" not in dashboard, name  # file provisioning cannot fill __inputs
         assert dashboard["title"] and dashboard["description"], name
         variables = {v["name"]: v for v in dashboard["templating"]["list"]}
-        assert set(variables) == {"prometheus", "tempo", "loki", "job", "service", "instance"}, name
+        assert set(variables) == {"prometheus", "tempo", "loki", "service", "instance"}, name
         for kind in ("prometheus", "tempo", "loki"):
             assert (variables[kind]["type"], variables[kind]["query"]) == ("datasource", kind)
-        for variable in ("job", "service", "instance"):
+        for variable in ("service", "instance"):
             assert variables[variable]["datasource"] == {"type": "prometheus", "uid": "${prometheus}"}
         assert [a["name"] for a in dashboard["annotations"]["list"]] == ["Freezes", "Wedges"]
         titles = [panel["title"] for panel in dashboard["panels"]]
@@ -142,10 +142,40 @@ def test_dashboards_have_variables_titles_descriptions_units_and_annotations():
             assert panel["datasource"]["uid"] == f"${{{kind}}}"
             assert panel["targets"] and all(t["datasource"] == panel["datasource"] for t in panel["targets"])
         for title, expr in targets(dashboard, "prometheus"):
-            assert 'job=~"$job"' in expr and 'instance=~"$instance"' in expr, title
-            assert all(window == "$__rate_interval" for window in re.findall(r"\[([^\]]+)\]", expr)), title
+            assert 'service_name=~"$service"' in expr and 'service_instance_id=~"$instance"' in expr, title
+            assert "$job" not in expr and 'instance=~"' not in expr.replace("service_instance_id", ""), title
+            # Rates over Grafana's interval; a target's identity from its target_info of the last hour.
+            rated = re.sub(r"target_info\{[^}]*\}\[1h\]", "", expr)
+            assert all(window == "$__rate_interval" for window in re.findall(r"\[([^\]]+)\]", rated)), title
         for title, query in [*targets(dashboard, "tempo"), *targets(dashboard, "loki")]:
             assert "${service:regex}" in query, title
+
+
+def test_every_panel_has_a_description_fits_the_grid_and_shows_a_state_by_name_and_colour():
+    for name, dashboard in dashboards().items():
+        taken: set[tuple[int, int]] = set()
+        for panel in dashboard["panels"]:
+            where = (name, panel["title"])
+            assert panel.get("description", "").strip(), where
+            grid = panel["gridPos"]
+            assert grid["x"] >= 0 and grid["w"] > 0 and grid["x"] + grid["w"] <= 24, (where, grid)
+            cells = {
+                (x, y) for x in range(grid["x"], grid["x"] + grid["w"]) for y in range(grid["y"], grid["y"] + grid["h"])
+            }
+            assert not cells & taken, (where, "overlaps another panel")
+            taken |= cells
+            defaults = panel["fieldConfig"]["defaults"]
+            if panel["type"] == "state-timeline" or defaults["unit"] == "bool_yes_no":
+                (mapping,) = defaults.get("mappings", [None])
+                assert mapping and mapping["type"] == "value", where
+                shown = {value: (result["text"], result["color"]) for value, result in mapping["options"].items()}
+                assert set(shown) == {"0", "1"} and all(text and color for text, color in shown.values()), where
+                steps = defaults["thresholds"]["steps"]
+                assert [step["color"] for step in steps] == [shown["0"][1], shown["1"][1]], where
+                assert defaults["color"]["mode"] == "thresholds", where
+    frozen = next(p for p in dashboards()["freezes.json"]["panels"] if p["title"] == "Frozen now")
+    options = frozen["fieldConfig"]["defaults"]["mappings"][0]["options"]
+    assert (options["0"]["text"], options["1"]["text"], options["1"]["color"]) == ("No", "Yes", "red")
 
 
 def test_alert_rules_point_at_a_dashboard_panel_and_the_postmortem():
@@ -159,7 +189,7 @@ def test_alert_rules_point_at_a_dashboard_panel_and_the_postmortem():
         assert notes["panel"] in panels[notes["dashboard_uid"]], rule["alert"]
         assert notes["dashboard_uid"] in notes["runbook"] and notes["panel"] in notes["runbook"]
         assert "stallwatch postmortem" in notes["runbook"]
-        assert "$job" not in rule["expr"] and "$instance" not in rule["expr"]
+        assert "$service" not in rule["expr"] and "$instance" not in rule["expr"]
 
 
 @needs_promtool
@@ -253,7 +283,7 @@ def test_provisioned_data_sources_link_metrics_traces_and_logs():
 # Which scenario (tests/scenarios/dash_<name>.py) makes each panel, annotation and alert show data or fire.
 PANEL_SCENARIOS = {
     "Frozen now": "freeze",
-    "Scrape gaps (up == 0)": "freeze",
+    "Scrapes answered (up)": "freeze",
     "Freezes by kind and cause": "freeze",
     "Freeze duration p50/p99 by kind and cause": "freeze",
     "Event-loop lag p50/p99": "freeze",
@@ -295,10 +325,9 @@ ALERT_SCENARIOS = {
     "WedgeDetected": "wedge",
     "UnconfirmedCloudResource": "cloud",
 }
-ZERO_IS_DATA = {"Scrape gaps (up == 0)"}  # every other panel must show a non-zero value in its scenario
+UP_AND_DOWN = {"Scrapes answered (up)"}  # 1 and 0 (the frozen host); every other panel a non-zero value
 SCRAPE = "1s"
 RATE_INTERVAL = "4s"  # what Grafana makes of $__rate_interval for a 1 s scrape interval
-JOBS = "stallwatch|stallwatch-watchdog"
 
 
 def _free_port() -> int:
@@ -318,6 +347,11 @@ class Scenario:
         self.proc: subprocess.Popen | None = None
 
     @property
+    def identity(self) -> str:
+        """The service.instance.id of the host and its watchdog: what the dashboards' Instance selects."""
+        return f"dash-{self.name}-1"
+
+    @property
     def instances(self) -> list[str]:
         ports = [self.port] if self.watchdog_port is None else [self.port, self.watchdog_port]
         return [f"127.0.0.1:{port}" for port in ports]
@@ -325,6 +359,7 @@ class Scenario:
     def start(self) -> None:
         env = clean_env(
             OTEL_SERVICE_NAME=f"dash-{self.name}",
+            OTEL_RESOURCE_ATTRIBUTES=f"service.instance.id={self.identity}",
             OTEL_METRICS_EXPORTER="prometheus",
             OTEL_TRACES_EXPORTER="none",
             OTEL_LOGS_EXPORTER="none",
@@ -427,9 +462,10 @@ class Prometheus:
 
 
 def concrete(expr: str, scenario: Scenario) -> str:
-    """The expression as Grafana sends it with this scenario's job and instances selected."""
-    instances = "|".join(scenario.instances)  # a regex, as Grafana renders a multi-value variable
-    return expr.replace("$__rate_interval", RATE_INTERVAL).replace("$job", JOBS).replace("$instance", instances)
+    """The expression as Grafana sends it with this scenario's service and instance selected: one value
+    each, for the host and its watchdog."""
+    expr = expr.replace("$__rate_interval", RATE_INTERVAL).replace("$service", f"dash-{scenario.name}")
+    return expr.replace("$instance", scenario.identity)
 
 
 @needs_prometheus
@@ -473,7 +509,7 @@ def test_every_panel_query_and_alert_works_on_a_real_prometheus(sshd, http_serve
                 if key.startswith("alert "):
                     name = key.removeprefix("alert ")
                     scenario = scenarios[ALERT_SCENARIOS[name]]
-                    selector = f'alertname="{name}", alertstate="firing", instance=~"{concrete("$instance", scenario)}"'
+                    selector = f'alertname="{name}", alertstate="firing", service_instance_id="{scenario.identity}"'
                     firing = prometheus.query_range(f"ALERTS{{{selector}}}", scenario.started, end)
                     if not firing:
                         problems.append(f"{where}: did not fire in dash_{scenario.name}.py")
@@ -484,12 +520,18 @@ def test_every_panel_query_and_alert_works_on_a_real_prometheus(sshd, http_serve
                         for result in prometheus.query_range(concrete(expr, scenario), scenario.started, end)
                         for _, value in result["values"]
                     ]
-                    if not any(values) and not (values and key in ZERO_IS_DATA):
+                    if key in UP_AND_DOWN and not {0.0, 1.0} <= set(values):
+                        problems.append(f"{where}: not both up and down in dash_{scenario.name}.py: {set(values)}")
+                    elif not any(values):
                         problems.append(f"{where}: no data from dash_{scenario.name}.py\n  {concrete(expr, scenario)}")
                 checked.add(key)
             assert checked == set(PANEL_SCENARIOS) | {f"alert {name}" for name in ALERT_SCENARIOS}
-            services = prometheus.query_range(f'target_info{{job=~"{JOBS}"}}', scenarios["freeze"].started, end)
+            services = prometheus.query_range("target_info", scenarios["freeze"].started, end)
             assert {s["metric"]["service_name"] for s in services} == {f"dash-{name}" for name in scenarios}
+            freeze = scenarios["freeze"]
+            watched = {(s["metric"]["job"], s["metric"]["service_instance_id"]) for s in services
+                       if s["metric"]["service_name"] == "dash-freeze"}  # fmt: skip
+            assert watched == {("stallwatch", freeze.identity), ("stallwatch-watchdog", freeze.identity)}
         finally:
             for scenario in scenarios.values():
                 if scenario.proc is not None and scenario.proc.poll() is None:
