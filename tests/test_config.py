@@ -302,8 +302,11 @@ _HOST = """
     with trace.get_tracer("shop").start_as_current_span("charge-card"):
         pass
     watchdog = session.watchdog_pid
+    effective = getattr(session.settings, keyword) if keyword else None
+    if keyword == "resource_attributes":  # with the service.instance.id setup() made, none being set
+        effective = {{k: v for k, v in effective.items() if k != "service.instance.id"}}
     print(json.dumps({{
-        "effective": repr(getattr(session.settings, keyword)) if keyword else None,
+        "effective": repr(effective) if keyword else None,
         "default": repr(getattr(Settings.load(environ={{}}), keyword)) if keyword else None,
         "problems": [problem.setting for problem in session.config_problems],
         "watchdog_running": watchdog is not None and os.waitpid(watchdog, os.WNOHANG) == (0, 0),
