@@ -9,14 +9,10 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import urllib.parse
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -24,19 +20,16 @@ from types import ModuleType
 import pytest
 import yaml
 
-from conftest import SCENARIOS, clean_env
 from stallwatch import telemetry
+from support.prometheus import HAVE_PROMETHEUS, Prometheus, Scenario, concrete
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARDS = ROOT / "dashboards"
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
-PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 needs_promtool = pytest.mark.skipif(
     not os.access(PROMTOOL, os.X_OK), reason="needs promtool: apt-get install prometheus"
 )
-needs_prometheus = pytest.mark.skipif(
-    not os.access(PROMETHEUS, os.X_OK), reason="needs prometheus: apt-get install prometheus"
-)
+needs_prometheus = pytest.mark.skipif(not HAVE_PROMETHEUS, reason="needs prometheus: apt-get install prometheus")
 UIDS = {"stallwatch-freezes", "stallwatch-wedges", "stallwatch-cloud-calls"}
 ALERT_NAMES = {
     "FreezeActive",
@@ -326,146 +319,7 @@ ALERT_SCENARIOS = {
     "UnconfirmedCloudResource": "cloud",
 }
 UP_AND_DOWN = {"Scrapes answered (up)"}  # 1 and 0 (the frozen host); every other panel a non-zero value
-SCRAPE = "1s"
-RATE_INTERVAL = "4s"  # what Grafana makes of $__rate_interval for a 1 s scrape interval
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-class Scenario:
-    """One dash_<name>.py process serving Prometheus metrics (and its watchdog's, for `freeze`)."""
-
-    def __init__(self, name: str, *args: str, watchdog: bool = False) -> None:
-        self.name, self.args = name, args
-        self.port, self.watchdog_port = _free_port(), _free_port() if watchdog else None
-        self.lines: list[dict] = []
-        self.started = self.done = 0.0
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def identity(self) -> str:
-        """The service.instance.id of the host and its watchdog: what the dashboards' Instance selects."""
-        return f"dash-{self.name}-1"
-
-    @property
-    def instances(self) -> list[str]:
-        ports = [self.port] if self.watchdog_port is None else [self.port, self.watchdog_port]
-        return [f"127.0.0.1:{port}" for port in ports]
-
-    def start(self) -> None:
-        env = clean_env(
-            OTEL_SERVICE_NAME=f"dash-{self.name}",
-            OTEL_RESOURCE_ATTRIBUTES=f"service.instance.id={self.identity}",
-            OTEL_METRICS_EXPORTER="prometheus",
-            OTEL_TRACES_EXPORTER="none",
-            OTEL_LOGS_EXPORTER="none",
-            OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
-            OTEL_EXPORTER_PROMETHEUS_PORT=str(self.port),
-            STALLWATCH_WATCHDOG_PROMETHEUS_PORT=str(self.watchdog_port or _free_port()),
-        )
-        self.proc = subprocess.Popen(
-            [sys.executable, str(SCENARIOS / f"dash_{self.name}.py"), *self.args],
-            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("{"):
-                self.lines.append(json.loads(line))
-                if self.lines[-1].get("done"):
-                    self.done = time.time()
-
-    def wait_for(self, key: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while not any(line.get(key) for line in self.lines):
-            assert self.proc is not None
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.proc.kill()
-                raise AssertionError(f"dash_{self.name}.py: no {key!r} line:\n{self.proc.stderr.read()[-3000:]}")
-            time.sleep(0.05)
-
-    def go(self) -> None:
-        assert self.proc is not None and self.proc.stdin is not None
-        self.started = time.time()
-        self.proc.stdin.write("go\n")
-        self.proc.stdin.flush()
-
-    def stop(self) -> str:
-        assert self.proc is not None and self.proc.stdin is not None
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        stderr = self.proc.stderr.read() if self.proc.stderr else ""
-        return "" if self.proc.returncode == 0 else f"dash_{self.name}.py exited {self.proc.returncode}:\n{stderr}"
-
-
-class Prometheus:
-    def __init__(self, workdir: Path, scenarios: list[Scenario]) -> None:
-        self.port = _free_port()
-        rules = yaml.safe_load((DASHBOARDS / "alerts.yaml").read_text())
-        for rule in rules["groups"][0]["rules"]:
-            rule.pop("for", None)  # fire within seconds; `for` itself is covered by promtool's unit tests
-        (workdir / "alerts.yaml").write_text(yaml.safe_dump(rules))
-        hosts = [s.instances[0] for s in scenarios]
-        watchdogs = [s.instances[1] for s in scenarios if s.watchdog_port is not None]
-        config = {
-            "global": {"scrape_interval": SCRAPE, "scrape_timeout": "900ms", "evaluation_interval": SCRAPE},
-            "rule_files": ["alerts.yaml"],
-            "scrape_configs": [
-                {"job_name": "stallwatch", "static_configs": [{"targets": hosts}]},
-                {"job_name": "stallwatch-watchdog", "static_configs": [{"targets": watchdogs}]},
-            ],
-        }
-        (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
-        self.log = (workdir / "prometheus.log").open("w")
-        self.proc = subprocess.Popen(
-            [PROMETHEUS, f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'data'}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
-            stdout=self.log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        deadline = time.monotonic() + 30
-        while not self._ready():
-            assert self.proc.poll() is None and time.monotonic() < deadline, (workdir / "prometheus.log").read_text()
-            time.sleep(0.1)
-
-    def _ready(self) -> bool:
-        try:
-            return urllib.request.urlopen(f"http://127.0.0.1:{self.port}/-/ready", timeout=1).status == 200
-        except OSError:
-            return False
-
-    def api(self, path: str, **params: str | float) -> dict:
-        url = f"http://127.0.0.1:{self.port}/api/v1/{path}?{urllib.parse.urlencode(params)}"
-        try:
-            with urllib.request.urlopen(url, timeout=10) as response:
-                return json.loads(response.read())
-        except urllib.error.HTTPError as error:
-            return json.loads(error.read())
-
-    def query_range(self, expr: str, start: float, end: float) -> list[dict]:
-        answer = self.api("query_range", query=expr, start=start, end=end, step="1s")
-        assert answer["status"] == "success", (expr, answer)
-        return answer["data"]["result"]
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(30)
-        self.log.close()
-
-
-def concrete(expr: str, scenario: Scenario) -> str:
-    """The expression as Grafana sends it with this scenario's service and instance selected: one value
-    each, for the host and its watchdog."""
-    expr = expr.replace("$__rate_interval", RATE_INTERVAL).replace("$service", f"dash-{scenario.name}")
-    return expr.replace("$instance", scenario.identity)
+SCRAPE = 1.0
 
 
 @needs_prometheus
@@ -479,14 +333,26 @@ def test_every_panel_query_and_alert_works_on_a_real_prometheus(sshd, http_serve
             "ssh": Scenario("ssh", sshd.user, sshd.host, str(sshd.port), str(sshd.identity), str(http_server),
                             sock_dir),
         }  # fmt: skip
-        prometheus = Prometheus(tmp_path, list(scenarios.values()))
+        rules = yaml.safe_load((DASHBOARDS / "alerts.yaml").read_text())
+        for rule in rules["groups"][0]["rules"]:
+            rule.pop("for", None)
+        config = {
+            "global": {"scrape_interval": "1s", "scrape_timeout": "900ms", "evaluation_interval": "1s"},
+            "scrape_configs": [
+                {"job_name": "stallwatch",
+                 "static_configs": [{"targets": [s.host_target for s in scenarios.values()]}]},
+                {"job_name": "stallwatch-watchdog",
+                 "static_configs": [{"targets": [s.watchdog_target for s in scenarios.values() if s.watchdog_target]}]},
+            ],
+        }  # fmt: skip
+        prometheus = Prometheus(tmp_path, config, yaml.safe_dump(rules))
         problems: list[str] = []
         try:
             for scenario in scenarios.values():
                 scenario.start()
             for scenario in scenarios.values():
                 scenario.wait_for("ready", 60)
-            expected = sum(len(s.instances) for s in scenarios.values())
+            expected = sum(len(s.targets) for s in scenarios.values())
             deadline = time.monotonic() + 20
             while len(prometheus.api("query", query="up == 1")["data"]["result"]) < expected:
                 assert time.monotonic() < deadline, prometheus.api("query", query="up")
@@ -501,7 +367,7 @@ def test_every_panel_query_and_alert_works_on_a_real_prometheus(sshd, http_serve
 
             checked = set()
             for where, expr in promql():
-                parsed = prometheus.api("query", query=concrete(expr, scenarios["freeze"]))
+                parsed = prometheus.api("query", query=concrete(expr, scenarios["freeze"], SCRAPE))
                 if parsed["status"] != "success":
                     problems.append(f"{where}: does not parse: {parsed.get('error')}\n  {expr}")
                     continue
@@ -517,13 +383,15 @@ def test_every_panel_query_and_alert_works_on_a_real_prometheus(sshd, http_serve
                     scenario = scenarios[PANEL_SCENARIOS[key]]
                     values = [
                         float(value)
-                        for result in prometheus.query_range(concrete(expr, scenario), scenario.started, end)
+                        for result in prometheus.query_range(concrete(expr, scenario, SCRAPE), scenario.started, end)
                         for _, value in result["values"]
                     ]
                     if key in UP_AND_DOWN and not {0.0, 1.0} <= set(values):
                         problems.append(f"{where}: not both up and down in dash_{scenario.name}.py: {set(values)}")
                     elif not any(values):
-                        problems.append(f"{where}: no data from dash_{scenario.name}.py\n  {concrete(expr, scenario)}")
+                        problems.append(
+                            f"{where}: no data from dash_{scenario.name}.py\n  {concrete(expr, scenario, SCRAPE)}"
+                        )
                 checked.add(key)
             assert checked == set(PANEL_SCENARIOS) | {f"alert {name}" for name in ALERT_SCENARIOS}
             services = prometheus.query_range("target_info", scenarios["freeze"].started, end)
