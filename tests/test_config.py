@@ -63,6 +63,7 @@ BAD_VALUES: dict[str, tuple[str, ...]] = {
     "STALLWATCH_FREEZE_THRESHOLD": ("0", "-1", "soon"),
     "STALLWATCH_FAULTHANDLER": ("stacks",),
     "STALLWATCH_WATCHDOG_PROMETHEUS_PORT": ("99999", "http"),
+    "STALLWATCH_WATCHDOG_LAST_SCRAPE_TIMEOUT": ("-1", "inf", "a while"),
 }
 
 

@@ -56,6 +56,7 @@ from .export.guarded import (
     drop_early,
     leftovers,
 )
+from .export.scrapes import ScrapeCounter
 from .export.shedding import SheddingTracerProvider, exemplar_filter
 from .forksafe import grpc_guard, guard
 from .forksafe.loop import package_version
@@ -157,6 +158,7 @@ class Pipeline:
     log_handler: logging.Handler | None = None
     files: dict[str, Path] = field(default_factory=dict)
     prometheus_address: tuple[str, int] | None = None
+    scrapes: ScrapeCounter | None = None  # answered by the Prometheus endpoint
     _closers: list[Callable[[], Any]] = field(default_factory=list)
     _processors: list[CountingSpanProcessor | CountingLogProcessor] = field(default_factory=list)
     _metric_exporters: list[GuardedMetricExporter] = field(default_factory=list)
@@ -422,6 +424,8 @@ def _prometheus_reader(settings: Settings, pipeline: Pipeline) -> MetricReader:
             f"{settings.prometheus_host}:{settings.prometheus_port} ({exc.strerror}); choose a free port, or 0"
         ) from exc
     pipeline.prometheus_address = server.server_address[:2]
+    pipeline.scrapes = ScrapeCounter(server.get_app())
+    server.set_app(pipeline.scrapes)
     pipeline._closers += [server.shutdown, server.server_close]
 
     class Reader(PrometheusMetricReader):  # type: ignore[misc]

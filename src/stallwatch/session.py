@@ -90,6 +90,13 @@ class Session:
         """(host, port) of the Prometheus scrape endpoint, when the `prometheus` exporter is on."""
         return self._pipeline.prometheus_address if self._pipeline is not None else None
 
+    def wait_for_scrape(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds until the Prometheus endpoint has answered a scrape that began
+        after this call, so it carried every value set before the call. True then; False when the
+        time is up first, and at once without the `prometheus` metrics exporter."""
+        scrapes = self._pipeline.scrapes if self._pipeline is not None else None
+        return scrapes is not None and scrapes.wait_for_next(timeout)
+
     @property
     def telemetry_enabled(self) -> bool:
         """True when stallwatch exports telemetry (its own providers or the host's)."""

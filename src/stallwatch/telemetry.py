@@ -336,6 +336,13 @@ FREEZE_DURATION = Metric(
     "stallwatch.freeze.duration", "histogram", "s", "How long each freeze lasted, from the last fresh heartbeat.",
     (FREEZE_KIND, FREEZE_CAUSE), FREEZE_BUCKETS,
 )  # fmt: skip
+FREEZE_HOST_KILLED = Metric(
+    "stallwatch.freeze.host_killed", "observable_gauge", "s",
+    "How long the host had been frozen when it died, by the freeze's kind and cause: 0 until the host dies "
+    "frozen. The watchdog's last word: it keeps its Prometheus endpoint up for one scrape after the death "
+    "(STALLWATCH_WATCHDOG_LAST_SCRAPE_TIMEOUT) and exports it over OTLP before it exits.",
+    (FREEZE_KIND, FREEZE_CAUSE),
+)  # fmt: skip
 LOOP_LAG = Metric(
     "stallwatch.loop.lag", "histogram", "s",
     "How long the main event loop took to run a heartbeat callback handed to it (every 100 ms) from another thread.",
@@ -463,6 +470,7 @@ METRICS: tuple[Metric, ...] = (
     ASYNCIO_TIMEOUTS,
     FREEZE_ACTIVE,
     FREEZE_DURATION,
+    FREEZE_HOST_KILLED,
     LOOP_LAG,
     SUBPROCESS_SPAWN_DURATION,
     SUBPROCESS_EXITS,
