@@ -47,6 +47,10 @@ ALERT_WINDOW = "10m"
 # How far before its window an event alert looks for a counter's earlier value (a longer gap makes the
 # series look new again).
 ALERT_MEMORY = "1h"
+# How long FrozenHostKilled fires after a host died frozen, whether it came back or not (HostDown fires
+# while it stays down): past the event alerts' window, so it is still firing when someone looks.
+KILLED_WINDOW = "30m"
+HOST_JOB = "stallwatch"  # the host's own scrape job in provisioning/prometheus/prometheus.yml
 ALERT_KEEP = ("job", "instance", SERVICE_NAME, INSTANCE_ID)  # an alert leads to the host and its watchdog
 HOST = f"{{{{ $labels.{SERVICE_NAME} }}}} {{{{ $labels.{INSTANCE_ID} }}}}"  # who an alert is about, in its text
 GRID_WIDTH, PANEL_HEIGHT = 24, 8
@@ -152,6 +156,15 @@ def held(metric: t.Metric, *group: t.Attribute, agg: str = "max") -> str:
     """A gauge's last value within `ALERT_WINDOW` by `group` (and job, instance): the state as last
     seen, held through a scrape gap that short, and over as soon as a sample says so."""
     return f"{agg} by ({by(metric, *group, extra=ALERT_KEEP)}) (last_over_time({series(metric)}[{ALERT_WINDOW}]))"
+
+
+def killed(*group: t.Attribute, window: str = KILLED_WINDOW, keep: tuple[str, ...] = ()) -> str:
+    """Seconds a host had been frozen when it died, within `window` by `group` (and the `keep` labels).
+
+    The watchdog reports it in the last scrape before it exits, after which its series go stale: the
+    maximum over the window keeps that one sample for the whole window, whatever comes after it."""
+    keys = by(t.FREEZE_HOST_KILLED, *group, extra=keep)
+    return f"max by ({keys}) (max_over_time({series(t.FREEZE_HOST_KILLED)}[{window}])) > 0"
 
 
 # ---- panels -------------------------------------------------------------------------------------
@@ -287,6 +300,14 @@ FREEZES = Dashboard(
                     legend_of(t.FREEZE_KIND, t.FREEZE_CAUSE),
                 ),
             ),
+        ),
+        Panel(
+            "Hosts killed while frozen",
+            "How long a host had been frozen when it died (killed by a health check, the OOM killer, an operator), "
+            "by kind and cause: its watchdog's last word, scraped once after the death. The freeze's span "
+            "(outcome host_killed) and the watchdog's records hold the rest.",
+            "s",
+            (Query(killed(t.FREEZE_KIND, t.FREEZE_CAUSE, window=RATE), legend_of(t.FREEZE_KIND, t.FREEZE_CAUSE)),),
         ),
         Panel(
             "Freeze duration p50/p99 by kind and cause",
@@ -647,11 +668,15 @@ class Alert:
     duration: str = "0s"
     action: str = ""  # what to do first, before the dashboard and the postmortem
     fired_labels: dict[str, str] = field(default_factory=dict)  # what the firing alert carries in its cases
+    fired_value: str = ""  # its value as `{{ $value | humanizeDuration }}` renders it in its cases
+    target: dict[str, str] | None = None  # the labels of its input series' target, when not `JOB`'s
     cases: tuple[Case, ...] = ()
 
 
 # The target of the promtool input series, and the host it belongs to.
-JOB = {"job": "stallwatch", "instance": "host:9464", SERVICE_NAME: "checkout", INSTANCE_ID: "checkout-1"}
+JOB = {"job": HOST_JOB, "instance": "host:9464", SERVICE_NAME: "checkout", INSTANCE_ID: "checkout-1"}
+UP_TARGET = {"job": HOST_JOB, "instance": "host:9464"}
+KILLED_AT = {label(t.FREEZE_KIND): "gil_held", label(t.FREEZE_CAUSE): "child_before_exec"}
 
 
 def input_series(metric: t.Metric, values: str, **labels: str) -> tuple[str, str]:
@@ -663,6 +688,11 @@ def input_series(metric: t.Metric, values: str, **labels: str) -> tuple[str, str
     rendered = ", ".join(f'{k}="{v}"' for k, v in {**JOB, **labels}.items())
     name = metric.prometheus_name + ("_bucket" if "le" in labels else "")
     return (f"{name}{{{rendered}}}", values)
+
+
+def up_series(values: str) -> tuple[str, str]:
+    """A promtool input series of the host's `up` (a target's labels only: `job` and `instance`)."""
+    return (f'up{{job="{UP_TARGET["job"]}", instance="{UP_TARGET["instance"]}"}}', values)
 
 
 def minutes(*runs: tuple[str | float, int]) -> str:
@@ -753,6 +783,87 @@ ALERTS = (
             "a 20-minute freeze during which the watchdog answers no scrape for 5 minutes: firing throughout",
             stallwatch_freeze_kind="gil_held",
             stallwatch_freeze_cause="child_before_exec",
+        ),
+    ),
+    Alert(
+        "FrozenHostKilled",
+        killed(t.FREEZE_KIND, t.FREEZE_CAUSE, keep=ALERT_KEEP),
+        "critical",
+        HOST + " died frozen ({{ $labels.stallwatch_freeze_kind }}, {{ $labels.stallwatch_freeze_cause }}) "
+        "after {{ $value | humanizeDuration }}",
+        "The host process died during a freeze: killed by a health check, a load balancer, the OOM killer or "
+        "an operator while it served nothing. Its freeze watchdog said so in its last scrape before it exited. "
+        f"Fires for {KILLED_WINDOW[:-1]} minutes after the death whether the host came back or not; HostDown "
+        "fires while it stays down.",
+        FREEZES,
+        "Hosts killed while frozen",
+        action="The freeze's stallwatch.freeze span (outcome host_killed) and the watchdog's records say what "
+        "the host waited on and which spawn held it; FreezeActive cleared at the death.",
+        fired_labels=KILLED_AT,
+        fired_value="42s",
+        cases=(
+            Case(
+                "a host frozen 42 s and killed, its watchdog scraped once after the death and gone: "
+                "firing 10 minutes later, quiet after its 30 minutes",
+                (input_series(t.FREEZE_HOST_KILLED, minutes((0, 10), (42, 1), ("gap", 40)), **KILLED_AT),),
+                firing=at(10, 11, 20, 30, 39),
+                quiet=at(0, 9, 41, 45, 50),
+            ),
+            Case(
+                "a host killed while frozen and restarted 2 minutes later (a new instance id): firing as long",
+                (
+                    input_series(t.FREEZE_HOST_KILLED, minutes((0, 10), (42, 1), ("gap", 40)), **KILLED_AT),
+                    input_series(
+                        t.FREEZE_HOST_KILLED,
+                        minutes(("_", 13), (0, 37)),
+                        **KILLED_AT,
+                        **{INSTANCE_ID: "checkout-2"},
+                    ),
+                ),
+                firing=at(10, 13, 20, 30, 39),
+                quiet=at(9, 41, 45, 49),
+            ),
+            Case(
+                "a host stopped cleanly, its watchdog gone with it: quiet",
+                (input_series(t.FREEZE_HOST_KILLED, minutes((0, 10), ("gap", 30)), **KILLED_AT),),
+                quiet=at(5, 9, 10, 11, 20, 30),
+            ),
+        ),
+    ),
+    Alert(
+        "HostDown",
+        f'up{{job="{HOST_JOB}"}} == 0',
+        "critical",
+        "{{ $labels.job }} target {{ $labels.instance }} is down",
+        "Prometheus has not been able to scrape the host's own endpoint for a minute: the process is gone "
+        "(killed, crashed, stopped and not restarted; FrozenHostKilled fires if it died frozen), frozen with "
+        "its GIL held (FreezeActive fires, from the watchdog's endpoint), or unreachable. Only where Prometheus "
+        f"scrapes the host itself (job {HOST_JOB}); through the OpenTelemetry Collector there is no `up` for it.",
+        FREEZES,
+        "Scrapes answered (up)",
+        duration="1m",
+        action="The alert names the scrape target, not the host process: see whether it runs there and was "
+        "restarted (a killed host's supervisor restarts it); FrozenHostKilled or FreezeActive for the same "
+        "host says why it stopped answering.",
+        target=UP_TARGET,
+        cases=(
+            Case(
+                "a host killed and not restarted: firing after its for, throughout",
+                (up_series(minutes((1, 10), (0, 40))),),
+                firing=at(11, 12, 20, 30, 49),
+                quiet=at(0, 9, 10),
+            ),
+            Case(
+                "one failed scrape (a 30 s held GIL at a 15 s interval): quiet",
+                (up_series(minutes((1, 10), (0, 1), (1, 10))),),
+                quiet=at(9, 10, 11, 12, 15),
+            ),
+            Case(
+                "a host down for 5 minutes, then restarted: firing after its for, then cleared",
+                (up_series(minutes((1, 10), (0, 5), (1, 10))),),
+                firing=at(11, 14),
+                quiet=at(9, 10, 15, 16, 20),
+            ),
         ),
     ),
     Alert(
@@ -1094,19 +1205,21 @@ def alert_rules() -> dict[str, Any]:
     return {"groups": [{"name": "stallwatch", "rules": [alert_rule(alert) for alert in ALERTS]}]}
 
 
-def _expand(template: str, labels: dict[str, str]) -> str:
-    """Render the `{{ $labels.x }}` placeholders, as Prometheus does for a firing alert."""
-    for key, value in labels.items():
-        template = template.replace(f"{{{{ $labels.{key} }}}}", value)
-    return template
+def _expand(template: str, labels: dict[str, str], value: str) -> str:
+    """Render the `{{ $labels.x }}` and `{{ $value | humanizeDuration }}` placeholders, as Prometheus does
+    for a firing alert (`value` rendered already)."""
+    for key, text in labels.items():
+        template = template.replace(f"{{{{ $labels.{key} }}}}", text)
+    return template.replace("{{ $value | humanizeDuration }}", value)
 
 
 def alert_tests() -> dict[str, Any]:
     """promtool unit tests: each case of each alert, firing or quiet at each of its evaluation times."""
     tests = []
     for alert in ALERTS:
-        labels = {"severity": alert.severity, **JOB, **alert.fired_labels}
-        annotations = {key: _expand(value, labels) for key, value in alert_rule(alert)["annotations"].items()}
+        labels = {"severity": alert.severity, **(alert.target or JOB), **alert.fired_labels}
+        rule = alert_rule(alert)["annotations"]
+        annotations = {key: _expand(text, labels, alert.fired_value) for key, text in rule.items()}
         firing = [{"exp_labels": labels, "exp_annotations": annotations}]
         for case in alert.cases:
             times = sorted([*case.firing, *case.quiet], key=lambda time: int(time.removesuffix("m")))

@@ -1,0 +1,175 @@
+"""A frozen host that is killed (as the load balancer killed incident 000's): its watchdog's last word,
+how long the host had been frozen and why, reaches the OTLP backend and a real Prometheus scraping at
+the shipped 15 s before the watchdog exits, and the shipped alerts say so."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+
+from conftest import SCENARIOS, attrs, clean_env, otlp_items
+from otlp_receiver import Receiver, otlp_spans
+from support.prometheus import HAVE_PROMETHEUS, HOST_JOB, WATCHDOG_JOB, Prometheus, free_port
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="the watchdog needs pidfd_open (Linux 5.3+)")
+KILLED = "stallwatch.freeze.host_killed"
+FROZEN_AT = {"stallwatch.freeze.kind": "gil_held", "stallwatch.freeze.cause": "child_before_exec"}
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (the orphaned watchdog is reaped by init, which may take its time)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_until(condition: object, timeout: float, what: str) -> float:
+    """Poll `condition()` every 50 ms until true; the seconds it took. Fails naming `what` after `timeout`."""
+    started = time.monotonic()
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() - started < timeout, what
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+def _frozen_host(telemetry_dir: Path, stderr: Path, **env: str) -> tuple[subprocess.Popen[str], int]:
+    """A uvloop host that freezes (GIL held, a forked child sleeping before exec) 0.5 s after its watchdog
+    watches, for longer than any test waits; and its watchdog's pid."""
+    host = subprocess.Popen(
+        [sys.executable, str(SCENARIOS / "freeze_probe.py"), str(telemetry_dir), "300"],
+        env=clean_env(**env), stdout=subprocess.PIPE, stderr=stderr.open("w"), text=True,
+    )  # fmt: skip
+    assert host.stdout is not None
+    return host, json.loads(host.stdout.readline())["watchdog_pid"]
+
+
+def _kill_frozen_child(child_pid: int) -> None:
+    """The host's copy that sleeps before exec outlives the killed host: end it with the test."""
+    try:
+        os.kill(child_pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _otlp_logs(receiver: Receiver) -> list:
+    return [
+        record
+        for body in receiver.bodies("/v1/logs")
+        for resource in ExportLogsServiceRequest.FromString(body).resource_logs
+        for scope in resource.scope_logs
+        for record in scope.log_records
+    ]
+
+
+def _otlp_attributes(item: object) -> dict[str, object]:
+    values = {}
+    for attribute in item.attributes:  # type: ignore[attr-defined]
+        kind = attribute.value.WhichOneof("value")
+        values[attribute.key] = getattr(attribute.value, kind) if kind else None
+    return values
+
+
+def _otlp_gauge_points(receiver: Receiver, name: str) -> list:
+    return [
+        point
+        for body in receiver.bodies("/v1/metrics")
+        for resource in ExportMetricsServiceRequest.FromString(body).resource_metrics
+        for scope in resource.scope_metrics
+        for metric in scope.metrics
+        if metric.name == name
+        for point in metric.gauge.data_points
+    ]
+
+
+def test_a_host_killed_while_frozen_reaches_the_otlp_backend_with_how_long_and_why_before_its_watchdog_exits(
+    receiver, telemetry_dir, tmp_path
+):
+    host, watchdog_pid = _frozen_host(telemetry_dir, tmp_path / "stderr", OTEL_EXPORTER_OTLP_ENDPOINT=receiver.url)
+    detected = lambda: [r for r in _otlp_logs(receiver) if "freeze detected" in r.body.string_value]  # noqa: E731
+    _wait_until(detected, 30, "the watchdog reported no freeze")
+    child_pid = int(_otlp_attributes(detected()[0])["stallwatch.freeze.child.pid"])  # type: ignore[arg-type]
+    time.sleep(1.0)  # frozen a little longer, as a health check's timeout would let it be
+    try:
+        host.send_signal(signal.SIGKILL)
+        host.wait(10)
+        _wait_until(lambda: not _running(watchdog_pid), 60, "the watchdog did not exit")
+    finally:
+        _kill_frozen_child(child_pid)
+
+    (span,) = [s for s in otlp_spans(receiver) if s.name == "stallwatch.freeze"]
+    assert _otlp_attributes(span)["stallwatch.freeze.outcome"] == "host_killed"
+    assert _otlp_attributes(span)["stallwatch.freeze.cause"] == "child_before_exec"
+    frozen_for = (span.end_time_unix_nano - span.start_time_unix_nano) / 1e9
+    last_words = [p for p in _otlp_gauge_points(receiver, KILLED) if p.as_double > 0]
+    assert last_words, "no stallwatch.freeze.host_killed above 0 reached the backend"
+    assert {(k, v) for k, v in _otlp_attributes(last_words[-1]).items()} >= set(FROZEN_AT.items())
+    assert last_words[-1].as_double == pytest.approx(frozen_for, abs=0.5)
+    assert frozen_for >= 1.5
+    over = [r for r in _otlp_logs(receiver) if "freeze over after" in r.body.string_value]
+    assert [_otlp_attributes(r)["stallwatch.freeze.outcome"] for r in over] == ["host_killed"]
+
+
+@pytest.mark.skipif(not HAVE_PROMETHEUS, reason="needs prometheus: apt-get install prometheus")
+def test_a_host_killed_while_frozen_leaves_a_critical_alert_firing_on_prometheus_at_the_shipped_scrape_interval(
+    telemetry_dir, tmp_path
+):
+    host_port, watchdog_port = free_port(), free_port()
+    prometheus = Prometheus.shipped(
+        tmp_path, {HOST_JOB: [f"127.0.0.1:{host_port}"], WATCHDOG_JOB: [f"127.0.0.1:{watchdog_port}"]}
+    )
+    assert prometheus.scrape_interval == 15
+    child_pid = 0
+    started = time.time()
+    try:
+        host, watchdog_pid = _frozen_host(
+            telemetry_dir,
+            tmp_path / "stderr",
+            OTEL_METRICS_EXPORTER="prometheus",
+            OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
+            OTEL_EXPORTER_PROMETHEUS_PORT=str(host_port),
+            STALLWATCH_WATCHDOG_PROMETHEUS_PORT=str(watchdog_port),
+        )
+        logs = telemetry_dir / "logs.jsonl"
+        detected = lambda: [  # noqa: E731
+            r for r in (otlp_items(logs, "logs") if logs.exists() else []) if "freeze detected" in r["body"]["stringValue"]
+        ]
+        _wait_until(detected, 30, "the watchdog reported no freeze")
+        child_pid = int(attrs(detected()[0])["stallwatch.freeze.child.pid"])
+        prometheus.wait_for_alert("FreezeActive", timeout=90, **{k.replace(".", "_"): v for k, v in FROZEN_AT.items()})
+        host.send_signal(signal.SIGKILL)
+        host.wait(10)
+        killed_at = time.time()
+        lingered = _wait_until(lambda: not _running(watchdog_pid), 60, "the watchdog did not exit")
+        fired = prometheus.wait_for_alert(
+            "FrozenHostKilled", timeout=60, **{k.replace(".", "_"): v for k, v in FROZEN_AT.items()}
+        )
+        still_frozen = prometheus.alerts("FreezeActive")
+        down = prometheus.wait_for_alert("HostDown", state="pending", timeout=90, job=HOST_JOB)
+        recorded = prometheus.query("max_over_time(stallwatch_freeze_host_killed_seconds[5m]) > 0")
+    finally:
+        if child_pid:
+            _kill_frozen_child(child_pid)
+        prometheus.stop()
+
+    # The watchdog stayed for one scrape after the death (at most an interval at 15 s), not its whole timeout.
+    assert lingered < 30, lingered
+    assert "no Prometheus scrape came" not in (tmp_path / "stderr").read_text()
+    assert fired["labels"]["severity"] == "critical"
+    assert "died frozen (gil_held, child_before_exec)" in fired["annotations"]["summary"]
+    (series,) = recorded
+    assert series["metric"]["job"] == WATCHDOG_JOB
+    assert 1.0 <= float(series["value"][1]) <= killed_at - started  # from the freeze's start to the death
+    assert float(fired["value"]) == pytest.approx(float(series["value"][1]), rel=1e-3)
+    assert still_frozen == []  # the last scrape said the host is no longer frozen: it is dead
+    assert down["labels"]["instance"] == f"127.0.0.1:{host_port}"
