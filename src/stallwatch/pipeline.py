@@ -16,6 +16,7 @@ that made 100 spans took 20.3 s to exit when the flush ran inline instead.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -417,16 +418,16 @@ def _prometheus_reader(settings: Settings, pipeline: Pipeline) -> MetricReader:
             "OTEL_METRICS_EXPORTER=prometheus needs the prometheus extra: pip install 'stallwatch[prometheus]'"
         ) from exc
     try:
-        server, _thread = start_http_server(settings.prometheus_port, addr=settings.prometheus_host)
+        _serve(pipeline, start_http_server(settings.prometheus_port, addr=settings.prometheus_host)[0])
     except OSError as exc:
-        raise ConfigError(
-            f"OTEL_EXPORTER_PROMETHEUS_PORT={settings.prometheus_port}: cannot listen on "
-            f"{settings.prometheus_host}:{settings.prometheus_port} ({exc.strerror}); choose a free port, or 0"
-        ) from exc
-    pipeline.prometheus_address = server.server_address[:2]
-    pipeline.scrapes = ScrapeCounter(server.get_app())
-    server.set_app(pipeline.scrapes)
-    pipeline._closers += [server.shutdown, server.server_close]
+        role = settings.resource_attributes.get(telemetry.RESOURCE_PROCESS_ROLE.name)
+        if exc.errno == errno.EADDRINUSE and role == "watchdog" and settings.watchdog_last_scrape_timeout > 0:
+            _serve_when_free(settings, pipeline, start_http_server)
+        else:
+            raise ConfigError(
+                f"OTEL_EXPORTER_PROMETHEUS_PORT={settings.prometheus_port}: cannot listen on "
+                f"{settings.prometheus_host}:{settings.prometheus_port} ({exc.strerror}); choose a free port, or 0"
+            ) from exc
 
     class Reader(PrometheusMetricReader):  # type: ignore[misc]
         """The stock reader, whose scrapes also carry stallwatch's own histograms (`histograms`), and the
@@ -437,6 +438,51 @@ def _prometheus_reader(settings: Settings, pipeline: Pipeline) -> MetricReader:
 
     labelled = {attribute.name for attribute in telemetry.PROMETHEUS_RESOURCE_LABELS}
     return Reader(resource_attribute_filter=labelled.__contains__)
+
+
+def _serve(pipeline: Pipeline, server: Any) -> None:
+    """Count the scrapes `server` (prometheus_client's, serving already) answers, and stop it at shutdown."""
+    pipeline.prometheus_address = server.server_address[:2]
+    pipeline.scrapes = ScrapeCounter(server.get_app())
+    server.set_app(pipeline.scrapes)
+    pipeline._closers += [server.shutdown, server.server_close]
+
+
+def _serve_when_free(settings: Settings, pipeline: Pipeline, start_http_server: Callable[..., Any]) -> None:
+    """Bind the watchdog's port from a thread as soon as it is free, trying every 0.2 s for
+    `STALLWATCH_WATCHDOG_LAST_SCRAPE_TIMEOUT` seconds and a second more.
+
+    The watchdog of a host that died frozen keeps the port until a scrape has carried the death; a
+    restarted host's new watchdog, meanwhile, watches and exports over OTLP at once and serves its
+    endpoint when the old one leaves. It stops trying at shutdown."""
+    stopping = threading.Event()
+    lock = threading.Lock()  # a server bound while the shutdown runs is closed at once
+
+    def stop() -> None:
+        with lock:
+            stopping.set()
+
+    def bind() -> None:
+        deadline = time.monotonic() + settings.watchdog_last_scrape_timeout + 1.0
+        while not stopping.wait(0.2):
+            try:
+                server = start_http_server(settings.prometheus_port, addr=settings.prometheus_host)[0]
+            except OSError:
+                if time.monotonic() < deadline:
+                    continue
+                _log.warning("stallwatch: port %d stayed busy; no Prometheus endpoint "
+                             "(STALLWATCH_WATCHDOG_PROMETHEUS_PORT)", settings.prometheus_port)  # fmt: skip
+                return
+            with lock:
+                if stopping.is_set():
+                    server.shutdown()
+                    server.server_close()
+                else:
+                    _serve(pipeline, server)
+            return
+
+    pipeline._closers.append(stop)
+    threading.Thread(target=bind, name="stallwatch-prometheus-bind", daemon=True).start()
 
 
 def _otlp_endpoint(settings: Settings, signal: str, http: bool) -> str | None:

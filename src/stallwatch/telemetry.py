@@ -108,6 +108,9 @@ RESOURCE_GRPC_FORK_SUPPORT = Attribute(
     "stallwatch.grpc.fork_support",
     "Value of `GRPC_ENABLE_FORK_SUPPORT` the process runs with (`unset` when not set).",
 )
+RESOURCE_PROCESS_ROLE = Attribute(
+    "stallwatch.process.role", "`watchdog` for the freeze watchdog (absent on the host).", ("watchdog",)
+)
 
 EXECUTOR_NAME = Attribute(
     "stallwatch.executor.name",
@@ -216,6 +219,7 @@ RESOURCE_ATTRIBUTES: tuple[Attribute, ...] = (
     RESOURCE_VERSION,
     RESOURCE_UVLOOP_VERSION,
     RESOURCE_GRPC_FORK_SUPPORT,
+    RESOURCE_PROCESS_ROLE,
     SERVICE_NAME,
     SERVICE_INSTANCE_ID,
 )

@@ -513,10 +513,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["STALLWATCH_WATCHDOG"] = "false"  # the watchdog never watches itself
     os.environ["STALLWATCH_INSTRUMENT_EXECUTOR"] = "false"
     import stallwatch
+    from stallwatch import telemetry as names
 
     # The host's resource attributes (its service.instance.id among them) and the watchdog's own.
     inherited = Settings.load().resource_attributes
-    session = stallwatch.setup(resource_attributes={**inherited, "stallwatch.process.role": "watchdog",
+    session = stallwatch.setup(resource_attributes={**inherited, names.RESOURCE_PROCESS_ROLE.name: "watchdog",
                                                     "stallwatch.watched.pid": str(args.pid)})  # fmt: skip
     journal = None
     if args.journal_dir is not None:
