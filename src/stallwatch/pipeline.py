@@ -57,7 +57,7 @@ from .export.guarded import (
     leftovers,
 )
 from .export.shedding import SheddingTracerProvider, exemplar_filter
-from .forksafe import grpc_guard, guard
+from .forksafe import grpc_guard, guard, otel_compat
 from .forksafe.loop import package_version
 from .instrument import histograms
 from .instrument._common import FAULTS, instrument, meter
@@ -431,8 +431,8 @@ def _prometheus_reader(settings: Settings, pipeline: Pipeline) -> MetricReader:
         def _receive_metrics(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> None:
             super()._receive_metrics(histograms.inject(metrics_data), timeout_millis, **kwargs)
 
-    labelled = {attribute.name for attribute in telemetry.PROMETHEUS_RESOURCE_LABELS}
-    return Reader(resource_attribute_filter=labelled.__contains__)
+    labelled = [attribute.name for attribute in telemetry.PROMETHEUS_RESOURCE_LABELS]
+    return otel_compat.labelled_prometheus_reader(Reader, labelled)
 
 
 def _otlp_endpoint(settings: Settings, signal: str, http: bool) -> str | None:
