@@ -632,7 +632,10 @@ ANNOTATIONS = (
     (
         "Freezes",
         "red",
-        gauge(t.FREEZE_ACTIVE, t.FREEZE_KIND, t.FREEZE_CAUSE, agg="max", keep=ALERT_KEEP) + " > 0",
+        # Frozen while a scrape of the watchdog saw it, or (a freeze shorter than a scrape interval) ended.
+        gauge(t.FREEZE_ACTIVE, t.FREEZE_KIND, t.FREEZE_CAUSE, agg="max", keep=ALERT_KEEP)
+        + " > 0 or "
+        + events(t.FREEZE_DURATION, t.FREEZE_KIND, t.FREEZE_CAUSE, suffix="_count", keep=ALERT_KEEP),
     ),
     (
         "Wedges",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import re
 import shutil
@@ -21,7 +22,7 @@ import pytest
 import yaml
 
 from stallwatch import telemetry
-from support.prometheus import HAVE_PROMETHEUS, Prometheus, Scenario, concrete
+from support.prometheus import HAVE_PROMETHEUS, HOST_JOB, WATCHDOG_JOB, Prometheus, Scenario, concrete
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARDS = ROOT / "dashboards"
@@ -168,9 +169,27 @@ def test_every_panel_has_a_description_fits_the_grid_and_shows_a_state_by_name_a
                 steps = defaults["thresholds"]["steps"]
                 assert [step["color"] for step in steps] == [shown["0"][1], shown["1"][1]], where
                 assert defaults["color"]["mode"] == "thresholds", where
-    frozen = next(p for p in dashboards()["freezes.json"]["panels"] if p["title"] == "Frozen now")
-    options = frozen["fieldConfig"]["defaults"]["mappings"][0]["options"]
-    assert (options["0"]["text"], options["1"]["text"], options["1"]["color"]) == ("No", "Yes", "red")
+    panels = {p["title"]: p for p in dashboards()["freezes.json"]["panels"]}
+    frozen = panels["Frozen now"]["fieldConfig"]["defaults"]["mappings"][0]["options"]
+    assert (frozen["0"]["text"], frozen["1"]["text"], frozen["1"]["color"]) == ("No", "Yes", "red")
+    up = panels["Scrapes answered (up)"]["fieldConfig"]["defaults"]["mappings"][0]["options"]
+    assert (up["0"]["text"], up["0"]["color"], up["1"]["text"]) == ("Down", "red", "Up")
+
+
+def test_a_freeze_shorter_than_a_scrape_interval_shows_afterwards_and_the_runbook_says_what_freezeactive_sees():
+    freeze_count = f"{telemetry.FREEZE_DURATION.prometheus_name}_count"
+    for name, dashboard in dashboards().items():
+        (freezes,) = [a["expr"] for a in dashboard["annotations"]["list"] if a["name"] == "Freezes"]
+        assert telemetry.FREEZE_ACTIVE.prometheus_name in freezes and freeze_count in freezes, name
+    panels = {p["title"]: p for p in dashboards()["freezes.json"]["panels"]}
+    assert all(freeze_count in t["expr"] for t in panels["Freezes by kind and cause"]["targets"])
+    (active,) = [rule for rule in alert_rules() if rule["alert"] == "FreezeActive"]
+    for text in (active["annotations"]["description"], panels["Frozen now"]["description"]):
+        assert "scrape interval" in text and "shorter" in text and "count and duration" in text, text
+    interval = yaml.safe_load((DASHBOARDS / "provisioning" / "prometheus" / "prometheus.yml").read_text())["global"]
+    readme = (DASHBOARDS / "README.md").read_text()
+    assert "What FreezeActive can see depends on the scrape interval" in readme
+    assert f"({interval['scrape_interval'].removesuffix('s')} s in the shipped" in readme
 
 
 def test_alert_rules_point_at_a_dashboard_panel_and_the_postmortem():
@@ -277,7 +296,7 @@ def test_provisioned_data_sources_link_metrics_traces_and_logs():
 
 # ---- proof on a real Prometheus -----------------------------------------------------------------
 
-# Which scenario (tests/scenarios/dash_<name>.py) makes each panel, annotation and alert show data or fire.
+# Which scenario (tests/scenarios/dash_<name>.py) makes each panel and annotation show data.
 PANEL_SCENARIOS = {
     "Frozen now": "freeze",
     "Scrapes answered (up)": "freeze",
@@ -291,8 +310,8 @@ PANEL_SCENARIOS = {
     "SSH tunnel failures by phase and exit signal": "ssh",
     "Active SSH tunnels": "ssh",
     "Telemetry dropped by signal and reason": "ssh",
-    "Executor pending, running and workers vs max": "wedge",
-    "Oldest pending age": "wedge",
+    "Executor pending, running and workers vs max": "wedge_held",
+    "Oldest pending age": "wedge_held",
     "Queue wait and run time p99": "wedge",
     "Worker deaths and orphaned items": "wedge_held",
     "Healed items": "wedge",
@@ -310,103 +329,186 @@ PANEL_SCENARIOS = {
     "annotation Freezes": "freeze",
     "annotation Wedges": "wedge",
 }
+# The scenario in which each alert must fire with its shipped `for`, or at least be pending where that `for`
+# outlasts the test (SpawnBlockedHigh: 5 minutes); the 1-minute ones fire because their state is held.
 ALERT_SCENARIOS = {
-    "FreezeActive": "freeze",
-    "SpawnBlockedHigh": "freeze",
-    "ChildKilledBySignal": "freeze",
-    "ExecutorWorkerDied": "wedge",
-    "ExecutorOrphanedItem": "wedge_held",
-    "ExecutorQueueStalled": "wedge_held",
-    "ExecutorQueueWaitHigh": "wedge_held",
-    "ExecutionOverdue": "wedge",
-    "WedgeDetected": "wedge",
-    "UnconfirmedCloudResource": "cloud",
+    "FreezeActive": ("freeze", "firing"),
+    "SpawnBlockedHigh": ("freeze", "pending"),
+    "ChildKilledBySignal": ("freeze", "firing"),
+    "ExecutorWorkerDied": ("wedge", "firing"),
+    "ExecutorOrphanedItem": ("wedge_held", "firing"),
+    "ExecutorQueueStalled": ("wedge_held", "firing"),
+    "ExecutorQueueWaitHigh": ("wedge_held", "pending"),
+    "ExecutionOverdue": ("wedge", "firing"),
+    "WedgeDetected": ("wedge", "firing"),
+    "UnconfirmedCloudResource": ("cloud", "firing"),
 }
-UP_AND_DOWN = {"Scrapes answered (up)"}  # 1 and 0 (the frozen host); every other panel a non-zero value
-SCRAPE = 1.0
+# What a scenario holds (dash_common.hold) until each of its targets has been scraped since and these alerts
+# of its identity are in these states: a state at least as long as the shipped scrape interval and `for`.
+HOLDS = {
+    ("freeze", "freeze"): {"FreezeActive": "firing"},
+    ("wedge_held", "wedge"): {
+        "ExecutorOrphanedItem": "firing",
+        "ExecutorQueueStalled": "firing",
+        "ExecutorQueueWaitHigh": "pending",
+    },
+    ("wedge", "overrun"): {"ExecutionOverdue": "firing"},
+    ("ssh", "tunnel"): {},
+    ("cloud", "call"): {},
+}
+FREEZE_KIND = telemetry.FREEZE_KIND.name.replace(".", "_")
+SHORT_FREEZE = ("loop_blocked", 3.0)  # dash_freeze.py's event-loop block, shorter than a scrape interval
+
+
+def _numbers(result: list[dict]) -> list[float]:
+    return [float(value) for series in result for _, value in series["values"]]
+
+
+def _finite(values: list[float]) -> list[float]:
+    return [value for value in values if math.isfinite(value)]
+
+
+def _reached(
+    prometheus: Prometheus, alert: str, scenarios: dict[str, Scenario], start: float, end: float | None = None
+) -> bool:
+    """Whether `alert` was in its wanted state (ALERT_SCENARIOS) for its scenario's identity, from the ALERTS
+    series between start and end (now)."""
+    scenario_name, wanted = ALERT_SCENARIOS[alert]
+    identity = scenarios[scenario_name].identity
+    states = prometheus.alert_history(alert, start, end or time.time(), service_instance_id=identity)
+    return bool(states.get("firing") if wanted == "firing" else states)
+
+
+def _release_what_prometheus_has_seen(prometheus: Prometheus, scenarios: dict[str, Scenario]) -> bool:
+    """Release each held state whose scenario's targets were scraped since and whose alerts are in their
+    states; whether everything is done and released."""
+    finished = True
+    for scenario in scenarios.values():
+        for name, since in list(scenario.held.items()):
+            if name in scenario.released:
+                continue
+            scraped = prometheus.last_scrapes()
+            states = {
+                alert: {a["state"] for a in prometheus.alerts(alert, service_instance_id=scenario.identity)}
+                for alert in HOLDS[(scenario.name, name)]
+            }
+            if all(scraped.get(target, 0.0) > since for target in scenario.targets) and all(
+                states[alert] & ({"pending", "firing"} if wanted == "pending" else {"firing"})
+                for alert, wanted in HOLDS[(scenario.name, name)].items()
+            ):
+                scenario.release(name)
+        finished &= bool(scenario.done) and set(scenario.held) <= set(scenario.released)
+    return finished
 
 
 @needs_prometheus
-def test_every_panel_query_and_alert_works_on_a_real_prometheus(sshd, http_server, tmp_path):
+def test_every_panel_shows_numbers_and_every_alert_fires_on_a_real_prometheus_with_the_shipped_settings(
+    sshd, http_server, tmp_path
+):
+    """The shipped prometheus.yml (15 s scrapes and rule evaluation) and alerts.yaml (its `for` values),
+    scraping the dash_*.py scenarios; each panel read as Grafana asks with one Instance value selected,
+    which shows a host and its freeze watchdog together."""
     with tempfile.TemporaryDirectory(prefix="sw-") as sock_dir:  # short: unix socket paths are limited
         scenarios = {
-            "freeze": Scenario("freeze", "4", watchdog=True),
+            "freeze": Scenario("freeze", watchdog=True),
             "wedge": Scenario("wedge"),
             "wedge_held": Scenario("wedge_held"),
             "cloud": Scenario("cloud"),
             "ssh": Scenario("ssh", sshd.user, sshd.host, str(sshd.port), str(sshd.identity), str(http_server),
                             sock_dir),
         }  # fmt: skip
-        rules = yaml.safe_load((DASHBOARDS / "alerts.yaml").read_text())
-        for rule in rules["groups"][0]["rules"]:
-            rule.pop("for", None)
-        config = {
-            "global": {"scrape_interval": "1s", "scrape_timeout": "900ms", "evaluation_interval": "1s"},
-            "scrape_configs": [
-                {"job_name": "stallwatch",
-                 "static_configs": [{"targets": [s.host_target for s in scenarios.values()]}]},
-                {"job_name": "stallwatch-watchdog",
-                 "static_configs": [{"targets": [s.watchdog_target for s in scenarios.values() if s.watchdog_target]}]},
-            ],
-        }  # fmt: skip
-        prometheus = Prometheus(tmp_path, config, yaml.safe_dump(rules))
+        targets = {
+            HOST_JOB: [s.host_target for s in scenarios.values()],
+            WATCHDOG_JOB: [s.watchdog_target for s in scenarios.values() if s.watchdog_target],
+        }
+        prometheus = Prometheus.shipped(tmp_path, targets)
+        assert (prometheus.scrape_interval, prometheus.evaluation_interval) == (15.0, 15.0)
         problems: list[str] = []
         try:
             for scenario in scenarios.values():
                 scenario.start()
             for scenario in scenarios.values():
                 scenario.wait_for("ready", 60)
-            expected = sum(len(s.targets) for s in scenarios.values())
-            deadline = time.monotonic() + 20
-            while len(prometheus.api("query", query="up == 1")["data"]["result"]) < expected:
-                assert time.monotonic() < deadline, prometheus.api("query", query="up")
-                time.sleep(0.2)
+            # A scrape before anything happens: the series stallwatch makes at zero, for rate() and increase().
+            prometheus.wait_scraped_after([t for ts in targets.values() for t in ts], time.time(), timeout=60)
             for scenario in scenarios.values():
                 scenario.go()
-            for scenario in scenarios.values():
-                scenario.wait_for("done", 90)
-            time.sleep(2.5)  # the last scrapes and rule evaluations
+            start = min(s.started for s in scenarios.values()) - 60
+            deadline = time.monotonic() + 300
+            while not _release_what_prometheus_has_seen(prometheus, scenarios):
+                for scenario in scenarios.values():
+                    assert scenario.proc is not None
+                    if scenario.proc.poll() is not None:
+                        raise AssertionError(f"dash_{scenario.name}.py exited early:\n{scenario.stop()}")
+                assert time.monotonic() < deadline, {s.name: (s.held, s.released, s.done) for s in scenarios.values()}
+                time.sleep(0.5)
+            # The last scrapes (what happened at the end) and the rule evaluations after them.
+            last = max(max([s.done, *s.released.values()]) for s in scenarios.values())
+            prometheus.wait_scraped_after([t for ts in targets.values() for t in ts], last, timeout=60)
+            prometheus.wait_evaluated_after(time.time(), timeout=60)
+            while not all(_reached(prometheus, name, scenarios, start) for name in ALERT_SCENARIOS):
+                if time.monotonic() > deadline:
+                    break  # reported below, alert by alert
+                time.sleep(1)  # SpawnBlockedHigh: the spawn's duration is recorded when the freeze ends
             end = time.time()
             problems += [p for p in (s.stop() for s in scenarios.values()) if p]
 
-            checked = set()
+            checked: set[str] = set()
+            positive: dict[str, bool] = {}
             for where, expr in promql():
-                parsed = prometheus.api("query", query=concrete(expr, scenarios["freeze"], SCRAPE))
+                parsed = prometheus.api("query", query=concrete(expr, scenarios["freeze"], 15.0))
                 if parsed["status"] != "success":
                     problems.append(f"{where}: does not parse: {parsed.get('error')}\n  {expr}")
                     continue
                 key = where.split(": ", 1)[-1]
+                checked.add(key)
                 if key.startswith("alert "):
                     name = key.removeprefix("alert ")
-                    scenario = scenarios[ALERT_SCENARIOS[name]]
-                    selector = f'alertname="{name}", alertstate="firing", service_instance_id="{scenario.identity}"'
-                    firing = prometheus.query_range(f"ALERTS{{{selector}}}", scenario.started, end)
-                    if not firing:
-                        problems.append(f"{where}: did not fire in dash_{scenario.name}.py")
-                else:
-                    scenario = scenarios[PANEL_SCENARIOS[key]]
-                    values = [
-                        float(value)
-                        for result in prometheus.query_range(concrete(expr, scenario, SCRAPE), scenario.started, end)
-                        for _, value in result["values"]
-                    ]
-                    if key in UP_AND_DOWN and not {0.0, 1.0} <= set(values):
-                        problems.append(f"{where}: not both up and down in dash_{scenario.name}.py: {set(values)}")
-                    elif not any(values):
-                        problems.append(
-                            f"{where}: no data from dash_{scenario.name}.py\n  {concrete(expr, scenario, SCRAPE)}"
-                        )
-                checked.add(key)
+                    if not _reached(prometheus, name, scenarios, start, end):
+                        problems.append(f"{where}: not {ALERT_SCENARIOS[name][1]} in its scenario")
+                    continue
+                scenario = scenarios[PANEL_SCENARIOS[key]]
+                query = concrete(expr, scenario, 15.0)
+                result = prometheus.query_range(query, start, end, step=5)
+                if key == "Scrapes answered (up)":
+                    by_job = {series["metric"]["job"]: set(_numbers([series])) for series in result}
+                    if by_job != {HOST_JOB: {0.0, 1.0}, WATCHDOG_JOB: {1.0}}:
+                        problems.append(f"{where}: the frozen host not Down then Up beside its watchdog: {by_job}")
+                elif not _finite(_numbers(result)):
+                    problems.append(f"{where}: no number in dash_{scenario.name}.py: {result}\n  {query}")
+                positive[key] = positive.get(key, False) or any(value > 0 for value in _finite(_numbers(result)))
+                if key in ("Freezes by kind and cause", "Freeze duration p50/p99 by kind and cause",
+                           "annotation Freezes"):  # fmt: skip
+                    short = [s for s in result if s["metric"].get(FREEZE_KIND) == SHORT_FREEZE[0]]
+                    if not any(value > 0 for value in _finite(_numbers(short))):
+                        problems.append(f"{where}: the {SHORT_FREEZE[1]} s {SHORT_FREEZE[0]} freeze is missing")
             assert checked == set(PANEL_SCENARIOS) | {f"alert {name}" for name in ALERT_SCENARIOS}
-            services = prometheus.query_range("target_info", scenarios["freeze"].started, end)
+            problems += [f"{key}: only zeros in dash_{PANEL_SCENARIOS[key]}.py" for key, seen in positive.items()
+                         if not seen]  # fmt: skip
+            problems += _durations_read_back(prometheus, scenarios["freeze"], start, end)
+
+            services = prometheus.query_range("target_info", start, end)
             assert {s["metric"]["service_name"] for s in services} == {f"dash-{name}" for name in scenarios}
             freeze = scenarios["freeze"]
             watched = {(s["metric"]["job"], s["metric"]["service_instance_id"]) for s in services
                        if s["metric"]["service_name"] == "dash-freeze"}  # fmt: skip
-            assert watched == {("stallwatch", freeze.identity), ("stallwatch-watchdog", freeze.identity)}
+            assert watched == {(HOST_JOB, freeze.identity), (WATCHDOG_JOB, freeze.identity)}
         finally:
             for scenario in scenarios.values():
-                if scenario.proc is not None and scenario.proc.poll() is None:
-                    scenario.proc.kill()
+                scenario.ensure_dead()
             prometheus.stop()
         assert not problems, "\n".join(problems)
+
+
+def _durations_read_back(prometheus: Prometheus, freeze: Scenario, start: float, end: float) -> list[str]:
+    """The freeze duration panel's p99 reads each freeze's length within 25 %: the held GIL freeze (from
+    when the test read that it was held to when it released it) and the short loop block."""
+    (expr,) = [e for where, e in promql() if where.endswith(": Freeze duration p50/p99 by kind and cause")][1:2]
+    result = prometheus.query_range(concrete(expr, freeze, 15.0), start, end, step=5)
+    held = freeze.released["freeze"] - freeze.held["freeze"]
+    problems = []
+    for kind, seconds in (("gil_held", held), SHORT_FREEZE):
+        read = _finite(_numbers([s for s in result if s["metric"].get(FREEZE_KIND) == kind]))
+        if not read or not 0.75 * seconds <= max(read) <= 1.25 * seconds:
+            problems.append(f"freeze duration p99 of the {seconds:.1f} s {kind} freeze reads {read[-3:]}")
+    return problems

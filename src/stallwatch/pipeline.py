@@ -59,7 +59,7 @@ from .export.guarded import (
 )
 from .export.scrapes import ScrapeCounter
 from .export.shedding import SheddingTracerProvider, exemplar_filter
-from .forksafe import grpc_guard, guard
+from .forksafe import grpc_guard, guard, otel_compat
 from .forksafe.loop import package_version
 from .instrument import histograms
 from .instrument._common import FAULTS, instrument, meter
@@ -436,8 +436,8 @@ def _prometheus_reader(settings: Settings, pipeline: Pipeline) -> MetricReader:
         def _receive_metrics(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> None:
             super()._receive_metrics(histograms.inject(metrics_data), timeout_millis, **kwargs)
 
-    labelled = {attribute.name for attribute in telemetry.PROMETHEUS_RESOURCE_LABELS}
-    return Reader(resource_attribute_filter=labelled.__contains__)
+    labelled = [attribute.name for attribute in telemetry.PROMETHEUS_RESOURCE_LABELS]
+    return otel_compat.labelled_prometheus_reader(Reader, labelled)
 
 
 def _serve(pipeline: Pipeline, server: Any) -> None:

@@ -8,6 +8,7 @@ but for the scrape targets, which point at the scenarios' ports. Tests shorten t
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import shutil
@@ -15,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -53,7 +55,7 @@ class Scenario:
 
     The host and its watchdog carry one identity, service.instance.id `dash-<name>-1`, under service.name
     `dash-<name>`. The protocol (dash_common.py): JSON "ready" line, "go" on stdin, JSON "done" line, serve
-    until stdin closes.
+    until stdin closes; a JSON "holding" line names a state held until `release()`.
     """
 
     def __init__(self, name: str, *args: str, watchdog: bool = False, env: Mapping[str, str] | None = None) -> None:
@@ -62,6 +64,9 @@ class Scenario:
         self.lines: list[dict[str, Any]] = []
         self.started = self.done = 0.0
         self.proc: subprocess.Popen[str] | None = None
+        self.release_dir = Path(tempfile.mkdtemp(prefix=f"dash-release-{name}-"))
+        self.held: dict[str, float] = {}  # what the scenario holds, and when the test read that it does
+        self.released: dict[str, float] = {}
 
     @property
     def service(self) -> str:
@@ -94,6 +99,7 @@ class Scenario:
             OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
             OTEL_EXPORTER_PROMETHEUS_PORT=str(self.port),
             STALLWATCH_WATCHDOG_PROMETHEUS_PORT=str(self.watchdog_port or free_port()),
+            DASH_RELEASE_DIR=str(self.release_dir),
             **self.extra_env,
         )
         self.proc = subprocess.Popen(
@@ -109,6 +115,8 @@ class Scenario:
                 self.lines.append(json.loads(line))
                 if self.lines[-1].get("done"):
                     self.done = time.time()
+                if self.lines[-1].get("holding"):
+                    self.held[self.lines[-1]["holding"]] = time.time()
 
     def line(self, key: str) -> dict[str, Any] | None:
         """The first JSON line the scenario printed with `key` set, if any yet."""
@@ -131,6 +139,11 @@ class Scenario:
         self.started = time.time()
         self.proc.stdin.write("go\n")
         self.proc.stdin.flush()
+
+    def release(self, name: str) -> None:
+        """End the state the scenario holds under `name`."""
+        (self.release_dir / name).touch()
+        self.released[name] = time.time()
 
     def kill(self, signum: int = signal.SIGKILL) -> None:
         """Signal the host process (its watchdog sees it die, as in production)."""
@@ -158,6 +171,7 @@ class Scenario:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(30)
+        shutil.rmtree(self.release_dir, ignore_errors=True)
 
 
 class Prometheus:
@@ -238,6 +252,33 @@ class Prometheus:
             assert time.monotonic() < deadline, self.query("up")
             time.sleep(0.2)
 
+    def last_scrapes(self) -> dict[str, float]:
+        """Scrape URL's host:port -> when its last scrape started (Unix time; 0 before the first)."""
+        answer = self.api("targets", state="active")
+        assert answer["status"] == "success", answer
+        return {
+            target["discoveredLabels"]["__address__"]: _unix_time(target["lastScrape"])
+            for target in answer["data"]["activeTargets"]
+        }
+
+    def wait_scraped_after(self, targets: Sequence[str], after: float, timeout: float = 60) -> None:
+        """Until each of `targets` has had a scrape start after `after` (answered or not)."""
+        deadline = time.monotonic() + timeout
+        while any(self.last_scrapes().get(target, 0.0) <= after for target in targets):
+            assert time.monotonic() < deadline, (targets, after, self.last_scrapes())
+            time.sleep(0.5)
+
+    def wait_evaluated_after(self, after: float, timeout: float = 60) -> None:
+        """Until every rule group has been evaluated after `after`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            answer = self.api("rules")
+            assert answer["status"] == "success", answer
+            if all(_unix_time(group["lastEvaluation"]) > after for group in answer["data"]["groups"]):
+                return
+            assert time.monotonic() < deadline, answer
+            time.sleep(0.5)
+
     def alerts(self, name: str | None = None, **labels: str) -> list[dict[str, Any]]:
         """Alerts pending or firing now (/api/v1/alerts), optionally of one name and with these labels."""
         answer = self.api("alerts")
@@ -276,6 +317,15 @@ class Prometheus:
             self.proc.kill()
             self.proc.wait(30)
         self.log.close()
+
+
+def _unix_time(rfc3339: str) -> float:
+    """Prometheus's RFC 3339 times (nanoseconds, Z) as Unix time; year 1 (never) as 0."""
+    if rfc3339.startswith("0001-"):
+        return 0.0
+    whole, _, fraction = rfc3339.rstrip("Z").partition(".")
+    stamp = datetime.datetime.fromisoformat(whole).replace(tzinfo=datetime.timezone.utc).timestamp()
+    return stamp + float(f"0.{fraction or 0}")
 
 
 def _seconds(duration: str) -> float:
