@@ -10,8 +10,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -244,3 +246,41 @@ assert session.wait_for_watchdog(30), "not watched"
 print(json.dumps({"watchdog_pid": session.watchdog_pid}), flush=True)
 sys.stdin.read()
 """
+
+
+def test_a_scrape_already_in_flight_when_the_wait_begins_is_not_the_one_that_carries_the_last_word():
+    """The watchdog's wait ends with a scrape that began after the death: one that collected its metrics
+    before it (here, held inside its collect) answers with the host still frozen."""
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    from stallwatch.export.scrapes import ScrapeCounter
+
+    collecting, finish = threading.Event(), threading.Event()
+
+    class HeldFirstCollect:
+        def collect(self) -> Iterator[object]:
+            collecting.set()
+            assert finish.wait(30)
+            return iter(())
+
+    registry = CollectorRegistry()
+    registry.register(HeldFirstCollect())
+    server, _thread = start_http_server(0, addr="127.0.0.1", registry=registry)
+    scrapes = ScrapeCounter(server.get_app())
+    server.set_app(scrapes)
+    port = server.server_address[1]
+    try:
+        before_any = scrapes.mark()
+        in_flight = threading.Thread(target=_scrape, args=(port,))
+        in_flight.start()
+        assert collecting.wait(30)
+        during = scrapes.mark()  # the death, while that scrape collects
+        finish.set()
+        in_flight.join(30)
+        assert scrapes.wait(before_any, 30)  # that scrape has been answered and counted
+        assert not scrapes.wait(during, 0)  # but it began before the death
+        assert "no answer" not in _scrape(port)
+        assert scrapes.wait(during, 30)
+    finally:
+        server.shutdown()
+        server.server_close()
