@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -22,11 +23,19 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportM
 
 from conftest import SCENARIOS, attrs, clean_env, otlp_items
 from otlp_receiver import Receiver, otlp_spans
-from support.prometheus import HAVE_PROMETHEUS, HOST_JOB, WATCHDOG_JOB, Prometheus, free_port
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="the watchdog needs pidfd_open (Linux 5.3+)")
+pytestmark = [
+    pytest.mark.matrix,
+    pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="the watchdog needs pidfd_open (Linux 5.3+)"),
+]
 KILLED = "stallwatch.freeze.host_killed"
 FROZEN_AT = {"stallwatch.freeze.kind": "gil_held", "stallwatch.freeze.cause": "child_before_exec"}
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def _running(pid: int) -> bool:
@@ -127,11 +136,15 @@ def test_a_host_killed_while_frozen_reaches_the_otlp_backend_with_how_long_and_w
     assert [_otlp_attributes(r)["stallwatch.freeze.outcome"] for r in over] == ["host_killed"]
 
 
-@pytest.mark.skipif(not HAVE_PROMETHEUS, reason="needs prometheus: apt-get install prometheus")
 def test_a_host_killed_while_frozen_leaves_a_critical_alert_firing_on_prometheus_at_the_shipped_scrape_interval(
     telemetry_dir, tmp_path
 ):
-    host_port, watchdog_port = free_port(), free_port()
+    pytest.importorskip("yaml", reason="needs pyyaml (the test extras)")
+    from support.prometheus import HAVE_PROMETHEUS, HOST_JOB, WATCHDOG_JOB, Prometheus
+
+    if not HAVE_PROMETHEUS:
+        pytest.skip("needs prometheus: apt-get install prometheus")
+    host_port, watchdog_port = _free_port(), _free_port()
     prometheus = Prometheus.shipped(
         tmp_path, {HOST_JOB: [f"127.0.0.1:{host_port}"], WATCHDOG_JOB: [f"127.0.0.1:{watchdog_port}"]}
     )
@@ -191,7 +204,7 @@ def _scrape(port: int) -> str:
 def test_a_restarted_hosts_watchdog_serves_the_port_once_the_watchdog_of_the_host_that_died_frozen_has_left(
     telemetry_dir, tmp_path
 ):
-    watchdog_port = free_port()
+    watchdog_port = _free_port()
     shared = {
         "OTEL_METRICS_EXPORTER": "prometheus",
         "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1",
@@ -199,7 +212,7 @@ def test_a_restarted_hosts_watchdog_serves_the_port_once_the_watchdog_of_the_hos
         "STALLWATCH_WATCHDOG_LAST_SCRAPE_TIMEOUT": "60",  # nobody scrapes until the new host is watched
     }
     killed, old_watchdog = _frozen_host(
-        telemetry_dir, tmp_path / "killed.stderr", OTEL_EXPORTER_PROMETHEUS_PORT=str(free_port()), **shared
+        telemetry_dir, tmp_path / "killed.stderr", OTEL_EXPORTER_PROMETHEUS_PORT=str(_free_port()), **shared
     )
     child_pid = 0
     restarted = None
@@ -210,7 +223,7 @@ def test_a_restarted_hosts_watchdog_serves_the_port_once_the_watchdog_of_the_hos
         killed.send_signal(signal.SIGKILL)
         killed.wait(10)
         restarted = subprocess.Popen(  # as a supervisor restarts it: same settings, its watchdog the same port
-            [sys.executable, "-c", RESTARTED_HOST], env=clean_env(OTEL_EXPORTER_PROMETHEUS_PORT=str(free_port()),
+            [sys.executable, "-c", RESTARTED_HOST], env=clean_env(OTEL_EXPORTER_PROMETHEUS_PORT=str(_free_port()),
             **shared), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=(tmp_path / "restarted.stderr").open("w"),
             text=True,
         )  # fmt: skip
