@@ -251,6 +251,37 @@ def test_a_restarted_hosts_watchdog_serves_the_port_once_the_watchdog_of_the_hos
     assert "cannot listen" not in (tmp_path / "restarted.stderr").read_text()
 
 
+def test_a_watchdog_whose_port_stays_busy_says_so_once_and_serves_it_when_it_frees(tmp_path):
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    stderr = tmp_path / "stderr"
+    host = subprocess.Popen(
+        [sys.executable, "-c", RESTARTED_HOST],
+        env=clean_env(OTEL_METRICS_EXPORTER="prometheus", OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
+                      OTEL_EXPORTER_PROMETHEUS_PORT=str(_free_port()), STALLWATCH_WATCHDOG_PROMETHEUS_PORT=str(port),
+                      STALLWATCH_WATCHDOG_LAST_SCRAPE_TIMEOUT="1"),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr.open("w"), text=True,
+    )  # fmt: skip
+    try:
+        assert host.stdout is not None
+        assert json.loads(host.stdout.readline())["watchdog_pid"]  # it watches its host with its port busy
+        _wait_until(lambda: f"port {port} is busy" in stderr.read_text(), 30, "the watchdog did not say so")
+        holder.close()
+        _wait_until(lambda: f'stallwatch_watched_pid="{host.pid}"' in _scrape(port), 30, "it never served the port")
+    finally:
+        holder.close()
+        host.kill()
+        host.wait(10)
+
+    lines = stderr.read_text().splitlines()
+    assert [line for line in lines if "is busy" in line] == [
+        f"stallwatch watchdog (host pid {host.pid}): port {port} is busy; the watchdog serves Prometheus once it "
+        "is free (STALLWATCH_WATCHDOG_PROMETHEUS_PORT)"
+    ]
+
+
 RESTARTED_HOST = """
 import json, sys
 import stallwatch
