@@ -513,7 +513,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["STALLWATCH_WATCHDOG"] = "false"  # the watchdog never watches itself
     os.environ["STALLWATCH_INSTRUMENT_EXECUTOR"] = "false"
     import stallwatch
-    from stallwatch import telemetry as names
+
+    from .. import telemetry as names
 
     # The host's resource attributes (its service.instance.id among them) and the watchdog's own.
     inherited = Settings.load().resource_attributes
