@@ -27,10 +27,18 @@ from grafana_foundation_sdk.models import tempo as tempo_models
 
 from stallwatch import telemetry as t
 
+
+def label(attribute: t.Attribute) -> str:
+    """The Prometheus label an attribute becomes (`.` and `-` → `_`)."""
+    return attribute.name.replace(".", "_").replace("-", "_")
+
+
 HERE = Path(__file__).resolve().parent
 PROMETHEUS, TEMPO, LOKI = "prometheus", "tempo", "loki"
 DS = {kind: gm.DataSourceRef(type_val=kind, uid=f"${{{kind}}}") for kind in (PROMETHEUS, TEMPO, LOKI)}
-SCOPE_MATCHERS = 'job=~"$job", instance=~"$instance"'  # the template variables every dashboard selector carries
+SERVICE_NAME, INSTANCE_ID = label(t.SERVICE_NAME), label(t.SERVICE_INSTANCE_ID)  # on every series (see pipeline)
+# The template variables every dashboard selector carries: a host and its freeze watchdog share both labels.
+SCOPE_MATCHERS = f'{SERVICE_NAME}=~"$service", {INSTANCE_ID}=~"$instance"'
 SCOPE = f"{{{SCOPE_MATCHERS}}}"
 RATE = "$__rate_interval"
 # How long an event alert fires after its event, and how long a state alert holds its last seen state
@@ -39,7 +47,13 @@ ALERT_WINDOW = "10m"
 # How far before its window an event alert looks for a counter's earlier value (a longer gap makes the
 # series look new again).
 ALERT_MEMORY = "1h"
-ALERT_KEEP = ("job", "instance")
+# How long FrozenHostKilled fires after a host died frozen, whether it came back or not (HostDown fires
+# while it stays down): past the event alerts' window, so it is still firing when someone looks.
+KILLED_WINDOW = "30m"
+HOST_JOB = "stallwatch"  # the host's own scrape job in provisioning/prometheus/prometheus.yml
+ALERT_KEEP = ("job", "instance", SERVICE_NAME, INSTANCE_ID)  # an alert leads to the host and its watchdog
+HOST = f"{{{{ $labels.{SERVICE_NAME} }}}} {{{{ $labels.{INSTANCE_ID} }}}}"  # who an alert is about, in its text
+GRID_WIDTH, PANEL_HEIGHT = 24, 8
 
 # The watchdog's freeze span and the executor's work-item span ("<executor name> work item"), from the contract.
 FREEZE_SPAN = t.FREEZE_SPAN.name
@@ -53,13 +67,8 @@ FREEZE_LOG_MESSAGE = "stallwatch: freeze detected"
 # ---- PromQL building blocks ---------------------------------------------------------------------
 
 
-def label(attribute: t.Attribute) -> str:
-    """The Prometheus label an attribute becomes (`.` and `-` → `_`)."""
-    return attribute.name.replace(".", "_").replace("-", "_")
-
-
 def series(metric: t.Metric, suffix: str = "", matchers: Iterable[tuple[t.Attribute, str, str]] = ()) -> str:
-    """A selector of `metric` (plus `_bucket`/`_sum`/`_count` for histograms) scoped by $job and $instance."""
+    """A selector of `metric` (plus `_bucket`/`_sum`/`_count` for histograms) scoped by $service and $instance."""
     parts = []
     for attribute, op, value in matchers:
         if attribute not in metric.attributes:
@@ -149,6 +158,15 @@ def held(metric: t.Metric, *group: t.Attribute, agg: str = "max") -> str:
     return f"{agg} by ({by(metric, *group, extra=ALERT_KEEP)}) (last_over_time({series(metric)}[{ALERT_WINDOW}]))"
 
 
+def killed(*group: t.Attribute, window: str = KILLED_WINDOW, keep: tuple[str, ...] = ()) -> str:
+    """Seconds a host had been frozen when it died, within `window` by `group` (and the `keep` labels).
+
+    The watchdog reports it in the last scrape before it exits, after which its series go stale: the
+    maximum over the window keeps that one sample for the whole window, whatever comes after it."""
+    keys = by(t.FREEZE_HOST_KILLED, *group, extra=keep)
+    return f"max by ({keys}) (max_over_time({series(t.FREEZE_HOST_KILLED)}[{window}])) > 0"
+
+
 # ---- panels -------------------------------------------------------------------------------------
 
 
@@ -156,6 +174,15 @@ def held(metric: t.Metric, *group: t.Attribute, agg: str = "max") -> str:
 class Query:
     expr: str
     legend: str = ""
+
+
+@dataclass(frozen=True)
+class State:
+    """One value a state panel shows, by name and colour."""
+
+    value: int
+    text: str
+    color: str
 
 
 @dataclass(frozen=True)
@@ -167,6 +194,17 @@ class Panel:
     kind: Literal["timeseries", "statetimeline", "table", "logs"] = "timeseries"
     source: Literal["prometheus", "tempo", "loki"] = PROMETHEUS
     width: int = 12
+    states: tuple[State, ...] = ()  # a state panel's values, lowest first (its colours and thresholds follow)
+
+
+# What a gauge scraped every interval can show of a freeze, for the panel and the alert that read it.
+FREEZE_VISIBILITY = (
+    "Seen only if a scrape of the watchdog lands inside the freeze: always for a freeze at least one scrape "
+    "interval long (15 s as shipped), by chance (its length over the interval) for a shorter one, which "
+    "otherwise shows only after it ends, in the freeze count and duration panels and the watchdog's records."
+)
+FROZEN_STATES = (State(0, "No", "green"), State(1, "Yes", "red"))
+UP_STATES = (State(0, "Down", "red"), State(1, "Up", "green"))
 
 
 @dataclass(frozen=True)
@@ -206,6 +244,12 @@ NEBIUS_QUERY = (
     f"&& (duration > 1s || status = error) }} "
     f"| select(span.{t.RPC_GRPC_STATUS_CODE.name}, span.{t.NEBIUS_ATTEMPTS.name}, span.{t.CLOUD_RESOURCE_ID.name})"
 )
+# `up` has no labels but the target's: its service labels come from the target's last target_info
+# (kept an hour, so a host that went down keeps its Down), multiplied by up's 0 or 1.
+UP_BY_IDENTITY = (
+    f"max by (job, instance, {SERVICE_NAME}, {INSTANCE_ID}) (last_over_time(target_info{SCOPE}[1h])) "
+    "* on (job, instance) group_left () up"
+)
 WATCHDOG_LOGS = f'{{service_name=~"${{service:regex}}"}} | scope_name = "{WATCHDOG_LOGGER}"'
 for _span, _attributes in (
     (t.SUBPROCESS_SPAN, (t.SPAWN_BLOCKED, t.PROCESS_EXECUTABLE_NAME, t.EXIT_SIGNAL)),
@@ -224,22 +268,27 @@ FREEZES = Dashboard(
             "1 while the freeze watchdog (a separate process, scraped on its own endpoint) sees the host frozen, "
             "by kind (gil_held: no Python thread ran; loop_blocked: only the event loop stalled) and cause "
             "(what /proc showed the host waiting on). A gil_held/child_before_exec or child_core_dump freeze is "
-            "incident 000: a forked child that did not exec.",
+            "incident 000: a forked child that did not exec. " + FREEZE_VISIBILITY,
             "bool_yes_no",
             (
                 Query(
-                    gauge(t.FREEZE_ACTIVE, t.FREEZE_KIND, t.FREEZE_CAUSE, agg="max", keep=("instance",)),
-                    f"{{{{instance}}}} {legend_of(t.FREEZE_KIND, t.FREEZE_CAUSE)}",
+                    gauge(t.FREEZE_ACTIVE, t.FREEZE_KIND, t.FREEZE_CAUSE, agg="max", keep=(SERVICE_NAME, INSTANCE_ID)),
+                    f"{{{{{SERVICE_NAME}}}}} {{{{{INSTANCE_ID}}}}} {legend_of(t.FREEZE_KIND, t.FREEZE_CAUSE)}",
                 ),
             ),
             kind="statetimeline",
+            states=FROZEN_STATES,
         ),
         Panel(
-            "Scrape gaps (up == 0)",
-            "Scrapes that failed. The host's own endpoint cannot answer while its GIL is held, so a gap on the "
-            "host with the watchdog still up is a freeze seen from outside; both down means the host is gone.",
+            "Scrapes answered (up)",
+            "Whether each scrape of the host's endpoint and of its freeze watchdog's was answered (Up) or not "
+            "(Down). The host cannot answer while its GIL is held, so the host Down with its watchdog Up is a "
+            "freeze seen from outside; both Down means the host is gone. A target shows here for an hour after "
+            "its last answered scrape (its identity comes from its last target_info).",
             "none",
-            (Query(f"up{SCOPE} == 0", "{{job}} {{instance}}"),),
+            (Query(UP_BY_IDENTITY, "{{job}} {{" + INSTANCE_ID + "}}"),),
+            kind="statetimeline",
+            states=UP_STATES,
         ),
         Panel(
             "Freezes by kind and cause",
@@ -251,6 +300,14 @@ FREEZES = Dashboard(
                     legend_of(t.FREEZE_KIND, t.FREEZE_CAUSE),
                 ),
             ),
+        ),
+        Panel(
+            "Hosts killed while frozen",
+            "How long a host had been frozen when it died (killed by a health check, the OOM killer, an operator), "
+            "by kind and cause: its watchdog's last word, scraped once after the death. The freeze's span "
+            "(outcome host_killed) and the watchdog's records hold the rest.",
+            "s",
+            (Query(killed(t.FREEZE_KIND, t.FREEZE_CAUSE, window=RATE), legend_of(t.FREEZE_KIND, t.FREEZE_CAUSE)),),
         ),
         Panel(
             "Freeze duration p50/p99 by kind and cause",
@@ -326,7 +383,7 @@ FREEZES = Dashboard(
             "Active SSH tunnels",
             "SSH tunnels opened and not closed yet, per process. A number that only grows is leaked tunnels.",
             "short",
-            (Query(f"sum by (job, instance) ({series(t.SSH_TUNNEL_ACTIVE)})", "{{instance}}"),),
+            (Query(f"sum by ({INSTANCE_ID}) ({series(t.SSH_TUNNEL_ACTIVE)})", "{{" + INSTANCE_ID + "}}"),),
         ),
         Panel(
             "Telemetry dropped by signal and reason",
@@ -360,7 +417,7 @@ FREEZES = Dashboard(
             (Query(WATCHDOG_LOGS),),
             kind="logs",
             source=LOKI,
-            width=24,
+            width=GRID_WIDTH,
         ),
     ),
 )
@@ -477,7 +534,7 @@ WEDGES = Dashboard(
             (Query(WORK_ITEM_QUERY),),
             kind="table",
             source=TEMPO,
-            width=24,
+            width=GRID_WIDTH,
         ),
     ),
 )
@@ -575,12 +632,15 @@ ANNOTATIONS = (
     (
         "Freezes",
         "red",
-        gauge(t.FREEZE_ACTIVE, t.FREEZE_KIND, t.FREEZE_CAUSE, agg="max", keep=("job", "instance")) + " > 0",
+        # Frozen while a scrape of the watchdog saw it, or (a freeze shorter than a scrape interval) ended.
+        gauge(t.FREEZE_ACTIVE, t.FREEZE_KIND, t.FREEZE_CAUSE, agg="max", keep=ALERT_KEEP)
+        + " > 0 or "
+        + events(t.FREEZE_DURATION, t.FREEZE_KIND, t.FREEZE_CAUSE, suffix="_count", keep=ALERT_KEEP),
     ),
     (
         "Wedges",
         "orange",
-        events(t.WEDGE_DETECTED, t.WEDGE_KIND, t.EXECUTOR_NAME, keep=("job", "instance")),
+        events(t.WEDGE_DETECTED, t.WEDGE_KIND, t.EXECUTOR_NAME, keep=ALERT_KEEP),
     ),
 )
 
@@ -611,21 +671,31 @@ class Alert:
     duration: str = "0s"
     action: str = ""  # what to do first, before the dashboard and the postmortem
     fired_labels: dict[str, str] = field(default_factory=dict)  # what the firing alert carries in its cases
+    fired_value: str = ""  # its value as `{{ $value | humanizeDuration }}` renders it in its cases
+    target: dict[str, str] | None = None  # the labels of its input series' target, when not `JOB`'s
     cases: tuple[Case, ...] = ()
 
 
-JOB = {"job": "stallwatch", "instance": "host:9464"}  # the target of the promtool input series
+# The target of the promtool input series, and the host it belongs to.
+JOB = {"job": HOST_JOB, "instance": "host:9464", SERVICE_NAME: "checkout", INSTANCE_ID: "checkout-1"}
+UP_TARGET = {"job": HOST_JOB, "instance": "host:9464"}
+KILLED_AT = {label(t.FREEZE_KIND): "gil_held", label(t.FREEZE_CAUSE): "child_before_exec"}
 
 
 def input_series(metric: t.Metric, values: str, **labels: str) -> tuple[str, str]:
     """A promtool input series of `metric` (its `_bucket` series when `le` is given)."""
     attributes = {label(a): a for a in metric.attributes}
     for key in labels:
-        if key not in attributes and key not in ("job", "instance", "le"):
+        if key not in attributes and key not in (*JOB, "le"):
             raise ValueError(f"{metric.name} has no label {key}")
     rendered = ", ".join(f'{k}="{v}"' for k, v in {**JOB, **labels}.items())
     name = metric.prometheus_name + ("_bucket" if "le" in labels else "")
     return (f"{name}{{{rendered}}}", values)
+
+
+def up_series(values: str) -> tuple[str, str]:
+    """A promtool input series of the host's `up` (a target's labels only: `job` and `instance`)."""
+    return (f'up{{job="{UP_TARGET["job"]}", instance="{UP_TARGET["instance"]}"}}', values)
 
 
 def minutes(*runs: tuple[str | float, int]) -> str:
@@ -703,10 +773,9 @@ ALERTS = (
         "FreezeActive",
         held(t.FREEZE_ACTIVE, t.FREEZE_KIND, t.FREEZE_CAUSE) + " > 0",
         "critical",
-        "{{ $labels.instance }} is frozen ({{ $labels.stallwatch_freeze_kind }}, "
-        "{{ $labels.stallwatch_freeze_cause }})",
+        HOST + " is frozen ({{ $labels.stallwatch_freeze_kind }}, {{ $labels.stallwatch_freeze_cause }})",
         "The freeze watchdog sees the host process frozen: no request is served. gil_held with child_before_exec "
-        "or child_core_dump is a forked child that has not exec'd (incident 000).",
+        "or child_core_dump is a forked child that has not exec'd (incident 000). " + FREEZE_VISIBILITY,
         FREEZES,
         "Frozen now",
         fired_labels={"stallwatch_freeze_kind": "gil_held", "stallwatch_freeze_cause": "child_before_exec"},
@@ -720,11 +789,92 @@ ALERTS = (
         ),
     ),
     Alert(
+        "FrozenHostKilled",
+        killed(t.FREEZE_KIND, t.FREEZE_CAUSE, keep=ALERT_KEEP),
+        "critical",
+        HOST + " died frozen ({{ $labels.stallwatch_freeze_kind }}, {{ $labels.stallwatch_freeze_cause }}) "
+        "after {{ $value | humanizeDuration }}",
+        "The host process died during a freeze: killed by a health check, a load balancer, the OOM killer or "
+        "an operator while it served nothing. Its freeze watchdog said so in its last scrape before it exited. "
+        f"Fires for {KILLED_WINDOW[:-1]} minutes after the death whether the host came back or not; HostDown "
+        "fires while it stays down.",
+        FREEZES,
+        "Hosts killed while frozen",
+        action="The freeze's stallwatch.freeze span (outcome host_killed) and the watchdog's records say what "
+        "the host waited on and which spawn held it; FreezeActive cleared at the death.",
+        fired_labels=KILLED_AT,
+        fired_value="42s",
+        cases=(
+            Case(
+                "a host frozen 42 s and killed, its watchdog scraped once after the death and gone: "
+                "firing 10 minutes later, quiet after its 30 minutes",
+                (input_series(t.FREEZE_HOST_KILLED, minutes((0, 10), (42, 1), ("gap", 40)), **KILLED_AT),),
+                firing=at(10, 11, 20, 30, 39),
+                quiet=at(0, 9, 41, 45, 50),
+            ),
+            Case(
+                "a host killed while frozen and restarted 2 minutes later (a new instance id): firing as long",
+                (
+                    input_series(t.FREEZE_HOST_KILLED, minutes((0, 10), (42, 1), ("gap", 40)), **KILLED_AT),
+                    input_series(
+                        t.FREEZE_HOST_KILLED,
+                        minutes(("_", 13), (0, 37)),
+                        **KILLED_AT,
+                        **{INSTANCE_ID: "checkout-2"},
+                    ),
+                ),
+                firing=at(10, 13, 20, 30, 39),
+                quiet=at(9, 41, 45, 49),
+            ),
+            Case(
+                "a host stopped cleanly, its watchdog gone with it: quiet",
+                (input_series(t.FREEZE_HOST_KILLED, minutes((0, 10), ("gap", 30)), **KILLED_AT),),
+                quiet=at(5, 9, 10, 11, 20, 30),
+            ),
+        ),
+    ),
+    Alert(
+        "HostDown",
+        f'up{{job="{HOST_JOB}"}} == 0',
+        "critical",
+        "{{ $labels.job }} target {{ $labels.instance }} is down",
+        "Prometheus has not been able to scrape the host's own endpoint for a minute: the process is gone "
+        "(killed, crashed, stopped and not restarted; FrozenHostKilled fires if it died frozen), frozen with "
+        "its GIL held (FreezeActive fires, from the watchdog's endpoint), or unreachable. Only where Prometheus "
+        f"scrapes the host itself (job {HOST_JOB}); through the OpenTelemetry Collector there is no `up` for it.",
+        FREEZES,
+        "Scrapes answered (up)",
+        duration="1m",
+        action="The alert names the scrape target, not the host process: see whether it runs there and was "
+        "restarted (a killed host's supervisor restarts it); FrozenHostKilled or FreezeActive for the same "
+        "host says why it stopped answering.",
+        target=UP_TARGET,
+        cases=(
+            Case(
+                "a host killed and not restarted: firing after its for, throughout",
+                (up_series(minutes((1, 10), (0, 40))),),
+                firing=at(11, 12, 20, 30, 49),
+                quiet=at(0, 9, 10),
+            ),
+            Case(
+                "one failed scrape (a 30 s held GIL at a 15 s interval): quiet",
+                (up_series(minutes((1, 10), (0, 1), (1, 10))),),
+                quiet=at(9, 10, 11, 12, 15),
+            ),
+            Case(
+                "a host down for 5 minutes, then restarted: firing after its for, then cleared",
+                (up_series(minutes((1, 10), (0, 5), (1, 10))),),
+                firing=at(11, 14),
+                quiet=at(9, 10, 15, 16, 20),
+            ),
+        ),
+    ),
+    Alert(
         "SpawnBlockedHigh",
         quantile(0.99, t.SUBPROCESS_SPAWN_DURATION, t.SPAWN_LOOP, t.SPAWN_METHOD, window="5m", keep=ALERT_KEEP)
         + " > 0.1",
         "warning",
-        "Spawns on {{ $labels.instance }} block the {{ $labels.stallwatch_spawn_loop }} loop "
+        "Spawns on " + HOST + " block the {{ $labels.stallwatch_spawn_loop }} loop "
         "(method {{ $labels.stallwatch_spawn_method }})",
         "The p99 time a thread was blocked inside a subprocess spawn stayed over 100 ms for 5 minutes. With "
         "uvloop's fork spawns that is the whole event loop holding the GIL, the precursor of incident 000's freeze.",
@@ -779,7 +929,7 @@ ALERTS = (
             ),
         ),
         "warning",
-        "A {{ $labels.process_executable_name }} child of {{ $labels.instance }} was killed by "
+        "A {{ $labels.process_executable_name }} child of " + HOST + " was killed by "
         "{{ $labels.stallwatch_exit_signal }}",
         "A child process died, in the last 10 minutes, of a signal the server did not send it (signals sent from "
         "Python are recorded; SIGTERM/SIGINT/SIGHUP from elsewhere count as stop requests). Its spawn span says "
@@ -829,8 +979,7 @@ ALERTS = (
         "ExecutorWorkerDied",
         recent_events(t.EXECUTOR_WORKER_DEATHS, t.EXECUTOR_NAME, t.ERROR_TYPE),
         "critical",
-        "Executor {{ $labels.stallwatch_executor_name }} on {{ $labels.instance }} lost a worker "
-        "({{ $labels.error_type }})",
+        "Executor {{ $labels.stallwatch_executor_name }} on " + HOST + " lost a worker ({{ $labels.error_type }})",
         "An executor worker thread ended by an exception in the last 10 minutes. SystemExit here is a stale "
         "async exception (incident 002): the item the worker held never completes unless "
         "STALLWATCH_EXECUTOR_HEAL=true (ExecutorOrphanedItem fires while it waits).",
@@ -845,7 +994,7 @@ ALERTS = (
         "ExecutorOrphanedItem",
         held(t.EXECUTOR_ORPHANED_OUTSTANDING, t.EXECUTOR_NAME) + " > 0",
         "critical",
-        "Work items on executor {{ $labels.stallwatch_executor_name }} of {{ $labels.instance }} are orphaned",
+        "Work items on executor {{ $labels.stallwatch_executor_name }} of " + HOST + " are orphaned",
         "Submitted items were held by a worker that died: their futures never complete and the requests "
         "awaiting them hang, with their own timeouts possibly never armed (incident 002). Fires until each "
         "future is done (healed, cancelled, or completed by the host).",
@@ -866,7 +1015,7 @@ ALERTS = (
         "ExecutorQueueStalled",
         f"{held(t.EXECUTOR_PENDING, t.EXECUTOR_NAME)} > 0 and {held(t.EXECUTOR_WORKERS, t.EXECUTOR_NAME)} == 0",
         "critical",
-        "Executor {{ $labels.stallwatch_executor_name }} on {{ $labels.instance }} has work waiting and no live worker",
+        "Executor {{ $labels.stallwatch_executor_name }} on " + HOST + " has work waiting and no live worker",
         "Items wait in the executor's queue and none of its worker threads is alive, for a minute: nothing "
         "will run them (dead workers still count against max_workers, so the pool starts no new ones). "
         "Fires until a worker runs again or the queue is drained.",
@@ -899,7 +1048,7 @@ ALERTS = (
         "ExecutorQueueWaitHigh",
         f"{held(t.EXECUTOR_OLDEST_PENDING, t.EXECUTOR_NAME)} > {QUEUE_WAIT_SECONDS}",
         "critical",
-        "Work on executor {{ $labels.stallwatch_executor_name }} of {{ $labels.instance }} has waited over "
+        "Work on executor {{ $labels.stallwatch_executor_name }} of " + HOST + " has waited over "
         f"{QUEUE_WAIT_SECONDS} s to start",
         f"For a minute, the oldest item waiting in the executor's queue has waited over {QUEUE_WAIT_SECONDS} s: "
         "its workers are all dead (ExecutorQueueStalled), stuck, or busy with long work, and the requests "
@@ -938,7 +1087,7 @@ ALERTS = (
         "ExecutionOverdue",
         held(t.EXECUTION_OVERDUE, t.EXECUTION_NAME) + " > 0",
         "warning",
-        "Work of {{ $labels.stallwatch_execution_name }} on {{ $labels.instance }} runs past its deadline",
+        "Work of {{ $labels.stallwatch_execution_name }} on " + HOST + " runs past its deadline",
         "Executor work guarded by stallwatch.execution_timeout has kept running for over a minute after the "
         "timeout expired: the request gave up but its thread (and any shared state) is still busy.",
         WEDGES,
@@ -973,7 +1122,7 @@ ALERTS = (
         "UnconfirmedCloudResource",
         held(t.CLOUD_RESOURCES_UNCONFIRMED, t.CLOUD_RESOURCE_TYPE) + " > 0",
         "critical",
-        "Unconfirmed {{ $labels.stallwatch_cloud_resource_type }} creates on {{ $labels.instance }}: possible leak",
+        "Unconfirmed {{ $labels.stallwatch_cloud_resource_type }} creates on " + HOST + ": possible leak",
         "A process died after asking the cloud for a resource and before recording the answer (incident 000: "
         "instances ran untracked for days); a later start replayed its journal and found the create "
         "unconfirmed. Fires until each such create is confirmed.",
@@ -1012,8 +1161,7 @@ ALERTS = (
         "WedgeDetected",
         recent_events(t.WEDGE_DETECTED, t.WEDGE_KIND, t.EXECUTOR_NAME),
         "critical",
-        "{{ $labels.stallwatch_wedge_kind }} wedge in executor {{ $labels.stallwatch_executor_name }} on "
-        "{{ $labels.instance }}",
+        "{{ $labels.stallwatch_wedge_kind }} wedge in executor {{ $labels.stallwatch_executor_name }} on " + HOST,
         "The wedge detector found a stuck executor in the last 10 minutes: a dead worker, an orphaned item, "
         "a queue with no live worker, or guarded work running past its deadline.",
         WEDGES,
@@ -1028,7 +1176,8 @@ def _runbook(alert: Alert) -> str:
     first = f"{alert.action} " if alert.action else ""
     return (
         f"{first}Grafana dashboard uid {alert.dashboard.uid} ({alert.dashboard.title}), panel '{alert.panel}', "
-        "filtered to the alert's instance; the annotations there mark freezes and wedges. Then run "
+        "with its Instance set to the alert's service_instance_id (the host's and its freeze watchdog's "
+        "series carry the same); the annotations there mark freezes and wedges. Then run "
         "`stallwatch postmortem` on the host's telemetry files (or its traces in Tempo) for the timeline of "
         "the operations that were in flight."
     )
@@ -1059,19 +1208,21 @@ def alert_rules() -> dict[str, Any]:
     return {"groups": [{"name": "stallwatch", "rules": [alert_rule(alert) for alert in ALERTS]}]}
 
 
-def _expand(template: str, labels: dict[str, str]) -> str:
-    """Render the `{{ $labels.x }}` placeholders, as Prometheus does for a firing alert."""
-    for key, value in labels.items():
-        template = template.replace(f"{{{{ $labels.{key} }}}}", value)
-    return template
+def _expand(template: str, labels: dict[str, str], value: str) -> str:
+    """Render the `{{ $labels.x }}` and `{{ $value | humanizeDuration }}` placeholders, as Prometheus does
+    for a firing alert (`value` rendered already)."""
+    for key, text in labels.items():
+        template = template.replace(f"{{{{ $labels.{key} }}}}", text)
+    return template.replace("{{ $value | humanizeDuration }}", value)
 
 
 def alert_tests() -> dict[str, Any]:
     """promtool unit tests: each case of each alert, firing or quiet at each of its evaluation times."""
     tests = []
     for alert in ALERTS:
-        labels = {"severity": alert.severity, **JOB, **alert.fired_labels}
-        annotations = {key: _expand(value, labels) for key, value in alert_rule(alert)["annotations"].items()}
+        labels = {"severity": alert.severity, **(alert.target or JOB), **alert.fired_labels}
+        rule = alert_rule(alert)["annotations"]
+        annotations = {key: _expand(text, labels, alert.fired_value) for key, text in rule.items()}
         firing = [{"exp_labels": labels, "exp_annotations": annotations}]
         for case in alert.cases:
             times = sorted([*case.firing, *case.quiet], key=lambda time: int(time.removesuffix("m")))
@@ -1120,22 +1271,17 @@ VARIABLES = (
     _datasource_variable(TEMPO, "Tempo"),
     _datasource_variable(LOKI, "Loki"),
     _query_variable(
-        "job",
-        "Job",
-        "label_values(target_info, job)",
-        "Prometheus job: the host's endpoint and the freeze watchdog's own endpoint.",
-    ),
-    _query_variable(
         "service",
         "Service",
-        'label_values(target_info{job=~"$job"}, service_name)',
+        f"label_values(target_info, {SERVICE_NAME})",
         "OpenTelemetry service.name of the instrumented server.",
     ),
     _query_variable(
         "instance",
         "Instance",
-        'label_values(target_info{job=~"$job", service_name=~"$service"}, instance)',
-        "Scrape target (or service.instance.id through the OpenTelemetry Collector).",
+        f'label_values(target_info{{{SERVICE_NAME}=~"$service"}}, {INSTANCE_ID})',
+        "OpenTelemetry service.instance.id of one server process (a UUID unless set): its own series and its "
+        "freeze watchdog's carry it.",
     ),
 )
 
@@ -1163,7 +1309,7 @@ def _target(panel: Panel, query: Query, ref: str) -> Any:
     )
 
 
-def _panel(panel: Panel, panel_id: int) -> Any:
+def _panel(panel: Panel, panel_id: int, position: gm.GridPos) -> Any:
     builder: Any
     if panel.kind == "statetimeline":
         builder = statetimeline.Panel().show_value(common.VisibilityMode.NEVER)
@@ -1180,7 +1326,18 @@ def _panel(panel: Panel, panel_id: int) -> Any:
             .calcs(["max", "lastNotNull"])
         )
     builder = builder.id(panel_id).title(panel.title).description(panel.description).unit(panel.unit)
-    builder = builder.datasource(DS[panel.source]).span(panel.width).height(8)
+    builder = builder.datasource(DS[panel.source]).grid_pos(position)
+    if panel.states:
+        results = {str(s.value): gm.ValueMappingResult(text=s.text, color=s.color, index=n)
+                   for n, s in enumerate(panel.states)}  # fmt: skip
+        steps = [gm.Threshold(value=s.value, color=s.color) for s in panel.states]  # Grafana: the first is the base
+        builder = (
+            builder.mappings([gm.ValueMap(options=results)])
+            .thresholds(gd.ThresholdsConfig().mode(gm.ThresholdsMode.ABSOLUTE).steps(steps))
+            .color_scheme(gd.FieldColor().mode(gm.FieldColorModeId.THRESHOLDS))
+            .min(panel.states[0].value)
+            .max(panel.states[-1].value)
+        )
     for index, query in enumerate(panel.queries):
         builder = builder.with_target(_target(panel, query, chr(ord("A") + index)))
     return builder
@@ -1213,8 +1370,12 @@ def build(spec: Dashboard) -> dict[str, Any]:
             .keep_time(True)
         )
     )
+    x = y = 0
     for panel_id, panel in enumerate(spec.panels, start=1):
-        builder = builder.with_panel(_panel(panel, panel_id))
+        if x + panel.width > GRID_WIDTH:  # the next row: no panel runs past the grid
+            x, y = 0, y + PANEL_HEIGHT
+        builder = builder.with_panel(_panel(panel, panel_id, gm.GridPos(h=PANEL_HEIGHT, w=panel.width, x=x, y=y)))
+        x += panel.width
     return json.loads(json.dumps(builder.build(), cls=JSONEncoder))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -611,3 +612,54 @@ def test_the_loop_heartbeat_puts_no_timer_on_the_host_loop(telemetry_dir, loop_k
     assert attrs(lag) == {"stallwatch.loop": loop_kind}
     assert int(lag["count"]) >= 4
     assert float(lag["max"]) < 0.5  # the loop was free: each beat ran soon after it was handed over
+
+
+IDENTIFIED_HOST = """
+import json, sys, stallwatch
+session = stallwatch.setup(file_dir=sys.argv[1], freeze_threshold=1.0)
+assert session.wait_for_watchdog(30), "the freeze watchdog is not watching"
+print(json.dumps({"watching": True}), flush=True)
+sys.stdin.read()  # until the test closes stdin
+stallwatch.shutdown()
+"""
+
+
+def _labels_of(scrape: str, prefix: str, label_name: str) -> set[str]:
+    """The values of `label_name` on the sample lines of `scrape` whose metric name starts with `prefix`."""
+    values = set()
+    for line in scrape.splitlines():
+        if line.startswith(prefix) and "{" in line:
+            found = re.search(rf'[{{,]{label_name}="([^"]*)"', line)
+            values.add(found.group(1) if found else "")
+    return values
+
+
+def test_the_watchdogs_freeze_series_carry_the_service_name_and_instance_id_of_the_host_it_watches(telemetry_dir):
+    host_port, watchdog_port = _free_port(), _free_port()
+    env = clean_env(
+        OTEL_SERVICE_NAME="checkout",
+        OTEL_METRICS_EXPORTER="prometheus",
+        OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
+        OTEL_EXPORTER_PROMETHEUS_PORT=str(host_port),
+        STALLWATCH_WATCHDOG_PROMETHEUS_PORT=str(watchdog_port),
+    )
+    host = subprocess.Popen(
+        [sys.executable, "-c", IDENTIFIED_HOST, str(telemetry_dir)],
+        env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        json.loads(host.stdout.readline())
+        from_host = _scrape(host_port, timeout=10.0)
+        from_watchdog = _scrape(watchdog_port, timeout=10.0)
+    finally:
+        host.communicate(input="", timeout=60)
+
+    # No service.instance.id was set: the host made one, and its watchdog carries the same on every series.
+    (identity,) = _labels_of(from_host, "stallwatch_", "service_instance_id")
+    assert len(identity) == 36 and identity.count("-") == 4, from_host[-2000:]  # a UUID
+    assert _labels_of(from_host, "stallwatch_", "service_name") == {"checkout"}
+    assert _labels_of(from_watchdog, "stallwatch_freeze_", "service_instance_id") == {identity}, from_watchdog[-2000:]
+    assert _labels_of(from_watchdog, "stallwatch_freeze_", "service_name") == {"checkout"}
+    assert _labels_of(from_watchdog, "stallwatch_", "service_instance_id") == {identity}
+    (role,) = [line for line in from_watchdog.splitlines() if line.startswith("target_info{")]
+    assert 'stallwatch_process_role="watchdog"' in role and f'service_instance_id="{identity}"' in role

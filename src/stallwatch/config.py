@@ -388,6 +388,14 @@ OPTIONS: tuple[Option, ...] = (
         "it answers while the host, frozen, cannot.",
     ),
     Option(
+        "STALLWATCH_WATCHDOG_LAST_SCRAPE_TIMEOUT",
+        "watchdog_last_scrape_timeout",
+        "`35`",
+        "Seconds the watchdog of a host that died frozen keeps its Prometheus endpoint up, waiting for one "
+        "scrape that carries the death (`stallwatch_freeze_host_killed_seconds`), before it exits; the "
+        "default covers two scrapes at a 15 s interval. `0` exits at once.",
+    ),
+    Option(
         "STALLWATCH_FAULTHANDLER",
         "faulthandler",
         "`false`",
@@ -472,6 +480,7 @@ class Settings:
     freeze_threshold: float = 1.0
     faulthandler: bool = False
     watchdog_prometheus_port: int = 9465
+    watchdog_last_scrape_timeout: float = 35.0
     problems: tuple[Problem, ...] = field(default=(), compare=False)
 
     @classmethod
@@ -568,6 +577,7 @@ class Settings:
         take("freeze_threshold", "STALLWATCH_FREEZE_THRESHOLD", _positive_float)
         take("faulthandler", "STALLWATCH_FAULTHANDLER", _bool)
         take("watchdog_prometheus_port", "STALLWATCH_WATCHDOG_PROMETHEUS_PORT", _port)
+        take("watchdog_last_scrape_timeout", "STALLWATCH_WATCHDOG_LAST_SCRAPE_TIMEOUT", _seconds_or_zero)
         problems += _check_sdk_variables(env)
         settings = _check_directories(cls(**values, problems=tuple(problems)), overrides, create=False)
         _raise_if_strict(settings, settings.problems)

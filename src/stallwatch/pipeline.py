@@ -16,6 +16,7 @@ that made 100 spans took 20.3 s to exit when the flush ran inline instead.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -56,8 +57,9 @@ from .export.guarded import (
     drop_early,
     leftovers,
 )
+from .export.scrapes import ScrapeCounter
 from .export.shedding import SheddingTracerProvider, exemplar_filter
-from .forksafe import grpc_guard, guard
+from .forksafe import grpc_guard, guard, otel_compat
 from .forksafe.loop import package_version
 from .instrument import histograms
 from .instrument._common import FAULTS, instrument, meter
@@ -157,6 +159,7 @@ class Pipeline:
     log_handler: logging.Handler | None = None
     files: dict[str, Path] = field(default_factory=dict)
     prometheus_address: tuple[str, int] | None = None
+    scrapes: ScrapeCounter | None = None  # answered by the Prometheus endpoint
     _closers: list[Callable[[], Any]] = field(default_factory=list)
     _processors: list[CountingSpanProcessor | CountingLogProcessor] = field(default_factory=list)
     _metric_exporters: list[GuardedMetricExporter] = field(default_factory=list)
@@ -415,22 +418,73 @@ def _prometheus_reader(settings: Settings, pipeline: Pipeline) -> MetricReader:
             "OTEL_METRICS_EXPORTER=prometheus needs the prometheus extra: pip install 'stallwatch[prometheus]'"
         ) from exc
     try:
-        server, _thread = start_http_server(settings.prometheus_port, addr=settings.prometheus_host)
+        _serve(pipeline, start_http_server(settings.prometheus_port, addr=settings.prometheus_host)[0])
     except OSError as exc:
-        raise ConfigError(
-            f"OTEL_EXPORTER_PROMETHEUS_PORT={settings.prometheus_port}: cannot listen on "
-            f"{settings.prometheus_host}:{settings.prometheus_port} ({exc.strerror}); choose a free port, or 0"
-        ) from exc
-    pipeline.prometheus_address = server.server_address[:2]
-    pipeline._closers += [server.shutdown, server.server_close]
+        role = settings.resource_attributes.get(telemetry.RESOURCE_PROCESS_ROLE.name)
+        if exc.errno == errno.EADDRINUSE and role == "watchdog" and settings.watchdog_last_scrape_timeout > 0:
+            _serve_when_free(settings, pipeline, start_http_server)
+        else:
+            raise ConfigError(
+                f"OTEL_EXPORTER_PROMETHEUS_PORT={settings.prometheus_port}: cannot listen on "
+                f"{settings.prometheus_host}:{settings.prometheus_port} ({exc.strerror}); choose a free port, or 0"
+            ) from exc
 
     class Reader(PrometheusMetricReader):  # type: ignore[misc]
-        """The stock reader, whose scrapes also carry stallwatch's own histograms (`histograms`)."""
+        """The stock reader, whose scrapes also carry stallwatch's own histograms (`histograms`), and the
+        resource's `PROMETHEUS_RESOURCE_LABELS` as labels of every series."""
 
         def _receive_metrics(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> None:
             super()._receive_metrics(histograms.inject(metrics_data), timeout_millis, **kwargs)
 
-    return Reader()
+    labelled = [attribute.name for attribute in telemetry.PROMETHEUS_RESOURCE_LABELS]
+    return otel_compat.labelled_prometheus_reader(Reader, labelled)
+
+
+def _serve(pipeline: Pipeline, server: Any) -> None:
+    """Count the scrapes `server` (prometheus_client's, serving already) answers, and stop it at shutdown."""
+    pipeline.prometheus_address = server.server_address[:2]
+    pipeline.scrapes = ScrapeCounter(server.get_app())
+    server.set_app(pipeline.scrapes)
+    pipeline._closers += [server.shutdown, server.server_close]
+
+
+def _serve_when_free(settings: Settings, pipeline: Pipeline, start_http_server: Callable[..., Any]) -> None:
+    """Bind the watchdog's port from a thread as soon as it is free, trying every 0.2 s until the
+    shutdown; a WARNING once it has stayed busy `STALLWATCH_WATCHDOG_LAST_SCRAPE_TIMEOUT` seconds
+    and a second more (the longest a previous watchdog waits for its last scrape), then a try
+    every 2 s.
+
+    The watchdog of a host that died frozen keeps the port until a scrape has carried the death; a
+    restarted host's new watchdog, meanwhile, watches and exports over OTLP at once and serves its
+    endpoint when the old one leaves (later, if the old one's OTLP flush was slow)."""
+    stopping = threading.Event()
+    lock = threading.Lock()  # a server bound while the shutdown runs is closed at once
+
+    def stop() -> None:
+        with lock:
+            stopping.set()
+
+    def bind() -> None:
+        warn_at = time.monotonic() + settings.watchdog_last_scrape_timeout + 1.0
+        while not stopping.wait(0.2 if warn_at else 2.0):  # after the warning, a try every 2 s
+            try:
+                server = start_http_server(settings.prometheus_port, addr=settings.prometheus_host)[0]
+            except OSError:
+                if warn_at and time.monotonic() > warn_at:
+                    warn_at = 0.0
+                    _log.warning("stallwatch: port %d is busy; the watchdog serves Prometheus once it is free "
+                                 "(STALLWATCH_WATCHDOG_PROMETHEUS_PORT)", settings.prometheus_port)  # fmt: skip
+                continue
+            with lock:
+                if stopping.is_set():
+                    server.shutdown()
+                    server.server_close()
+                else:
+                    _serve(pipeline, server)
+            return
+
+    pipeline._closers.append(stop)
+    threading.Thread(target=bind, name="stallwatch-prometheus-bind", daemon=True).start()
 
 
 def _otlp_endpoint(settings: Settings, signal: str, http: bool) -> str | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import importlib.util
 import logging
 import os
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,6 +90,13 @@ class Session:
         """(host, port) of the Prometheus scrape endpoint, when the `prometheus` exporter is on."""
         return self._pipeline.prometheus_address if self._pipeline is not None else None
 
+    def wait_for_scrape(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds until the Prometheus endpoint has answered a scrape that began
+        after this call, so it carried every value set before the call. True then; False when the
+        time is up first, and at once without the `prometheus` metrics exporter."""
+        scrapes = self._pipeline.scrapes if self._pipeline is not None else None
+        return scrapes is not None and scrapes.wait(scrapes.mark(), timeout)
+
     @property
     def telemetry_enabled(self) -> bool:
         """True when stallwatch exports telemetry (its own providers or the host's)."""
@@ -144,6 +153,7 @@ def _start(fork_safety: ForkSafety, overrides: dict[str, Any]) -> Session:
         config.report(settings.problems)
         return Session(settings, fork_safety)
     settings = config.prepare_directories(settings, overrides)
+    settings = _identified(settings)
     config.withhold_from_sdk(settings.problems)  # before the SDK, or the watchdog, reads the environment
     watchdog = _start_watchdog(settings) if settings.watchdog else None  # before any thread of ours
     pipeline = None
@@ -277,6 +287,15 @@ def _start_journal(settings: Settings) -> Any:
     journal.activate(current)
     journal.install_recorder(current)
     return current
+
+
+def _identified(settings: Settings) -> Settings:
+    """`settings` with a `service.instance.id`: the one set, else a new UUID (as the OpenTelemetry
+    semantic conventions recommend), decided before the watchdog starts so that it carries the same."""
+    if telemetry.SERVICE_INSTANCE_ID.name in settings.resource_attributes:
+        return settings
+    identity = {**settings.resource_attributes, telemetry.SERVICE_INSTANCE_ID.name: str(uuid.uuid4())}
+    return dataclasses.replace(settings, resource_attributes=identity)
 
 
 def _watchdog_environment(settings: Settings, forked: bool) -> dict[str, str]:

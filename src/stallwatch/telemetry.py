@@ -108,6 +108,9 @@ RESOURCE_GRPC_FORK_SUPPORT = Attribute(
     "stallwatch.grpc.fork_support",
     "Value of `GRPC_ENABLE_FORK_SUPPORT` the process runs with (`unset` when not set).",
 )
+RESOURCE_PROCESS_ROLE = Attribute(
+    "stallwatch.process.role", "`watchdog` for the freeze watchdog (absent on the host).", ("watchdog",)
+)
 
 EXECUTOR_NAME = Attribute(
     "stallwatch.executor.name",
@@ -201,7 +204,27 @@ CLOUD_RESOURCE_TYPE = Attribute(
     "stallwatch.cloud.resource.type", "Kind of cloud resource, from the service name: `compute.instance`, ..."
 )
 
-RESOURCE_ATTRIBUTES: tuple[Attribute, ...] = (RESOURCE_VERSION, RESOURCE_UVLOOP_VERSION, RESOURCE_GRPC_FORK_SUPPORT)
+SERVICE_NAME = Attribute(
+    "service.name",
+    "The service (`OTEL_SERVICE_NAME`); the freeze watchdog carries its host's, and a label on every "
+    "Prometheus series.",
+)
+SERVICE_INSTANCE_ID = Attribute(
+    "service.instance.id",
+    "The process: the one set in `OTEL_RESOURCE_ATTRIBUTES`, else a UUID made at setup. The freeze watchdog "
+    "carries its host's, and a label on every Prometheus series, so one value selects a host and its freezes.",
+)
+
+RESOURCE_ATTRIBUTES: tuple[Attribute, ...] = (
+    RESOURCE_VERSION,
+    RESOURCE_UVLOOP_VERSION,
+    RESOURCE_GRPC_FORK_SUPPORT,
+    RESOURCE_PROCESS_ROLE,
+    SERVICE_NAME,
+    SERVICE_INSTANCE_ID,
+)
+# The resource attributes the Prometheus exporter puts on every series (the rest go to `target_info` only).
+PROMETHEUS_RESOURCE_LABELS: tuple[Attribute, ...] = (SERVICE_NAME, SERVICE_INSTANCE_ID)
 
 # ---- metrics ----------------------------------------------------------------------------------
 
@@ -316,6 +339,13 @@ FREEZE_ACTIVE = Metric(
 FREEZE_DURATION = Metric(
     "stallwatch.freeze.duration", "histogram", "s", "How long each freeze lasted, from the last fresh heartbeat.",
     (FREEZE_KIND, FREEZE_CAUSE), FREEZE_BUCKETS,
+)  # fmt: skip
+FREEZE_HOST_KILLED = Metric(
+    "stallwatch.freeze.host_killed", "observable_gauge", "s",
+    "How long the host had been frozen when it died, by the freeze's kind and cause: 0 until the host dies "
+    "frozen. The watchdog's last word: it keeps its Prometheus endpoint up for one scrape after the death "
+    "(STALLWATCH_WATCHDOG_LAST_SCRAPE_TIMEOUT) and exports it over OTLP before it exits.",
+    (FREEZE_KIND, FREEZE_CAUSE),
 )  # fmt: skip
 LOOP_LAG = Metric(
     "stallwatch.loop.lag", "histogram", "s",
@@ -444,6 +474,7 @@ METRICS: tuple[Metric, ...] = (
     ASYNCIO_TIMEOUTS,
     FREEZE_ACTIVE,
     FREEZE_DURATION,
+    FREEZE_HOST_KILLED,
     LOOP_LAG,
     SUBPROCESS_SPAWN_DURATION,
     SUBPROCESS_EXITS,

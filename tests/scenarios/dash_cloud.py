@@ -3,7 +3,7 @@
 Usage: python dash_cloud.py
 First a host is killed while its create is in flight, and this process's setup() replays its
 journal: one unconfirmed create (a leak candidate). Then it creates an instance and a disk, gets
-them (OK, then NOT_FOUND, then a slow call in flight), deletes the instance: calls by method and
+them (OK, then NOT_FOUND, then a slow call in flight until a scrape sees it), deletes the instance: calls by method and
 status, latency, calls in flight, resources created and deleted.
 """
 
@@ -36,7 +36,7 @@ with FakeNebius() as killed_cloud:
     host.wait(10)
 stallwatch.setup(watchdog=False, journal_dir=journal_dir)  # replays the killed host: a leak candidate
 
-from dash_common import done, ready
+from dash_common import done, hold, ready
 from nebius.aio.service_error import RequestError
 from nebius.api.nebius.common.v1 import ResourceMetadata
 from nebius.api.nebius.compute.v1 import (
@@ -72,8 +72,13 @@ async def calls(fake: FakeNebius, sdk) -> None:
             ),
             timeout=5,
         )
-        fake.delay_next(f"{INSTANCE_SERVICE}/Get", 2.5)
-        await instances.get(GetInstanceRequest(id=op.resource_id), timeout=10)  # in flight across scrapes
+        if round_ == 0:  # a call in flight until a scrape has seen it, then cancelled by its caller
+            fake.delay_next(f"{INSTANCE_SERVICE}/Get", 300)
+            slow = asyncio.ensure_future(instances.get(GetInstanceRequest(id=op.resource_id), timeout=300))
+            await asyncio.to_thread(hold, "call")
+            slow.cancel()
+            with contextlib.suppress(asyncio.CancelledError, RequestError):
+                await slow
         await instances.delete(DeleteInstanceRequest(id=op.resource_id), timeout=5)
         await asyncio.sleep(1.0)
 

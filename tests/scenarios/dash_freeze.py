@@ -1,21 +1,23 @@
 """Scenario for the Freezes dashboard: a GIL-held freeze (incident 000) and the spawns around it.
 
-Usage: python dash_freeze.py SECONDS
-Under uvloop: quick spawns, a child that kills itself with SIGSEGV, an os.fork() child that lives on, then one
-spawn whose forked child sleeps SECONDS in a library's after-fork handler before exec (the host holds
-the GIL meanwhile, its scrape endpoint cannot answer, the watchdog's can), then more spawns.
+Usage: python dash_freeze.py
+Under uvloop: quick spawns, a child that kills itself with SIGSEGV, an os.fork() child that lives on, a
+3 s event-loop block (shorter than a scrape interval: seen afterwards, by its count and duration), then
+one spawn whose forked child waits in a library's after-fork handler before exec until the test releases
+it (the host holds the GIL meanwhile, its scrape endpoint cannot answer, the watchdog's can), then more
+spawns.
 """
 
 import os
-import sys
 import time
 
-HANG = {"seconds": 0.0}
+SHORT_FREEZE_SECONDS = 3.0
+HANG = {"on": False}
 
 
 def slow_library_child_handler() -> None:
-    if HANG["seconds"]:
-        time.sleep(HANG["seconds"])  # in the forked copy, before exec: the host is frozen meanwhile
+    if HANG["on"]:
+        hold("freeze")  # in the forked copy, before exec: the host is frozen meanwhile
 
 
 os.register_at_fork(after_in_child=slow_library_child_handler)
@@ -28,9 +30,7 @@ assert session.wait_for_watchdog(30), "the freeze watchdog is not watching"
 import asyncio
 
 import uvloop
-from dash_common import done, ready
-
-seconds = float(sys.argv[1])
+from dash_common import done, hold, ready
 
 
 async def spawn_true(count: int) -> None:
@@ -50,16 +50,18 @@ async def main() -> None:
         os._exit(0)
     os.waitpid(pid, 0)
     await spawn_true(3)
+    time.sleep(SHORT_FREEZE_SECONDS)  # blocks the event loop, not the GIL: a loop_blocked freeze
     await asyncio.sleep(1.5)
-    HANG["seconds"] = seconds
+    HANG["on"] = True
     child = await asyncio.create_subprocess_exec("/bin/true")
-    HANG["seconds"] = 0.0
+    HANG["on"] = False
     await child.wait()
     await spawn_true(5)
     await asyncio.sleep(2.0)  # the watchdog sees the thaw and records the freeze's duration
 
 
 async def run() -> None:
+    await spawn_true(1)  # a server that has spawned before: its spawn series are there at the first scrape
     await asyncio.to_thread(ready, watchdog_pid=session.watchdog_pid)
     await main()
     await asyncio.to_thread(done)

@@ -1,7 +1,8 @@
 """Scenario for the SSH panels of the Freezes dashboard: real dstack SSH tunnels to the sshd fixture.
 
 Usage: python dash_ssh.py USER HOST PORT IDENTITY HTTP_PORT SOCK_DIR
-Opens and closes tunnels twice, then opens one, SIGKILLs its ssh master and closes it (a failure).
+Opens and closes tunnels twice (the first held open until a scrape sees it), then opens one, SIGKILLs
+its ssh master and closes it (a failure).
 Its spans go to an OTLP endpoint that refuses connections, so that the telemetry-dropped panel shows
 the failed export and what was dropped after it.
 """
@@ -25,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from dash_common import done, ready
+from dash_common import done, hold, ready
 from dstack._internal.core.services.ssh import tunnel as tunnel_module
 from dstack._internal.utils.path import FilePath
 from opentelemetry import trace
@@ -58,7 +59,8 @@ async def main() -> None:
     for index in range(2):
         tunnel = make(index)
         await tunnel.aopen()
-        await asyncio.sleep(1.5)  # open across a scrape
+        if index == 0:
+            await asyncio.to_thread(hold, "tunnel")  # open until a scrape has seen it
         await tunnel.aclose()
         await asyncio.sleep(1.0)
     tunnel = make(2)

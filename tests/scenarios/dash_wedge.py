@@ -4,7 +4,7 @@ Usage: python dash_wedge.py
 stallwatch runs with the raw async-exception guard off and healing on. A stale SystemExit kills the
 1-worker "runner" pool's worker (worker death, orphaned item, healed, wedges); a 1-worker "busy" pool
 gets a queue; interrupt_thread() delivers, is revoked (target parked in C) and refused (idle); an
-execution_timeout expires while its executor work keeps running.
+execution_timeout expires while its executor work keeps running until the test releases it.
 """
 
 import stallwatch
@@ -18,7 +18,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from dash_common import done, ready
+from dash_common import done, hold, ready
 
 RUNNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="runner")
 BUSY = ThreadPoolExecutor(max_workers=1, thread_name_prefix="busy")
@@ -67,7 +67,7 @@ def interrupts(pool: ThreadPoolExecutor) -> list[str]:
 async def overrun(pool: ThreadPoolExecutor) -> None:
     try:
         async with stallwatch.execution_timeout(0.5, name="trace"):
-            await asyncio.get_running_loop().run_in_executor(pool, time.sleep, 5.0)
+            await asyncio.get_running_loop().run_in_executor(pool, hold, "overrun")
     except TimeoutError:
         pass
 
@@ -77,7 +77,6 @@ async def main() -> dict:
     queued = busy_queue(BUSY)
     outcomes = await asyncio.to_thread(interrupts, INTERRUPTS)
     await overrun(SLOW)
-    await asyncio.sleep(5.0)  # the overrun ends; Prometheus scrapes the overdue gauge meanwhile
     for future in queued:
         future.result(5)
     return {"interrupts": outcomes}

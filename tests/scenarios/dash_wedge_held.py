@@ -4,7 +4,7 @@ Usage: python dash_wedge_held.py
 stallwatch runs with the raw async-exception guard off and healing off (the default). A stale
 SystemExit kills the only worker of the 1-worker "runner" pool as it dequeues an item: the item is
 orphaned and its future never completes. Two more items then wait with no live worker, and the
-scenario holds that wedge for 35 s, past the ExecutorQueueWaitHigh threshold (30 s).
+scenario holds that wedge until the test releases it (once the state alerts fire); it stays after that.
 """
 
 import stallwatch
@@ -16,9 +16,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from dash_common import done, ready
-
-HOLD_SECONDS = 35.0
+from dash_common import done, hold, ready
 
 RUNNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="runner")
 
@@ -35,5 +33,5 @@ def wedge(pool: ThreadPoolExecutor) -> list:
 
 ready()
 futures = wedge(RUNNER)
-time.sleep(HOLD_SECONDS)  # the wedge stays: nothing heals it
+hold("wedge")  # nothing heals it
 done(pending=sum(not future.done() for future in futures))

@@ -11,8 +11,11 @@ sends the freeze to Sentry when the host handed its Sentry options over (`stallw
 and at the thaw a `stallwatch.freeze` span covering the freeze plus `stallwatch.freeze.duration`.
 Once it has read the heartbeat file from its poll loop it writes its pid there
 (`heartbeat.mark_watched`), so the host can wait until it watches (`Session.wait_for_watchdog`).
-It exits within a poll interval of the host's exit (a pidfd); a freeze still open then is recorded
-with outcome `host_killed`, and the host's heartbeat files are removed. It also leaves, without
+It sees the host's exit within a poll interval (a pidfd); a freeze still open then is recorded
+with outcome `host_killed`, and its last word, `stallwatch.freeze.host_killed` (how long the host had
+been frozen, by kind and cause), is exported over OTLP at once and, with the `prometheus` exporter,
+served until one scrape has carried it (`STALLWATCH_WATCHDOG_LAST_SCRAPE_TIMEOUT` at most). Then it
+exits and removes the host's heartbeat files. It also leaves, without
 reporting a freeze, when the heartbeats stop because the host exec'd another program: the host no
 longer holds its heartbeat file's lock (`heartbeat.in_use`), which it does for as long as it lives.
 It shares the host's stderr, so every line it writes there starts `stallwatch watchdog (host pid N):`.
@@ -30,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..config import Settings
 from ..instrument.scrub import scrub_value
 from . import heartbeat
 
@@ -300,11 +304,13 @@ class FreezeTelemetry:
         # Every kind and cause at 0 from the start: "not frozen" is a value, and a first freeze an increase.
         kinds = [(kind, cause) for kind in telemetry.FREEZE_KIND.values for cause in telemetry.FREEZE_CAUSE.values]
         self._active: dict[tuple[str, str], int] = dict.fromkeys(kinds, 0)
+        self._killed: dict[tuple[str, str], float] = dict.fromkeys(kinds, 0.0)  # seconds frozen at the death
         meter = metrics.get_meter(telemetry.INSTRUMENTATION_SCOPE)
         self._duration = Deferred(meter, telemetry.FREEZE_DURATION, owner=("watchdog", "STALLWATCH_WATCHDOG"))
         for kind, cause in kinds:
             self._duration.zero({"stallwatch.freeze.kind": kind, "stallwatch.freeze.cause": cause})
         instrument(meter, telemetry.FREEZE_ACTIVE, self._observe)
+        instrument(meter, telemetry.FREEZE_HOST_KILLED, self._observe_killed)
         self._tracer = trace.get_tracer(telemetry.INSTRUMENTATION_SCOPE)
 
     def _observe(self, options: Any) -> list[Any]:
@@ -314,6 +320,19 @@ class FreezeTelemetry:
             Observation(value, {"stallwatch.freeze.kind": kind, "stallwatch.freeze.cause": cause})
             for (kind, cause), value in self._active.items()
         ]
+
+    def _observe_killed(self, options: Any) -> list[Any]:
+        from opentelemetry.metrics import Observation
+
+        return [
+            Observation(seconds, {"stallwatch.freeze.kind": kind, "stallwatch.freeze.cause": cause})
+            for (kind, cause), seconds in self._killed.items()
+        ]
+
+    @property
+    def host_died_frozen(self) -> bool:
+        """Whether the host died during a freeze: the watchdog then has a last word to deliver."""
+        return any(self._killed.values())
 
     def _describe(self, freeze: Freeze, now_ns: int) -> str:
         d = freeze.diagnosis
@@ -379,6 +398,8 @@ class FreezeTelemetry:
         )
         self._duration.record_now(seconds, {"stallwatch.freeze.kind": freeze.kind,
                                             "stallwatch.freeze.cause": freeze.diagnosis.cause})  # fmt: skip
+        if outcome == "host_killed":
+            self._killed[(freeze.kind, freeze.diagnosis.cause)] = max(seconds, 1e-9)  # never 0: it happened
         links = []
         trace_id, span_id = int(freeze.snapshot["trace_id"] or "0", 16), int(freeze.snapshot["span_id"] or "0", 16)
         if freeze.snapshot.get("spawn_ns") and trace_id and span_id:
@@ -468,6 +489,17 @@ def _name_the_source(host_pid: int) -> None:
     sys.excepthook = lambda kind, error, trace: _log.critical("stallwatch: failed", exc_info=(kind, error, trace))
 
 
+def _serve_last_word(session: Any, host_pid: int) -> None:
+    """Keep the Prometheus endpoint up until a scrape has carried the host's death (OTLP has it
+    already), for `STALLWATCH_WATCHDOG_LAST_SCRAPE_TIMEOUT` seconds at most."""
+    timeout = session.settings.watchdog_last_scrape_timeout if session.settings is not None else 0.0
+    if session.prometheus_address is None or timeout <= 0:
+        return
+    if not session.wait_for_scrape(timeout):
+        _log.warning("stallwatch: host %d died frozen and no Prometheus scrape came within %g s to carry it; "
+                     "STALLWATCH_WATCHDOG_LAST_SCRAPE_TIMEOUT sets how long to wait", host_pid, timeout)  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="stallwatch watchdog", description=__doc__.splitlines()[0])
     parser.add_argument("--pid", type=int, required=True, help="the host process to watch")
@@ -482,8 +514,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["STALLWATCH_INSTRUMENT_EXECUTOR"] = "false"
     import stallwatch
 
-    stallwatch.setup(resource_attributes={"stallwatch.process.role": "watchdog",
-                                          "stallwatch.watched.pid": str(args.pid)})  # fmt: skip
+    from .. import telemetry as names
+
+    # The host's resource attributes (its service.instance.id among them) and the watchdog's own.
+    inherited = Settings.load().resource_attributes
+    session = stallwatch.setup(resource_attributes={**inherited, names.RESOURCE_PROCESS_ROLE.name: "watchdog",
+                                                    "stallwatch.watched.pid": str(args.pid)})  # fmt: skip
     journal = None
     if args.journal_dir is not None:
         from ..journal import Journal
@@ -492,6 +528,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         telemetry = FreezeTelemetry(args.pid, args.heartbeat, journal)
         Watchdog(args.pid, args.heartbeat, args.threshold, telemetry).run()
+        if telemetry.host_died_frozen:
+            _serve_last_word(session, args.pid)
     except ProcessLookupError:
         pass
     finally:

@@ -21,6 +21,9 @@ restarts every deferred worker, the sentry-sdk model. Version differences:
 - 1.44+: `TracerProvider`/`MeterProvider`/`LoggerProvider._handle_fork` reset locks and rerun
   process-dependent resource detection on a thread pool; we reset the locks in the handler and
   run the detectors later, in the calling thread.
+
+It also knows how each opentelemetry-exporter-prometheus version (0.48b0 → newest) can put resource
+attributes on every series (`labelled_prometheus_reader`).
 """
 
 from __future__ import annotations
@@ -28,11 +31,13 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
+import inspect
 import logging
+import re
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from .guard import STATE, defer, is_deferred, restart_pending
 
@@ -276,3 +281,58 @@ def preexisting_objects(sdk_loaded_before: bool) -> dict[str, int]:
             name = type(obj).__qualname__
             counts[name] = counts.get(name, 0) + 1
     return counts
+
+
+Reader = TypeVar("Reader")
+
+
+def labelled_prometheus_reader(reader_class: type[Reader], resource_labels: Collection[str]) -> Reader:
+    """A `reader_class()` (a `PrometheusMetricReader`) whose every series, target_info included, carries the
+    resource attributes named in `resource_labels` as labels, named as Prometheus allows (`service.name` ->
+    `service_name`); a label a series already has keeps its own value.
+
+    exporter-prometheus 0.66b0+ does this itself (`resource_attribute_filter`). Before it the reader
+    registers its `_collector` with prometheus_client's default registry in `__init__`, feeds it through
+    `add_metrics_data` and unregisters it in `shutdown`: the collector is swapped for `_LabellingCollector`.
+    """
+    if "resource_attribute_filter" in inspect.signature(reader_class.__init__).parameters:
+        return reader_class(resource_attribute_filter=frozenset(resource_labels).__contains__)  # type: ignore[call-arg]
+    from prometheus_client import REGISTRY
+
+    reader = reader_class()
+    stock = reader._collector  # type: ignore[attr-defined]
+    REGISTRY.unregister(stock)
+    reader._collector = _LabellingCollector(stock, frozenset(resource_labels))  # type: ignore[attr-defined]
+    REGISTRY.register(reader._collector)  # type: ignore[attr-defined]
+    return reader
+
+
+class _LabellingCollector:
+    """The exporter's collector, its samples labelled with the attributes of the last resource it was fed.
+
+    A scrape runs `collect()`, whose stock collector calls back into the reader, which feeds
+    `add_metrics_data` in the same thread before any sample is yielded: the labels are those of that data.
+    """
+
+    def __init__(self, stock: Any, resource_labels: frozenset[str]) -> None:
+        self._stock, self._resource_labels = stock, resource_labels
+        self._labels: dict[str, str] = {}
+
+    def add_metrics_data(self, metrics_data: Any) -> None:
+        for resource_metrics in metrics_data.resource_metrics:
+            attributes = resource_metrics.resource.attributes
+            self._labels = {
+                re.sub(r"[^A-Za-z0-9_]", "_", key): str(value)
+                for key, value in attributes.items()
+                if key in self._resource_labels
+            }
+        self._stock.add_metrics_data(metrics_data)
+
+    def describe(self) -> list[Any]:
+        """Nothing: the registry would otherwise call `collect()` to learn the names, a scrape before any."""
+        return []
+
+    def collect(self) -> Iterable[Any]:
+        for family in self._stock.collect():
+            family.samples = [sample._replace(labels={**self._labels, **sample.labels}) for sample in family.samples]
+            yield family
