@@ -327,6 +327,7 @@ PANEL_SCENARIOS = {
     "Cloud resources created and deleted": "cloud",
     "Unconfirmed cloud resources (leak candidates)": "cloud",
     "annotation Freezes": "freeze",
+    "Hosts killed while frozen": "killed",
     "annotation Wedges": "wedge",
 }
 # The scenario in which each alert must fire with its shipped `for`, or at least be pending where that `for`
@@ -342,11 +343,16 @@ ALERT_SCENARIOS = {
     "ExecutionOverdue": ("wedge", "firing"),
     "WedgeDetected": ("wedge", "firing"),
     "UnconfirmedCloudResource": ("cloud", "firing"),
+    "FrozenHostKilled": ("killed", "firing"),
+    "HostDown": ("killed", "firing"),
 }
 # What a scenario holds (dash_common.hold) until each of its targets has been scraped since and these alerts
 # of its identity are in these states: a state at least as long as the shipped scrape interval and `for`.
+# Then the test releases it, or for KILLED, SIGKILLs the host while it is held (and then releases the
+# held child, an orphan).
 HOLDS = {
     ("freeze", "freeze"): {"FreezeActive": "firing"},
+    ("killed", "freeze"): {"FreezeActive": "firing"},
     ("wedge_held", "wedge"): {
         "ExecutorOrphanedItem": "firing",
         "ExecutorQueueStalled": "firing",
@@ -356,6 +362,7 @@ HOLDS = {
     ("ssh", "tunnel"): {},
     ("cloud", "call"): {},
 }
+KILLED = {("killed", "freeze")}
 FREEZE_KIND = telemetry.FREEZE_KIND.name.replace(".", "_")
 SHORT_FREEZE = ("loop_blocked", 3.0)  # dash_freeze.py's event-loop block, shorter than a scrape interval
 
@@ -374,8 +381,10 @@ def _reached(
     """Whether `alert` was in its wanted state (ALERT_SCENARIOS) for its scenario's identity, from the ALERTS
     series between start and end (now)."""
     scenario_name, wanted = ALERT_SCENARIOS[alert]
-    identity = scenarios[scenario_name].identity
-    states = prometheus.alert_history(alert, start, end or time.time(), service_instance_id=identity)
+    scenario = scenarios[scenario_name]
+    # HostDown reads `up`, which has the target's labels only.
+    labels = {"instance": scenario.host_target} if alert == "HostDown" else {"service_instance_id": scenario.identity}
+    states = prometheus.alert_history(alert, start, end or time.time(), **labels)
     return bool(states.get("firing") if wanted == "firing" else states)
 
 
@@ -396,8 +405,10 @@ def _release_what_prometheus_has_seen(prometheus: Prometheus, scenarios: dict[st
                 states[alert] & ({"pending", "firing"} if wanted == "pending" else {"firing"})
                 for alert, wanted in HOLDS[(scenario.name, name)].items()
             ):
+                if (scenario.name, name) in KILLED:
+                    scenario.kill()
                 scenario.release(name)
-        finished &= bool(scenario.done) and set(scenario.held) <= set(scenario.released)
+        finished &= bool(scenario.done or scenario.killed) and set(scenario.held) <= set(scenario.released)
     return finished
 
 
@@ -411,6 +422,7 @@ def test_every_panel_shows_numbers_and_every_alert_fires_on_a_real_prometheus_wi
     with tempfile.TemporaryDirectory(prefix="sw-") as sock_dir:  # short: unix socket paths are limited
         scenarios = {
             "freeze": Scenario("freeze", watchdog=True),
+            "killed": Scenario("killed", watchdog=True),
             "wedge": Scenario("wedge"),
             "wedge_held": Scenario("wedge_held"),
             "cloud": Scenario("cloud"),
@@ -438,7 +450,7 @@ def test_every_panel_shows_numbers_and_every_alert_fires_on_a_real_prometheus_wi
             while not _release_what_prometheus_has_seen(prometheus, scenarios):
                 for scenario in scenarios.values():
                     assert scenario.proc is not None
-                    if scenario.proc.poll() is not None:
+                    if scenario.proc.poll() is not None and not scenario.killed:
                         raise AssertionError(f"dash_{scenario.name}.py exited early:\n{scenario.stop()}")
                 assert time.monotonic() < deadline, {s.name: (s.held, s.released, s.done) for s in scenarios.values()}
                 time.sleep(0.5)
