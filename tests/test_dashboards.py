@@ -176,6 +176,21 @@ def test_every_panel_has_a_description_fits_the_grid_and_shows_a_state_by_name_a
     assert (up["0"]["text"], up["0"]["color"], up["1"]["text"]) == ("Down", "red", "Up")
 
 
+def test_the_panel_of_an_alert_that_fires_over_a_level_draws_that_level_as_a_red_line():
+    panels = {d["uid"]: {p["title"]: p for p in d["panels"]} for d in dashboards().values()}
+    drawn = 0
+    for rule in alert_rules():
+        level = re.search(r"> ([0-9.]+)$", rule["expr"])
+        if level is None or float(level.group(1)) == 0:
+            continue  # an event or a state: its panel counts, or maps 0/1 to names and colours
+        panel = panels[rule["annotations"]["dashboard_uid"]][rule["annotations"]["panel"]]
+        defaults = panel["fieldConfig"]["defaults"]
+        assert defaults["thresholds"]["steps"][-1] == {"value": float(level.group(1)), "color": "red"}, rule["alert"]
+        assert defaults["custom"]["thresholdsStyle"]["mode"] == "line", rule["alert"]
+        drawn += 1
+    assert drawn == 2  # SpawnBlockedHigh, ExecutorQueueWaitHigh
+
+
 def test_a_freeze_shorter_than_a_scrape_interval_shows_afterwards_and_the_runbook_says_what_freezeactive_sees():
     freeze_count = f"{telemetry.FREEZE_DURATION.prometheus_name}_count"
     for name, dashboard in dashboards().items():
