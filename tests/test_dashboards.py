@@ -498,9 +498,11 @@ def test_every_panel_shows_numbers_and_every_alert_fires_on_a_real_prometheus_wi
                 query = concrete(expr, scenario, 15.0)
                 result = prometheus.query_range(query, start, end, step=5)
                 if key == "Scrapes answered (up)":
-                    by_job = {series["metric"]["job"]: set(_numbers([series])) for series in result}
-                    if by_job != {HOST_JOB: {0.0, 1.0}, WATCHDOG_JOB: {1.0}}:
-                        problems.append(f"{where}: the frozen host not Down then Up beside its watchdog: {by_job}")
+                    by_job = {series["metric"]["job"]: dict(series["values"]) for series in result}
+                    host, watchdog = by_job.get(HOST_JOB, {}), by_job.get(WATCHDOG_JOB, {})
+                    down = {at for at, value in host.items() if value == "0"}
+                    if "1" not in host.values() or not any(watchdog.get(at) == "1" for at in down):
+                        problems.append(f"{where}: no frozen host Down beside its watchdog Up, nor Up: {by_job}")
                 elif not _finite(_numbers(result)):
                     problems.append(f"{where}: no number in dash_{scenario.name}.py: {result}\n  {query}")
                 positive[key] = positive.get(key, False) or any(value > 0 for value in _finite(_numbers(result)))
@@ -528,14 +530,16 @@ def test_every_panel_shows_numbers_and_every_alert_fires_on_a_real_prometheus_wi
 
 
 def _durations_read_back(prometheus: Prometheus, freeze: Scenario, start: float, end: float) -> list[str]:
-    """The freeze duration panel's p99 reads each freeze's length within 25 %: the held GIL freeze (from
-    when the test read that it was held to when it released it) and the short loop block."""
+    """The freeze duration panel's p99 reads the length of the held GIL freeze (from when the test read that
+    it was held to when it released it) and of the short loop block, from 20 % under to 30 % over: the p99
+    of one observation reads near the upper bound of its bucket (at most 20 % wide), and the held time is
+    measured from outside the host."""
     (expr,) = [e for where, e in promql() if where.endswith(": Freeze duration p50/p99 by kind and cause")][1:2]
     result = prometheus.query_range(concrete(expr, freeze, 15.0), start, end, step=5)
     held = freeze.released["freeze"] - freeze.held["freeze"]
     problems = []
     for kind, seconds in (("gil_held", held), SHORT_FREEZE):
         read = _finite(_numbers([s for s in result if s["metric"].get(FREEZE_KIND) == kind]))
-        if not read or not 0.75 * seconds <= max(read) <= 1.25 * seconds:
+        if not read or not 0.8 * seconds <= max(read) <= 1.3 * seconds:
             problems.append(f"freeze duration p99 of the {seconds:.1f} s {kind} freeze reads {read[-3:]}")
     return problems
