@@ -483,7 +483,7 @@ def test_every_panel_shows_numbers_and_every_alert_fires_on_a_real_prometheus_wi
             checked: set[str] = set()
             positive: dict[str, bool] = {}
             for where, expr in promql():
-                parsed = prometheus.api("query", query=concrete(expr, scenarios["freeze"], 15.0))
+                parsed = prometheus.api("query", query=concrete(expr, scenarios["freeze"], prometheus.scrape_interval))
                 if parsed["status"] != "success":
                     problems.append(f"{where}: does not parse: {parsed.get('error')}\n  {expr}")
                     continue
@@ -495,7 +495,7 @@ def test_every_panel_shows_numbers_and_every_alert_fires_on_a_real_prometheus_wi
                         problems.append(f"{where}: not {ALERT_SCENARIOS[name][1]} in its scenario")
                     continue
                 scenario = scenarios[PANEL_SCENARIOS[key]]
-                query = concrete(expr, scenario, 15.0)
+                query = concrete(expr, scenario, prometheus.scrape_interval)
                 result = prometheus.query_range(query, start, end, step=5)
                 if key == "Scrapes answered (up)":
                     by_job = {series["metric"]["job"]: dict(series["values"]) for series in result}
@@ -535,7 +535,7 @@ def _durations_read_back(prometheus: Prometheus, freeze: Scenario, start: float,
     of one observation reads near the upper bound of its bucket (at most 20 % wide), and the held time is
     measured from outside the host."""
     (expr,) = [e for where, e in promql() if where.endswith(": Freeze duration p50/p99 by kind and cause")][1:2]
-    result = prometheus.query_range(concrete(expr, freeze, 15.0), start, end, step=5)
+    result = prometheus.query_range(concrete(expr, freeze, prometheus.scrape_interval), start, end, step=5)
     held = freeze.released["freeze"] - freeze.held["freeze"]
     problems = []
     for kind, seconds in (("gil_held", held), SHORT_FREEZE):
