@@ -8,10 +8,13 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,11 +23,19 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportM
 
 from conftest import SCENARIOS, attrs, clean_env, otlp_items
 from otlp_receiver import Receiver, otlp_spans
-from support.prometheus import HAVE_PROMETHEUS, HOST_JOB, WATCHDOG_JOB, Prometheus, free_port
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="the watchdog needs pidfd_open (Linux 5.3+)")
+pytestmark = [
+    pytest.mark.matrix,
+    pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="the watchdog needs pidfd_open (Linux 5.3+)"),
+]
 KILLED = "stallwatch.freeze.host_killed"
 FROZEN_AT = {"stallwatch.freeze.kind": "gil_held", "stallwatch.freeze.cause": "child_before_exec"}
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def _running(pid: int) -> bool:
@@ -125,11 +136,15 @@ def test_a_host_killed_while_frozen_reaches_the_otlp_backend_with_how_long_and_w
     assert [_otlp_attributes(r)["stallwatch.freeze.outcome"] for r in over] == ["host_killed"]
 
 
-@pytest.mark.skipif(not HAVE_PROMETHEUS, reason="needs prometheus: apt-get install prometheus")
 def test_a_host_killed_while_frozen_leaves_a_critical_alert_firing_on_prometheus_at_the_shipped_scrape_interval(
     telemetry_dir, tmp_path
 ):
-    host_port, watchdog_port = free_port(), free_port()
+    pytest.importorskip("yaml", reason="needs pyyaml (the test extras)")
+    from support.prometheus import HAVE_PROMETHEUS, HOST_JOB, WATCHDOG_JOB, Prometheus
+
+    if not HAVE_PROMETHEUS:
+        pytest.skip("needs prometheus: apt-get install prometheus")
+    host_port, watchdog_port = _free_port(), _free_port()
     prometheus = Prometheus.shipped(
         tmp_path, {HOST_JOB: [f"127.0.0.1:{host_port}"], WATCHDOG_JOB: [f"127.0.0.1:{watchdog_port}"]}
     )
@@ -164,9 +179,10 @@ def test_a_host_killed_while_frozen_leaves_a_critical_alert_firing_on_prometheus
             _kill_frozen_child(child_pid)
         prometheus.stop()
 
-    # The watchdog stayed for one scrape after the death (at most an interval at 15 s), not its whole timeout.
-    assert lingered < 30, lingered
-    assert "no Prometheus scrape came" not in (tmp_path / "stderr").read_text()
+    # The watchdog left after the first scrape that began after the death (within an interval or two at
+    # 15 s), not at the end of its 35 s timeout, which it would have said.
+    assert "no Prometheus scrape came" not in (tmp_path / "stderr").read_text(), lingered
+    assert lingered < 35, lingered
     assert fired["labels"]["severity"] == "critical"
     assert "died frozen (gil_held, child_before_exec)" in fired["annotations"]["summary"]
     (series,) = recorded
@@ -188,7 +204,7 @@ def _scrape(port: int) -> str:
 def test_a_restarted_hosts_watchdog_serves_the_port_once_the_watchdog_of_the_host_that_died_frozen_has_left(
     telemetry_dir, tmp_path
 ):
-    watchdog_port = free_port()
+    watchdog_port = _free_port()
     shared = {
         "OTEL_METRICS_EXPORTER": "prometheus",
         "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1",
@@ -196,7 +212,7 @@ def test_a_restarted_hosts_watchdog_serves_the_port_once_the_watchdog_of_the_hos
         "STALLWATCH_WATCHDOG_LAST_SCRAPE_TIMEOUT": "60",  # nobody scrapes until the new host is watched
     }
     killed, old_watchdog = _frozen_host(
-        telemetry_dir, tmp_path / "killed.stderr", OTEL_EXPORTER_PROMETHEUS_PORT=str(free_port()), **shared
+        telemetry_dir, tmp_path / "killed.stderr", OTEL_EXPORTER_PROMETHEUS_PORT=str(_free_port()), **shared
     )
     child_pid = 0
     restarted = None
@@ -207,7 +223,7 @@ def test_a_restarted_hosts_watchdog_serves_the_port_once_the_watchdog_of_the_hos
         killed.send_signal(signal.SIGKILL)
         killed.wait(10)
         restarted = subprocess.Popen(  # as a supervisor restarts it: same settings, its watchdog the same port
-            [sys.executable, "-c", RESTARTED_HOST], env=clean_env(OTEL_EXPORTER_PROMETHEUS_PORT=str(free_port()),
+            [sys.executable, "-c", RESTARTED_HOST], env=clean_env(OTEL_EXPORTER_PROMETHEUS_PORT=str(_free_port()),
             **shared), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=(tmp_path / "restarted.stderr").open("w"),
             text=True,
         )  # fmt: skip
@@ -235,6 +251,37 @@ def test_a_restarted_hosts_watchdog_serves_the_port_once_the_watchdog_of_the_hos
     assert "cannot listen" not in (tmp_path / "restarted.stderr").read_text()
 
 
+def test_a_watchdog_whose_port_stays_busy_says_so_once_and_serves_it_when_it_frees(tmp_path):
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    stderr = tmp_path / "stderr"
+    host = subprocess.Popen(
+        [sys.executable, "-c", RESTARTED_HOST],
+        env=clean_env(OTEL_METRICS_EXPORTER="prometheus", OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
+                      OTEL_EXPORTER_PROMETHEUS_PORT=str(_free_port()), STALLWATCH_WATCHDOG_PROMETHEUS_PORT=str(port),
+                      STALLWATCH_WATCHDOG_LAST_SCRAPE_TIMEOUT="1"),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr.open("w"), text=True,
+    )  # fmt: skip
+    try:
+        assert host.stdout is not None
+        assert json.loads(host.stdout.readline())["watchdog_pid"]  # it watches its host with its port busy
+        _wait_until(lambda: f"port {port} is busy" in stderr.read_text(), 30, "the watchdog did not say so")
+        holder.close()
+        _wait_until(lambda: f'stallwatch_watched_pid="{host.pid}"' in _scrape(port), 30, "it never served the port")
+    finally:
+        holder.close()
+        host.kill()
+        host.wait(10)
+
+    lines = stderr.read_text().splitlines()
+    assert [line for line in lines if "is busy" in line] == [
+        f"stallwatch watchdog (host pid {host.pid}): port {port} is busy; the watchdog serves Prometheus once it "
+        "is free (STALLWATCH_WATCHDOG_PROMETHEUS_PORT)"
+    ]
+
+
 RESTARTED_HOST = """
 import json, sys
 import stallwatch
@@ -243,3 +290,41 @@ assert session.wait_for_watchdog(30), "not watched"
 print(json.dumps({"watchdog_pid": session.watchdog_pid}), flush=True)
 sys.stdin.read()
 """
+
+
+def test_a_scrape_already_in_flight_when_the_wait_begins_is_not_the_one_that_carries_the_last_word():
+    """The watchdog's wait ends with a scrape that began after the death: one that collected its metrics
+    before it (here, held inside its collect) answers with the host still frozen."""
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    from stallwatch.export.scrapes import ScrapeCounter
+
+    collecting, finish = threading.Event(), threading.Event()
+
+    class HeldFirstCollect:
+        def collect(self) -> Iterator[object]:
+            collecting.set()
+            assert finish.wait(30)
+            return iter(())
+
+    registry = CollectorRegistry()
+    registry.register(HeldFirstCollect())
+    server, _thread = start_http_server(0, addr="127.0.0.1", registry=registry)
+    scrapes = ScrapeCounter(server.get_app())
+    server.set_app(scrapes)
+    port = server.server_address[1]
+    try:
+        before_any = scrapes.mark()
+        in_flight = threading.Thread(target=_scrape, args=(port,))
+        in_flight.start()
+        assert collecting.wait(30)
+        during = scrapes.mark()  # the death, while that scrape collects
+        finish.set()
+        in_flight.join(30)
+        assert scrapes.wait(before_any, 30)  # that scrape has been answered and counted
+        assert not scrapes.wait(during, 0)  # but it began before the death
+        assert "no answer" not in _scrape(port)
+        assert scrapes.wait(during, 30)
+    finally:
+        server.shutdown()
+        server.server_close()

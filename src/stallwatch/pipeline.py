@@ -449,12 +449,14 @@ def _serve(pipeline: Pipeline, server: Any) -> None:
 
 
 def _serve_when_free(settings: Settings, pipeline: Pipeline, start_http_server: Callable[..., Any]) -> None:
-    """Bind the watchdog's port from a thread as soon as it is free, trying every 0.2 s for
-    `STALLWATCH_WATCHDOG_LAST_SCRAPE_TIMEOUT` seconds and a second more.
+    """Bind the watchdog's port from a thread as soon as it is free, trying every 0.2 s until the
+    shutdown; a WARNING once it has stayed busy `STALLWATCH_WATCHDOG_LAST_SCRAPE_TIMEOUT` seconds
+    and a second more (the longest a previous watchdog waits for its last scrape), then a try
+    every 2 s.
 
     The watchdog of a host that died frozen keeps the port until a scrape has carried the death; a
     restarted host's new watchdog, meanwhile, watches and exports over OTLP at once and serves its
-    endpoint when the old one leaves. It stops trying at shutdown."""
+    endpoint when the old one leaves (later, if the old one's OTLP flush was slow)."""
     stopping = threading.Event()
     lock = threading.Lock()  # a server bound while the shutdown runs is closed at once
 
@@ -463,16 +465,16 @@ def _serve_when_free(settings: Settings, pipeline: Pipeline, start_http_server: 
             stopping.set()
 
     def bind() -> None:
-        deadline = time.monotonic() + settings.watchdog_last_scrape_timeout + 1.0
-        while not stopping.wait(0.2):
+        warn_at = time.monotonic() + settings.watchdog_last_scrape_timeout + 1.0
+        while not stopping.wait(0.2 if warn_at else 2.0):  # after the warning, a try every 2 s
             try:
                 server = start_http_server(settings.prometheus_port, addr=settings.prometheus_host)[0]
             except OSError:
-                if time.monotonic() < deadline:
-                    continue
-                _log.warning("stallwatch: port %d stayed busy; no Prometheus endpoint "
-                             "(STALLWATCH_WATCHDOG_PROMETHEUS_PORT)", settings.prometheus_port)  # fmt: skip
-                return
+                if warn_at and time.monotonic() > warn_at:
+                    warn_at = 0.0
+                    _log.warning("stallwatch: port %d is busy; the watchdog serves Prometheus once it is free "
+                                 "(STALLWATCH_WATCHDOG_PROMETHEUS_PORT)", settings.prometheus_port)  # fmt: skip
+                continue
             with lock:
                 if stopping.is_set():
                     server.shutdown()

@@ -95,7 +95,7 @@ class Session:
         after this call, so it carried every value set before the call. True then; False when the
         time is up first, and at once without the `prometheus` metrics exporter."""
         scrapes = self._pipeline.scrapes if self._pipeline is not None else None
-        return scrapes is not None and scrapes.wait_for_next(timeout)
+        return scrapes is not None and scrapes.wait(scrapes.mark(), timeout)
 
     @property
     def telemetry_enabled(self) -> bool:

@@ -3,8 +3,8 @@
 The freeze watchdog whose host died frozen has one last thing to say (`stallwatch.freeze.host_killed`),
 and Prometheus only learns it from a scrape that starts after it is said. `ScrapeCounter` wraps the
 endpoint's WSGI application: it counts requests as they begin and as their answer has been written
-(the server calls the body's `close()` after its last write), and `wait_for_next()` returns once a
-request that began after the call has been answered in full.
+(the server calls the body's `close()` after its last write): `wait(mark(), timeout)` returns once a
+request that began after `mark()` has been answered in full.
 """
 
 from __future__ import annotations
@@ -37,14 +37,18 @@ class ScrapeCounter:
             self._answered += 1
             self._changed.notify_all()
 
-    def wait_for_next(self, timeout: float) -> bool:
-        """Wait up to `timeout` seconds until a scrape that began after this call has been answered.
-
-        True then; False when the time is up first. `n` requests had begun at the call, so once
-        more than `n` are answered, at least one of them began after it, whatever their order."""
+    def mark(self) -> int:
+        """Now, for `wait()`: how many scrapes have begun."""
         with self._changed:
-            begun = self._begun
-            return self._changed.wait_for(lambda: self._answered > begun, timeout)
+            return self._begun
+
+    def wait(self, mark: int, timeout: float) -> bool:
+        """Wait up to `timeout` seconds until a scrape that began after `mark` has been answered.
+
+        True then; False when the time is up first. `mark` requests had begun, so once more than
+        `mark` are answered, at least one of them began after it, whatever their order."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._answered > mark, timeout)
 
 
 class _Answer:
