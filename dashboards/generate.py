@@ -54,6 +54,8 @@ HOST_JOB = "stallwatch"  # the host's own scrape job in provisioning/prometheus/
 ALERT_KEEP = ("job", "instance", SERVICE_NAME, INSTANCE_ID)  # an alert leads to the host and its watchdog
 HOST = f"{{{{ $labels.{SERVICE_NAME} }}}} {{{{ $labels.{INSTANCE_ID} }}}}"  # who an alert is about, in its text
 GRID_WIDTH, PANEL_HEIGHT = 24, 8
+SPAWN_BLOCKED_HIGH = 0.1  # seconds: SpawnBlockedHigh's p99, drawn on its panel
+QUEUE_WAIT_SECONDS = 30  # ExecutorQueueWaitHigh's oldest pending age, drawn on its panel
 
 # The watchdog's freeze span and the executor's work-item span ("<executor name> work item"), from the contract.
 FREEZE_SPAN = t.FREEZE_SPAN.name
@@ -195,6 +197,7 @@ class Panel:
     source: Literal["prometheus", "tempo", "loki"] = PROMETHEUS
     width: int = 12
     states: tuple[State, ...] = ()  # a state panel's values, lowest first (its colours and thresholds follow)
+    alert_at: float | None = None  # where the alert on this panel fires: drawn as a red threshold line
 
 
 # What a gauge scraped every interval can show of a freeze, for the panel and the alert that read it.
@@ -326,9 +329,11 @@ FREEZES = Dashboard(
         Panel(
             "Spawn blocked time p50/p99 by loop and method",
             "How long the spawning thread was blocked inside the spawn call. Under uvloop (method fork) that is the "
-            "whole loop holding the GIL; vfork/posix_spawn should stay in milliseconds.",
+            "whole loop holding the GIL; vfork/posix_spawn should stay in milliseconds. The red line is where "
+            "SpawnBlockedHigh fires (p99 over it for 5 minutes).",
             "s",
             p50_p99(t.SUBPROCESS_SPAWN_DURATION, t.SPAWN_LOOP, t.SPAWN_METHOD),
+            alert_at=SPAWN_BLOCKED_HIGH,
         ),
         Panel(
             "Forks by kind and gRPC activity",
@@ -446,9 +451,11 @@ WEDGES = Dashboard(
         Panel(
             "Oldest pending age",
             "How long the oldest item still waiting in each executor's queue has waited. It grows by one second "
-            "per second when the queue is wedged.",
+            "per second when the queue is wedged. The red line is where ExecutorQueueWaitHigh fires (over it for "
+            "a minute).",
             "s",
             (Query(gauge(t.EXECUTOR_OLDEST_PENDING, t.EXECUTOR_NAME, agg="max"), legend_of(t.EXECUTOR_NAME)),),
+            alert_at=QUEUE_WAIT_SECONDS,
         ),
         Panel(
             "Queue wait and run time p99",
@@ -766,7 +773,6 @@ STALLED_AT = ((0, 5), (3, 7), ("gap", 5), (3, 8), (0, 10))  # items waiting from
 WORKERS_AT = ((1, 5), (0, 7), ("gap", 5), (0, 8), (1, 10))  # no live worker meanwhile
 SLOW_SPAWNS = (("0.1", "0+1x12"), ("0.25", "0+1x12"), ("0.5", "0+2x12"), ("+Inf", "0+2x12"))
 OLD_SPAWNS = (("0.1", 1), ("0.25", 1), ("0.5", 2), ("+Inf", 2))  # the only spawns, an hour before a gap
-QUEUE_WAIT_SECONDS = 30
 
 ALERTS = (
     Alert(
@@ -872,7 +878,7 @@ ALERTS = (
     Alert(
         "SpawnBlockedHigh",
         quantile(0.99, t.SUBPROCESS_SPAWN_DURATION, t.SPAWN_LOOP, t.SPAWN_METHOD, window="5m", keep=ALERT_KEEP)
-        + " > 0.1",
+        + f" > {SPAWN_BLOCKED_HIGH}",
         "warning",
         "Spawns on " + HOST + " block the {{ $labels.stallwatch_spawn_loop }} loop "
         "(method {{ $labels.stallwatch_spawn_method }})",
@@ -1338,6 +1344,10 @@ def _panel(panel: Panel, panel_id: int, position: gm.GridPos) -> Any:
             .min(panel.states[0].value)
             .max(panel.states[-1].value)
         )
+    if panel.alert_at is not None:
+        steps = [gm.Threshold(value=None, color="green"), gm.Threshold(value=panel.alert_at, color="red")]
+        builder = builder.thresholds(gd.ThresholdsConfig().mode(gm.ThresholdsMode.ABSOLUTE).steps(steps))
+        builder = builder.thresholds_style(gc.GraphThresholdsStyleConfig().mode(common.GraphThresholdsStyleMode.LINE))
     for index, query in enumerate(panel.queries):
         builder = builder.with_target(_target(panel, query, chr(ord("A") + index)))
     return builder

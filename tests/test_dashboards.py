@@ -176,6 +176,21 @@ def test_every_panel_has_a_description_fits_the_grid_and_shows_a_state_by_name_a
     assert (up["0"]["text"], up["0"]["color"], up["1"]["text"]) == ("Down", "red", "Up")
 
 
+def test_the_panel_of_an_alert_that_fires_over_a_level_draws_that_level_as_a_red_line():
+    panels = {d["uid"]: {p["title"]: p for p in d["panels"]} for d in dashboards().values()}
+    drawn = 0
+    for rule in alert_rules():
+        level = re.search(r"> ([0-9.]+)$", rule["expr"])
+        if level is None or float(level.group(1)) == 0:
+            continue  # an event or a state: its panel counts, or maps 0/1 to names and colours
+        panel = panels[rule["annotations"]["dashboard_uid"]][rule["annotations"]["panel"]]
+        defaults = panel["fieldConfig"]["defaults"]
+        assert defaults["thresholds"]["steps"][-1] == {"value": float(level.group(1)), "color": "red"}, rule["alert"]
+        assert defaults["custom"]["thresholdsStyle"]["mode"] == "line", rule["alert"]
+        drawn += 1
+    assert drawn == 2  # SpawnBlockedHigh, ExecutorQueueWaitHigh
+
+
 def test_a_freeze_shorter_than_a_scrape_interval_shows_afterwards_and_the_runbook_says_what_freezeactive_sees():
     freeze_count = f"{telemetry.FREEZE_DURATION.prometheus_name}_count"
     for name, dashboard in dashboards().items():
@@ -327,6 +342,7 @@ PANEL_SCENARIOS = {
     "Cloud resources created and deleted": "cloud",
     "Unconfirmed cloud resources (leak candidates)": "cloud",
     "annotation Freezes": "freeze",
+    "Hosts killed while frozen": "killed",
     "annotation Wedges": "wedge",
 }
 # The scenario in which each alert must fire with its shipped `for`, or at least be pending where that `for`
@@ -342,11 +358,16 @@ ALERT_SCENARIOS = {
     "ExecutionOverdue": ("wedge", "firing"),
     "WedgeDetected": ("wedge", "firing"),
     "UnconfirmedCloudResource": ("cloud", "firing"),
+    "FrozenHostKilled": ("killed", "firing"),
+    "HostDown": ("killed", "firing"),
 }
 # What a scenario holds (dash_common.hold) until each of its targets has been scraped since and these alerts
 # of its identity are in these states: a state at least as long as the shipped scrape interval and `for`.
+# Then the test releases it, or for KILLED, SIGKILLs the host while it is held (and then releases the
+# held child, an orphan).
 HOLDS = {
     ("freeze", "freeze"): {"FreezeActive": "firing"},
+    ("killed", "freeze"): {"FreezeActive": "firing"},
     ("wedge_held", "wedge"): {
         "ExecutorOrphanedItem": "firing",
         "ExecutorQueueStalled": "firing",
@@ -356,6 +377,7 @@ HOLDS = {
     ("ssh", "tunnel"): {},
     ("cloud", "call"): {},
 }
+KILLED = {("killed", "freeze")}
 FREEZE_KIND = telemetry.FREEZE_KIND.name.replace(".", "_")
 SHORT_FREEZE = ("loop_blocked", 3.0)  # dash_freeze.py's event-loop block, shorter than a scrape interval
 
@@ -374,8 +396,10 @@ def _reached(
     """Whether `alert` was in its wanted state (ALERT_SCENARIOS) for its scenario's identity, from the ALERTS
     series between start and end (now)."""
     scenario_name, wanted = ALERT_SCENARIOS[alert]
-    identity = scenarios[scenario_name].identity
-    states = prometheus.alert_history(alert, start, end or time.time(), service_instance_id=identity)
+    scenario = scenarios[scenario_name]
+    # HostDown reads `up`, which has the target's labels only.
+    labels = {"instance": scenario.host_target} if alert == "HostDown" else {"service_instance_id": scenario.identity}
+    states = prometheus.alert_history(alert, start, end or time.time(), **labels)
     return bool(states.get("firing") if wanted == "firing" else states)
 
 
@@ -396,8 +420,10 @@ def _release_what_prometheus_has_seen(prometheus: Prometheus, scenarios: dict[st
                 states[alert] & ({"pending", "firing"} if wanted == "pending" else {"firing"})
                 for alert, wanted in HOLDS[(scenario.name, name)].items()
             ):
+                if (scenario.name, name) in KILLED:
+                    scenario.kill()
                 scenario.release(name)
-        finished &= bool(scenario.done) and set(scenario.held) <= set(scenario.released)
+        finished &= bool(scenario.done or scenario.killed) and set(scenario.held) <= set(scenario.released)
     return finished
 
 
@@ -411,6 +437,7 @@ def test_every_panel_shows_numbers_and_every_alert_fires_on_a_real_prometheus_wi
     with tempfile.TemporaryDirectory(prefix="sw-") as sock_dir:  # short: unix socket paths are limited
         scenarios = {
             "freeze": Scenario("freeze", watchdog=True),
+            "killed": Scenario("killed", watchdog=True),
             "wedge": Scenario("wedge"),
             "wedge_held": Scenario("wedge_held"),
             "cloud": Scenario("cloud"),
@@ -438,7 +465,7 @@ def test_every_panel_shows_numbers_and_every_alert_fires_on_a_real_prometheus_wi
             while not _release_what_prometheus_has_seen(prometheus, scenarios):
                 for scenario in scenarios.values():
                     assert scenario.proc is not None
-                    if scenario.proc.poll() is not None:
+                    if scenario.proc.poll() is not None and not scenario.killed:
                         raise AssertionError(f"dash_{scenario.name}.py exited early:\n{scenario.stop()}")
                 assert time.monotonic() < deadline, {s.name: (s.held, s.released, s.done) for s in scenarios.values()}
                 time.sleep(0.5)
@@ -456,7 +483,7 @@ def test_every_panel_shows_numbers_and_every_alert_fires_on_a_real_prometheus_wi
             checked: set[str] = set()
             positive: dict[str, bool] = {}
             for where, expr in promql():
-                parsed = prometheus.api("query", query=concrete(expr, scenarios["freeze"], 15.0))
+                parsed = prometheus.api("query", query=concrete(expr, scenarios["freeze"], prometheus.scrape_interval))
                 if parsed["status"] != "success":
                     problems.append(f"{where}: does not parse: {parsed.get('error')}\n  {expr}")
                     continue
@@ -468,12 +495,14 @@ def test_every_panel_shows_numbers_and_every_alert_fires_on_a_real_prometheus_wi
                         problems.append(f"{where}: not {ALERT_SCENARIOS[name][1]} in its scenario")
                     continue
                 scenario = scenarios[PANEL_SCENARIOS[key]]
-                query = concrete(expr, scenario, 15.0)
+                query = concrete(expr, scenario, prometheus.scrape_interval)
                 result = prometheus.query_range(query, start, end, step=5)
                 if key == "Scrapes answered (up)":
-                    by_job = {series["metric"]["job"]: set(_numbers([series])) for series in result}
-                    if by_job != {HOST_JOB: {0.0, 1.0}, WATCHDOG_JOB: {1.0}}:
-                        problems.append(f"{where}: the frozen host not Down then Up beside its watchdog: {by_job}")
+                    by_job = {series["metric"]["job"]: dict(series["values"]) for series in result}
+                    host, watchdog = by_job.get(HOST_JOB, {}), by_job.get(WATCHDOG_JOB, {})
+                    down = {at for at, value in host.items() if value == "0"}
+                    if "1" not in host.values() or not any(watchdog.get(at) == "1" for at in down):
+                        problems.append(f"{where}: no frozen host Down beside its watchdog Up, nor Up: {by_job}")
                 elif not _finite(_numbers(result)):
                     problems.append(f"{where}: no number in dash_{scenario.name}.py: {result}\n  {query}")
                 positive[key] = positive.get(key, False) or any(value > 0 for value in _finite(_numbers(result)))
@@ -501,14 +530,16 @@ def test_every_panel_shows_numbers_and_every_alert_fires_on_a_real_prometheus_wi
 
 
 def _durations_read_back(prometheus: Prometheus, freeze: Scenario, start: float, end: float) -> list[str]:
-    """The freeze duration panel's p99 reads each freeze's length within 25 %: the held GIL freeze (from
-    when the test read that it was held to when it released it) and the short loop block."""
+    """The freeze duration panel's p99 reads the length of the held GIL freeze (from when the test read that
+    it was held to when it released it) and of the short loop block, from 20 % under to 30 % over: the p99
+    of one observation reads near the upper bound of its bucket (at most 20 % wide), and the held time is
+    measured from outside the host."""
     (expr,) = [e for where, e in promql() if where.endswith(": Freeze duration p50/p99 by kind and cause")][1:2]
-    result = prometheus.query_range(concrete(expr, freeze, 15.0), start, end, step=5)
+    result = prometheus.query_range(concrete(expr, freeze, prometheus.scrape_interval), start, end, step=5)
     held = freeze.released["freeze"] - freeze.held["freeze"]
     problems = []
     for kind, seconds in (("gil_held", held), SHORT_FREEZE):
         read = _finite(_numbers([s for s in result if s["metric"].get(FREEZE_KIND) == kind]))
-        if not read or not 0.75 * seconds <= max(read) <= 1.25 * seconds:
+        if not read or not 0.8 * seconds <= max(read) <= 1.3 * seconds:
             problems.append(f"freeze duration p99 of the {seconds:.1f} s {kind} freeze reads {read[-3:]}")
     return problems

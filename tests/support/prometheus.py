@@ -65,6 +65,7 @@ class Scenario:
         self.started = self.done = 0.0
         self.proc: subprocess.Popen[str] | None = None
         self.release_dir = Path(tempfile.mkdtemp(prefix=f"dash-release-{name}-"))
+        self.killed = False
         self.held: dict[str, float] = {}  # what the scenario holds, and when the test read that it does
         self.released: dict[str, float] = {}
 
@@ -149,6 +150,7 @@ class Scenario:
         """Signal the host process (its watchdog sees it die, as in production)."""
         assert self.proc is not None
         self.proc.send_signal(signum)
+        self.killed = True
 
     def stop(self) -> str:
         """Close stdin and wait for a clean exit; a problem description unless it exited 0 or was killed on purpose."""
