@@ -55,6 +55,7 @@ def test_gil_held_freeze_is_reported_while_the_host_is_still_frozen(telemetry_di
     (span,) = freeze_spans(telemetry_dir / "traces.jsonl")
     assert attrs(span)["stallwatch.freeze.outcome"] == "thawed"
     assert span["links"][0]["spanId"] == result["span_id"]  # joined to the frozen probe's span
+    assert (detected[0]["traceId"], detected[0]["spanId"]) == (result["trace_id"], result["span_id"])
     assert 2.5e9 <= int(span["endTimeUnixNano"]) - int(span["startTimeUnixNano"]) <= 4.5e9
 
 
@@ -82,6 +83,17 @@ def test_a_loop_blocked_by_sync_code_is_not_a_held_gil(telemetry_dir):
     lag = metric_points(telemetry_dir / "metrics.jsonl", "stallwatch.loop.lag")[-1]
     assert attrs(lag) == {"stallwatch.loop": "uvloop"}
     assert float(lag["max"]) >= 1.9  # the loop ran its heartbeat ~2 s late
+
+
+def test_the_watchdogs_records_of_a_uvloop_host_frozen_inside_a_span_carry_that_spans_trace_id(telemetry_dir):
+    result = run_scenario("freeze_probe.py", str(telemetry_dir), "2", "--block-loop")
+
+    records = [r for r in log_records(telemetry_dir / "logs.jsonl") if "freeze" in r["body"]["stringValue"]]
+    assert "freeze detected" in records[0]["body"]["stringValue"]
+    for record in records:  # every freeze record leads to the request that froze the loop
+        assert (record["traceId"], record["spanId"]) == (result["trace_id"], result["span_id"])
+    (span,) = freeze_spans(telemetry_dir / "traces.jsonl")
+    assert span["links"][0]["traceId"] == result["trace_id"]
 
 
 def test_a_loop_blocked_reading_an_execd_interpreter_is_not_a_child_before_exec(telemetry_dir):

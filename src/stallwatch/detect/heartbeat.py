@@ -5,7 +5,9 @@ the only witness is another process. The host writes two heartbeats into a small
 (mode 0600): an *interpreter* heartbeat from a daemon thread (stale when nothing Python runs:
 `gil_held`) and a *loop* heartbeat from a callback on the main thread's event loop (stale while
 the interpreter runs: `loop_blocked`). Before each exec-bound spawn the host also writes what it
-spawns and the current span, so the watchdog can name the frozen operation. Each field is an
+spawns and the current span, so the watchdog can name the frozen operation, and whenever a span
+is entered or left on the main thread (`opentelemetry.context.attach`/`detach`) which span is
+current there, so a freeze's records lead to the trace it froze in (`track_current_span`). Each field is an
 aligned 8-byte store or a fixed byte range, written without locks; the watchdog tolerates a torn
 read by re-reading. No library does this, hence the hand-written layout. The watchdog writes one
 field itself: its pid, once it reads the file from its poll loop (`mark_watched`), which the host
@@ -36,18 +38,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from opentelemetry.trace import get_current_span
+
 from .._private import opener
 from ..instrument._common import first_record
 from ..instrument.scrub import scrub_value
 
-MAGIC = b"SWHB0001"
+MAGIC = b"SWHB0002"
 # magic, host pid, flags, interpreter ns, loop ns, spawn-start ns, loop kind, watchdog pid, spawn
-# command, trace id, span id. Offsets are fixed so the watchdog can read fields one by one. The
-# watchdog pid is the only field the watchdog writes, and the host never does after creating the file.
-LAYOUT = struct.Struct("<8sIIqqqiI256s16s8s")
+# command, the spawn's trace id and span id, the main thread's current trace id and span id.
+# Offsets are fixed so the watchdog can read fields one by one. The watchdog pid is the only field
+# the watchdog writes, and the host never does after creating the file.
+LAYOUT = struct.Struct("<8sIIqqqiI256s16s8s16s8s")
 OFFSET_INTERP, OFFSET_LOOP, OFFSET_SPAWN = 16, 24, 32
 OFFSET_LOOP_KIND, OFFSET_WATCHDOG = 40, 44
-OFFSET_COMMAND, OFFSET_TRACE, OFFSET_SPAN = 48, 304, 320
+OFFSET_COMMAND, OFFSET_TRACE, OFFSET_SPAN, OFFSET_CURRENT = 48, 304, 320, 328
+SPAN_IDS = struct.Struct(">QQQ")  # trace id (high, low 64 bits), span id: one store of 24 bytes
 FLAG_LOOP_TRACKED = 1
 SWEEP_AGE_SECONDS = 10.0  # an unlocked file younger than this may be one a host is creating now
 LOOP_KINDS = {"none": 0, "asyncio": 1, "uvloop": 2}
@@ -137,7 +143,7 @@ class HeartbeatArea:
         self._fd, self._map, self.inode = self._create()
         now = time.monotonic_ns()
         self.owner = os.getpid()  # a forked child shares the mapping: it must never write to it
-        self._map[:] = LAYOUT.pack(MAGIC, self.owner, 0, now, now, 0, 0, 0, b"", b"", b"")
+        self._map[:] = LAYOUT.pack(MAGIC, self.owner, 0, now, now, 0, 0, 0, b"", b"", b"", b"", b"")
 
     def _create(self) -> tuple[int, mmap.mmap, int]:
         """Create the file, locked (held open for the lock: see `sweep`) and mapped."""
@@ -209,6 +215,13 @@ class HeartbeatArea:
     def spawned(self) -> None:
         self._store(OFFSET_SPAWN, 0)
 
+    def current_span(self, trace_id: int, span_id: int) -> None:
+        """The span now current on the host's main thread (zeros: none, or not known)."""
+        if os.getpid() != self.owner:
+            return
+        with contextlib.suppress(ValueError):  # closed meanwhile
+            SPAN_IDS.pack_into(self._map, OFFSET_CURRENT, trace_id >> 64, trace_id & 0xFFFFFFFFFFFFFFFF, span_id)
+
     def close(self) -> None:
         """Unmap, remove and unlock the file (once; in a fork child, nothing)."""
         if self.writable and self._fd >= 0:
@@ -275,7 +288,7 @@ def read(path: Path) -> dict[str, Any] | None:
     fields = LAYOUT.unpack(data)
     if fields[0] != MAGIC:
         return None
-    _, pid, flags, interp, loop, spawn, loop_kind, watchdog_pid, command, trace_id, span_id = fields
+    _, pid, flags, interp, loop, spawn, loop_kind, watchdog_pid, command, trace_id, span_id, *current = fields
     kinds = {v: k for k, v in LOOP_KINDS.items()}
     return {
         "pid": pid,
@@ -288,7 +301,20 @@ def read(path: Path) -> dict[str, Any] | None:
         "spawn_command": command.rstrip(b"\0").decode(errors="replace"),
         "trace_id": trace_id.hex(),
         "span_id": span_id.hex(),
+        "current_trace_id": current[0].hex(),
+        "current_span_id": current[1].hex(),
     }
+
+
+def frozen_span(snapshot: dict[str, Any]) -> tuple[int, int]:
+    """The (trace id, span id) a freeze seen in `snapshot` happened in, (0, 0) if not known: the
+    span of the spawn in progress, else the span current on the host's main thread."""
+    if snapshot["spawn_ns"]:
+        ids = snapshot["trace_id"], snapshot["span_id"]
+    else:
+        ids = snapshot["current_trace_id"], snapshot["current_span_id"]
+    trace_id, span_id = int(ids[0] or "0", 16), int(ids[1] or "0", 16)
+    return (trace_id, span_id) if trace_id and span_id else (0, 0)
 
 
 # ---- host-side writers --------------------------------------------------------------------------
@@ -342,6 +368,7 @@ def start(
             os.register_at_fork(before=disarm_for_fork, after_in_parent=rearm_after_fork)
     ensure_thread()
     _watch_loops()
+    track_current_span()
 
 
 def ensure_thread() -> None:
@@ -472,6 +499,40 @@ def _watch_loops() -> None:
     )
 
 
+_tracking_spans = False
+
+
+def track_current_span() -> None:
+    """From now on, write the span current on the main thread into the heartbeat whenever a
+    context is attached or detached there, and zeros at each loop heartbeat (between callbacks no
+    span is current, and a task that resumes inside a span attaches nothing: unknown, not stale).
+    The public `opentelemetry.context.attach`/`detach` are wrapped: `use_span` and
+    `start_as_current_span` go through them."""
+    global _tracking_spans
+    if _tracking_spans:
+        return
+    import wrapt
+
+    wrapt.wrap_function_wrapper("opentelemetry.context", "attach", _note_current_span)
+    wrapt.wrap_function_wrapper("opentelemetry.context", "detach", _note_current_span)
+    _tracking_spans = True
+
+
+def _note_current_span(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    result = wrapped(*args, **kwargs)
+    area = AREA
+    if area is not None and threading.get_ident() == _MAIN_THREAD:
+        try:
+            current = get_current_span().get_span_context()
+            area.current_span(current.trace_id, current.span_id)
+        except Exception:
+            from ..instrument._common import FAULTS
+
+            FAULTS.record(COMPONENT, SETTING)
+    return result
+
+
+_MAIN_THREAD = threading.main_thread().ident  # the thread whose event loop the watchdog watches
 _lag_histogram: Any = None
 
 
@@ -538,7 +599,7 @@ def _watch_this_child() -> HeartbeatArea | None:
     Not in an after-fork handler (no process or thread starts there): a child that only execs, or
     never runs a loop, costs nothing. The parent's file and watchdog are left to the parent.
     """
-    global AREA, _child_tried, _stacks_file, _watchdog
+    global AREA, _child_tried, _stacks_file, _watchdog, _MAIN_THREAD
     if _start_for_child is None or _child_tried == os.getpid():
         return None
     _child_tried = os.getpid()
@@ -559,6 +620,7 @@ def _watch_this_child() -> HeartbeatArea | None:
         if _armed_by == 0:
             _stacks_file = open(stacks_path(area.path), "w", opener=opener)  # noqa: SIM115 - as in start()
     AREA, _watchdog = area, process
+    _MAIN_THREAD = threading.get_ident()
     ensure_thread()
     return area
 
@@ -588,6 +650,7 @@ def _beat(beats: _LoopBeats) -> None:
         return
     now = time.monotonic()
     beats.area.beat_loop()
+    beats.area.current_span(0, 0)
     if _stacks_file is not None and beats.area.writable and _armed_by in (0, pid := os.getpid()):
         faulthandler.dump_traceback_later(_threshold, file=_stacks_file)  # replaces the previous timer
         _armed_by = pid

@@ -21,6 +21,7 @@ It shares the host's stderr, so every line it writes there starts `stallwatch wa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import select
@@ -349,15 +350,17 @@ class FreezeTelemetry:
             self._journal.freeze_started(
                 freeze.kind, freeze.diagnosis.cause, freeze.started_wall_ns, self._record_attributes(freeze)
             )
-        _log.warning("stallwatch: freeze detected: %s", self._describe(freeze, now_ns),
-                     extra=self._record_attributes(freeze))  # fmt: skip
+        with _in_host_span(freeze):
+            _log.warning("stallwatch: freeze detected: %s", self._describe(freeze, now_ns),
+                         extra=self._record_attributes(freeze))  # fmt: skip
         self.flush()
         self._to_sentry(freeze, now_ns)
 
     def still_frozen(self, freeze: Freeze, now_ns: int) -> None:
         self._active = dict.fromkeys(self._active, 0) | {(freeze.kind, freeze.diagnosis.cause): 1}
-        _log.warning("stallwatch: still frozen: %s", self._describe(freeze, now_ns),
-                     extra=self._record_attributes(freeze))  # fmt: skip
+        with _in_host_span(freeze):
+            _log.warning("stallwatch: still frozen: %s", self._describe(freeze, now_ns),
+                         extra=self._record_attributes(freeze))  # fmt: skip
         self.flush()
 
     def thawed(self, freeze: Freeze, outcome: str) -> None:
@@ -380,14 +383,15 @@ class FreezeTelemetry:
         self._duration.record_now(seconds, {"stallwatch.freeze.kind": freeze.kind,
                                             "stallwatch.freeze.cause": freeze.diagnosis.cause})  # fmt: skip
         links = []
-        trace_id, span_id = int(freeze.snapshot["trace_id"] or "0", 16), int(freeze.snapshot["span_id"] or "0", 16)
-        if freeze.snapshot.get("spawn_ns") and trace_id and span_id:
+        trace_id, span_id = heartbeat.frozen_span(freeze.snapshot)
+        if trace_id:
             links.append(Link(SpanContext(trace_id, span_id, is_remote=True, trace_flags=TraceFlags(1))))
         span = self._tracer.start_span("stallwatch.freeze", start_time=freeze.started_wall_ns, links=links,
                                        attributes=attributes)  # fmt: skip
         span.end()
         log = _log.warning if outcome == "host_killed" else _log.info
-        log("stallwatch: freeze over after %.1fs (%s, outcome %s)", seconds, freeze.kind, outcome, extra=attributes)
+        with _in_host_span(freeze):
+            log("stallwatch: freeze over after %.1fs (%s, outcome %s)", seconds, freeze.kind, outcome, extra=attributes)
         self.flush()
 
     def _to_sentry(self, freeze: Freeze, now_ns: int) -> None:
@@ -441,6 +445,19 @@ class FreezeTelemetry:
         for reader in getattr(sdk_config, "metric_readers", ()):
             if isinstance(reader, PeriodicExportingMetricReader):
                 reader.force_flush()
+
+
+def _in_host_span(freeze: Freeze) -> contextlib.AbstractContextManager[Any]:
+    """Makes the host's span that froze (`heartbeat.frozen_span`) current in the watchdog, so the
+    log records made inside carry its trace and span ids (the SDK's handler reads them there)."""
+    from opentelemetry import trace
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+
+    trace_id, span_id = heartbeat.frozen_span(freeze.snapshot)
+    if not trace_id:
+        return contextlib.nullcontext()
+    host_span = NonRecordingSpan(SpanContext(trace_id, span_id, is_remote=True, trace_flags=TraceFlags(1)))
+    return trace.use_span(host_span, end_on_exit=False)
 
 
 class _SourceFormatter(logging.Formatter):
