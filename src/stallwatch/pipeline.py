@@ -425,12 +425,18 @@ def _prometheus_reader(settings: Settings, pipeline: Pipeline) -> MetricReader:
     pipeline._closers += [server.shutdown, server.server_close]
 
     class Reader(PrometheusMetricReader):  # type: ignore[misc]
-        """The stock reader, whose scrapes also carry stallwatch's own histograms (`histograms`)."""
+        """The stock reader, whose scrapes also carry stallwatch's own histograms (`histograms`),
+        with their exemplars, which the stock collector drops (an OpenMetrics scrape shows them)."""
 
         def _receive_metrics(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> None:
             super()._receive_metrics(histograms.inject(metrics_data), timeout_millis, **kwargs)
 
-    return Reader()
+    reader = Reader()
+    collector = getattr(reader, "_collector", None)  # the exporter's prometheus_client collector
+    if collector is not None and callable(getattr(collector, "collect", None)):
+        stock_collect = collector.collect
+        collector.collect = lambda: histograms.with_exemplars(stock_collect())
+    return reader
 
 
 def _otlp_endpoint(settings: Settings, signal: str, http: bool) -> str | None:

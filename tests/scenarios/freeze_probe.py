@@ -12,6 +12,8 @@ pid, once the watchdog watches (the freeze starts 0.5 s later), so a test can wa
 --sentry=DSN, sentry-sdk is initialised with that DSN (a loopback sink) before stallwatch.setup().
 The held spawn is `/bin/true`; with --args `/bin/true one two`, with --shell the shell command
 `true one two`. With --healthy=N, N healthy `/bin/true` spawns (each its own trace) run first.
+With --linger=S the host lives S seconds (default 1.5) after the freeze, so that its watchdog, which
+leaves with it, can be scraped after the thaw.
 """
 
 import os
@@ -78,7 +80,8 @@ async def main() -> dict:
             ended = time.time_ns()
             HANG["seconds"] = 0.0
             await child.wait()
-    await asyncio.sleep(1.5)  # let the watchdog see the thaw
+    linger = [float(a.removeprefix("--linger=")) for a in sys.argv if a.startswith("--linger=")]
+    await asyncio.sleep(linger[-1] if linger else 1.5)  # let the watchdog see the thaw
     context = span.get_span_context()
     return {
         "spawn_started_ns": started,

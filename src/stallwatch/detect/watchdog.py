@@ -380,8 +380,9 @@ class FreezeTelemetry:
                 "stallwatch.freeze.host.pid": self._pid,
             }
         )
-        self._duration.record_now(seconds, {"stallwatch.freeze.kind": freeze.kind,
-                                            "stallwatch.freeze.cause": freeze.diagnosis.cause})  # fmt: skip
+        with _in_host_span(freeze):  # an exemplar of the duration leads to the frozen span
+            self._duration.record_now(seconds, {"stallwatch.freeze.kind": freeze.kind,
+                                                "stallwatch.freeze.cause": freeze.diagnosis.cause})  # fmt: skip
         links = []
         trace_id, span_id = heartbeat.frozen_span(freeze.snapshot)
         if trace_id:
