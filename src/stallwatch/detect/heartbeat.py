@@ -54,6 +54,7 @@ OFFSET_INTERP, OFFSET_LOOP, OFFSET_SPAWN = 16, 24, 32
 OFFSET_LOOP_KIND, OFFSET_WATCHDOG = 40, 44
 OFFSET_COMMAND, OFFSET_TRACE, OFFSET_SPAN, OFFSET_CURRENT = 48, 304, 320, 328
 SPAN_IDS = struct.Struct(">QQQ")  # trace id (high, low 64 bits), span id: one store of 24 bytes
+_LOW_64 = (1 << 64) - 1
 FLAG_LOOP_TRACKED = 1
 SWEEP_AGE_SECONDS = 10.0  # an unlocked file younger than this may be one a host is creating now
 LOOP_KINDS = {"none": 0, "asyncio": 1, "uvloop": 2}
@@ -220,7 +221,7 @@ class HeartbeatArea:
         if os.getpid() != self.owner:
             return
         with contextlib.suppress(ValueError):  # closed meanwhile
-            SPAN_IDS.pack_into(self._map, OFFSET_CURRENT, trace_id >> 64, trace_id & 0xFFFFFFFFFFFFFFFF, span_id)
+            SPAN_IDS.pack_into(self._map, OFFSET_CURRENT, trace_id >> 64, trace_id & _LOW_64, span_id)
 
     def close(self) -> None:
         """Unmap, remove and unlock the file (once; in a fork child, nothing)."""
@@ -354,20 +355,25 @@ def start(
     `start_for_child` makes a heartbeat file and starts a watchdog for the calling process: it is
     called when a fork child that lives on starts an event loop (gunicorn-style workers).
     """
-    global AREA, _lag_histogram, _stacks_file, _threshold, _watchdog, _start_for_child
+    global AREA, _lag_histogram, _stacks_file, _threshold, _watchdog, _start_for_child, _span_writer
+    global _child_handler_registered
     AREA = area
     _lag_histogram = lag_histogram
     _threshold = threshold
     _watchdog = watchdog
     _start_for_child = start_for_child
+    from ..forksafe import guard
+
     if stacks:
         _stacks_file = open(stacks_path(area.path), "w", opener=opener)  # noqa: SIM115 - lives as long as the heartbeats
-        from ..forksafe import guard
-
         if not guard.installed():  # STALLWATCH_FORK_GUARD=false: the guard's handlers do not call them
             os.register_at_fork(before=disarm_for_fork, after_in_parent=rearm_after_fork)
+    if not guard.installed() and not _child_handler_registered:  # as above, for `forked_child`
+        os.register_at_fork(after_in_child=forked_child)
+        _child_handler_registered = True
     ensure_thread()
     _watch_loops()
+    _span_writer = area
     track_current_span()
 
 
@@ -476,9 +482,11 @@ def _hand_over_sentry(area: HeartbeatArea, handed: dict[str, Any] | None) -> dic
 def stop() -> None:
     """Stop writing heartbeats and remove the files (at shutdown). In a fork child that lives on
     (and exits through `atexit`), the files are its parent's: they stay."""
-    global AREA, _stacks_file, _armed_by
+    global AREA, _stacks_file, _armed_by, _span_writer
     with _stopping:
         area, AREA = AREA, None
+    _span_writer = None
+    untrack_current_span()
     if _stacks_file is not None:
         if _armed_by == os.getpid():
             faulthandler.cancel_dump_traceback_later()
@@ -499,40 +507,80 @@ def _watch_loops() -> None:
     )
 
 
-_tracking_spans = False
+_tracked: tuple[Any, ...] | None = None  # the original attach/detach and ours, while ours are in place
+_child_handler_registered = False
 
 
 def track_current_span() -> None:
     """From now on, write the span current on the main thread into the heartbeat whenever a
     context is attached or detached there, and zeros at each loop heartbeat (between callbacks no
     span is current, and a task that resumes inside a span attaches nothing: unknown, not stale).
-    The public `opentelemetry.context.attach`/`detach` are wrapped: `use_span` and
-    `start_as_current_span` go through them."""
-    global _tracking_spans
-    if _tracking_spans:
+
+    The public `opentelemetry.context.attach`/`detach` are replaced (`use_span` and
+    `start_as_current_span` call them through the module) by plain functions around them, not wrapt
+    wrappers: they run twice per span, where wrapt's dispatch would double the cost.
+    `untrack_current_span()` puts them back."""
+    global _tracked
+    if _tracked is not None:
         return
-    import wrapt
+    import opentelemetry.context as context_api
 
-    wrapt.wrap_function_wrapper("opentelemetry.context", "attach", _note_current_span)
-    wrapt.wrap_function_wrapper("opentelemetry.context", "detach", _note_current_span)
-    _tracking_spans = True
+    attach, detach = context_api.attach, context_api.detach
+    get_ident = threading.get_ident
+
+    def attach_noted(context: Any) -> Any:
+        token = attach(context)
+        if _span_writer is not None and get_ident() == _MAIN_THREAD:
+            _write_current_span(get_current_span(context))
+        return token
+
+    def detach_noted(token: Any) -> None:
+        detach(token)
+        if _span_writer is not None and get_ident() == _MAIN_THREAD:
+            _write_current_span(get_current_span())
+
+    context_api.attach, context_api.detach = attach_noted, detach_noted
+    _tracked = (attach, detach, attach_noted, detach_noted)
 
 
-def _note_current_span(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    result = wrapped(*args, **kwargs)
-    area = AREA
-    if area is not None and threading.get_ident() == _MAIN_THREAD:
-        try:
-            current = get_current_span().get_span_context()
-            area.current_span(current.trace_id, current.span_id)
-        except Exception:
-            from ..instrument._common import FAULTS
+def untrack_current_span() -> None:
+    """Put `opentelemetry.context.attach`/`detach` back, unless something replaced ours since."""
+    global _tracked
+    if _tracked is None:
+        return
+    import opentelemetry.context as context_api
 
-            FAULTS.record(COMPONENT, SETTING)
-    return result
+    attach, detach, attach_noted, detach_noted = _tracked
+    if context_api.attach is attach_noted and context_api.detach is detach_noted:
+        context_api.attach, context_api.detach = attach, detach
+    _tracked = None
+
+
+def forked_child() -> None:
+    """In every fork child, at once (an after-fork handler): the parent's heartbeat is not this
+    process's to write; a child that lives on and runs a loop gets its own (`_watch_this_child`)."""
+    global _span_writer
+    _span_writer = None
+
+
+def _write_current_span(span: Any) -> None:
+    area = _span_writer
+    if area is None:  # stopped meanwhile
+        return
+    try:
+        ids = span.get_span_context()
+        trace_id = ids.trace_id
+        SPAN_IDS.pack_into(area._map, OFFSET_CURRENT, trace_id >> 64, trace_id & _LOW_64, ids.span_id)
+    except ValueError:  # closed by stop() meanwhile
+        pass
+    except Exception:
+        from ..instrument._common import FAULTS
+
+        FAULTS.record(COMPONENT, SETTING)
 
 
 _MAIN_THREAD = threading.main_thread().ident  # the thread whose event loop the watchdog watches
+_span_writer: HeartbeatArea | None = None  # the heartbeat this process writes its current span into
 _lag_histogram: Any = None
 
 
@@ -599,7 +647,7 @@ def _watch_this_child() -> HeartbeatArea | None:
     Not in an after-fork handler (no process or thread starts there): a child that only execs, or
     never runs a loop, costs nothing. The parent's file and watchdog are left to the parent.
     """
-    global AREA, _child_tried, _stacks_file, _watchdog, _MAIN_THREAD
+    global AREA, _child_tried, _stacks_file, _watchdog, _MAIN_THREAD, _span_writer
     if _start_for_child is None or _child_tried == os.getpid():
         return None
     _child_tried = os.getpid()
@@ -619,7 +667,7 @@ def _watch_this_child() -> HeartbeatArea | None:
         _stacks_file = None
         if _armed_by == 0:
             _stacks_file = open(stacks_path(area.path), "w", opener=opener)  # noqa: SIM115 - as in start()
-    AREA, _watchdog = area, process
+    AREA, _watchdog, _span_writer = area, process, area
     _MAIN_THREAD = threading.get_ident()
     ensure_thread()
     return area
