@@ -247,7 +247,6 @@ def _report(
 ) -> None:
     """Count, log, add to the item's span and send to Sentry one detection; `tags` and `context`
     are the Sentry event's facts beyond the executor and the message (`telemetry.SENTRY_EVENTS`)."""
-    ex._add(telemetry.WEDGE_DETECTED, 1, {**state.attributes, telemetry.WEDGE_KIND.name: kind})
     trace_id = span_id = ""
     span_context = trace.INVALID_SPAN_CONTEXT
     if record is not None:
@@ -259,9 +258,11 @@ def _report(
     hint = "" if SETTINGS.heal or kind not in ("orphaned_item", "queue_stalled") else (
         " STALLWATCH_EXECUTOR_HEAL=true fails such items with stallwatch.WorkerDied and restores the pool."
     )  # fmt: skip
-    # Made current around the record, so that it carries the submitter's trace and span ids.
+    # Made current around the count and the record: the count's exemplar (OTLP, SDK 1.28+) and the
+    # record carry the submitter's trace and span ids.
     submitter = trace.NonRecordingSpan(span_context) if trace_id else trace.INVALID_SPAN
     with trace.use_span(submitter, end_on_exit=False):
+        ex._add(telemetry.WEDGE_DETECTED, 1, {**state.attributes, telemetry.WEDGE_KIND.name: kind})
         _log.warning(
             "stallwatch: wedge %s: %s%s.%s",
             kind,
