@@ -403,7 +403,7 @@ class FreezeTelemetry:
             return
         record = self._record_attributes(freeze)
         found = freeze.diagnosis
-        spawning = bool(freeze.snapshot.get("spawn_ns"))
+        trace_id, span_id = heartbeat.frozen_span(freeze.snapshot)
         child = next((c for c in found.children if c["pid"] == found.waits_on_child), None)
         context = {
             "description": scrub_value(self._describe(freeze, now_ns)),  # names what the host ran
@@ -424,8 +424,8 @@ class FreezeTelemetry:
                 "freeze",
                 record,
                 context,
-                freeze.snapshot["trace_id"] if spawning else "",
-                freeze.snapshot["span_id"] if spawning else "",
+                f"{trace_id:032x}" if trace_id else "",
+                f"{span_id:016x}" if trace_id else "",
             )
         except Exception:  # sentry-sdk missing or odd here: the freeze still went to OpenTelemetry
             from ..instrument._common import FAULTS, SENTRY_COMPONENT, SENTRY_OFF, SENTRY_SETTING
