@@ -5,13 +5,13 @@ the only witness is another process. The host writes two heartbeats into a small
 (mode 0600): an *interpreter* heartbeat from a daemon thread (stale when nothing Python runs:
 `gil_held`) and a *loop* heartbeat from a callback on the main thread's event loop (stale while
 the interpreter runs: `loop_blocked`). Before each exec-bound spawn the host also writes what it
-spawns and the current span, so the watchdog can name the frozen operation, and whenever a span
-is entered or left on the main thread (`opentelemetry.context.attach`/`detach`) which span is
-current there, so a freeze's records lead to the trace it froze in (`track_current_span`). Each field is an
-aligned 8-byte store or a fixed byte range, written without locks; the watchdog tolerates a torn
-read by re-reading. No library does this, hence the hand-written layout. The watchdog writes one
-field itself: its pid, once it reads the file from its poll loop (`mark_watched`), which the host
-reads to know that a freeze would be seen from now on (`HeartbeatArea.watched_by`).
+spawns and the current span, so the watchdog can name the frozen operation; and whenever a span
+is entered or left on the main thread, which span is current there, so that a freeze's records lead
+to the trace it froze in (`track_current_span`). Each field is an aligned 8-byte store or a fixed
+byte range, written without locks; the watchdog tolerates a torn read by re-reading. No library
+does this, hence the hand-written layout. The watchdog writes one field itself: its pid, once it
+reads the file from its poll loop (`mark_watched`), which the host reads to know that a freeze
+would be seen from now on (`HeartbeatArea.watched_by`).
 
 The host holds an exclusive `flock` on its heartbeat file while it lives; the kernel drops it when
 the host (and any forked child still holding the descriptor) is gone, even on SIGKILL. The watchdog
