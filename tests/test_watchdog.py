@@ -96,7 +96,8 @@ def test_the_watchdogs_records_of_a_uvloop_host_frozen_inside_a_span_carry_that_
     assert span["links"][0]["traceId"] == result["trace_id"]
 
 
-def test_a_forked_child_entering_spans_never_names_them_in_its_parents_freeze(telemetry_dir):
+@pytest.mark.parametrize("fork_guard", ["true", "false"])
+def test_a_forked_child_entering_spans_never_names_them_in_its_parents_freeze(telemetry_dir, fork_guard):
     proc = run_python(
         f"""
         import asyncio, os, time
@@ -124,7 +125,8 @@ def test_a_forked_child_entering_spans_never_names_them_in_its_parents_freeze(te
 
         uvloop.run(main())
         stallwatch.shutdown(timeout=5)
-        """
+        """,
+        env=clean_env(STALLWATCH_FORK_GUARD=fork_guard),
     )
 
     assert proc.returncode == 0, proc.stderr
