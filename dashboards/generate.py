@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+import urllib.parse
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ from grafana_foundation_sdk.models import dashboard as gm
 from grafana_foundation_sdk.models import tempo as tempo_models
 
 from stallwatch import telemetry as t
+from stallwatch.ledger import LOGGER_NAME as LEDGER_LOGGER
 
 
 def label(attribute: t.Attribute) -> str:
@@ -1357,6 +1359,69 @@ def _annotation(name: str, color: str, expr: str) -> gd.AnnotationQuery:
     return gd.AnnotationQuery().name(name).datasource(DS[PROMETHEUS]).enable(True).icon_color(color).expr(expr)
 
 
+# ---- from a freeze, wedge or cloud call to its trace ----------------------------------------------
+
+# Loki's OTLP ingestion keeps a record's trace and span ids, scope name and attributes as structured
+# metadata (`trace_id`, `scope_name`, dots made underscores); the data source's derived field
+# `trace_id` (provisioning/grafana/datasources.yaml) turns the first into a link to Tempo.
+TRACE_RECORDS = {
+    "stallwatch-freezes": (
+        "Freeze records → traces",
+        f'{{service_name=~"${{service:regex}}"}} | scope_name = "{WATCHDOG_LOGGER}" | trace_id != ""',
+        "The watchdog's records of freezes that happened inside a span: each carries the trace and span ids of "
+        "the span current on the host's main thread when it froze (the spawn in progress, else the span last "
+        "entered there since the loop last ran its heartbeat). Open a record and follow trace_id to Tempo.",
+    ),
+    "stallwatch-wedges": (
+        "Wedge records → traces",
+        f'{{service_name=~"${{service:regex}}"}} | {label(t.WEDGE_KIND)} != ""',
+        "Every wedge detection's record; those about one work item carry the trace and span ids of the span "
+        "that submitted it (the request left waiting). Open a record and follow trace_id to Tempo.",
+    ),
+    "stallwatch-cloud-calls": (
+        "Cloud resource records → traces",
+        f'{{service_name=~"${{service:regex}}"}} | scope_name = "{LEDGER_LOGGER}"',
+        "The cloud resource ledger's records (intent, outcome), each made in the span of the API call it "
+        "describes. Open a record and follow trace_id to Tempo.",
+    ),
+}
+TRACE_LINK_PANES = {
+    "trace": {
+        "datasource": "${tempo}",
+        "queries": [
+            {
+                "refId": "A",
+                "datasource": {"type": TEMPO, "uid": "${tempo}"},
+                "queryType": "traceql",
+                "query": "${__data.fields.trace_id}",
+            }
+        ],
+        "range": {"from": "${__from}", "to": "${__to}"},
+    }
+}
+TRACE_LINK = "/explore?schemaVersion=1&orgId=1&panes=" + urllib.parse.quote(
+    json.dumps(TRACE_LINK_PANES, separators=(",", ":")), safe="${}_.:"
+)
+
+
+def trace_records_panel(spec: Dashboard, model: dict[str, Any]) -> dict[str, Any] | None:
+    """The Loki panel of `spec`'s log records that lead to traces, placed full width below every
+    panel of `model` (the built dashboard), with a data link to the record's trace in Tempo; None
+    for a dashboard without one."""
+    if spec.uid not in TRACE_RECORDS:
+        return None
+    title, expr, description = TRACE_RECORDS[spec.uid]
+    panel_id = max((p["id"] for p in model.get("panels", [])), default=0) + 1
+    below = max((p["gridPos"]["y"] + p["gridPos"]["h"] for p in model.get("panels", [])), default=0)
+    position = gm.GridPos(h=10, w=24, x=0, y=below)
+    built = _panel(
+        Panel(title, description, "none", (Query(expr),), kind="logs", source=LOKI, width=24), panel_id, position
+    )
+    panel: dict[str, Any] = json.loads(json.dumps(built.build(), cls=JSONEncoder))
+    panel["fieldConfig"]["defaults"]["links"] = [{"title": "Trace in Tempo", "url": TRACE_LINK}]
+    return panel
+
+
 def build(spec: Dashboard) -> dict[str, Any]:
     """The dashboard model (Grafana JSON) of one dashboard spec."""
     builder = (
@@ -1386,7 +1451,11 @@ def build(spec: Dashboard) -> dict[str, Any]:
             x, y = 0, y + PANEL_HEIGHT
         builder = builder.with_panel(_panel(panel, panel_id, gm.GridPos(h=PANEL_HEIGHT, w=panel.width, x=x, y=y)))
         x += panel.width
-    return json.loads(json.dumps(builder.build(), cls=JSONEncoder))
+    model: dict[str, Any] = json.loads(json.dumps(builder.build(), cls=JSONEncoder))
+    records = trace_records_panel(spec, model)
+    if records is not None:
+        model["panels"].append(records)
+    return model
 
 
 def _yaml(data: dict[str, Any], header: str) -> str:

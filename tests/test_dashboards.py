@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -205,6 +206,30 @@ def test_a_freeze_shorter_than_a_scrape_interval_shows_afterwards_and_the_runboo
     readme = (DASHBOARDS / "README.md").read_text()
     assert "What FreezeActive can see depends on the scrape interval" in readme
     assert f"({interval['scrape_interval'].removesuffix('s')} s in the shipped" in readme
+
+
+def test_the_freeze_wedge_and_cloud_dashboards_each_end_with_a_loki_panel_of_records_linking_to_tempo():
+    datasources = yaml.safe_load((DASHBOARDS / "provisioning" / "grafana" / "datasources.yaml").read_text())
+    (loki,) = [d for d in datasources["datasources"] if d["type"] == "loki"]
+    derived = {field["name"]: field for field in loki["jsonData"]["derivedFields"]}
+    assert derived["trace_id"]["matcherType"] == "label" and derived["trace_id"]["datasourceUid"] == "tempo"
+    for name, dashboard in dashboards().items():
+        panel = dashboard["panels"][-1]
+        assert (panel["type"], panel["datasource"]["type"]) == ("logs", "loki"), name
+        assert panel["title"].endswith("→ traces") and panel["options"]["enableLogDetails"], name
+        below = max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in dashboard["panels"][:-1])
+        assert panel["gridPos"] == {"h": 10, "w": 24, "x": 0, "y": below}, name  # full width, under the rest
+        (target,) = panel["targets"]
+        assert target["expr"].startswith('{service_name=~"${service:regex}"} | '), name
+        (link,) = panel["fieldConfig"]["defaults"]["links"]
+        panes = json.loads(urllib.parse.unquote(link["url"].split("panes=", 1)[1]))
+        (query,) = panes["trace"]["queries"]
+        assert query["datasource"] == {"type": "tempo", "uid": "${tempo}"}, name
+        assert (query["queryType"], query["query"]) == ("traceql", "${__data.fields.trace_id}"), name
+    exprs = {name: d["panels"][-1]["targets"][0]["expr"] for name, d in dashboards().items()}
+    assert 'scope_name = "stallwatch.watchdog" | trace_id != ""' in exprs["freezes.json"]
+    assert f"{telemetry.WEDGE_KIND.name.replace('.', '_')} != " in exprs["wedges.json"]
+    assert 'scope_name = "stallwatch.cloud"' in exprs["cloud-calls.json"]
 
 
 def test_alert_rules_point_at_a_dashboard_panel_and_the_postmortem():

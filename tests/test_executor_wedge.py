@@ -37,6 +37,15 @@ def test_without_the_guard_the_worker_death_and_the_orphaned_item_are_reported(t
     assert latest_total(metrics, "stallwatch.executor.orphaned.outstanding", **runner) == 1
     logs = (telemetry_dir / "logs.jsonl").read_text()
     assert "wedge orphaned_item" in logs and "runner_0" in logs and "STALLWATCH_EXECUTOR_HEAL" in logs
+    records = [r for r in otlp_items(telemetry_dir / "logs.jsonl", "logs") if "wedge" in r["body"]["stringValue"]]
+    orphaned = [r for r in records if "wedge orphaned_item" in r["body"]["stringValue"]]
+    assert [r["traceId"] for r in orphaned] == [result["B_trace"]]  # the lost request's trace, from Loki to Tempo
+    from opentelemetry.sdk import metrics as sdk_metrics
+
+    if hasattr(sdk_metrics, "Exemplar"):  # SDK 1.28+: the count's exemplar leads there too
+        points = metric_points(metrics, "stallwatch.wedge.detected")
+        orphan_points = [p for p in points if attrs(p).get("stallwatch.wedge.kind") == "orphaned_item"]
+        assert {e["traceId"] for p in orphan_points for e in p.get("exemplars", [])} == {result["B_trace"]}
 
 
 def test_with_heal_the_lost_request_fails_fast_and_the_pool_recovers(telemetry_dir):

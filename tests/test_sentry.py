@@ -139,11 +139,23 @@ def test_a_stale_async_exception_refused_is_sent_with_the_callers_trace(sink, te
     assert event["contexts"]["trace"]["trace_id"] == json.loads(proc.stdout)
 
 
-def _freeze_probe(sink: SentrySink, telemetry_dir, seconds: str) -> subprocess.Popen[str]:
+def _freeze_probe(sink: SentrySink, telemetry_dir, seconds: str, *more: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, str(SCENARIOS / "freeze_probe.py"), str(telemetry_dir), seconds, f"--sentry={sink.dsn}"],
+        [sys.executable, str(SCENARIOS / "freeze_probe.py"), str(telemetry_dir), seconds, f"--sentry={sink.dsn}",
+         *more],
         env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
+
+
+def test_a_loop_frozen_inside_a_span_is_in_sentry_with_that_spans_trace(sink, telemetry_dir):
+    host = _freeze_probe(sink, telemetry_dir, "3", "--block-loop")
+    (event,) = ours(sink.wait_for_events(lambda e: ours(e, "freeze")))
+    stdout, stderr = host.communicate(timeout=60)
+    assert host.returncode == 0, stderr
+    result = json.loads(stdout.splitlines()[-1])
+    assert event["fingerprint"][:3] == ["stallwatch", "freeze", "loop_blocked"]
+    assert event["contexts"]["trace"]["trace_id"] == event["tags"]["otel.trace_id"] == result["trace_id"]
+    assert event["contexts"]["trace"]["span_id"] == result["span_id"]
 
 
 def test_a_freeze_is_in_sentry_while_the_host_is_still_frozen_and_only_once(sink, telemetry_dir):

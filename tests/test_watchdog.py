@@ -56,6 +56,7 @@ def test_gil_held_freeze_is_reported_while_the_host_is_still_frozen(telemetry_di
     (span,) = freeze_spans(telemetry_dir / "traces.jsonl")
     assert attrs(span)["stallwatch.freeze.outcome"] == "thawed"
     assert span["links"][0]["spanId"] == result["span_id"]  # joined to the frozen probe's span
+    assert (detected[0]["traceId"], detected[0]["spanId"]) == (result["trace_id"], result["span_id"])
     assert 2.5e9 <= int(span["endTimeUnixNano"]) - int(span["startTimeUnixNano"]) <= 10e9  # 3 s, on a loaded machine
 
 
@@ -83,6 +84,56 @@ def test_a_loop_blocked_by_sync_code_is_not_a_held_gil(telemetry_dir):
     lag = metric_points(telemetry_dir / "metrics.jsonl", "stallwatch.loop.lag")[-1]
     assert attrs(lag) == {"stallwatch.loop": "uvloop"}
     assert float(lag["max"]) >= 1.9  # the loop ran its heartbeat ~2 s late
+
+
+def test_the_watchdogs_records_of_a_uvloop_host_frozen_inside_a_span_carry_that_spans_trace_id(telemetry_dir):
+    result = run_scenario("freeze_probe.py", str(telemetry_dir), "2", "--block-loop")
+
+    records = [r for r in log_records(telemetry_dir / "logs.jsonl") if "freeze" in r["body"]["stringValue"]]
+    assert "freeze detected" in records[0]["body"]["stringValue"]
+    for record in records:  # every freeze record leads to the request that froze the loop
+        assert (record["traceId"], record["spanId"]) == (result["trace_id"], result["span_id"])
+    (span,) = freeze_spans(telemetry_dir / "traces.jsonl")
+    assert span["links"][0]["traceId"] == result["trace_id"]
+
+
+@pytest.mark.parametrize("fork_guard", ["true", "false"])
+def test_a_forked_child_entering_spans_never_names_them_in_its_parents_freeze(telemetry_dir, fork_guard):
+    proc = run_python(
+        f"""
+        import asyncio, os, time
+        import stallwatch
+        session = stallwatch.setup(file_dir={str(telemetry_dir)!r}, freeze_threshold=1.0)
+        assert session.wait_for_watchdog(30)
+        import uvloop
+        from opentelemetry import trace
+
+        tracer = trace.get_tracer("probe")
+
+        async def main():
+            await asyncio.sleep(0.3)
+            child = os.fork()
+            if child == 0:  # shares the parent's heartbeat mapping: enters spans the whole time
+                deadline = time.monotonic() + 4
+                while time.monotonic() < deadline:
+                    with tracer.start_as_current_span("child work"):
+                        time.sleep(0.01)
+                os._exit(0)
+            await asyncio.sleep(0.5)
+            time.sleep(2)  # the parent's loop blocked, inside no span
+            await asyncio.sleep(1.5)
+            os.waitpid(child, 0)
+
+        uvloop.run(main())
+        stallwatch.shutdown(timeout=5)
+        """,
+        env=clean_env(STALLWATCH_FORK_GUARD=fork_guard),
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    records = [r for r in log_records(telemetry_dir / "logs.jsonl") if "freeze" in r["body"]["stringValue"]]
+    assert records and "freeze detected" in records[0]["body"]["stringValue"]
+    assert [r.get("traceId", "") for r in records] == [""] * len(records)  # the child's spans are not the parent's
 
 
 def test_a_loop_blocked_reading_an_execd_interpreter_is_not_a_child_before_exec(telemetry_dir):

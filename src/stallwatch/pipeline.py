@@ -430,14 +430,16 @@ def _prometheus_reader(settings: Settings, pipeline: Pipeline) -> MetricReader:
             ) from exc
 
     class Reader(PrometheusMetricReader):  # type: ignore[misc]
-        """The stock reader, whose scrapes also carry stallwatch's own histograms (`histograms`), and the
-        resource's `PROMETHEUS_RESOURCE_LABELS` as labels of every series."""
+        """The stock reader, whose scrapes also carry stallwatch's own histograms (`histograms`) with
+        their exemplars, and the resource's `PROMETHEUS_RESOURCE_LABELS` as labels of every series."""
 
         def _receive_metrics(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> None:
             super()._receive_metrics(histograms.inject(metrics_data), timeout_millis, **kwargs)
 
     labelled = [attribute.name for attribute in telemetry.PROMETHEUS_RESOURCE_LABELS]
-    return otel_compat.labelled_prometheus_reader(Reader, labelled)
+    reader = otel_compat.labelled_prometheus_reader(Reader, labelled)
+    otel_compat.transform_prometheus_families(reader, histograms.with_exemplars)  # the stock drops exemplars
+    return reader
 
 
 def _serve(pipeline: Pipeline, server: Any) -> None:

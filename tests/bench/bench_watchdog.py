@@ -16,7 +16,10 @@ Measured in one host process (a fresh interpreter) after ``stallwatch.setup(file
 - detection latency: F freezes, each a uvloop child held 2 s before exec by an after-fork handler
   registered before stallwatch (the incident's shape); latency = time of the watchdog's "freeze
   detected" log record minus the start of the frozen spawn call, with a 1 s threshold. The
-  baseline is the threshold itself: the ratio says how much the watchdog adds to it.
+  baseline is the threshold itself: the ratio says how much the watchdog adds to it;
+- what naming the frozen span costs the host: CPU time of a span entered and left on the main
+  thread (`start_as_current_span`, a no-op body) with the heartbeat's span tracking on, against
+  the same with it off (`heartbeat.untrack_current_span()`), in alternating rounds.
 """
 
 from __future__ import annotations
@@ -38,6 +41,33 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 VERSIONED = ("uvloop", "opentelemetry-sdk", "stallwatch")
 THRESHOLD = 1.0
 HOLD_SECONDS = 2.0
+SPAN_ROUNDS, SPANS_PER_ROUND = 10, 20_000
+
+
+def span_cost() -> dict[str, list[float]]:
+    """CPU µs (this thread's) per span entered and left on the main thread, per round, with span
+    tracking on and off: CPU time, so that other processes on a shared machine do not count."""
+    from opentelemetry import trace
+
+    from stallwatch.detect import heartbeat
+
+    tracer = trace.get_tracer("bench")
+
+    def one_round() -> float:
+        started = time.thread_time()
+        for _ in range(SPANS_PER_ROUND):
+            with tracer.start_as_current_span("request"):
+                pass
+        return (time.thread_time() - started) / SPANS_PER_ROUND * 1e6
+
+    rounds: dict[str, list[float]] = {"on": [], "off": []}
+    for index in range(2 * SPAN_ROUNDS):
+        tracking = index % 2 == 0
+        if not tracking:
+            heartbeat.untrack_current_span()
+        rounds["on" if tracking else "off"].append(one_round())
+        heartbeat.track_current_span()
+    return rounds
 
 
 def worker(out: str, idle: float, spawns: int, freezes: int) -> dict[str, Any]:
@@ -65,6 +95,7 @@ def worker(out: str, idle: float, spawns: int, freezes: int) -> dict[str, Any]:
 
     async def main() -> dict[str, Any]:
         await asyncio.sleep(2)  # past the watchdog's start-up
+        spans = span_cost()
         c0, t0 = cpu(), time.monotonic()
         await asyncio.sleep(idle)
         idle_percent = 100 * (cpu() - c0) / (time.monotonic() - t0)
@@ -89,6 +120,7 @@ def worker(out: str, idle: float, spawns: int, freezes: int) -> dict[str, Any]:
             "spawns_seconds": spawn_seconds,
             "spawning_cpu_percent": spawning_percent,
             "freeze_starts_ns": starts,
+            "span_us": spans,
         }
 
     result = uvloop.run(main())
@@ -121,6 +153,7 @@ def latencies(starts: list[int], detected: list[int]) -> list[float]:
 def render(result: dict[str, Any], lat: list[float], info: dict[str, Any]) -> str:
     quantiles = statistics.quantiles(lat, n=20, method="inclusive") if len(lat) > 1 else lat * 19
     p50, p95 = statistics.median(lat), quantiles[18]
+    on, off = (statistics.median(result["span_us"][mode]) for mode in ("on", "off"))
     versions = ", ".join(f"{k} {v}" for k, v in info["versions"].items())
     return "\n".join(
         [
@@ -139,6 +172,8 @@ def render(result: dict[str, Any], lat: list[float], info: dict[str, Any]) -> st
             f"{p50 / THRESHOLD:.2f}x the {THRESHOLD:.0f} s threshold |",
             f"| detection latency p95 / max | {p95:.2f} s / {max(lat):.2f} s | "
             f"{max(lat) / THRESHOLD:.2f}x the threshold at most |",
+            f"| CPU per span entered and left on the main thread, span tracking on (median of {SPAN_ROUNDS} rounds of "
+            f"{SPANS_PER_ROUND}) | {on:.2f} µs | {on - off:+.2f} µs ({on / off:.2f}x) against off: {off:.2f} µs |",
             "",
         ]
     )

@@ -3,7 +3,7 @@
 Usage: python executor_wedge.py {guard|noguard} {heal|noheal} DIR
 Item A parks in sock.recv; the peer closes, so A ends by another path and the worker goes idle;
 then, as NDIF's kill_thread does, SystemExit is injected into that worker with ctypes. Item B is
-submitted next, then C. Prints one JSON line: what B and C gave and how long B took.
+submitted next, then C. Prints one JSON line: what B and C gave, how long B took and B's trace id.
 """
 
 import ctypes
@@ -61,7 +61,7 @@ item_a.result(timeout=30)
 wait_until(lambda: waiting_in("_worker"), "the worker waits for its next item")
 returned = ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(worker["ident"]), ctypes.py_object(SystemExit))
 started = time.monotonic()
-with trace.get_tracer("scenario").start_as_current_span("request B"):
+with trace.get_tracer("scenario").start_as_current_span("request B") as request_b:
     item_b = pool.submit(lambda: "B done")
 # Without the guard or healing B never completes: 3 s show it hangs. Otherwise it completes, however loaded.
 patience = 30.0 if guard or heal else 3.0
@@ -69,6 +69,11 @@ b = outcome(item_b, patience)
 b_seconds = time.monotonic() - started
 c = outcome(pool.submit(lambda: "C done"), patience)
 stallwatch.shutdown(timeout=5)
-print(json.dumps({"set_async_exc_returned": returned, "B": b, "B_seconds": round(b_seconds, 3), "C": c}))
+b_trace = format(request_b.get_span_context().trace_id, "032x")
+print(
+    json.dumps(
+        {"set_async_exc_returned": returned, "B": b, "B_seconds": round(b_seconds, 3), "C": c, "B_trace": b_trace}
+    )
+)
 sys.stdout.flush()
 os._exit(0)  # a wedged pool would also hang interpreter exit (concurrent.futures joins its workers)

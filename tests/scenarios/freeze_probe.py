@@ -12,6 +12,8 @@ pid, once the watchdog watches (the freeze starts 0.5 s later), so a test can wa
 --sentry=DSN, sentry-sdk is initialised with that DSN (a loopback sink) before stallwatch.setup().
 The held spawn is `/bin/true`; with --args `/bin/true one two`, with --shell the shell command
 `true one two`. With --healthy=N, N healthy `/bin/true` spawns (each its own trace) run first.
+With --linger=S the host lives S seconds more once its watchdog has exported the freeze, so that the
+watchdog, which leaves with it, can be scraped after the thaw.
 """
 
 import os
@@ -102,6 +104,9 @@ async def main() -> dict:
             HANG["seconds"] = 0.0
             await child.wait()
     await until(lambda: freeze_spans() > exported, "the watchdog exported the freeze at its thaw")
+    linger = [float(a.removeprefix("--linger=")) for a in sys.argv if a.startswith("--linger=")]
+    if linger:
+        await asyncio.sleep(linger[-1])  # the workload: the host (and its watchdog) stays up to be scraped
     context = span.get_span_context()
     return {
         "spawn_started_ns": started,

@@ -179,8 +179,11 @@ class Scenario:
 class Prometheus:
     """A Prometheus server on a free loopback port with its data in `workdir`, ready when constructed."""
 
-    def __init__(self, workdir: Path, config: dict[str, Any], rules: str | None = None) -> None:
-        """`config` is a prometheus.yml as a dict; `rules`, when given, the text of its one rule file."""
+    def __init__(
+        self, workdir: Path, config: dict[str, Any], rules: str | None = None, features: Sequence[str] = ()
+    ) -> None:
+        """`config` is a prometheus.yml as a dict; `rules`, when given, the text of its one rule file;
+        `features`, the `--enable-feature` flags (e.g. exemplar-storage)."""
         self.workdir = workdir
         self.port = free_port()
         self.config = config
@@ -192,13 +195,25 @@ class Prometheus:
         self.log = self.log_path.open("w")
         self.proc = subprocess.Popen(
             [PROMETHEUS, f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'data'}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
+             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn",
+             *(f"--enable-feature={feature}" for feature in features)],
             stdout=self.log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         deadline = time.monotonic() + 30
         while not self._ready():
             assert self.proc.poll() is None and time.monotonic() < deadline, self.log_path.read_text()
             time.sleep(0.1)
+
+    @classmethod
+    def scraping(
+        cls, workdir: Path, jobs: Mapping[str, Sequence[str]], interval: str, features: Sequence[str] = ()
+    ) -> Prometheus:
+        """A config of its own: `jobs` (job name -> targets) scraped and evaluated every `interval`."""
+        config = {
+            "global": {"scrape_interval": interval, "scrape_timeout": interval, "evaluation_interval": interval},
+            "scrape_configs": [{"job_name": job, "static_configs": [{"targets": list(t)}]} for job, t in jobs.items()],
+        }
+        return cls(workdir, config, features=features)
 
     @classmethod
     def shipped(cls, workdir: Path, targets: Mapping[str, Sequence[str]]) -> Prometheus:

@@ -5,11 +5,13 @@ the only witness is another process. The host writes two heartbeats into a small
 (mode 0600): an *interpreter* heartbeat from a daemon thread (stale when nothing Python runs:
 `gil_held`) and a *loop* heartbeat from a callback on the main thread's event loop (stale while
 the interpreter runs: `loop_blocked`). Before each exec-bound spawn the host also writes what it
-spawns and the current span, so the watchdog can name the frozen operation. Each field is an
-aligned 8-byte store or a fixed byte range, written without locks; the watchdog tolerates a torn
-read by re-reading. No library does this, hence the hand-written layout. The watchdog writes one
-field itself: its pid, once it reads the file from its poll loop (`mark_watched`), which the host
-reads to know that a freeze would be seen from now on (`HeartbeatArea.watched_by`).
+spawns and the current span, so the watchdog can name the frozen operation; and whenever a span
+is entered or left on the main thread, which span is current there, so that a freeze's records lead
+to the trace it froze in (`track_current_span`). Each field is an aligned 8-byte store or a fixed
+byte range, written without locks; the watchdog tolerates a torn read by re-reading. No library
+does this, hence the hand-written layout. The watchdog writes one field itself: its pid, once it
+reads the file from its poll loop (`mark_watched`), which the host reads to know that a freeze
+would be seen from now on (`HeartbeatArea.watched_by`).
 
 The host holds an exclusive `flock` on its heartbeat file while it lives; the kernel drops it when
 the host (and any forked child still holding the descriptor) is gone, even on SIGKILL. The watchdog
@@ -36,18 +38,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from opentelemetry.trace import get_current_span
+
 from .._private import opener
 from ..instrument._common import first_record
 from ..instrument.scrub import scrub_value
 
-MAGIC = b"SWHB0001"
+MAGIC = b"SWHB0002"
 # magic, host pid, flags, interpreter ns, loop ns, spawn-start ns, loop kind, watchdog pid, spawn
-# command, trace id, span id. Offsets are fixed so the watchdog can read fields one by one. The
-# watchdog pid is the only field the watchdog writes, and the host never does after creating the file.
-LAYOUT = struct.Struct("<8sIIqqqiI256s16s8s")
+# command, the spawn's trace id and span id, the main thread's current trace id and span id.
+# Offsets are fixed so the watchdog can read fields one by one. The watchdog pid is the only field
+# the watchdog writes, and the host never does after creating the file.
+LAYOUT = struct.Struct("<8sIIqqqiI256s16s8s16s8s")
 OFFSET_INTERP, OFFSET_LOOP, OFFSET_SPAWN = 16, 24, 32
 OFFSET_LOOP_KIND, OFFSET_WATCHDOG = 40, 44
-OFFSET_COMMAND, OFFSET_TRACE, OFFSET_SPAN = 48, 304, 320
+OFFSET_COMMAND, OFFSET_TRACE, OFFSET_SPAN, OFFSET_CURRENT = 48, 304, 320, 328
+SPAN_IDS = struct.Struct(">QQQ")  # trace id (high, low 64 bits), span id: one store of 24 bytes
+_LOW_64 = (1 << 64) - 1
 FLAG_LOOP_TRACKED = 1
 SWEEP_AGE_SECONDS = 10.0  # an unlocked file younger than this may be one a host is creating now
 LOOP_KINDS = {"none": 0, "asyncio": 1, "uvloop": 2}
@@ -137,7 +144,7 @@ class HeartbeatArea:
         self._fd, self._map, self.inode = self._create()
         now = time.monotonic_ns()
         self.owner = os.getpid()  # a forked child shares the mapping: it must never write to it
-        self._map[:] = LAYOUT.pack(MAGIC, self.owner, 0, now, now, 0, 0, 0, b"", b"", b"")
+        self._map[:] = LAYOUT.pack(MAGIC, self.owner, 0, now, now, 0, 0, 0, b"", b"", b"", b"", b"")
 
     def _create(self) -> tuple[int, mmap.mmap, int]:
         """Create the file, locked (held open for the lock: see `sweep`) and mapped."""
@@ -209,6 +216,13 @@ class HeartbeatArea:
     def spawned(self) -> None:
         self._store(OFFSET_SPAWN, 0)
 
+    def current_span(self, trace_id: int, span_id: int) -> None:
+        """The span now current on the host's main thread (zeros: none, or not known)."""
+        if os.getpid() != self.owner:
+            return
+        with contextlib.suppress(ValueError):  # closed meanwhile
+            SPAN_IDS.pack_into(self._map, OFFSET_CURRENT, trace_id >> 64, trace_id & _LOW_64, span_id)
+
     def close(self) -> None:
         """Unmap, remove and unlock the file (once; in a fork child, nothing)."""
         if self.writable and self._fd >= 0:
@@ -275,7 +289,7 @@ def read(path: Path) -> dict[str, Any] | None:
     fields = LAYOUT.unpack(data)
     if fields[0] != MAGIC:
         return None
-    _, pid, flags, interp, loop, spawn, loop_kind, watchdog_pid, command, trace_id, span_id = fields
+    _, pid, flags, interp, loop, spawn, loop_kind, watchdog_pid, command, trace_id, span_id, *current = fields
     kinds = {v: k for k, v in LOOP_KINDS.items()}
     return {
         "pid": pid,
@@ -288,7 +302,20 @@ def read(path: Path) -> dict[str, Any] | None:
         "spawn_command": command.rstrip(b"\0").decode(errors="replace"),
         "trace_id": trace_id.hex(),
         "span_id": span_id.hex(),
+        "current_trace_id": current[0].hex(),
+        "current_span_id": current[1].hex(),
     }
+
+
+def frozen_span(snapshot: dict[str, Any]) -> tuple[int, int]:
+    """The (trace id, span id) a freeze seen in `snapshot` happened in, (0, 0) if not known: the
+    span of the spawn in progress, else the span current on the host's main thread."""
+    if snapshot["spawn_ns"]:
+        ids = snapshot["trace_id"], snapshot["span_id"]
+    else:
+        ids = snapshot["current_trace_id"], snapshot["current_span_id"]
+    trace_id, span_id = int(ids[0] or "0", 16), int(ids[1] or "0", 16)
+    return (trace_id, span_id) if trace_id and span_id else (0, 0)
 
 
 # ---- host-side writers --------------------------------------------------------------------------
@@ -328,20 +355,26 @@ def start(
     `start_for_child` makes a heartbeat file and starts a watchdog for the calling process: it is
     called when a fork child that lives on starts an event loop (gunicorn-style workers).
     """
-    global AREA, _lag_histogram, _stacks_file, _threshold, _watchdog, _start_for_child
+    global AREA, _lag_histogram, _stacks_file, _threshold, _watchdog, _start_for_child, _span_writer
+    global _child_handler_registered
     AREA = area
     _lag_histogram = lag_histogram
     _threshold = threshold
     _watchdog = watchdog
     _start_for_child = start_for_child
+    from ..forksafe import guard
+
     if stacks:
         _stacks_file = open(stacks_path(area.path), "w", opener=opener)  # noqa: SIM115 - lives as long as the heartbeats
-        from ..forksafe import guard
-
         if not guard.installed():  # STALLWATCH_FORK_GUARD=false: the guard's handlers do not call them
             os.register_at_fork(before=disarm_for_fork, after_in_parent=rearm_after_fork)
+    if not guard.installed() and not _child_handler_registered:  # as above, for `forked_child`
+        os.register_at_fork(after_in_child=forked_child)
+        _child_handler_registered = True
     ensure_thread()
     _watch_loops()
+    _span_writer = area
+    track_current_span()
 
 
 def ensure_thread() -> None:
@@ -449,9 +482,11 @@ def _hand_over_sentry(area: HeartbeatArea, handed: dict[str, Any] | None) -> dic
 def stop() -> None:
     """Stop writing heartbeats and remove the files (at shutdown). In a fork child that lives on
     (and exits through `atexit`), the files are its parent's: they stay."""
-    global AREA, _stacks_file, _armed_by
+    global AREA, _stacks_file, _armed_by, _span_writer
     with _stopping:
         area, AREA = AREA, None
+    _span_writer = None
+    untrack_current_span()
     if _stacks_file is not None:
         if _armed_by == os.getpid():
             faulthandler.cancel_dump_traceback_later()
@@ -472,6 +507,80 @@ def _watch_loops() -> None:
     )
 
 
+_tracked: tuple[Any, ...] | None = None  # the original attach/detach and ours, while ours are in place
+_child_handler_registered = False
+
+
+def track_current_span() -> None:
+    """From now on, write the span current on the main thread into the heartbeat whenever a
+    context is attached or detached there, and zeros at each loop heartbeat (between callbacks no
+    span is current, and a task that resumes inside a span attaches nothing: unknown, not stale).
+
+    The public `opentelemetry.context.attach`/`detach` are replaced (`use_span` and
+    `start_as_current_span` call them through the module) by plain functions around them, not wrapt
+    wrappers: they run twice per span, where wrapt's dispatch would double the cost.
+    `untrack_current_span()` puts them back."""
+    global _tracked
+    if _tracked is not None:
+        return
+    import opentelemetry.context as context_api
+
+    attach, detach = context_api.attach, context_api.detach
+    get_ident = threading.get_ident
+
+    def attach_noted(context: Any) -> Any:
+        token = attach(context)
+        if _span_writer is not None and get_ident() == _MAIN_THREAD:
+            _write_current_span(get_current_span(context))
+        return token
+
+    def detach_noted(token: Any) -> None:
+        detach(token)
+        if _span_writer is not None and get_ident() == _MAIN_THREAD:
+            _write_current_span(get_current_span())
+
+    context_api.attach, context_api.detach = attach_noted, detach_noted
+    _tracked = (attach, detach, attach_noted, detach_noted)
+
+
+def untrack_current_span() -> None:
+    """Put `opentelemetry.context.attach`/`detach` back, unless something replaced ours since."""
+    global _tracked
+    if _tracked is None:
+        return
+    import opentelemetry.context as context_api
+
+    attach, detach, attach_noted, detach_noted = _tracked
+    if context_api.attach is attach_noted and context_api.detach is detach_noted:
+        context_api.attach, context_api.detach = attach, detach
+    _tracked = None
+
+
+def forked_child() -> None:
+    """In every fork child, at once (an after-fork handler): the parent's heartbeat is not this
+    process's to write; a child that lives on and runs a loop gets its own (`_watch_this_child`)."""
+    global _span_writer
+    _span_writer = None
+
+
+def _write_current_span(span: Any) -> None:
+    area = _span_writer
+    if area is None:  # stopped meanwhile
+        return
+    try:
+        ids = span.get_span_context()
+        trace_id = ids.trace_id
+        SPAN_IDS.pack_into(area._map, OFFSET_CURRENT, trace_id >> 64, trace_id & _LOW_64, ids.span_id)
+    except ValueError:  # closed by stop() meanwhile
+        pass
+    except Exception:
+        from ..instrument._common import FAULTS
+
+        FAULTS.record(COMPONENT, SETTING)
+
+
+_MAIN_THREAD = threading.main_thread().ident  # the thread whose event loop the watchdog watches
+_span_writer: HeartbeatArea | None = None  # the heartbeat this process writes its current span into
 _lag_histogram: Any = None
 
 
@@ -538,7 +647,7 @@ def _watch_this_child() -> HeartbeatArea | None:
     Not in an after-fork handler (no process or thread starts there): a child that only execs, or
     never runs a loop, costs nothing. The parent's file and watchdog are left to the parent.
     """
-    global AREA, _child_tried, _stacks_file, _watchdog
+    global AREA, _child_tried, _stacks_file, _watchdog, _MAIN_THREAD, _span_writer
     if _start_for_child is None or _child_tried == os.getpid():
         return None
     _child_tried = os.getpid()
@@ -558,7 +667,8 @@ def _watch_this_child() -> HeartbeatArea | None:
         _stacks_file = None
         if _armed_by == 0:
             _stacks_file = open(stacks_path(area.path), "w", opener=opener)  # noqa: SIM115 - as in start()
-    AREA, _watchdog = area, process
+    AREA, _watchdog, _span_writer = area, process, area
+    _MAIN_THREAD = threading.get_ident()
     ensure_thread()
     return area
 
@@ -588,6 +698,7 @@ def _beat(beats: _LoopBeats) -> None:
         return
     now = time.monotonic()
     beats.area.beat_loop()
+    beats.area.current_span(0, 0)
     if _stacks_file is not None and beats.area.writable and _armed_by in (0, pid := os.getpid()):
         faulthandler.dump_traceback_later(_threshold, file=_stacks_file)  # replaces the previous timer
         _armed_by = pid

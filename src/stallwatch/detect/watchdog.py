@@ -24,6 +24,7 @@ It shares the host's stderr, so every line it writes there starts `stallwatch wa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import select
@@ -368,15 +369,17 @@ class FreezeTelemetry:
             self._journal.freeze_started(
                 freeze.kind, freeze.diagnosis.cause, freeze.started_wall_ns, self._record_attributes(freeze)
             )
-        _log.warning("stallwatch: freeze detected: %s", self._describe(freeze, now_ns),
-                     extra=self._record_attributes(freeze))  # fmt: skip
+        with _in_host_span(freeze):
+            _log.warning("stallwatch: freeze detected: %s", self._describe(freeze, now_ns),
+                         extra=self._record_attributes(freeze))  # fmt: skip
         self.flush()
         self._to_sentry(freeze, now_ns)
 
     def still_frozen(self, freeze: Freeze, now_ns: int) -> None:
         self._active = dict.fromkeys(self._active, 0) | {(freeze.kind, freeze.diagnosis.cause): 1}
-        _log.warning("stallwatch: still frozen: %s", self._describe(freeze, now_ns),
-                     extra=self._record_attributes(freeze))  # fmt: skip
+        with _in_host_span(freeze):
+            _log.warning("stallwatch: still frozen: %s", self._describe(freeze, now_ns),
+                         extra=self._record_attributes(freeze))  # fmt: skip
         self.flush()
 
     def thawed(self, freeze: Freeze, outcome: str) -> None:
@@ -396,19 +399,21 @@ class FreezeTelemetry:
                 "stallwatch.freeze.host.pid": self._pid,
             }
         )
-        self._duration.record_now(seconds, {"stallwatch.freeze.kind": freeze.kind,
-                                            "stallwatch.freeze.cause": freeze.diagnosis.cause})  # fmt: skip
+        with _in_host_span(freeze):  # an exemplar of the duration leads to the frozen span
+            self._duration.record_now(seconds, {"stallwatch.freeze.kind": freeze.kind,
+                                                "stallwatch.freeze.cause": freeze.diagnosis.cause})  # fmt: skip
         if outcome == "host_killed":
             self._killed[(freeze.kind, freeze.diagnosis.cause)] = max(seconds, 1e-9)  # never 0: it happened
         links = []
-        trace_id, span_id = int(freeze.snapshot["trace_id"] or "0", 16), int(freeze.snapshot["span_id"] or "0", 16)
-        if freeze.snapshot.get("spawn_ns") and trace_id and span_id:
+        trace_id, span_id = heartbeat.frozen_span(freeze.snapshot)
+        if trace_id:
             links.append(Link(SpanContext(trace_id, span_id, is_remote=True, trace_flags=TraceFlags(1))))
         span = self._tracer.start_span("stallwatch.freeze", start_time=freeze.started_wall_ns, links=links,
                                        attributes=attributes)  # fmt: skip
         span.end()
         log = _log.warning if outcome == "host_killed" else _log.info
-        log("stallwatch: freeze over after %.1fs (%s, outcome %s)", seconds, freeze.kind, outcome, extra=attributes)
+        with _in_host_span(freeze):
+            log("stallwatch: freeze over after %.1fs (%s, outcome %s)", seconds, freeze.kind, outcome, extra=attributes)
         self.flush()
 
     def _to_sentry(self, freeze: Freeze, now_ns: int) -> None:
@@ -419,7 +424,7 @@ class FreezeTelemetry:
             return
         record = self._record_attributes(freeze)
         found = freeze.diagnosis
-        spawning = bool(freeze.snapshot.get("spawn_ns"))
+        trace_id, span_id = heartbeat.frozen_span(freeze.snapshot)
         child = next((c for c in found.children if c["pid"] == found.waits_on_child), None)
         context = {
             "description": scrub_value(self._describe(freeze, now_ns)),  # names what the host ran
@@ -440,8 +445,8 @@ class FreezeTelemetry:
                 "freeze",
                 record,
                 context,
-                freeze.snapshot["trace_id"] if spawning else "",
-                freeze.snapshot["span_id"] if spawning else "",
+                f"{trace_id:032x}" if trace_id else "",
+                f"{span_id:016x}" if trace_id else "",
             )
         except Exception:  # sentry-sdk missing or odd here: the freeze still went to OpenTelemetry
             from ..instrument._common import FAULTS, SENTRY_COMPONENT, SENTRY_OFF, SENTRY_SETTING
@@ -462,6 +467,19 @@ class FreezeTelemetry:
         for reader in getattr(sdk_config, "metric_readers", ()):
             if isinstance(reader, PeriodicExportingMetricReader):
                 reader.force_flush()
+
+
+def _in_host_span(freeze: Freeze) -> contextlib.AbstractContextManager[Any]:
+    """Makes the host's span that froze (`heartbeat.frozen_span`) current in the watchdog, so the
+    log records made inside carry its trace and span ids (the SDK's handler reads them there)."""
+    from opentelemetry import trace
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+
+    trace_id, span_id = heartbeat.frozen_span(freeze.snapshot)
+    if not trace_id:
+        return contextlib.nullcontext()
+    host_span = NonRecordingSpan(SpanContext(trace_id, span_id, is_remote=True, trace_flags=TraceFlags(1)))
+    return trace.use_span(host_span, end_on_exit=False)
 
 
 class _SourceFormatter(logging.Formatter):

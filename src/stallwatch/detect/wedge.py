@@ -11,10 +11,11 @@ lives on) then finds what the death left behind:
   the executor is alive;
 - `execution_overdue`: guarded work past its deadline (`stallwatch.execution_timeout`).
 
-Each detection is counted (`stallwatch.wedge.detected`), logged at WARNING with the submitting
-trace id and the thread name, added as an event to the item's span, and sent to Sentry when
-sentry-sdk is initialised. With `STALLWATCH_EXECUTOR_HEAL=true` an orphaned future is failed with
-`WorkerDied` (its awaiter wakes) and dead workers are replaced so the pool has capacity again.
+Each detection is counted (`stallwatch.wedge.detected`), logged at WARNING with the thread name in
+a record that carries the submitter's trace and span ids (as its own, not as attributes), added as
+an event to the item's span, and sent to Sentry when sentry-sdk is initialised. With
+`STALLWATCH_EXECUTOR_HEAL=true` an orphaned future is failed with `WorkerDied` (its awaiter wakes)
+and dead workers are replaced so the pool has capacity again.
 """
 
 from __future__ import annotations
@@ -246,8 +247,8 @@ def _report(
 ) -> None:
     """Count, log, add to the item's span and send to Sentry one detection; `tags` and `context`
     are the Sentry event's facts beyond the executor and the message (`telemetry.SENTRY_EVENTS`)."""
-    ex._add(telemetry.WEDGE_DETECTED, 1, {**state.attributes, telemetry.WEDGE_KIND.name: kind})
     trace_id = span_id = ""
+    span_context = trace.INVALID_SPAN_CONTEXT
     if record is not None:
         span_context = trace.get_current_span(record.context).get_span_context()
         if span_context.is_valid:
@@ -257,14 +258,19 @@ def _report(
     hint = "" if SETTINGS.heal or kind not in ("orphaned_item", "queue_stalled") else (
         " STALLWATCH_EXECUTOR_HEAL=true fails such items with stallwatch.WorkerDied and restores the pool."
     )  # fmt: skip
-    _log.warning(
-        "stallwatch: wedge %s: %s%s.%s",
-        kind,
-        message,
-        f" (trace {trace_id})" if trace_id else "",
-        hint,
-        extra={"stallwatch.wedge.kind": kind, "stallwatch.executor.name": state.name, "trace_id": trace_id},
-    )
+    # Made current around the count and the record: the count's exemplar (OTLP, SDK 1.28+) and the
+    # record carry the submitter's trace and span ids.
+    submitter = trace.NonRecordingSpan(span_context) if trace_id else trace.INVALID_SPAN
+    with trace.use_span(submitter, end_on_exit=False):
+        ex._add(telemetry.WEDGE_DETECTED, 1, {**state.attributes, telemetry.WEDGE_KIND.name: kind})
+        _log.warning(
+            "stallwatch: wedge %s: %s%s.%s",
+            kind,
+            message,
+            f" (trace {trace_id})" if trace_id else "",
+            hint,
+            extra={"stallwatch.wedge.kind": kind, "stallwatch.executor.name": state.name},
+        )
     to_sentry(
         kind,
         {telemetry.EXECUTOR_NAME.name: state.name, **tags},

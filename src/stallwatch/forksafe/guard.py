@@ -193,6 +193,7 @@ def _after_in_parent() -> None:
 
 def _after_in_child() -> None:
     STATE.child_exec_bound = STATE.forking_exec_bound
+    heartbeat.forked_child()  # one store: the parent's heartbeat is never the child's to write
     if STATE.child_exec_bound:
         return  # a child about to exec does no work at all
     STATE.restart_lock = threading.Lock()

@@ -307,6 +307,15 @@ def labelled_prometheus_reader(reader_class: type[Reader], resource_labels: Coll
     return reader
 
 
+def transform_prometheus_families(reader: Reader, transform: Callable[[Iterable[Any]], Iterable[Any]]) -> None:
+    """Pass every scrape of `reader` (a `PrometheusMetricReader`, labelled or not) through `transform`, which
+    takes and returns prometheus_client metric families; nothing happens for a reader without a collector."""
+    collector = getattr(reader, "_collector", None)  # the one prometheus_client collector of the reader
+    if collector is not None and callable(getattr(collector, "collect", None)):
+        stock_collect = collector.collect
+        collector.collect = lambda: transform(stock_collect())
+
+
 class _LabellingCollector:
     """The exporter's collector, its samples labelled with the attributes of the last resource it was fed.
 

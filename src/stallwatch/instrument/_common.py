@@ -17,6 +17,7 @@ from typing import Any
 import wrapt
 from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
+from opentelemetry.trace import get_current_span
 
 from .. import telemetry
 from .._version import __version__
@@ -266,7 +267,18 @@ class Deferred:
 
     def record_now(self, value: float, attributes: dict[str, Any]) -> None:
         """Aggregate `value` at once: for rare values (a freeze, a tunnel, an overrun) that no
-        collection may drain first."""
+        collection may drain first. Made inside a sampled span, it may become an exemplar linking
+        to that span (own histograms: its bucket's; the SDK's: as its exemplar filter decides)."""
+        if self._own is not None:
+            current = get_current_span().get_span_context()
+            offered = os.environ.get("OTEL_METRICS_EXEMPLAR_FILTER", "trace_based")  # as the SDK reads it
+            sampled = current.trace_flags.sampled
+            if current.is_valid and (offered == "always_on" or (offered != "always_off" and sampled)):
+                try:
+                    self._own.record_exemplar(value, attributes, current.trace_id, current.span_id)
+                except Exception:
+                    FAULTS.record(*self._owner)
+                return
         self._hand_over([value], attributes)
 
     def zero(self, attributes: dict[str, Any]) -> None:

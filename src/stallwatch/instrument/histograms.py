@@ -14,6 +14,12 @@ stallwatch's metric exporters and its Prometheus reader call it, so every reader
 sees them. Only a pipeline whose readers all take cumulative histograms turns this on
 (`activate()`); otherwise, and when the host brings its own MeterProvider, the SDK's histograms
 are used as before. Views the host configures do not apply to these histograms.
+
+Exemplars: a rare value recorded inside a sampled span (`record_exemplar`, through
+`Deferred.record_now`: a freeze, a tunnel, an overrun) is kept as its bucket's exemplar, the last
+one per bucket and series. OTLP carries them (SDK 1.28+, whose data points have exemplars); the
+OpenTelemetry Prometheus exporter drops every exemplar, so stallwatch's Prometheus reader puts
+them back on the bucket samples (`with_exemplars`), which its OpenMetrics answer carries.
 """
 
 from __future__ import annotations
@@ -42,6 +48,21 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from .. import telemetry
 from .._version import __version__
 
+try:
+    from opentelemetry.sdk.metrics import Exemplar as _SdkExemplar
+except ImportError:  # SDK 1.27: no exemplars in its data points
+    _SdkExemplar = None
+
+
+@dataclass(frozen=True, slots=True)
+class BucketExemplar:
+    """The last value recorded inside a sampled span into one bucket of one series."""
+
+    value: float
+    time_ns: int
+    trace_id: int
+    span_id: int
+
 
 @dataclass(slots=True)
 class _Series:
@@ -62,6 +83,7 @@ class OwnHistogram:
     metric: telemetry.Metric
     bounds: tuple[float, ...] = ()
     _series: dict[tuple[tuple[str, Any], ...], _Series] = field(default_factory=dict)
+    _exemplars: dict[tuple[tuple[str, Any], ...], dict[int, BucketExemplar]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _pid: int = field(default_factory=os.getpid)
 
@@ -72,7 +94,7 @@ class OwnHistogram:
         """In a fork child, start empty (the parent's values are the parent's) with a new lock (the
         parent's may have been held by a thread that does not exist here). No fork handler needed."""
         if self._pid != os.getpid():
-            self._pid, self._lock, self._series = os.getpid(), threading.Lock(), {}
+            self._pid, self._lock, self._series, self._exemplars = os.getpid(), threading.Lock(), {}, {}
 
     def record(self, value: float, attributes: dict[str, Any]) -> None:
         """Add `value` (negative or non-finite values are ignored, as the SDK ignores them)."""
@@ -127,6 +149,26 @@ class OwnHistogram:
             series.low = min(series.low, ordered[0])
             series.high = max(series.high, ordered[-1])
 
+    def record_exemplar(self, value: float, attributes: dict[str, Any], trace_id: int, span_id: int) -> None:
+        """Add `value`, and keep it as its bucket's exemplar, linking to the span `trace_id`/`span_id`."""
+        if not 0 <= value < math.inf:
+            return
+        self.record_values([value], attributes)
+        exemplar = BucketExemplar(value, time.time_ns(), trace_id, span_id)
+        with self._lock:
+            by_bucket = self._exemplars.setdefault(tuple(attributes.items()), {})
+            by_bucket[bisect_left(self.bounds, value)] = exemplar
+
+    def bucket_exemplars(self) -> list[tuple[dict[str, Any], float, BucketExemplar]]:
+        """(attributes, bucket upper bound, exemplar) of every bucket that has one."""
+        self._in_this_process()
+        with self._lock:
+            return [
+                (dict(key), self.bounds[index] if index < len(self.bounds) else math.inf, exemplar)
+                for key, by_bucket in self._exemplars.items()
+                for index, exemplar in by_bucket.items()
+            ]
+
     def zero(self, attributes: dict[str, Any]) -> None:
         """Make the series of `attributes` exist with no value yet (count 0), so that a backend sees
         its first value as an increase (Prometheus has no `rate()` for a series born with it)."""
@@ -157,6 +199,7 @@ class OwnHistogram:
                     explicit_bounds=list(self.bounds),
                     min=s.low if s.count else None,  # type: ignore[arg-type]  # unset: OTLP's "no value yet"
                     max=s.high if s.count else None,  # type: ignore[arg-type]
+                    **_exemplars_of(self._exemplars.get(key)),
                 )
                 for key, s in self._series.items()
             ]
@@ -164,6 +207,17 @@ class OwnHistogram:
             return None
         data = Histogram(data_points=points, aggregation_temporality=AggregationTemporality.CUMULATIVE)
         return Metric(name=self.metric.name, description=self.metric.description, unit=self.metric.unit, data=data)
+
+
+def _exemplars_of(by_bucket: dict[int, BucketExemplar] | None) -> dict[str, Any]:
+    """The `exemplars` argument of a data point (none on SDK 1.27, whose points have no such field)."""
+    if not by_bucket or _SdkExemplar is None:
+        return {}
+    return {
+        "exemplars": [
+            _SdkExemplar(None, e.value, e.time_ns, e.span_id, e.trace_id) for _, e in sorted(by_bucket.items())
+        ]
+    }
 
 
 class _Registry:
@@ -249,3 +303,36 @@ def _with(scope_metrics: Iterable[ScopeMetrics], metrics: list[Metric]) -> list[
             return scopes
     scope = InstrumentationScope(telemetry.INSTRUMENTATION_SCOPE, __version__)
     return [*scopes, ScopeMetrics(scope=scope, metrics=metrics, schema_url="")]
+
+
+def with_exemplars(families: Iterable[Any]) -> list[Any]:
+    """Prometheus metric families (`prometheus_client`) as the OpenTelemetry exporter made them, with
+    each own histogram's exemplars put on the `_bucket` sample of their series and bucket (matched
+    by name, `le` and the series' labels, which the exporter writes with `_` for any other character)."""
+    from prometheus_client.samples import Exemplar
+
+    wanted: dict[tuple[str, float], list[tuple[dict[str, str], BucketExemplar]]] = {}
+    with _REGISTRY.lock:
+        histograms = list(_REGISTRY.histograms.values())
+    for histogram in histograms:
+        for attributes, bound, exemplar in histogram.bucket_exemplars():
+            labels = {_label(key): str(value) for key, value in attributes.items()}
+            wanted.setdefault((f"{histogram.metric.prometheus_name}_bucket", bound), []).append((labels, exemplar))
+    families = list(families)
+    if not wanted:
+        return families
+    for family in families:
+        for index, sample in enumerate(family.samples):
+            if not sample.name.endswith("_bucket") or "le" not in sample.labels:
+                continue
+            for labels, exemplar in wanted.get((sample.name, float(sample.labels["le"])), ()):
+                if labels.items() <= sample.labels.items():
+                    ids = {"trace_id": f"{exemplar.trace_id:032x}", "span_id": f"{exemplar.span_id:016x}"}
+                    family.samples[index] = sample._replace(
+                        exemplar=Exemplar(ids, exemplar.value, exemplar.time_ns / 1e9)
+                    )
+    return families
+
+
+def _label(key: str) -> str:
+    return "".join(c if c.isalnum() or c == "_" else "_" for c in key)
