@@ -41,6 +41,7 @@ from . import heartbeat
 POLL_SECONDS = 0.1
 FRESH_NS = int(3 * heartbeat.BEAT_SECONDS * 1e9)  # younger than this: the beating thread runs now
 REDIAGNOSE_SECONDS = 2.0
+STACKS_GRACE = 1.0  # the longest a freeze report waits for the stacks faulthandler writes at the same moment
 SYSCALLS_X86_64 = {0: "read", 7: "poll", 56: "clone", 58: "vfork", 61: "wait4", 202: "futex", 232: "epoll_wait",
                    281: "epoll_pwait", 435: "clone3", 441: "epoll_pwait2"}  # fmt: skip
 _log = logging.getLogger("stallwatch.watchdog")
@@ -302,6 +303,7 @@ class FreezeTelemetry:
         self._journal = journal  # the host's journal, watchdog side: freeze records survive the host
         self._sentry_handover = heartbeat.sentry_path(heartbeat_path)
         self._stacks = heartbeat.stacks_path(heartbeat_path)
+        self._stacks_awaited: set[int] = set()  # freezes (by start) whose stacks were waited for
         # Every kind and cause at 0 from the start: "not frozen" is a value, and a first freeze an increase.
         kinds = [(kind, cause) for kind in telemetry.FREEZE_KIND.values for cause in telemetry.FREEZE_CAUSE.values]
         self._active: dict[tuple[str, str], int] = dict.fromkeys(kinds, 0)
@@ -359,6 +361,14 @@ class FreezeTelemetry:
     def _record_attributes(self, freeze: Freeze) -> dict[str, Any]:
         attributes = freeze.diagnosis.attributes() | {"stallwatch.freeze.kind": freeze.kind} | _spawn(freeze)
         stacks = heartbeat.last_stacks(self._stacks, since_wall_ns=freeze.started_wall_ns)
+        if stacks is None and self._stacks.exists() and freeze.started_wall_ns not in self._stacks_awaited:
+            # faulthandler's timer and this detection both fire one threshold after the last heartbeat:
+            # give the timer's thread STACKS_GRACE to write, once per freeze
+            self._stacks_awaited.add(freeze.started_wall_ns)
+            deadline = time.monotonic() + STACKS_GRACE
+            while stacks is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+                stacks = heartbeat.last_stacks(self._stacks, since_wall_ns=freeze.started_wall_ns)
         if stacks:
             attributes["stallwatch.freeze.stacks"] = stacks
         return attributes
