@@ -11,6 +11,7 @@ interpreters, with handlers registered before `import stallwatch` so its guard d
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
 import io
 import json
@@ -496,6 +497,33 @@ def test_raw_protocol_callbacks_in_the_same_order(mode):
     assert events[:2] == ["connection_made", "returned"]
     assert sorted(events[2:4]) == ["pipe_connection_lost 1", "process_exited"]
     assert events[4:] == ["connection_lost"]
+
+
+class PipeFailsLoop(uvloop.Loop):
+    """A uvloop loop whose `connect_read_pipe` fails once it has connected the pipe, as a loop out of
+    descriptors or memory can: a failure that cannot be brought about on demand here."""
+
+    async def connect_read_pipe(self, *args: Any, **kwargs: Any) -> Any:
+        transport, _ = await super().connect_read_pipe(*args, **kwargs)
+        transport.close()
+        raise OSError(errno.EMFILE, "connect_read_pipe failed")
+
+
+def test_a_spawn_whose_pipe_cannot_be_connected_raises_and_leaves_no_child_instead_of_hanging():
+    # On 3.11+ the transport's _wait() also waits for every pipe to be connected and closed.
+    before = children()
+
+    async def main():
+        spawning = asyncio.create_subprocess_exec("sleep", "30", stdin=PIPE, stdout=PIPE)
+        with pytest.raises(OSError, match="connect_read_pipe failed"):
+            await asyncio.wait_for(spawning, 30)
+        return children() - before
+
+    loop = PipeFailsLoop()
+    try:
+        assert loop.run_until_complete(main()) == set()
+    finally:
+        loop.close()
 
 
 def test_routed_and_fallback_spawns_mixed_on_one_loop():

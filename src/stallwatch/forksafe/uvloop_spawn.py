@@ -196,8 +196,11 @@ class _PidfdSubprocessTransport(_STDLIB_TRANSPORT or base_subprocess.BaseSubproc
 
     _pidfd: int
     _release_pidfd: weakref.finalize
+    _exited: asyncio.Future[int]
+    """Resolved with the return code at exit, whether or not the pipes ever connected."""
 
     def _start(self, args: Any, shell: bool, stdin: Any, stdout: Any, stderr: Any, bufsize: int, **kwargs: Any) -> None:
+        self._exited = self._loop.create_future()
         super()._start(args=args, shell=shell, stdin=stdin, stdout=stdout, stderr=stderr, bufsize=bufsize, **kwargs)
         for name in ("stdin", "stdout", "stderr"):
             pipe = getattr(self._proc, name)
@@ -224,6 +227,8 @@ class _PidfdSubprocessTransport(_STDLIB_TRANSPORT or base_subprocess.BaseSubproc
         self._loop.remove_reader(self._pidfd)
         self._release_pidfd()
         self._process_exited(returncode)
+        if not self._exited.done():
+            self._exited.set_result(returncode)
 
     def send_signal(self, signal: int) -> None:
         self._check_proc()
@@ -260,7 +265,9 @@ async def _spawn(
     bufsize: int,
     kwargs: dict[str, Any],
 ) -> tuple[asyncio.SubprocessTransport, asyncio.SubprocessProtocol]:
-    """BaseEventLoop's protocol creation plus _UnixSelectorEventLoop._make_subprocess_transport."""
+    """BaseEventLoop's protocol creation plus _UnixSelectorEventLoop._make_subprocess_transport,
+    except that a failed start waits for the killed child's exit, not for `_wait()`: on 3.11+ that
+    waits for every pipe to be connected and closed, which never happens when connecting one failed."""
     protocol = protocol_factory()
     waiter = loop.create_future()
     transport = _PidfdSubprocessTransport(
@@ -272,7 +279,7 @@ async def _spawn(
         raise
     except BaseException:
         transport.close()
-        await transport._wait()
+        await transport._exited
         raise
     return transport, protocol
 
