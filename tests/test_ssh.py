@@ -17,10 +17,10 @@ ERROR = (2, "STATUS_CODE_ERROR")
     ("loop", "order", "extra"),
     [
         ("asyncio", "before", {}),
-        ("uvloop", "after", {}),
-        ("uvloop", "before", {"STALLWATCH_UVLOOP_SPAWN": "vfork"}),
+        ("uvloop", "after", {"STALLWATCH_UVLOOP_SPAWN": "fork"}),
+        ("uvloop", "before", {}),
     ],
-    ids=["asyncio-imported-before", "uvloop-imported-after", "uvloop-vfork"],
+    ids=["asyncio-imported-before", "uvloop-fork-imported-after", "uvloop-vfork-default"],
 )
 def test_dstack_tunnel_open_close_and_a_failed_close_are_traced(sshd, http_server, tmp_path, loop, order, extra):
     with tempfile.TemporaryDirectory(prefix="sw-") as sock_dir:  # short: unix socket paths are limited

@@ -23,7 +23,7 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from . import config, telemetry
 from ._version import __version__
 from .config import ConfigError, Problem, Settings
-from .forksafe import ForkSafety, guard
+from .forksafe import ForkSafety, guard, uvloop_spawn
 
 _log = logging.getLogger("stallwatch")
 
@@ -352,10 +352,10 @@ def _stop_unused_watchdog(watchdog: tuple[Any, subprocess.Popen[bytes]] | None) 
 
 def _instrument(settings: Settings) -> None:
     """Install the instrumentors the settings ask for (they report through the global providers)."""
-    if settings.uvloop_spawn == "vfork":  # before the subprocess wrappers, so that they sit outside it
-        from .forksafe import uvloop_spawn
-
+    if settings.uvloop_spawn == "vfork":  # before the subprocess wrappers (which then sit outside it), if not at import
         uvloop_spawn.install()
+    else:
+        uvloop_spawn.disable()
     if settings.instrument_subprocess:
         from .instrument.subprocess import SubprocessInstrumentor
 

@@ -1,4 +1,5 @@
-"""Opt-in ``STALLWATCH_UVLOOP_SPAWN=vfork``: uvloop stays the event loop, but spawns like the stdlib.
+"""``STALLWATCH_UVLOOP_SPAWN=vfork`` (the default from ``import stallwatch`` on; ``fork`` opts out):
+uvloop stays the event loop, but spawns like the stdlib.
 
 uvloop's ``Loop.subprocess_exec``/``subprocess_shell`` start every child with libuv's ``uv_spawn``,
 a real ``fork()``: every ``pthread_atfork`` handler (gRPC's) and every ``os.register_at_fork``
@@ -70,7 +71,7 @@ import wrapt
 SETTING = "STALLWATCH_UVLOOP_SPAWN"
 
 FALLBACK: contextvars.ContextVar[str | None] = contextvars.ContextVar("stallwatch_uvloop_spawn_fallback", default=None)
-"""Set by every wrapped spawn: the reason it used uvloop's own fork, or None when it went through Popen."""
+"""Set by every wrapped spawn: the reason it used uvloop's own fork although routing is on, else None."""
 
 _log = logging.getLogger("stallwatch.forksafe")
 
@@ -346,6 +347,9 @@ def _route(
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
+        if not _routing:
+            FALLBACK.set(None)
+            return await wrapped(*args, **kwargs)
         reason = unsupported_reason(kwargs)
         FALLBACK.set(reason)
         if reason is None:
@@ -369,17 +373,26 @@ def _patch_uvloop(module: ModuleType) -> None:
 
 
 _installed = False
+_routing = False
 
 
 def install() -> None:
     """Route uvloop's subprocess_exec/subprocess_shell through Popen from now on (idempotent)."""
-    global _installed
+    global _installed, _routing
+    _routing = True
     if _installed:
         return
     _installed = True
     wrapt.register_post_import_hook(_patch_uvloop, "uvloop")
 
 
+def disable() -> None:
+    """Spawn with uvloop's own fork from now on (``setup(uvloop_spawn="fork")`` after the import
+    installed the routing); the wrappers stay, and pass every call through unchanged."""
+    global _routing
+    _routing = False
+
+
 def installed() -> bool:
-    """True once `install()` ran in this process."""
-    return _installed
+    """True while uvloop's spawns are routed through Popen: `install()` ran and `disable()` did not since."""
+    return _installed and _routing
