@@ -3,8 +3,8 @@
 Each behaviour runs on three loops and must look the same on all of them: `native` (uvloop's own
 fork-based spawn), `vfork` (uvloop as `import stallwatch` leaves it by default: spawns go through
 `subprocess.Popen`) and `asyncio` (the standard loop, the reference). The routing is process-wide,
-so the `native` loop is a uvloop subclass with the methods found under the routing wrapper
-(stallwatch's exec-bound guard included). The tests of the setting itself and of at-fork handlers
+so the `native` loop is a uvloop subclass with uvloop's methods under every wrapper but the
+routing one (stallwatch's exec-bound guard included). The tests of the setting itself and of at-fork handlers
 run in fresh interpreters, with handlers registered before `import stallwatch` so its guard does
 not hide them.
 """
@@ -31,6 +31,7 @@ from typing import Any, ClassVar, TypeVar
 
 import pytest
 import uvloop
+import wrapt
 
 from conftest import clean_env, run_python
 from stallwatch.forksafe import uvloop_spawn
@@ -44,14 +45,18 @@ QUIET = {"stdin": DEVNULL, "stdout": DEVNULL, "stderr": DEVNULL}
 NativeLoop: type[uvloop.Loop]
 
 
-def below_routing(name: str) -> Any:
-    """uvloop's `Loop.<name>` as it was before `import stallwatch` put the routing wrapper on it."""
+def without_routing(name: str) -> Any:
+    """uvloop's `Loop.<name>` with every wrapper stallwatch put on it but the routing one."""
     method = vars(uvloop.Loop)[name]
+    outer = []
     while getattr(method, "_self_wrapper", None) is not None:  # a wrapt wrapper: unwrap down to ours
-        routing = method._self_wrapper.__module__ == uvloop_spawn.__name__
+        wrapper = method._self_wrapper
         method = method.__wrapped__
-        if routing:
+        if wrapper.__module__ == uvloop_spawn.__name__:
+            for kept in reversed(outer):
+                method = wrapt.FunctionWrapper(method, kept)
             return method
+        outer.append(wrapper)
     raise AssertionError(f"uvloop.Loop.{name} is not routed")
 
 
@@ -59,7 +64,7 @@ def below_routing(name: str) -> Any:
 def vfork_installed() -> Iterator[None]:
     global NativeLoop
     assert uvloop_spawn.installed()  # by `import stallwatch`, the default
-    NativeLoop = type("NativeLoop", (uvloop.Loop,), {name: below_routing(name) for name in METHODS})
+    NativeLoop = type("NativeLoop", (uvloop.Loop,), {name: without_routing(name) for name in METHODS})
     yield
 
 

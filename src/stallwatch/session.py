@@ -352,7 +352,7 @@ def _stop_unused_watchdog(watchdog: tuple[Any, subprocess.Popen[bytes]] | None) 
 
 def _instrument(settings: Settings) -> None:
     """Install the instrumentors the settings ask for (they report through the global providers)."""
-    if settings.uvloop_spawn == "vfork":  # before the subprocess wrappers (which then sit outside it), if not at import
+    if settings.uvloop_spawn == "vfork":  # installed at import, under the guard's and the subprocess wrappers
         uvloop_spawn.install()
     else:
         uvloop_spawn.disable()

@@ -42,15 +42,18 @@ def install() -> ForkSafety:
     error = "; ".join(flags) or None
     grpc_state = grpc_guard.install(grpc_enabled)
     spawn = uvloop_spawn_at_import()
+    # Before the guard, whose uvloop wrappers then sit outside: every uvloop spawn, routed or not, is
+    # marked for the watchdog. Installed either way, so that setup() can switch it with the same layering.
+    uvloop_spawn.install()
+    if spawn == "fork":
+        uvloop_spawn.disable()
     if not guard_enabled:
         _log.warning(
             "stallwatch: STALLWATCH_FORK_GUARD=false: at-fork handlers run in every child and the "
             "OpenTelemetry SDK starts threads there."
         )
-        _install_uvloop_spawn(spawn)
         return ForkSafety(False, grpc_state, sdk_loaded_before, error=error, uvloop_spawn=spawn)
     guard.install()
-    _install_uvloop_spawn(spawn)  # after the guard, so that its uvloop wrappers sit inside the routing
     patched = tuple(otel_compat.install())
     preexisting = otel_compat.preexisting_objects(sdk_loaded_before)
     if preexisting:
@@ -61,8 +64,3 @@ def install() -> ForkSafety:
             names,
         )
     return ForkSafety(True, grpc_state, sdk_loaded_before, patched, preexisting, error, spawn)
-
-
-def _install_uvloop_spawn(method: str) -> None:
-    if method == "vfork":
-        uvloop_spawn.install()
