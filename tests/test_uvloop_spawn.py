@@ -584,6 +584,15 @@ def test_import_stallwatch_routes_uvloop_spawns_unless_the_setting_says_fork_and
     assert json.loads(proc.stdout.splitlines()[-1]) == expected
 
 
+def test_setup_switches_the_spawn_with_telemetry_off_too():
+    env = clean_env(OTEL_SDK_DISABLED="true")
+    proc = subprocess.run(
+        [sys.executable, "-c", SETTING_PROBE, "fork"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1]) == ["vfork", ["_PidfdSubprocessTransport", "UVProcessTransport"]]
+
+
 def test_routed_and_fallback_spawns_mixed_on_one_loop():
     async def one(i, **kwargs):
         proc = await asyncio.create_subprocess_exec("sh", "-c", f"sleep 0.0{i % 5}; exit {i % 7}", **QUIET, **kwargs)

@@ -140,6 +140,12 @@ def _start(fork_safety: ForkSafety, overrides: dict[str, Any]) -> Session:
     """A bad setting costs only itself (`config`); its line is logged once the pipeline is built, so
     that it is exported as a log record too. `strict` raises `ConfigError` before anything starts."""
     settings = Settings.load(**overrides)
+    # Fork safety, like the guard: applies with telemetry off too. Installed at import, under the guard's
+    # and the subprocess instrumentation's uvloop wrappers; this only switches it.
+    if settings.uvloop_spawn == "vfork":
+        uvloop_spawn.install()
+    else:
+        uvloop_spawn.disable()
     if settings.disabled:
         config.report(settings.problems)
         return Session(settings, fork_safety)
@@ -352,10 +358,6 @@ def _stop_unused_watchdog(watchdog: tuple[Any, subprocess.Popen[bytes]] | None) 
 
 def _instrument(settings: Settings) -> None:
     """Install the instrumentors the settings ask for (they report through the global providers)."""
-    if settings.uvloop_spawn == "vfork":  # installed at import, under the guard's and the subprocess wrappers
-        uvloop_spawn.install()
-    else:
-        uvloop_spawn.disable()
     if settings.instrument_subprocess:
         from .instrument.subprocess import SubprocessInstrumentor
 
