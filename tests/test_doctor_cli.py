@@ -400,6 +400,28 @@ def test_the_uvloop_advice_comes_only_with_the_fork_opt_out_and_names_the_fix_fo
     assert "uvicorn_loop" not in dstack[0]  # dstack builds its own uvicorn: that fix does not apply
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("uvloop") is None or importlib.util.find_spec("uvicorn") is None,
+    reason="the advice is about uvicorn picking uvloop",
+)
+def test_the_uvloop_advice_says_why_when_the_vfork_spawn_cannot_run_here():
+    proc = run_python(
+        """
+        import json
+        import stallwatch
+        from stallwatch.forksafe import uvloop_spawn
+
+        # A CPython whose private subprocess transport differs cannot be had here: its check's outcome is set.
+        uvloop_spawn._STDLIB_TRANSPORT = None
+        print(json.dumps([a for a in stallwatch.doctor(probe=False).advice if "uvloop forks" in a]))
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    (advice,) = json.loads(proc.stdout.splitlines()[-1])
+    assert "stallwatch's vfork spawn cannot run here (stdlib-internals; see docs/uvloop.md)" in advice
+    assert "loop=stallwatch.uvicorn_loop()" in advice
+
+
 @pytest.mark.skipif(importlib.util.find_spec("uvloop") is None, reason="the advice is about uvloop")
 def test_the_uvloop_advice_names_the_setup_keyword_when_setup_opted_out(telemetry_dir):
     proc = run_python(
