@@ -73,7 +73,19 @@ def host_calls():
 """
 
 ASYNCIO_SPAWNS = "run = asyncio.run\n" + LOOP_SPAWNS
-UVLOOP_SPAWNS = "import uvloop\nrun = uvloop.run\n" + LOOP_SPAWNS
+UVLOOP_SPAWNS = "import uvloop\nrun = uvloop.run\n" + LOOP_SPAWNS  # the default: stallwatch's vfork spawn
+# uvloop's own fork, the opt-out, as `setup(uvloop_spawn="fork")` leaves it (the host's setup() keeps the default).
+UVLOOP_FORK_SPAWNS = (
+    """
+import uvloop
+from stallwatch.forksafe import uvloop_spawn
+
+def run(main):
+    uvloop_spawn.disable()
+    return uvloop.run(main)
+"""
+    + LOOP_SPAWNS
+)
 
 POSIX_SPAWN = """
 def spawned(function, program, argv):
@@ -417,6 +429,7 @@ WRAPPERS = {
     "Popen": (POPEN, *SUBPROCESS, 5),
     "asyncio subprocess_exec/shell": (ASYNCIO_SPAWNS, *SUBPROCESS, 3),  # one per child: named at its exit
     "uvloop subprocess_exec/shell": (UVLOOP_SPAWNS, *SUBPROCESS, 3),
+    "uvloop subprocess_exec/shell, uvloop's own fork": (UVLOOP_FORK_SPAWNS, *SUBPROCESS, 3),
     "os.posix_spawn + wait": (POSIX_SPAWN, *SUBPROCESS, 4),
     # the host's signals to its children: one fault per signal sent to a child not yet reaped
     "os.kill, os.killpg, pidfd_send_signal, Process.kill": (

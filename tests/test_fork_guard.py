@@ -24,8 +24,13 @@ from conftest import SCENARIOS, clean_env, otlp_items, run_python, run_scenario,
 pytestmark = pytest.mark.matrix
 
 
+def uvloop_fork_env() -> dict[str, str]:
+    """uvloop's own fork (the opt-out of the default vfork spawn): the guard is what keeps its children clean."""
+    return clean_env(STALLWATCH_UVLOOP_SPAWN="fork")
+
+
 def test_uvloop_children_start_no_thread_and_run_no_handler():
-    seen = run_scenario("uvloop_spawn_probe.py", "stallwatch", "20")
+    seen = run_scenario("uvloop_spawn_probe.py", "stallwatch", "20", env=uvloop_fork_env())
 
     assert seen["thread_starts"] == []
     assert seen["handler_runs"] == 0
@@ -112,7 +117,7 @@ def test_stock_sdk_starts_threads_in_forked_child(telemetry_dir):
 
 
 def test_grpc_threads_never_start_in_uvloop_children():
-    seen = run_scenario("grpc_spawn_probe.py", "stallwatch", "10")
+    seen = run_scenario("grpc_spawn_probe.py", "stallwatch", "10", env=uvloop_fork_env())
 
     assert seen["env"] == "false"
     assert seen["rpc_calls"] > 0
@@ -149,7 +154,7 @@ def _kill_children_stuck_before_exec(parent: subprocess.Popen, stop: threading.E
 
 
 def test_grpc_fork_support_chosen_by_user_is_kept_and_reported():
-    proc_env = clean_env(GRPC_ENABLE_FORK_SUPPORT="true")
+    proc_env = clean_env(GRPC_ENABLE_FORK_SUPPORT="true", STALLWATCH_UVLOOP_SPAWN="fork")
     # gRPC skips its fork handlers while another thread is mid-call, and some children crash before
     # reporting: 20 spawns make sure the probe sees the threads gRPC does start.
     scenario = subprocess.Popen(

@@ -23,7 +23,7 @@ os.register_at_fork(after_in_child=lambda: HANG[0] and time.sleep(HANG[0]))  # a
 import asyncio, json
 import stallwatch
 journal_dir, file_dir, address, freeze = sys.argv[1:]
-session = stallwatch.setup(journal_dir=journal_dir, file_dir=file_dir, freeze_threshold=1.0)
+session = stallwatch.setup(journal_dir=journal_dir, file_dir=file_dir, freeze_threshold=1.0, uvloop_spawn="fork")
 assert session.wait_for_watchdog(30)
 import uvloop
 from nebius.api.nebius.common.v1 import ResourceMetadata

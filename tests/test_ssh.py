@@ -17,10 +17,10 @@ ERROR = (2, "STATUS_CODE_ERROR")
     ("loop", "order", "extra"),
     [
         ("asyncio", "before", {}),
-        ("uvloop", "after", {}),
-        ("uvloop", "before", {"STALLWATCH_UVLOOP_SPAWN": "vfork"}),
+        ("uvloop", "after", {"STALLWATCH_UVLOOP_SPAWN": "fork"}),
+        ("uvloop", "before", {}),
     ],
-    ids=["asyncio-imported-before", "uvloop-imported-after", "uvloop-vfork"],
+    ids=["asyncio-imported-before", "uvloop-fork-imported-after", "uvloop-vfork-default"],
 )
 def test_dstack_tunnel_open_close_and_a_failed_close_are_traced(sshd, http_server, tmp_path, loop, order, extra):
     with tempfile.TemporaryDirectory(prefix="sw-") as sock_dir:  # short: unix socket paths are limited
@@ -44,6 +44,14 @@ def test_dstack_tunnel_open_close_and_a_failed_close_are_traced(sshd, http_serve
         assert a["stallwatch.ssh.control_socket"] is True and a["stallwatch.ssh.background"] is True
     # The ssh children nest under the tunnel spans, which nest under the host's request span.
     ssh_children = [s for s in spans if s["name"] == "ssh"]
+    tunnels = {s["spanId"] for s in spans if s["name"].startswith("ssh.tunnel.")}
+    by_loop = {  # dstack's own spawns on the loop (kill_master's subprocess.run is a Popen of the host's)
+        attrs(s)["stallwatch.spawn.method"]
+        for s in ssh_children
+        if attrs(s)["stallwatch.spawn.loop"] == loop and s.get("parentSpanId") in tunnels
+    }
+    if loop == "uvloop":  # each went the way the setting says
+        assert by_loop == ({"fork"} if extra else {"vfork"}), by_loop
     for op in opens + closes:
         assert any(child.get("parentSpanId") == op["spanId"] for child in ssh_children), op["name"]
     probe = next(s for s in spans if s["name"] == "probe")

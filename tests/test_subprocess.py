@@ -17,8 +17,8 @@ StatusCode = Status.StatusCode
 PROPAGATION_CASES = {"env_seen", "async_env_seen"}
 LOOPS = {
     "asyncio": ("asyncio", {}),
-    "uvloop": ("uvloop", {}),
-    "uvloop-vfork": ("uvloop", {"STALLWATCH_UVLOOP_SPAWN": "vfork"}),
+    "uvloop": ("uvloop", {"STALLWATCH_UVLOOP_SPAWN": "fork"}),  # uvloop's own fork, the opt-out
+    "uvloop-vfork": ("uvloop", {}),  # the default
 }
 
 

@@ -1,16 +1,18 @@
 """STALLWATCH_UVLOOP_SPAWN=vfork (`stallwatch.forksafe.uvloop_spawn`): real uvloop, real children.
 
 Each behaviour runs on three loops and must look the same on all of them: `native` (uvloop's own
-fork-based spawn), `vfork` (uvloop with `install()`: spawns go through `subprocess.Popen`) and
-`asyncio` (the standard loop, the reference). `install()` is process-wide, so this module installs
-it once and undoes it at the end; the `native` loop is a uvloop subclass that keeps the methods
-uvloop had before (stallwatch's exec-bound guard included). The at-fork handler tests run in fresh
-interpreters, with handlers registered before `import stallwatch` so its guard does not hide them.
+fork-based spawn), `vfork` (uvloop as `import stallwatch` leaves it by default: spawns go through
+`subprocess.Popen`) and `asyncio` (the standard loop, the reference). The routing is process-wide,
+so the `native` loop is a uvloop subclass with uvloop's methods under every wrapper but the
+routing one (stallwatch's exec-bound guard included). The tests of the setting itself and of at-fork handlers
+run in fresh interpreters, with handlers registered before `import stallwatch` so its guard does
+not hide them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
 import io
 import json
@@ -29,8 +31,9 @@ from typing import Any, ClassVar, TypeVar
 
 import pytest
 import uvloop
+import wrapt
 
-from conftest import run_python
+from conftest import clean_env, run_python
 from stallwatch.forksafe import uvloop_spawn
 from support.waiting import until
 
@@ -43,18 +46,27 @@ QUIET = {"stdin": DEVNULL, "stdout": DEVNULL, "stderr": DEVNULL}
 NativeLoop: type[uvloop.Loop]
 
 
+def without_routing(name: str) -> Any:
+    """uvloop's `Loop.<name>` with every wrapper stallwatch put on it but the routing one."""
+    method = vars(uvloop.Loop)[name]
+    outer = []
+    while getattr(method, "_self_wrapper", None) is not None:  # a wrapt wrapper: unwrap down to ours
+        wrapper = method._self_wrapper
+        method = method.__wrapped__
+        if wrapper.__module__ == uvloop_spawn.__name__:
+            for kept in reversed(outer):
+                method = wrapt.FunctionWrapper(method, kept)
+            return method
+        outer.append(wrapper)
+    raise AssertionError(f"uvloop.Loop.{name} is not routed")
+
+
 @pytest.fixture(scope="module", autouse=True)
 def vfork_installed() -> Iterator[None]:
     global NativeLoop
-    before = {name: vars(uvloop.Loop).get(name, getattr(uvloop.Loop, name)) for name in METHODS}
-    NativeLoop = type("NativeLoop", (uvloop.Loop,), before)
-    with pytest.MonkeyPatch.context() as patch:
-        for name in METHODS:
-            patch.setattr(uvloop.Loop, name, before[name])  # restored at the end of the module
-        patch.setattr(uvloop_spawn, "_installed", False)
-        uvloop_spawn.install()
-        assert uvloop_spawn.installed()
-        yield
+    assert uvloop_spawn.installed()  # by `import stallwatch`, the default
+    NativeLoop = type("NativeLoop", (uvloop.Loop,), {name: without_routing(name) for name in METHODS})
+    yield
 
 
 def new_loop(mode: str) -> asyncio.AbstractEventLoop:
@@ -498,6 +510,89 @@ def test_raw_protocol_callbacks_in_the_same_order(mode):
     assert events[4:] == ["connection_lost"]
 
 
+class PipeFailsLoop(uvloop.Loop):
+    """A uvloop loop whose `connect_read_pipe` fails once it has connected the pipe, as a loop out of
+    descriptors or memory can: a failure that cannot be brought about on demand here."""
+
+    async def connect_read_pipe(self, *args: Any, **kwargs: Any) -> Any:
+        transport, _ = await super().connect_read_pipe(*args, **kwargs)
+        transport.close()
+        raise OSError(errno.EMFILE, "connect_read_pipe failed")
+
+
+def test_a_spawn_whose_pipe_cannot_be_connected_raises_and_leaves_no_child_instead_of_hanging():
+    # On 3.11+ the transport's _wait() also waits for every pipe to be connected and closed.
+    before = children()
+
+    async def main():
+        spawning = asyncio.create_subprocess_exec("sleep", "30", stdin=PIPE, stdout=PIPE)
+        with pytest.raises(OSError, match="connect_read_pipe failed"):
+            await asyncio.wait_for(spawning, 30)
+        return children() - before
+
+    loop = PipeFailsLoop()
+    try:
+        assert loop.run_until_complete(main()) == set()
+    finally:
+        loop.close()
+
+
+SETTING_PROBE = """
+import asyncio, json, sys
+import stallwatch
+import uvloop
+
+async def spawn():
+    proc = await asyncio.create_subprocess_exec("true")
+    await proc.wait()
+    return type(proc._transport).__name__
+
+kinds = [uvloop.run(spawn())]
+if len(sys.argv) > 1:
+    stallwatch.setup(uvloop_spawn=sys.argv[1], traces_exporter="none", metrics_exporter="none",
+                     logs_exporter="none", watchdog=False, journal=False)
+    kinds.append(uvloop.run(spawn()))
+    stallwatch.shutdown(10)
+print(json.dumps([stallwatch.FORK_SAFETY.uvloop_spawn, kinds]))
+"""
+
+
+@pytest.mark.parametrize(
+    ("variable", "keyword", "expected"),
+    [
+        (None, None, ["vfork", ["_PidfdSubprocessTransport"]]),
+        ("vfork", None, ["vfork", ["_PidfdSubprocessTransport"]]),
+        ("fork", None, ["fork", ["UVProcessTransport"]]),
+        (" FORK ", None, ["fork", ["UVProcessTransport"]]),
+        ("posix_spawn", None, ["vfork", ["_PidfdSubprocessTransport"]]),  # a bad value: the default
+        (None, "fork", ["vfork", ["_PidfdSubprocessTransport", "UVProcessTransport"]]),
+        ("fork", "vfork", ["fork", ["UVProcessTransport", "_PidfdSubprocessTransport"]]),
+    ],
+)
+def test_import_stallwatch_routes_uvloop_spawns_unless_the_setting_says_fork_and_setup_follows_its_keyword(
+    variable, keyword, expected
+):
+    env = clean_env(**({} if variable is None else {uvloop_spawn.SETTING: variable}))
+    proc = subprocess.run(
+        [sys.executable, "-c", SETTING_PROBE, *([keyword] if keyword else [])],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1]) == expected
+
+
+def test_setup_switches_the_spawn_with_telemetry_off_too():
+    env = clean_env(OTEL_SDK_DISABLED="true")
+    proc = subprocess.run(
+        [sys.executable, "-c", SETTING_PROBE, "fork"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1]) == ["vfork", ["_PidfdSubprocessTransport", "UVProcessTransport"]]
+
+
 def test_routed_and_fallback_spawns_mixed_on_one_loop():
     async def one(i, **kwargs):
         proc = await asyncio.create_subprocess_exec("sh", "-c", f"sleep 0.0{i % 5}; exit {i % 7}", **QUIET, **kwargs)
@@ -604,7 +699,6 @@ def in_child():
 os.register_at_fork(before=before, after_in_child=in_child)  # before stallwatch: not guarded
 from stallwatch.forksafe import uvloop_spawn
 
-{install_first}
 import uvloop
 
 async def spawns():
@@ -631,19 +725,16 @@ print(json.dumps(result))
 """
 
 
-@pytest.mark.parametrize("install_first", [False, True])
-def test_fork_handlers_run_on_uvloops_spawn_and_not_on_the_vfork_route(tmp_path, install_first):
+@pytest.mark.parametrize("setting", ["default", "fork"])
+def test_fork_handlers_run_on_uvloops_spawn_and_not_on_the_vfork_route(tmp_path, setting):
     (tmp_path / "markers").mkdir()
-    code = FORK_HANDLER_PROBE.format(
-        marker=str(tmp_path / "markers" / "child"),
-        install_first="uvloop_spawn.install()" if install_first else "",
-    )
-    proc = run_python(code)
+    code = FORK_HANDLER_PROBE.format(marker=str(tmp_path / "markers" / "child"))
+    proc = run_python(code, env=clean_env(**({} if setting == "default" else {uvloop_spawn.SETTING: setting})))
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
 
     assert result["vfork"] == {"codes": [0, 0], "kinds": ["_PidfdSubprocessTransport"], "before": 0, "in_child": 0}
-    if install_first:  # installed before uvloop was imported: the post-import hook patched it
+    if setting == "default":  # installed by the import, before uvloop was imported: the post-import hook patched it
         assert "native" not in result
     else:  # the control: the same handlers do run, in parent and child, on uvloop's own spawn
         assert result["native"] == {"codes": [0, 0], "kinds": ["UVProcessTransport"], "before": 2, "in_child": 2}

@@ -324,10 +324,11 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "STALLWATCH_UVLOOP_SPAWN",
         "uvloop_spawn",
-        "`fork`",
-        "`vfork` keeps uvloop as the loop but spawns its subprocesses through the standard library's "
-        "vfork/posix_spawn path: no fork handler runs in the child and the loop never waits on a forked "
-        "copy of the host. Calls it cannot honour (e.g. `preexec_fn`) use uvloop's own fork, recorded on the span.",
+        "`vfork`",
+        "Read at `import stallwatch` (and by `setup()`). `vfork` keeps uvloop as the loop but spawns its "
+        "subprocesses through the standard library's vfork/posix_spawn path: no fork handler runs in the child "
+        "and the loop never waits on a forked copy of the host. Calls it cannot honour (e.g. `preexec_fn`) use "
+        "uvloop's own fork, recorded on the span. `fork` keeps uvloop's own spawn for every call.",
     ),
     Option(
         "STALLWATCH_INSTRUMENT_SSH",
@@ -470,7 +471,7 @@ class Settings:
     record_args: bool = False
     scrub_patterns: tuple[re.Pattern[str], ...] = ()
     propagate_to_children: bool = False
-    uvloop_spawn: str = "fork"
+    uvloop_spawn: str = "vfork"
     instrument_ssh: bool = True
     instrument_nebius: bool = True
     journal: bool = True
@@ -792,6 +793,13 @@ def _valid_at_import(variable: str) -> bool:
     """Whether a variable OpenTelemetry reads at import passes stallwatch's own check (a limit's);
     `OTEL_PROPAGATORS` has none, as only OpenTelemetry knows the installed propagators."""
     return variable in SDK_LIMITS and not _check_sdk_variables({variable: os.environ[variable]})
+
+
+def uvloop_spawn_at_import() -> str:
+    """`STALLWATCH_UVLOOP_SPAWN` as `import stallwatch` reads it: `fork` only when it says so, else
+    `vfork` (the default; a bad value is reported once, by `setup()`, which reads it again)."""
+    text = os.environ.get("STALLWATCH_UVLOOP_SPAWN", "")
+    return "fork" if text.strip().lower() == "fork" else "vfork"
 
 
 def env_flag(name: str, default: bool) -> bool:

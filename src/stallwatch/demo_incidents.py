@@ -3,9 +3,10 @@
 `python -c BOOTSTRAP ROLE OUT ...` (see `command()`) with ROLE:
 
 - `freeze OUT SECONDS`: a library registered an after-fork handler before stallwatch was imported,
-  so the exec-bound guard cannot skip it. In the child of one uvloop spawn it sleeps SECONDS
-  before exec, and the host's loop thread waits holding the GIL (incident 000's freeze, without
-  the crash). The watchdog reports it while it lasts.
+  so the exec-bound guard cannot skip it. In the child of one uvloop spawn (uvloop's own fork, as
+  in incident 000: `uvloop_spawn="fork"`) it sleeps SECONDS before exec, and the host's loop thread
+  waits holding the GIL (incident 000's freeze, without the crash). The watchdog reports it while
+  it lasts.
 - `create OUT ADDRESS`: a Nebius instance create against the fake server at ADDRESS, which
   delays its answer; the demo kills this host with SIGKILL while the create is in flight, as the
   health check did in incident 000.
@@ -49,7 +50,9 @@ def freeze(out: str, seconds: float) -> dict[str, object]:
 
     import stallwatch
 
-    session = stallwatch.setup(file_dir=out, freeze_threshold=1.0, metric_export_interval_ms=3_600_000)
+    session = stallwatch.setup(
+        file_dir=out, freeze_threshold=1.0, metric_export_interval_ms=3_600_000, uvloop_spawn="fork"
+    )
 
     hang = sys.modules["__main__"].HANG  # type: ignore[attr-defined]
 

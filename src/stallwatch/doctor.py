@@ -33,7 +33,7 @@ from typing import Any
 
 from . import session
 from .config import Settings
-from .forksafe import grpc_guard, guard
+from .forksafe import grpc_guard, guard, uvloop_spawn
 from .forksafe.loop import loop_report, package_version
 
 _PROBE_TIMEOUT = 10.0
@@ -180,10 +180,10 @@ def doctor(probe: bool = True, journal: dict[str, Any] | None = None) -> Report:
                 f"thread(s) and left OS threads {unattributed} in a fork child; {_import_first_fix()}"
             )
 
-    uvloop_spawn = sys.modules.get("stallwatch.forksafe.uvloop_spawn")  # loaded by STALLWATCH_UVLOOP_SPAWN=vfork
-    spawns_by_vfork = uvloop_spawn is not None and uvloop_spawn.installed()
-    if (loops.uvicorn_auto_picks == "uvloop" or loops.running == "uvloop") and not spawns_by_vfork:
-        advice.append(f"uvloop forks for every subprocess and holds the GIL until exec; {_uvloop_fix()}")
+    if loops.uvicorn_auto_picks == "uvloop" or loops.running == "uvloop":
+        fix = _uvloop_fix()
+        if fix is not None:
+            advice.append(f"uvloop forks for every subprocess and holds the GIL until exec; {fix}")
     sentry = _sentry_report()
     if sentry["version"] and not sentry["safe"]:
         advice.append(f"upgrade sentry-sdk to 2.59 or newer: {sentry['fork_safety']}")
@@ -248,14 +248,23 @@ def _launched_by_its_own_entry_point() -> str | None:
     return "dstack server" if "dstack._internal.server.app" in sys.modules else None
 
 
-def _uvloop_fix() -> str:
+def _uvloop_fix() -> str | None:
+    """What makes this host's uvloop spawn without fork, or None when it already does (the default)."""
     command = _launched_by_its_own_entry_point()
-    if command is not None:  # it builds its own uvicorn: only stallwatch's spawn method applies
-        return f"set STALLWATCH_UVLOOP_SPAWN=vfork for `{command}` (uvloop then spawns without fork)"
-    return (
-        'run uvicorn with loop=stallwatch.uvicorn_loop() ("asyncio") or --loop asyncio, or keep uvloop and set '
-        "STALLWATCH_UVLOOP_SPAWN=vfork"
-    )
+    asyncio_loop = 'run uvicorn with loop=stallwatch.uvicorn_loop() ("asyncio") or --loop asyncio'
+    if not uvloop_spawn.installed():  # opted out, by the variable or by setup(uvloop_spawn="fork")
+        said_fork = os.environ.get(uvloop_spawn.SETTING, "").strip().lower() == "fork"
+        opt_out = f"{uvloop_spawn.SETTING}=fork" if said_fork else 'uvloop_spawn="fork" from setup()'
+        if command is not None:  # it builds its own uvicorn: only stallwatch's spawn method applies
+            return f"remove {opt_out} for `{command}` (the default, vfork, spawns without fork)"
+        return f"remove {opt_out} (the default, vfork, spawns without fork), or {asyncio_loop}"
+    reason = uvloop_spawn.unsupported_reason({})
+    if reason is None:
+        return None
+    cannot = f"stallwatch's vfork spawn cannot run here ({reason}; see docs/uvloop.md)"
+    if command is not None:
+        return f"{cannot}, and `{command}` builds its own uvicorn, so no setting avoids it"
+    return f"{cannot}; {asyncio_loop}"
 
 
 def _import_first_fix() -> str:

@@ -25,7 +25,7 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from . import config, telemetry
 from ._version import __version__
 from .config import ConfigError, Problem, Settings
-from .forksafe import ForkSafety, guard
+from .forksafe import ForkSafety, guard, uvloop_spawn
 
 _log = logging.getLogger("stallwatch")
 
@@ -149,6 +149,12 @@ def _start(fork_safety: ForkSafety, overrides: dict[str, Any]) -> Session:
     """A bad setting costs only itself (`config`); its line is logged once the pipeline is built, so
     that it is exported as a log record too. `strict` raises `ConfigError` before anything starts."""
     settings = Settings.load(**overrides)
+    # Fork safety, like the guard: applies with telemetry off too. Installed at import, under the guard's
+    # and the subprocess instrumentation's uvloop wrappers; this only switches it.
+    if settings.uvloop_spawn == "vfork":
+        uvloop_spawn.install()
+    else:
+        uvloop_spawn.disable()
     if settings.disabled:
         config.report(settings.problems)
         return Session(settings, fork_safety)
@@ -373,10 +379,6 @@ def _stop_unused_watchdog(watchdog: tuple[Any, subprocess.Popen[bytes]] | None) 
 
 def _instrument(settings: Settings) -> None:
     """Install the instrumentors the settings ask for (they report through the global providers)."""
-    if settings.uvloop_spawn == "vfork":  # before the subprocess wrappers, so that they sit outside it
-        from .forksafe import uvloop_spawn
-
-        uvloop_spawn.install()
     if settings.instrument_subprocess:
         from .instrument.subprocess import SubprocessInstrumentor
 

@@ -94,8 +94,8 @@ async def async_cases():
     transport.close()
 
     # The handler runs in the child of uvloop's own fork (incident 000), and in a fork for a preexec_fn
-    # (the standard loop's Popen, and uvloop's own fork again under STALLWATCH_UVLOOP_SPAWN=vfork).
-    native = loop_name == "uvloop" and os.environ.get("STALLWATCH_UVLOOP_SPAWN") != "vfork"
+    # (the standard loop's Popen, and uvloop's own fork again under the default STALLWATCH_UVLOOP_SPAWN=vfork).
+    native = loop_name == "uvloop" and os.environ.get("STALLWATCH_UVLOOP_SPAWN") == "fork"
     CRASH["now"] = True
     try:
         await process("async_before_exec", ["true"], None, **({} if native else {"preexec_fn": lambda: None}))

@@ -1,5 +1,6 @@
 """Fork safety, installed at `import stallwatch`: the at-fork handler guard, fork-aware
-OpenTelemetry SDK classes and the gRPC fork guard. See `guard`, `otel_compat`, `grpc_guard`."""
+OpenTelemetry SDK classes, the gRPC fork guard and uvloop's spawns without fork. See `guard`,
+`otel_compat`, `grpc_guard`, `uvloop_spawn`."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import logging
 import sys
 from dataclasses import dataclass, field
 
-from ..config import IMPORT_PROBLEMS, env_flag, load_opentelemetry
-from . import grpc_guard, guard, otel_compat
+from ..config import IMPORT_PROBLEMS, env_flag, load_opentelemetry, uvloop_spawn_at_import
+from . import grpc_guard, guard, otel_compat, uvloop_spawn
 
 _log = logging.getLogger("stallwatch.forksafe")
 # Taken when this package is first imported, before stallwatch itself loads any SDK module.
@@ -28,6 +29,7 @@ class ForkSafety:
     patched: tuple[str, ...] = ()
     preexisting: dict[str, int] = field(default_factory=dict)
     error: str | None = None  # a bad STALLWATCH_FORK_GUARD or STALLWATCH_GRPC_FORK_GUARD, then at its default
+    uvloop_spawn: str = "vfork"  # STALLWATCH_UVLOOP_SPAWN as read at import
 
 
 def install() -> ForkSafety:
@@ -39,12 +41,18 @@ def install() -> ForkSafety:
              if name in IMPORT_PROBLEMS]  # fmt: skip
     error = "; ".join(flags) or None
     grpc_state = grpc_guard.install(grpc_enabled)
+    spawn = uvloop_spawn_at_import()
+    # Before the guard, whose uvloop wrappers then sit outside: every uvloop spawn, routed or not, is
+    # marked for the watchdog. Installed either way, so that setup() can switch it with the same layering.
+    uvloop_spawn.install()
+    if spawn == "fork":
+        uvloop_spawn.disable()
     if not guard_enabled:
         _log.warning(
             "stallwatch: STALLWATCH_FORK_GUARD=false: at-fork handlers run in every child and the "
             "OpenTelemetry SDK starts threads there."
         )
-        return ForkSafety(False, grpc_state, sdk_loaded_before, error=error)
+        return ForkSafety(False, grpc_state, sdk_loaded_before, error=error, uvloop_spawn=spawn)
     guard.install()
     patched = tuple(otel_compat.install())
     preexisting = otel_compat.preexisting_objects(sdk_loaded_before)
@@ -55,4 +63,4 @@ def install() -> ForkSafety:
             "threads in fork children. Import stallwatch (or stallwatch.auto) first.",
             names,
         )
-    return ForkSafety(True, grpc_state, sdk_loaded_before, patched, preexisting, error)
+    return ForkSafety(True, grpc_state, sdk_loaded_before, patched, preexisting, error, spawn)

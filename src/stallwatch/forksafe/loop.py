@@ -69,6 +69,7 @@ def uvicorn_loop() -> str:
 
     Returns ``"asyncio"``: the standard loop spawns with vfork/posix_spawn, which runs no at-fork
     handlers and does not hold the GIL while the child execs (incident 000 in docs/incidents.md). Use it as
-    ``uvicorn.run(app, loop=stallwatch.uvicorn_loop())``.
+    ``uvicorn.run(app, loop=stallwatch.uvicorn_loop())``. uvloop spawns the same way from
+    ``import stallwatch`` on, unless ``STALLWATCH_UVLOOP_SPAWN=fork``.
     """
     return "asyncio"

@@ -1,4 +1,5 @@
-"""Opt-in ``STALLWATCH_UVLOOP_SPAWN=vfork``: uvloop stays the event loop, but spawns like the stdlib.
+"""``STALLWATCH_UVLOOP_SPAWN=vfork`` (the default from ``import stallwatch`` on; ``fork`` opts out):
+uvloop stays the event loop, but spawns like the stdlib.
 
 uvloop's ``Loop.subprocess_exec``/``subprocess_shell`` start every child with libuv's ``uv_spawn``,
 a real ``fork()``: every ``pthread_atfork`` handler (gRPC's) and every ``os.register_at_fork``
@@ -70,7 +71,7 @@ import wrapt
 SETTING = "STALLWATCH_UVLOOP_SPAWN"
 
 FALLBACK: contextvars.ContextVar[str | None] = contextvars.ContextVar("stallwatch_uvloop_spawn_fallback", default=None)
-"""Set by every wrapped spawn: the reason it used uvloop's own fork, or None when it went through Popen."""
+"""Set by every wrapped spawn: the reason it used uvloop's own fork although routing is on, else None."""
 
 _log = logging.getLogger("stallwatch.forksafe")
 
@@ -196,8 +197,11 @@ class _PidfdSubprocessTransport(_STDLIB_TRANSPORT or base_subprocess.BaseSubproc
 
     _pidfd: int
     _release_pidfd: weakref.finalize
+    _exited: asyncio.Future[int]
+    """Resolved with the return code at exit, whether or not the pipes ever connected."""
 
     def _start(self, args: Any, shell: bool, stdin: Any, stdout: Any, stderr: Any, bufsize: int, **kwargs: Any) -> None:
+        self._exited = self._loop.create_future()
         super()._start(args=args, shell=shell, stdin=stdin, stdout=stdout, stderr=stderr, bufsize=bufsize, **kwargs)
         for name in ("stdin", "stdout", "stderr"):
             pipe = getattr(self._proc, name)
@@ -224,6 +228,8 @@ class _PidfdSubprocessTransport(_STDLIB_TRANSPORT or base_subprocess.BaseSubproc
         self._loop.remove_reader(self._pidfd)
         self._release_pidfd()
         self._process_exited(returncode)
+        if not self._exited.done():
+            self._exited.set_result(returncode)
 
     def send_signal(self, signal: int) -> None:
         self._check_proc()
@@ -260,7 +266,9 @@ async def _spawn(
     bufsize: int,
     kwargs: dict[str, Any],
 ) -> tuple[asyncio.SubprocessTransport, asyncio.SubprocessProtocol]:
-    """BaseEventLoop's protocol creation plus _UnixSelectorEventLoop._make_subprocess_transport."""
+    """BaseEventLoop's protocol creation plus _UnixSelectorEventLoop._make_subprocess_transport,
+    except that a failed start waits for the killed child's exit, not for `_wait()`: on 3.11+ that
+    waits for every pipe to be connected and closed, which never happens when connecting one failed."""
     protocol = protocol_factory()
     waiter = loop.create_future()
     transport = _PidfdSubprocessTransport(
@@ -272,7 +280,7 @@ async def _spawn(
         raise
     except BaseException:
         transport.close()
-        await transport._wait()
+        await transport._exited
         raise
     return transport, protocol
 
@@ -339,6 +347,9 @@ def _route(
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
+        if not _routing:
+            FALLBACK.set(None)
+            return await wrapped(*args, **kwargs)
         reason = unsupported_reason(kwargs)
         FALLBACK.set(reason)
         if reason is None:
@@ -362,17 +373,26 @@ def _patch_uvloop(module: ModuleType) -> None:
 
 
 _installed = False
+_routing = False
 
 
 def install() -> None:
     """Route uvloop's subprocess_exec/subprocess_shell through Popen from now on (idempotent)."""
-    global _installed
+    global _installed, _routing
+    _routing = True
     if _installed:
         return
     _installed = True
     wrapt.register_post_import_hook(_patch_uvloop, "uvloop")
 
 
+def disable() -> None:
+    """Spawn with uvloop's own fork from now on (``setup(uvloop_spawn="fork")`` after the import
+    installed the routing); the wrappers stay, and pass every call through unchanged."""
+    global _routing
+    _routing = False
+
+
 def installed() -> bool:
-    """True once `install()` ran in this process."""
-    return _installed
+    """True while uvloop's spawns are routed through Popen: `install()` ran and `disable()` did not since."""
+    return _installed and _routing

@@ -1,0 +1,104 @@
+"""CPython's own asyncio subprocess tests, on uvloop with its own spawn and with stallwatch's.
+
+`tests/support/stdlib_subprocess_suite.py` runs `test.test_asyncio.test_subprocess.SubprocessMixin`
+(shipped with the interpreter under test) unchanged, in three fresh interpreters: uvloop's own
+spawn (`native`), uvloop after `import stallwatch` (`vfork`, the default spawn) and the standard loop
+(`asyncio`, the reference). No test that passes on `native` may fail or hang on `vfork`, and the
+tests `vfork` fails are exactly the differences from the standard loop that docs/uvloop.md lists.
+A test that runs past `PER_TEST` seconds is a hang: its process is ended there, the test counts as
+failed, and the run goes on from the next test.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from conftest import clean_env
+
+pytestmark = pytest.mark.matrix  # each interpreter ships its own version of the tests
+
+pytest.importorskip("uvloop")
+pytest.importorskip(
+    "test.test_asyncio.test_subprocess", reason="this interpreter ships without its `test` package (Debian strips it)"
+)
+
+RUNNER = Path(__file__).parent / "support" / "stdlib_subprocess_suite.py"
+PER_TEST = 30.0
+
+# Tests that fail on uvloop whichever spawns, each with its cause; docs/uvloop.md lists the same.
+DIFFERENCES = {
+    "test_pause_reading": "the test replaces `pause_reading` on the pipe transport: uvloop's are read-only",
+}
+if sys.version_info < (3, 11):
+    DIFFERENCES["test_stdin_broken_pipe"] = (
+        "writing to a pipe uvloop closed raises RuntimeError, not BrokenPipeError/ConnectionResetError"
+    )
+
+
+@dataclass
+class Run:
+    spawn: str
+    outcomes: dict[str, str]
+    details: dict[str, str]
+
+    def failed(self) -> set[str]:
+        return {name for name, outcome in self.outcomes.items() if outcome not in ("pass", "skip")}
+
+
+def run_suite(mode: str) -> Run:
+    """Every test of the suite in `mode`, going on after a hang from the test after it."""
+    spawn, outcomes, details = "", {}, {}
+    names: list[str] = []
+    todo: list[str] = []
+    while True:
+        proc = subprocess.run(
+            [sys.executable, str(RUNNER), mode, str(PER_TEST), *todo],
+            env=clean_env(),
+            capture_output=True,
+            text=True,
+            timeout=PER_TEST * (len(todo) or 60) + 60,
+        )
+        started = None
+        for line in proc.stdout.splitlines():
+            fields = json.loads(line)
+            if "tests" in fields:
+                names = names or fields["tests"]
+            elif "spawn" in fields:
+                spawn = fields["spawn"]
+            elif "start" in fields:
+                started = fields["start"]
+            else:
+                outcomes[fields["result"]], details[fields["result"]] = fields["outcome"], fields["detail"]
+                started = None
+        if started is None:
+            assert proc.returncode == 0, proc.stderr
+            return Run(spawn, outcomes, details)
+        outcomes[started], details[started] = "hang", proc.stderr[-3000:]
+        todo = names[names.index(started) + 1 :]
+        if not todo:
+            return Run(spawn, outcomes, details)
+
+
+def test_cpythons_asyncio_subprocess_tests_that_pass_with_uvloops_own_spawn_pass_with_stallwatchs():
+    with ThreadPoolExecutor(3) as pool:
+        native, vfork, reference = pool.map(run_suite, ["native", "vfork", "asyncio"])
+
+    assert (native.spawn, vfork.spawn, reference.spawn) == (
+        "UVProcessTransport", "_PidfdSubprocessTransport", "_UnixSubprocessTransport",
+    )  # fmt: skip
+    assert native.outcomes.keys() == vfork.outcomes.keys() == reference.outcomes.keys()
+    assert len(native.outcomes) >= 25
+    assert reference.failed() == set(), reference.details
+    regressions = {name: vfork.details[name] for name in vfork.failed() if native.outcomes[name] == "pass"}
+    assert regressions == {}
+    assert {name: vfork.outcomes[name] for name in vfork.failed()} == dict.fromkeys(DIFFERENCES, "error"), {
+        name: vfork.details[name] for name in vfork.failed()
+    }
+    assert native.failed() >= set(DIFFERENCES)
