@@ -1,63 +1,17 @@
-"""Scenario: incident 002 in its smallest form, on a 1-worker ThreadPoolExecutor.
+"""Scenario: incident 002 in its smallest form, on a 1-worker ThreadPoolExecutor (the demo's wedge stage).
 
 Usage: python executor_wedge.py {guard|noguard} {heal|noheal} DIR
-Item A parks in sock.recv; the peer closes, so A ends by another path and the worker goes idle;
-then, as NDIF's kill_thread does, SystemExit is injected into that worker with ctypes. Item B is
-submitted next, then C. Prints one JSON line: what B and C gave and how long B took.
+Runs `stallwatch.demo_incidents.executor_wedge`, the same scenario `stallwatch demo` shows, and prints
+its JSON line: what the injection returned, what B and C gave and how long B took.
 """
 
-import ctypes
 import json
 import os
-import socket
 import sys
-import threading
-import time
 
-import stallwatch
+from stallwatch.demo_incidents import executor_wedge
 
 guard, heal, out = sys.argv[1] == "guard", sys.argv[2] == "heal", sys.argv[3]
-stallwatch.setup(file_dir=out, guard_async_exc=guard, executor_heal=heal, metric_export_interval_ms=200)
-
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout  # not the builtin before 3.11
-
-from opentelemetry import trace
-
-pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="runner")
-near, far = socket.socketpair()
-worker = {}
-
-
-def execute() -> bytes:
-    worker["ident"] = threading.get_ident()
-    return near.recv(10)
-
-
-def outcome(future, timeout: float) -> str:
-    try:
-        return str(future.result(timeout=timeout))
-    except FutureTimeout:
-        return "hung"
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-
-
-with trace.get_tracer("scenario").start_as_current_span("request A"):
-    item_a = pool.submit(execute)
-time.sleep(0.1)
-far.close()  # the runner went away: A ends with a ConnectionError-free EOF, the worker goes idle
-item_a.result(timeout=2)
-time.sleep(0.05)
-returned = ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(worker["ident"]), ctypes.py_object(SystemExit))
-started = time.monotonic()
-with trace.get_tracer("scenario").start_as_current_span("request B"):
-    item_b = pool.submit(lambda: "B done")
-b = outcome(item_b, 3.0)
-b_seconds = time.monotonic() - started
-c = outcome(pool.submit(lambda: "C done"), 3.0)
-time.sleep(0.3)
-stallwatch.shutdown(timeout=5)
-print(json.dumps({"set_async_exc_returned": returned, "B": b, "B_seconds": round(b_seconds, 3), "C": c}))
+print(json.dumps(executor_wedge(out, guard, heal, metric_export_interval_ms=200)))
 sys.stdout.flush()
 os._exit(0)  # a wedged pool would also hang interpreter exit (concurrent.futures joins its workers)
