@@ -155,3 +155,31 @@ def test_the_after_fork_handlers_are_registered_once_however_often_the_instrumen
         "_forget_the_parents_children",
         "_forget_the_parents_children",
     ]  # nebius's calls; subprocess's children and child_fate's signalled pids
+
+
+def test_paramikos_channel_request_handler_is_wrapped_once_per_instrument_and_restored_by_uninstrument():
+    pytest.importorskip("paramiko")
+    proc = run_python(
+        """
+        import json
+        import paramiko
+        import stallwatch
+        from stallwatch.instrument.paramiko import ParamikoInstrumentor
+
+        table, key = paramiko.Transport._channel_handler_table, paramiko.common.MSG_CHANNEL_REQUEST
+        original = table[key]
+        instrumentor = ParamikoInstrumentor()
+        depths = []
+        for _ in range(3):
+            instrumentor.instrument(settings=stallwatch.Settings.load())
+            handler, depth = table[key], 0
+            while handler is not original and hasattr(handler, "__wrapped__"):
+                handler, depth = handler.__wrapped__, depth + 1
+            depths.append(depth)
+            instrumentor.uninstrument()
+        print(json.dumps({"depths": depths, "restored": table[key] is original}))
+        """
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"depths": [1, 1, 1], "restored": True}
