@@ -62,6 +62,8 @@ HERE = Path(__file__).resolve().parent
 CONFIGS = ("all_on", "light_span_off", "protobuf_off", "histograms_off")
 ATTRIBUTES = {"stallwatch.executor.name": "runner", "thread.name": "runner_0", "code.function": "noop"}
 BATCH = 512
+PAIRED_PROCESSES = 3
+PAIRED_ITEMS = 1000  # per block
 EARNS = 1 / 0.9  # the item costs >= 10 % more with the fast path off
 VALUES = 4096
 
@@ -252,6 +254,38 @@ def run(count):
 
 
 run(min(items, 500))
+if config == "paired":  # pairs of blocks, each fast path switched off and on in this interpreter
+    import random
+    from stallwatch.export import span_protobuf
+    from stallwatch.instrument import light_span
+
+    def sdk_start(tracer, name, context, attributes, kind=light_span.SpanKind.INTERNAL, start_time=None, **_):
+        return tracer.start_span(name, context=context, kind=kind, attributes=attributes, start_time=start_time)
+
+    def refuse(spans):
+        raise span_protobuf._Unsupported("the SDK's encoder, for this block")  # the exporter falls back
+
+    switches = {
+        "light_span": (light_span, "start", light_span.start, sdk_start),
+        "span_protobuf": (span_protobuf, "encode_spans_protobuf", span_protobuf.encode_spans_protobuf, refuse),
+    }
+    rng = random.Random(cpu)
+    found = {series: [] for series in switches}
+    for _ in range(repeats):
+        for series, (module, name, fast, slow) in switches.items():
+            timed = {}
+            for on in rng.sample([True, False], 2):
+                setattr(module, name, fast if on else slow)
+                run(50)  # settle
+                started = time.process_time()
+                run(items)
+                timed[on] = (time.process_time() - started) / items * 1e6
+            setattr(module, name, fast)
+            found[series].append([timed[False], timed[True]])
+    pool.shutdown()
+    stallwatch.shutdown(5)
+    print(json.dumps(found))
+    sys.exit(0)
 wall, cpu_time = [], []
 for _ in range(repeats):
     started, started_cpu = time.perf_counter(), time.process_time()
@@ -286,7 +320,7 @@ server.serve_forever()
 """
 
 
-def end_to_end(items: int, repeats: int, rounds: int) -> dict[str, Any]:
+def end_to_end(items: int, repeats: int, rounds: int, pairs: int) -> dict[str, Any]:
     cpus = sorted(os.sched_getaffinity(0))
     worker_cpu, sink_cpu = cpus[-1], cpus[0]
     sink = subprocess.Popen([sys.executable, "-c", SINK, str(sink_cpu)], stdout=subprocess.PIPE, text=True)
@@ -307,10 +341,18 @@ def end_to_end(items: int, repeats: int, rounds: int) -> dict[str, Any]:
                 if proc.returncode != 0:
                     raise RuntimeError(f"{config} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
                 runs[config].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        paired: dict[str, list[list[float]]] = {}
+        for _ in range(PAIRED_PROCESSES):
+            command = [sys.executable, "-c", WORKER, "paired", str(PAIRED_ITEMS), str(pairs), str(worker_cpu)]
+            proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, check=False)
+            if proc.returncode != 0:
+                raise RuntimeError(f"paired failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+            for series, found in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+                paired.setdefault(series, []).extend(found)
     finally:
         sink.kill()
         sink.wait()
-    return {"pinned_cpu": worker_cpu, "sink_cpu": sink_cpu, "runs": runs}
+    return {"pinned_cpu": worker_cpu, "sink_cpu": sink_cpu, "runs": runs, "paired": paired}
 
 
 # ---- results -------------------------------------------------------------------------------------
@@ -390,6 +432,26 @@ def report(micro: dict[str, Any], e2e: dict[str, Any], info: dict[str, Any], arg
         )
     lines += [
         "",
+        f"**End to end, paired**: {PAIRED_PROCESSES} interpreters set up as `all_on` (pinned as above) alternate "
+        f"pairs of blocks of {PAIRED_ITEMS} items with one fast path off and on, in a seeded random order "
+        "(`light_span.start` replaced by the tracer's `start_span`; `encode_spans_protobuf` replaced by a "
+        "function that refuses every batch, so the exporter falls back to the SDK's encoder). Each pair "
+        "gives the ratio of CPU µs per item off / on. The histograms cannot be switched inside an "
+        "interpreter (each histogram picks its aggregation when it is made).",
+        "",
+        "| fast path | pairs | on CPU µs | off CPU µs | off / on | 95 % interval | on cheaper by | >= 10 % |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for series, found in e2e["paired"].items():
+        summary = summarize([([off], [on]) for off, on in found])  # "on" of `summarize` = the fast path off
+        low, high = summary["ratio_ci95"]
+        earned = "yes" if low >= EARNS else "no" if high < EARNS else "undecided"
+        lines.append(
+            f"| {series} | {summary['pairs']} | {summary['off_p50_us']:.2f} | {summary['on_p50_us']:.2f} "
+            f"| {summary['ratio']:.3f} | {low:.3f} to {high:.3f} | {1 - 1 / summary['ratio']:.1%} | {earned} |"
+        )
+    lines += [
+        "",
         "Per configuration, the median CPU µs of each round, in round order (run-to-run noise):",
         "",
         *[f"- {config}: {_round_medians(runs[config])}" for config in CONFIGS],
@@ -418,7 +480,7 @@ def main() -> None:
         print(f"micro {name} ...", flush=True)
         micro[name] = summarize(bench(args.pairs, seed=len(name)))
     print("end to end ...", flush=True)
-    e2e = end_to_end(args.items, args.repeats, args.rounds)
+    e2e = end_to_end(args.items, args.repeats, args.rounds, args.pairs)
     info = machine_info(("opentelemetry-api", "opentelemetry-sdk", "opentelemetry-exporter-otlp-proto-http", "wrapt"))
     raw_path(out, "fast_paths.json").write_text(json.dumps({"machine": info, "micro": micro, "end_to_end": e2e}))
     (out / "fast_paths.md").write_text(report(micro, e2e, info, args))
