@@ -20,7 +20,8 @@ from otlp_receiver import receiver  # noqa: F401 - fixtures for every test modul
 from secrets_corpus import SECRETS, leaked
 from sshd_fixture import http_server, sshd  # noqa: F401
 
-SCENARIOS = Path(__file__).parent / "scenarios"
+TESTS = Path(__file__).parent
+SCENARIOS = TESTS / "scenarios"
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -31,6 +32,7 @@ def clean_env(**extra: str) -> dict[str, str]:
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "STALLWATCH_", "GRPC_"))}
     env["STALLWATCH_JOURNAL_DIR"] = _JOURNALS.mkdtemp()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))  # `support.*`
     env.update(extra)
     return env
 

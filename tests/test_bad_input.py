@@ -626,7 +626,7 @@ def test_every_wrapper_takes_hostile_input_and_keeps_its_attributes_bounded(tmp_
         # Nebius and the ledger: deleting an instance by an id of 100,000 characters, which the server does not know
         from nebius.aio.service_error import RequestError
         from nebius.api.nebius.compute.v1 import DeleteInstanceRequest, InstanceServiceClient
-        from stallwatch.fake_nebius import FakeNebius, sdk_for
+        from support.fake_nebius import FakeNebius, sdk_for
 
         async def delete():
             with FakeNebius() as fake:

@@ -134,7 +134,7 @@ def test_demo_runs_on_local_files_and_shows_zero_thread_starts(tmp_path):
     # Both incidents: the freeze seen live, the killed create a leak candidate, the wedge refused then healed.
     assert result["freeze_detected_while_frozen"] is True and result["freeze_cause"] == "child_before_exec"
     assert result["freeze_seconds"] >= 2.4
-    assert result["wedge_guarded"] == "done"
+    assert result["wedge_guarded"] == "B done"
     assert result["wedge_unguarded_healed"] == "WorkerDied" and result["wedge_heal_seconds"] < 2.5
     if importlib.util.find_spec("nebius") is not None:  # the `demo` extra; the matrix venvs lack it
         assert result["create_killed_leak_candidates"] == 1

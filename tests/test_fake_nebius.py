@@ -1,4 +1,4 @@
-"""The real `nebius` SDK against `stallwatch.fake_nebius`, on loopback; no stallwatch instrumentation involved."""
+"""The real `nebius` SDK against `support.fake_nebius`, on loopback; no stallwatch instrumentation involved."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from nebius.api.nebius.compute.v1 import (
     ResourcesSpec,
 )
 
-from stallwatch.fake_nebius import DISK_SERVICE, INSTANCE_SERVICE, OPERATION_SERVICE, FakeNebius, sdk_for
+from support.fake_nebius import DISK_SERVICE, INSTANCE_SERVICE, OPERATION_SERVICE, FakeNebius, sdk_for
 from support.waiting import wait_until
 
 T = TypeVar("T")

@@ -258,7 +258,7 @@ from nebius.api.nebius.common.v1 import ResourceMetadata
 from nebius.api.nebius.compute.v1 import (
     CreateInstanceRequest, DeleteInstanceRequest, GetInstanceRequest, InstanceServiceClient,
 )
-from stallwatch.fake_nebius import FakeNebius, sdk_for
+from support.fake_nebius import FakeNebius, sdk_for
 
 fake = FakeNebius().start()
 

@@ -422,7 +422,7 @@ def test_sigkill_at_random_points_never_loses_a_create_whose_intent_was_durable(
 def test_sigkill_during_real_nebius_sdk_creates_leaves_every_create_the_fake_saw_accounted_for(tmp_path):
     """SDK variant: `stallwatch.setup()` instruments the real Nebius SDK, whose ledger intents and
     outcomes go to the journal; the fake Nebius API (in this process) is the ground truth."""
-    from stallwatch.fake_nebius import INSTANCE_SERVICE, FakeNebius
+    from support.fake_nebius import INSTANCE_SERVICE, FakeNebius
 
     rng = random.Random(60)
     trials, parallel = 50, 5  # the issue asks for at least 50 seeded kills

@@ -12,7 +12,7 @@ import textwrap
 from pathlib import Path
 
 from conftest import attrs, clean_env, latest_total, otlp_items, run_python
-from stallwatch.fake_nebius import INSTANCE_SERVICE, FakeNebius
+from support.fake_nebius import INSTANCE_SERVICE, FakeNebius
 from support.processes import command_line, is_gone
 from support.waiting import wait_until
 
@@ -29,7 +29,7 @@ import uvloop
 from nebius.api.nebius.common.v1 import ResourceMetadata
 from nebius.api.nebius.compute.v1 import CreateInstanceRequest, InstanceServiceClient
 from opentelemetry import trace
-from stallwatch.fake_nebius import sdk_for
+from support.fake_nebius import sdk_for
 
 async def main():
     async with sdk_for(address) as sdk:

@@ -35,8 +35,9 @@ assert "STALLWATCH_RUN_PYTHONPATH" not in os.environ
 
 
 def launcher_env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    """A clean environment whose PATH finds this virtualenv's python and console scripts first."""
-    return clean_env(
+    """A clean environment whose PATH finds this virtualenv's python and console scripts first;
+    PYTHONPATH only if `extra` sets it (what the launcher does with it is under test)."""
+    env = clean_env(
         **{
             "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
             "STALLWATCH_FILE_DIR": str(tmp_path / "telemetry"),
@@ -44,6 +45,9 @@ def launcher_env(tmp_path: Path, **extra: str) -> dict[str, str]:
             **extra,
         }
     )
+    if "PYTHONPATH" not in extra:
+        del env["PYTHONPATH"]
+    return env
 
 
 def test_a_python_command_runs_with_stallwatch_set_up_first_and_keeps_its_argv_and_exit_status(tmp_path):

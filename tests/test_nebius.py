@@ -112,7 +112,7 @@ def test_a_failed_create_is_a_ledger_warning_with_the_status(tmp_path):
         from nebius.aio.service_error import RequestError
         from nebius.api.nebius.common.v1 import ResourceMetadata
         from nebius.api.nebius.compute.v1 import CreateInstanceRequest, InstanceServiceClient
-        from stallwatch.fake_nebius import INSTANCE_SERVICE, FakeNebius, sdk_for
+        from support.fake_nebius import INSTANCE_SERVICE, FakeNebius, sdk_for
 
         async def main(fake):
             async with sdk_for(fake.address) as sdk:
@@ -153,7 +153,7 @@ def test_an_sdk_whose_private_names_changed_is_left_untouched_with_one_warning(t
         stallwatch.setup(file_dir={str(tmp_path)!r}, watchdog=False)
         from nebius.api.nebius.compute.v1 import GetInstanceRequest, InstanceServiceClient
         from nebius.aio.service_error import RequestError
-        from stallwatch.fake_nebius import FakeNebius, sdk_for
+        from support.fake_nebius import FakeNebius, sdk_for
 
         async def main(fake):
             async with sdk_for(fake.address) as sdk:
@@ -194,7 +194,7 @@ def test_an_instrumentation_fault_never_reaches_the_sdk_caller(tmp_path):
         ledger.set_recorder(Broken())
         from nebius.api.nebius.common.v1 import ResourceMetadata
         from nebius.api.nebius.compute.v1 import CreateInstanceRequest, InstanceServiceClient
-        from stallwatch.fake_nebius import FakeNebius, sdk_for
+        from support.fake_nebius import FakeNebius, sdk_for
 
         async def main(fake):
             async with sdk_for(fake.address) as sdk:
@@ -242,7 +242,7 @@ def test_a_call_is_completed_off_the_callers_path_and_never_lost(within, tmp_pat
         from nebius.api.nebius.compute.v1 import GetInstanceRequest, InstanceServiceClient
         from nebius.aio.service_error import RequestError
         from opentelemetry import trace
-        from stallwatch.fake_nebius import FakeNebius, sdk_for
+        from support.fake_nebius import FakeNebius, sdk_for
         from stallwatch.instrument import nebius
 
         nebius.COMPLETE_WITHIN = {0.05 if within == "timer" else 3600}
@@ -290,7 +290,7 @@ def test_a_fork_child_that_lives_on_never_completes_its_parents_calls(tmp_path):
         stallwatch.setup(file_dir={str(tmp_path)!r}, watchdog=False)
         from nebius.api.nebius.compute.v1 import GetInstanceRequest, InstanceServiceClient
         from nebius.aio.service_error import RequestError
-        from stallwatch.fake_nebius import FakeNebius, sdk_for
+        from support.fake_nebius import FakeNebius, sdk_for
         from stallwatch.instrument import nebius
 
         nebius.COMPLETE_WITHIN = 3600  # the call waits to be completed when the process forks
@@ -332,7 +332,7 @@ def test_uninstrument_restores_the_sdk_and_instrumenting_again_wraps_it_once(tmp
         from nebius.api.nebius.compute.v1 import GetInstanceRequest, InstanceServiceClient
         from nebius.aio.service_error import RequestError
         from opentelemetry import trace
-        from stallwatch.fake_nebius import FakeNebius, sdk_for
+        from support.fake_nebius import FakeNebius, sdk_for
 
         async def call(sdk, label):
             with trace.get_tracer("test").start_as_current_span(label):

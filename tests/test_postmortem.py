@@ -68,7 +68,7 @@ import stallwatch
 stallwatch.setup(file_dir={str(tmp_path)!r}, watchdog=False)
 from nebius.api.nebius.common.v1 import ResourceMetadata
 from nebius.api.nebius.compute.v1 import CreateInstanceRequest, InstanceServiceClient
-from stallwatch.fake_nebius import INSTANCE_SERVICE, FakeNebius, sdk_for
+from support.fake_nebius import INSTANCE_SERVICE, FakeNebius, sdk_for
 
 async def main(fake):
     async with sdk_for(fake.address) as sdk:

@@ -8,7 +8,7 @@
 2. A freeze (incident 000's mechanism), caught live: a child host whose uvloop spawn is held
    before exec by a library's fork handler. The watchdog reports it while it lasts.
 3. A Nebius create in flight when the host is killed (incident 000's leaked instances): against
-   the fake Nebius server; the ledger's intent record makes it a leak candidate.
+   a local stand-in that never answers; the ledger's intent record makes it a leak candidate.
 4. The executor wedge (incident 002): a stale async SystemExit refused by the guard, then, with
    the guard off, the worker's death detected and the stranded request healed.
 5. `stallwatch postmortem` over everything, with an HTML report.
@@ -237,13 +237,11 @@ def _freeze_stage(out: Path, result: DemoResult) -> None:
 
 
 def _create_stage(out: Path) -> None:
-    from .demo_incidents import command
-    from .fake_nebius import INSTANCE_SERVICE, FakeNebius
+    from .demo_incidents import UnansweredCloud, command
 
-    with FakeNebius() as fake:
-        fake.delay_next(f"{INSTANCE_SERVICE}/Create", 120)  # the cloud takes its time
+    with UnansweredCloud() as cloud:  # the cloud takes its time
         host = subprocess.Popen(
-            command("create", str(out), fake.address),
+            command("create", str(out), cloud.address),
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=_environment(out),
         )  # fmt: skip
         try:
@@ -324,10 +322,10 @@ def _incident_stages(out: Path, result: DemoResult, say: Callable[[str], None]) 
         say("[3/5] a Nebius create in flight when the host is killed with SIGKILL; the next start replays ...")
         _create_stage(out)
     say("[4/5] a stale async SystemExit aimed at an executor worker, with and without the guard ...")
-    result.wedge_guarded = str(_role(out, "wedge", "guard", "noheal")["request_b"])
+    result.wedge_guarded = str(_role(out, "wedge", "guard", "noheal")["B"])
     unguarded = _role(out, "wedge", "noguard", "heal")
-    result.wedge_unguarded_healed = str(unguarded["request_b"])
-    result.wedge_heal_seconds = float(unguarded["request_b_seconds"])
+    result.wedge_unguarded_healed = str(unguarded["B"]).partition(":")[0]
+    result.wedge_heal_seconds = float(unguarded["B_seconds"])
     say("[5/5] stallwatch postmortem over all of it ...")
     from . import postmortem
 
@@ -386,7 +384,7 @@ def healthy(result: DemoResult, probes: int) -> bool:
         and result.forked_worker_span_exported
         and (result.freeze_detected_while_frozen or any(s.startswith("freeze") for s in result.skipped))
         and (result.create_killed_leak_candidates == 1 or any(s.startswith("cloud") for s in result.skipped))
-        and result.wedge_guarded == "done"
+        and result.wedge_guarded == "B done"
         and result.wedge_unguarded_healed == "WorkerDied"
         and bool(result.report)
     )

@@ -386,9 +386,11 @@ def _instrument(settings: Settings) -> None:
         if not spawns.is_instrumented_by_opentelemetry:
             spawns.instrument(settings=settings)
     if settings.instrument_ssh:
-        from .instrument import ssh
+        from .instrument.ssh import SSHTunnelInstrumentor
 
-        ssh.install_presets()
+        tunnels = SSHTunnelInstrumentor()
+        if not tunnels.is_instrumented_by_opentelemetry:
+            tunnels.instrument(skip_dep_check=True)  # a host without dstack: nothing to wrap, nothing to log
         if importlib.util.find_spec("paramiko") is not None:  # else the dependency check would log an error
             from .instrument.paramiko import ParamikoInstrumentor
 
@@ -400,7 +402,9 @@ def _instrument(settings: Settings) -> None:
 
         calls = NebiusInstrumentor()
         if not calls.is_instrumented_by_opentelemetry:
-            calls.instrument()
+            # Without nebius nothing is wrapped; outside the declared range the check of the private
+            # methods at import decides, and its warning names the setting.
+            calls.instrument(skip_dep_check=True)
     if settings.instrument_executor:
         from .instrument.executor import ExecutorInstrumentor
 

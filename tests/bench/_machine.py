@@ -13,6 +13,9 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+TESTS = HERE.parent
+if str(TESTS) not in sys.path:  # the benchmarks share the tests' `support` package (the fake Nebius server)
+    sys.path.append(str(TESTS))
 
 
 def raw_path(out: Path, name: str) -> Path:
@@ -24,8 +27,11 @@ def raw_path(out: Path, name: str) -> Path:
 
 
 def clean_env() -> dict[str, str]:
-    """This environment without OTEL_/STALLWATCH_/GRPC_ variables, so every worker starts alike."""
-    return {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "STALLWATCH_", "GRPC_"))}
+    """This environment without OTEL_/STALLWATCH_/GRPC_ variables, so every worker starts alike; the
+    tests' `support` package importable."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "STALLWATCH_", "GRPC_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
+    return env
 
 
 def machine_info(versioned: tuple[str, ...]) -> dict[str, Any]:

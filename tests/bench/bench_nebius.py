@@ -9,7 +9,7 @@ Options: ``--calls N`` timed calls per series and run (default 300, after 20 war
 (default 5), ``--pairs P`` and ``--processes K`` for the paired part (default 30 and 4), ``--quick``
 (40 calls, 1 round, 4 pairs in 1 process), ``--out DIR``.
 
-The fake Nebius server (`stallwatch.fake_nebius`) runs in this process, on its own thread; each
+The fake Nebius server (`tests/support/fake_nebius.py`) runs in this process, on its own thread; each
 configuration runs in a fresh interpreter that imports stallwatch first, calls
 ``stallwatch.setup(file_dir=<tmp>, watchdog=False)`` and drives the real SDK over loopback:
 
@@ -81,7 +81,7 @@ async def drive(address: str, measure: Callable[[Callable[[], Awaitable[Any]]], 
     from nebius.api.nebius.common.v1 import ResourceMetadata
     from nebius.api.nebius.compute.v1 import CreateInstanceRequest, GetInstanceRequest, InstanceServiceClient
 
-    from stallwatch.fake_nebius import sdk_for
+    from support.fake_nebius import sdk_for
 
     async with sdk_for(address) as sdk:
         instances = InstanceServiceClient(sdk)
@@ -263,7 +263,7 @@ def peer_worker(peer: str, address: str, pairs: int, block: int, seed: int) -> d
     from nebius.api.nebius.common.v1 import ResourceMetadata
     from nebius.api.nebius.compute.v1 import CreateInstanceRequest, GetInstanceRequest, InstanceServiceClient
 
-    from stallwatch.fake_nebius import sdk_for
+    from support.fake_nebius import sdk_for
 
     async def run() -> dict[str, Any]:
         interceptors, on_block, recorded = enable_peer(peer, address)
@@ -387,7 +387,7 @@ def render_markdown(
 
 def benchmark(calls: int, rounds: int, pairs: int, processes: int, block: int, out: Path) -> str:
     import stallwatch  # noqa: F401 - the gRPC fork guard before grpc loads in this process
-    from stallwatch.fake_nebius import FakeNebius
+    from support.fake_nebius import FakeNebius
 
     info = machine_info(VERSIONED)
     runs = []

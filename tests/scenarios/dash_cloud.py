@@ -19,7 +19,7 @@ import time
 
 import stallwatch  # first: the gRPC fork guard before grpc loads
 from stallwatch.demo_incidents import command
-from stallwatch.fake_nebius import INSTANCE_SERVICE, FakeNebius, sdk_for
+from support.fake_nebius import INSTANCE_SERVICE, FakeNebius, sdk_for
 
 scratch = tempfile.mkdtemp(prefix="dash-cloud-")
 atexit.register(shutil.rmtree, scratch, ignore_errors=True)  # after stallwatch's own exit handlers (LIFO)

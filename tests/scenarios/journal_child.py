@@ -104,7 +104,7 @@ def nebius_creates(journal_dir: str, address: str) -> None:
     from nebius.api.nebius.common.v1 import ResourceMetadata
     from nebius.api.nebius.compute.v1 import CreateInstanceRequest, InstanceServiceClient
 
-    from stallwatch.fake_nebius import sdk_for
+    from support.fake_nebius import sdk_for
 
     async def create_forever() -> None:
         async with sdk_for(address) as sdk:

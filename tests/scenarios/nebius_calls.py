@@ -35,7 +35,7 @@ from nebius.api.nebius.compute.v1 import (
 )
 from opentelemetry import trace
 
-from stallwatch.fake_nebius import INSTANCE_SERVICE, FakeNebius, sdk_for
+from support.fake_nebius import INSTANCE_SERVICE, FakeNebius, sdk_for
 
 GET = f"{INSTANCE_SERVICE}/Get"
 tracer = trace.get_tracer("control-plane")

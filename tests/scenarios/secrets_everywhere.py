@@ -62,7 +62,7 @@ from secrets_corpus import (
     URLS,
 )
 from stallwatch.detect import heartbeat
-from stallwatch.fake_nebius import FakeNebius, sdk_for
+from support.fake_nebius import FakeNebius, sdk_for
 
 tracer = trace.get_tracer("secrets-everywhere")
 secret_env = {**os.environ, **ENVIRONMENT}

@@ -184,7 +184,7 @@ async def nebius_calls(address):
         ResourcesSpec,
     )
 
-    from stallwatch.fake_nebius import sdk_for
+    from support.fake_nebius import sdk_for
 
     async with sdk_for(address) as sdk:
         instances = InstanceServiceClient(sdk)
@@ -276,7 +276,7 @@ async def metric_calls(address):
     from nebius.aio.service_error import RequestError
     from nebius.api.nebius.compute.v1 import GetInstanceRequest, InstanceServiceClient
 
-    from stallwatch.fake_nebius import sdk_for
+    from support.fake_nebius import sdk_for
 
     subprocess.run(["true"])
     running = subprocess.Popen(["sleep", "30"])
@@ -313,7 +313,7 @@ elif group == "executor":
 elif group == "ssh":
     asyncio.run(ssh_calls(*args))
 elif group in ("nebius", "metrics"):
-    from stallwatch.fake_nebius import FakeNebius
+    from support.fake_nebius import FakeNebius
 
     with FakeNebius() as fake:
         asyncio.run((nebius_calls if group == "nebius" else metric_calls)(fake.address))

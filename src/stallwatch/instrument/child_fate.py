@@ -62,6 +62,7 @@ from opentelemetry.instrumentation.utils import unwrap
 
 from .. import telemetry
 from ._common import FAULTS, signal_name
+from ._lifecycle import ForkReset
 
 COMPONENT = "subprocess"
 SETTING = "STALLWATCH_INSTRUMENT_SUBPROCESS"
@@ -163,7 +164,7 @@ def _forget_the_parents_children() -> None:
     _by_pid.clear()
 
 
-os.register_at_fork(after_in_child=_forget_the_parents_children)  # starts nothing: clears one map
+_FORK_RESET = ForkReset(_forget_the_parents_children)  # starts nothing: clears one map
 
 
 # ---- signals ------------------------------------------------------------------------------------
@@ -281,6 +282,7 @@ def _process_signal(method: str) -> Callable[..., Any]:
 
 
 def install() -> None:
+    _FORK_RESET.register()
     wrapt.wrap_function_wrapper(os, "kill", _sent(_kill_targets))
     wrapt.wrap_function_wrapper(os, "killpg", _sent(_killpg_targets))
     if hasattr(signal, "pidfd_send_signal"):

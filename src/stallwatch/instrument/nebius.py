@@ -54,7 +54,6 @@ import contextvars
 import importlib.metadata
 import inspect
 import logging
-import os
 import sys
 import time
 from collections import deque
@@ -73,12 +72,14 @@ from .. import journal, ledger, telemetry
 from .._version import __version__
 from . import light_span
 from ._common import FAULTS, Counts, Deferred, instrument, meter
+from ._lifecycle import ForkReset, ImportHooks
 from .scrub import MAX_NAME_CHARS, clip_text, scrub_text
 
 _log = logging.getLogger("stallwatch")
 COMPONENT = "nebius"
 SETTING = "STALLWATCH_INSTRUMENT_NEBIUS"
 REQUEST_MODULE = "nebius.aio.request"
+SUPPORTED_SDK = "nebius >= 0.6.13, < 0.7"  # the private `Request` methods wrapped below are 0.6.x's
 _WRAPPED = ("_request_with_authorization_loop", "_send", "_await_native_call")
 _ACTIONS = {"Create": "create", "Delete": "delete"}
 _GRPC_CODES = {"OK": 0, "CANCELLED": 1, "DEADLINE_EXCEEDED": 4}  # grows with each status name seen
@@ -441,7 +442,7 @@ def _forget_the_parents_calls() -> None:
     _timer_loop = None
 
 
-os.register_at_fork(after_in_child=_forget_the_parents_calls)  # starts nothing
+_FORK_RESET = ForkReset(_forget_the_parents_calls)  # starts nothing
 
 
 def _timer_fired(loop: asyncio.AbstractEventLoop) -> None:
@@ -523,8 +524,6 @@ def _attempt_code(error: BaseException) -> str:
 
 def _patch(module: Any) -> None:
     global _status
-    if _instruments is None:  # uninstrumented before nebius.aio.request was imported
-        return
     request_class = getattr(module, "Request", None)
     problem = "Request is missing" if request_class is None else supported(request_class)
     if problem is not None:
@@ -549,7 +548,7 @@ class NebiusInstrumentor(BaseInstrumentor):  # type: ignore[misc]
     """
 
     def instrumentation_dependencies(self) -> Collection[str]:
-        return ()
+        return (SUPPORTED_SDK,)
 
     def _instrument(self, **kwargs: Any) -> None:
         global _instruments, _status
@@ -569,11 +568,13 @@ class NebiusInstrumentor(BaseInstrumentor):  # type: ignore[misc]
             deleted=instrument(meter_, telemetry.CLOUD_RESOURCES_DELETED),
         )
         _status = "waiting for nebius.aio.request to be imported"
-        wrapt.register_post_import_hook(_patch, REQUEST_MODULE)
+        _FORK_RESET.register()
+        ImportHooks.of(self).on_import(REQUEST_MODULE, _patch)
 
     def _uninstrument(self, **kwargs: Any) -> None:
         global _instruments, _status
         _instruments = None
+        ImportHooks.of(self).clear()
         _status = "off (uninstrumented)"
         module = sys.modules.get(REQUEST_MODULE)
         request_class = getattr(module, "Request", None)

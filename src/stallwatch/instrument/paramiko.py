@@ -47,6 +47,7 @@ from .. import journal, telemetry
 from .._version import __version__
 from . import scrub
 from ._common import FAULTS, Deferred, instrument, meter, unwrap_method
+from ._lifecycle import ImportHooks, is_wrapper
 from .ssh import MAX_HOST_CHARS
 
 _log = logging.getLogger("stallwatch")
@@ -71,7 +72,6 @@ class _State:
 
 
 _state: _State | None = None
-_hook_registered = False
 _lock = threading.Lock()  # guards the maps below: channels end on paramiko's transport thread
 _connections: weakref.WeakKeyDictionary[Any, _Connection] = weakref.WeakKeyDictionary()  # by SSHClient
 _peers: weakref.WeakKeyDictionary[Any, dict[str, AttributeValue]] = weakref.WeakKeyDictionary()  # by Transport
@@ -353,8 +353,6 @@ def supported(module: Any) -> str | None:
 
 
 def _patch(module: Any) -> None:
-    if _state is None:  # uninstrumented before paramiko was imported
-        return
     problem = supported(module)
     if problem is not None:
         _log.warning(
@@ -373,10 +371,10 @@ def _patch(module: Any) -> None:
         (module.Channel, "_set_closed", _channel_closed),
     )
     for owner, name, wrapper in wrappers:
-        if not isinstance(vars(owner).get(name), wrapt.ObjectProxy):  # instrument() again: no second layer
+        if not is_wrapper(vars(owner).get(name)):  # instrument() again: no second layer
             wrapt.wrap_function_wrapper(owner, name, wrapper)
     table, key = _handler_table(module)  # type: ignore[misc]
-    if not isinstance(table[key], wrapt.ObjectProxy):
+    if not is_wrapper(table[key]):
         table[key] = wrapt.FunctionWrapper(table[key], _channel_request)
 
 
@@ -392,7 +390,7 @@ class ParamikoInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         return ("paramiko >= 2.7",)
 
     def _instrument(self, **kwargs: Any) -> None:
-        global _state, _hook_registered
+        global _state
         from ..config import ConfigError, Settings
 
         try:
@@ -413,17 +411,12 @@ class ParamikoInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         )
         _state.connect_duration.zero({})
         _state.active.add(0)  # a backend sees the first connection as an increase
-        if _hook_registered:  # wrapt calls every registered hook: one is enough
-            module = sys.modules.get(MODULE)
-            if module is not None:
-                _patch(module)
-        else:
-            _hook_registered = True
-            wrapt.register_post_import_hook(_patch, MODULE)
+        ImportHooks.of(self).on_import(MODULE, _patch)
 
     def _uninstrument(self, **kwargs: Any) -> None:
         global _state
         _state = None
+        ImportHooks.of(self).clear()
         module = sys.modules.get(MODULE)
         if module is None:
             return
@@ -431,5 +424,5 @@ class ParamikoInstrumentor(BaseInstrumentor):  # type: ignore[misc]
             for name in names:
                 unwrap_method(owner, name)
         found = _handler_table(module)
-        if found is not None and isinstance(found[0][found[1]], wrapt.ObjectProxy):
+        if found is not None and is_wrapper(found[0][found[1]]):
             found[0][found[1]] = found[0][found[1]].__wrapped__

@@ -1,8 +1,9 @@
 """SSH tunnel instrumentation: `ssh.tunnel.open`/`close` spans and metrics, with the ssh children nested.
 
 `instrument_tunnel(cls, ...)` wraps the open/close methods of any tunnel class, sync or async.
-The dstack preset (`SSHTunnel` in `dstack._internal.core.services.ssh.tunnel`, 0.22.x) is installed
-by `install_presets()` through a wrapt post-import hook, so the order of imports does not matter.
+`uninstrument_tunnel(cls)` undoes it. `SSHTunnelInstrumentor` instruments dstack's `SSHTunnel`
+(`dstack._internal.core.services.ssh.tunnel`, 0.22.x) when that module is imported, so the order of
+imports does not matter.
 
 A tunnel class often reports a failed close only in its log. dstack logs
 `Failed to close SSH tunnel, exit status: -11` and returns. So each operation also takes the return
@@ -17,8 +18,9 @@ from __future__ import annotations
 import contextvars
 import inspect
 import logging
+import sys
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from time import perf_counter
 from typing import Any
@@ -26,19 +28,22 @@ from typing import Any
 import wrapt
 from opentelemetry import context as context_api
 from opentelemetry import trace
+from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
 from .. import journal, telemetry
 from .._version import __version__
 from . import scrub
-from ._common import FAULTS, SPAWN_OBSERVER, Deferred, first_record, instrument, meter, signal_name
+from ._common import FAULTS, SPAWN_OBSERVER, Deferred, first_record, instrument, meter, signal_name, unwrap_method
+from ._lifecycle import ImportHooks
 
 _log = logging.getLogger("stallwatch")
 COMPONENT = "ssh"
 SETTING = "STALLWATCH_INSTRUMENT_SSH"
 DSTACK_TUNNEL_MODULE = "dstack._internal.core.services.ssh.tunnel"
 MAX_HOST_CHARS = 255  # a DNS name has at most 253
+_TUNNEL_METHODS = "_stallwatch_tunnel_methods"  # on an instrumented tunnel class: the names wrapped
 
 Describe = Callable[[Any], Mapping[str, AttributeValue]]
 
@@ -293,14 +298,14 @@ def instrument_tunnel(
     each call nest under its span, and the return code of the last one decides whether a close
     that raised nothing failed. Calling it twice for the same class does nothing the second time.
     """
-    if getattr(cls, "_stallwatch_tunnel", False):
+    if getattr(cls, _TUNNEL_METHODS, None) is not None:  # this class or a base it inherits from
         return
     describe = describe or describe_generic
     methods = {
         open: ("open", False), close: ("close", False), aopen: ("open", True), aclose: ("close", True),
         check: ("check", False), acheck: ("check", True), aexec: ("exec", True),
     }  # fmt: skip
-    for method, (operation, is_async) in methods.items():
+    for method, (_operation, is_async) in methods.items():
         if method is None:
             continue
         target = getattr(cls, method, None)
@@ -309,9 +314,21 @@ def instrument_tunnel(
         if is_async != inspect.iscoroutinefunction(target):
             kind = "a coroutine function" if is_async else "a plain function"
             raise TypeError(f"stallwatch.instrument_tunnel: {cls.__qualname__}.{method} is not {kind}")
-        phase, span_name = _SPANS[operation]
-        wrapt.wrap_function_wrapper(cls, method, _wrapper(phase, span_name, describe, is_async))
-    cls._stallwatch_tunnel = True  # type: ignore[attr-defined]
+    wrapped = []
+    for method, (operation, is_async) in methods.items():
+        if method is not None:
+            phase, span_name = _SPANS[operation]
+            wrapt.wrap_function_wrapper(cls, method, _wrapper(phase, span_name, describe, is_async))
+            wrapped.append(method)
+    setattr(cls, _TUNNEL_METHODS, tuple(wrapped))
+
+
+def uninstrument_tunnel(cls: type) -> None:
+    """Undo `instrument_tunnel(cls)`: every method it wrapped is what it was before (a no-op if none)."""
+    for method in vars(cls).get(_TUNNEL_METHODS, ()):
+        unwrap_method(cls, method)
+    if _TUNNEL_METHODS in vars(cls):
+        delattr(cls, _TUNNEL_METHODS)
 
 
 def _instrument_dstack(module: Any) -> None:
@@ -332,14 +349,23 @@ def _instrument_dstack(module: Any) -> None:
         _get_instruments()  # the tunnel metrics at zero before the first tunnel
 
 
-_presets_installed = False
+class SSHTunnelInstrumentor(BaseInstrumentor):  # type: ignore[misc]
+    """`ssh.tunnel.*` spans and metrics for dstack's `SSHTunnel`, wrapped when its module is imported
+    (now, if it is); `uninstrument()` unwraps it.
 
+    Keyword arguments of `instrument()`: `meter_provider` (default: the global one).
+    """
 
-def install_presets(meter_provider: Any = None) -> None:
-    """Instrument dstack's `SSHTunnel` when its module is imported (now, if it already is)."""
-    global _presets_installed, _instruments_meter_provider
-    _instruments_meter_provider = meter_provider
-    if _presets_installed:
-        return
-    _presets_installed = True
-    wrapt.register_post_import_hook(_instrument_dstack, DSTACK_TUNNEL_MODULE)
+    def instrumentation_dependencies(self) -> Collection[str]:
+        return ("dstack >= 0.22, < 0.23",)
+
+    def _instrument(self, **kwargs: Any) -> None:
+        global _instruments_meter_provider
+        _instruments_meter_provider = kwargs.get("meter_provider")
+        ImportHooks.of(self).on_import(DSTACK_TUNNEL_MODULE, _instrument_dstack)
+
+    def _uninstrument(self, **kwargs: Any) -> None:
+        ImportHooks.of(self).clear()
+        tunnel_class = getattr(sys.modules.get(DSTACK_TUNNEL_MODULE), "SSHTunnel", None)
+        if tunnel_class is not None:
+            uninstrument_tunnel(tunnel_class)

@@ -71,6 +71,7 @@ from ._common import (
     signal_name,
     unwrap_method,
 )
+from ._lifecycle import ForkReset, ImportHooks
 
 _log = logging.getLogger("stallwatch")
 COMPONENT = "subprocess"
@@ -292,7 +293,7 @@ def _forget_the_parents_children() -> None:
     _UNMEASURED.children.clear()
 
 
-os.register_at_fork(after_in_child=_forget_the_parents_children)  # starts nothing: clears three maps
+_FORK_RESET = ForkReset(_forget_the_parents_children)  # starts nothing: clears three maps
 
 
 # ---- the child's life: begin, spawned, exited ----------------------------------------------------
@@ -808,8 +809,6 @@ def _first_step_done(child: _Child, forked: dict[int, child_fate.Fate]) -> None:
 
 
 def _patch_uvloop(module: Any) -> None:
-    if _state is None:
-        return
     for name in _LOOP_METHODS:
         wrapt.wrap_function_wrapper(module, f"Loop.{name}", _loop_wrapper("uvloop", name == "subprocess_shell"))
 
@@ -823,7 +822,7 @@ class SubprocessInstrumentor(BaseInstrumentor):  # type: ignore[misc]
     """
 
     def instrumentation_dependencies(self) -> Collection[str]:
-        return ()
+        return ()  # the standard library's; uvloop's loop methods are wrapped when it is installed
 
     def _instrument(self, **kwargs: Any) -> None:
         global _state
@@ -857,12 +856,14 @@ class SubprocessInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         for name in _LOOP_METHODS:
             wrapper = _loop_wrapper("asyncio", name == "subprocess_shell")
             wrapt.wrap_function_wrapper(asyncio.base_events.BaseEventLoop, name, wrapper)
-        wrapt.register_post_import_hook(_patch_uvloop, "uvloop")
+        ImportHooks.of(self).on_import("uvloop", _patch_uvloop)
+        _FORK_RESET.register()
         child_fate.install()
 
     def _uninstrument(self, **kwargs: Any) -> None:
         global _state
         _state = None
+        ImportHooks.of(self).clear()
         child_fate.uninstall()
         unwrap(subprocess.Popen, "__init__")
         if _CHILD_ATTRIBUTE in vars(subprocess.Popen):

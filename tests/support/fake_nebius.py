@@ -1,7 +1,6 @@
-"""A fake Nebius gRPC API on loopback, for `stallwatch demo` and the test-suite.
+"""A fake Nebius gRPC API on loopback, for the test-suite (it is not shipped in the wheel).
 
-Only the demo and the tests import this module; the stallwatch runtime never does. It imports `grpc` and
-`nebius`, so nothing that `stallwatch/__init__.py` or `setup()` loads may import it.
+It imports `grpc` and `nebius`. `sdk_for` is the demo's (`stallwatch.demo_incidents.sdk_for`), re-exported.
 
 `FakeNebius` runs a `grpc.aio` server on 127.0.0.1 (a free port), on its own daemon thread and event loop,
 and answers with the SDK's own message classes:
@@ -43,10 +42,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from datetime import datetime, timezone
 from types import TracebackType
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
 import grpc
-from nebius.aio.channel import NoCredentials
 from nebius.aio.request_status import RequestStatus
 from nebius.api.nebius.common.v1 import (
     GetOperationRequest,
@@ -69,9 +67,10 @@ from nebius.api.nebius.compute.v1 import (
     ListInstancesRequest,
     ListInstancesResponse,
 )
-from nebius.base.options import INSECURE
-from nebius.base.resolver import Constant
-from nebius.sdk import SDK
+
+from stallwatch.demo_incidents import sdk_for
+
+__all__ = ["DISK_SERVICE", "INSTANCE_SERVICE", "OPERATION_SERVICE", "Call", "FakeNebius", "sdk_for"]
 
 INSTANCE_SERVICE = "nebius.compute.v1.InstanceService"
 DISK_SERVICE = "nebius.compute.v1.DiskService"
@@ -408,28 +407,3 @@ class FakeNebius:
 
     def _delete_disk(self, request: DeleteDiskRequest) -> Operation:
         return self._delete(self._disks, request.id, "disk")
-
-
-def sdk_for(address: str, **overrides: Any) -> SDK:
-    """The real `nebius.sdk.SDK`, every service resolved to `address`, plaintext, no credentials.
-
-    Works with nebius 0.6.13 through 0.6.29 (same option names). `overrides` go to `SDK(...)` (e.g.
-    `interceptors=`, `event_loop=`). Close it: `sdk.sync_close()` from a plain thread, `await sdk.close()` (or
-    `async with sdk:`) in a loop. The SDK starts its own daemon loop thread `nebius-sdk-loop` and lazily
-    `nebius-sdk-worker_N` executor threads; close stops them.
-    """
-    options: dict[str, Any] = {
-        "credentials": NoCredentials(),
-        "resolver": Constant(address),
-        "options": [
-            (INSECURE, True),
-            # The SDK sends with wait_for_ready=True: reconnect quickly after the fake restarts.
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 500),
-        ],
-        "keepalive": False,
-        "user_agent_prefix": "stallwatch-fake-nebius/1",
-    }
-    options.update(overrides)
-    return SDK(**options)

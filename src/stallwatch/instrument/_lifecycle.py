@@ -1,0 +1,73 @@
+"""What lets an instrumentor be instrumented and uninstrumented any number of times.
+
+wrapt keeps every post-import hook registered and has no way to remove one, and an
+`os.register_at_fork` handler stays for the life of the process. So each instrumentor registers
+its hook for a module and its after-fork handler once, on its first `instrument()` (never at
+import), and the hook patches only while the instrumentor is on: a module imported after
+instrument → uninstrument → instrument is wrapped once, and one imported while it is off not at all.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from types import ModuleType
+
+import wrapt
+
+Patch = Callable[[ModuleType], None]
+# Every wrapt proxy, FunctionWrapper included: wrapt 2's `ObjectProxy` is a subclass beside FunctionWrapper.
+_PROXY: type = getattr(wrapt, "BaseObjectProxy", wrapt.ObjectProxy)
+
+
+def is_wrapper(value: object) -> bool:
+    """True for any wrapt wrapper or proxy, with wrapt 1.x and 2.x."""
+    return isinstance(value, _PROXY)
+
+
+class ImportHooks:
+    """One instrumentor's post-import hooks, one registration per module name for the process."""
+
+    @staticmethod
+    def of(instrumentor: object) -> ImportHooks:
+        """The hooks of `instrumentor` (a `BaseInstrumentor`, one instance per class), made on first use."""
+        hooks: ImportHooks | None = vars(instrumentor).get("_import_hooks")
+        if hooks is None:
+            hooks = vars(instrumentor)["_import_hooks"] = ImportHooks()
+        return hooks
+
+    def __init__(self) -> None:
+        self._registered: set[str] = set()
+        self._patches: dict[str, Patch] = {}
+
+    def on_import(self, module_name: str, patch: Patch) -> None:
+        """Run `patch(module)` when `module_name` is imported, or now if it already is; until `clear()`."""
+        self._patches[module_name] = patch
+        if module_name not in self._registered:
+            self._registered.add(module_name)
+            wrapt.register_post_import_hook(self._imported, module_name)  # runs now if already imported
+        elif module_name in sys.modules:
+            patch(sys.modules[module_name])
+
+    def clear(self) -> None:
+        """No patch runs on a later import (the registered hooks stay, and do nothing)."""
+        self._patches.clear()
+
+    def _imported(self, module: ModuleType) -> None:
+        patch = self._patches.get(module.__name__)
+        if patch is not None:
+            patch(module)
+
+
+class ForkReset:
+    """An after-fork-in-child handler registered on the first `register()`, never again."""
+
+    def __init__(self, after_in_child: Callable[[], object]) -> None:
+        self._after_in_child = after_in_child
+        self._registered = False
+
+    def register(self) -> None:
+        if not self._registered:
+            self._registered = True
+            os.register_at_fork(after_in_child=self._after_in_child)

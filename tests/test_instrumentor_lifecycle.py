@@ -1,0 +1,185 @@
+"""Every instrumentor can be instrumented and uninstrumented any number of times: a library imported
+afterwards carries exactly one layer of its wrappers, and uninstrument() leaves none. Importing the
+instrumentation registers no after-fork handler. Each case is a fresh interpreter, so the library is
+imported for the first time after the cycles, as in a host that imports it late."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from conftest import run_python
+
+pytestmark = pytest.mark.matrix
+
+# instrumentor, its module, the library it needs, the import that comes late, the (owner, attribute)
+# pairs its wrappers sit on, and the module whose functions those wrappers are.
+CASES = {
+    "subprocess": (
+        "stallwatch.instrument.subprocess:SubprocessInstrumentor",
+        "uvloop",
+        "import uvloop",
+        [("uvloop.Loop", "subprocess_exec"), ("uvloop.Loop", "subprocess_shell"), ("subprocess.Popen", "__init__")],
+        "stallwatch.instrument.subprocess",
+    ),
+    "nebius": (
+        "stallwatch.instrument.nebius:NebiusInstrumentor",
+        "nebius",
+        "import nebius.aio.request",
+        [("nebius.aio.request.Request", "_send"), ("nebius.aio.request.Request", "_request_with_authorization_loop")],
+        "stallwatch.instrument.nebius",
+    ),
+    "paramiko": (
+        "stallwatch.instrument.paramiko:ParamikoInstrumentor",
+        "paramiko",
+        "import paramiko",
+        [("paramiko.SSHClient", "connect"), ("paramiko.Channel", "exec_command")],
+        "stallwatch.instrument.paramiko",
+    ),
+    "ssh": (
+        "stallwatch.instrument.ssh:SSHTunnelInstrumentor",
+        "dstack",
+        "import dstack._internal.core.services.ssh.tunnel",
+        [
+            ("dstack._internal.core.services.ssh.tunnel.SSHTunnel", "open"),
+            ("dstack._internal.core.services.ssh.tunnel.SSHTunnel", "aclose"),
+        ],
+        "stallwatch.instrument.ssh",
+    ),
+    "executor": (
+        "stallwatch.instrument.executor:ExecutorInstrumentor",
+        "concurrent",
+        "import concurrent.futures",
+        [("concurrent.futures.ThreadPoolExecutor", "__init__"), ("concurrent.futures.thread", "_worker")],
+        "stallwatch.instrument.executor",
+    ),
+}
+
+CYCLES = """
+import importlib, json
+import stallwatch
+from support.layers import wrapper_layers
+
+module_name, class_name = {instrumentor!r}.split(":")
+instrumentor = getattr(importlib.import_module(module_name), class_name)()
+settings = stallwatch.Settings.load()
+for _ in range(3):
+    instrumentor.instrument(settings=settings, skip_dep_check=True)
+    instrumentor.uninstrument()
+instrumentor.instrument(settings=settings, skip_dep_check=True)
+{late_import}
+
+def owner(path):
+    module, _, name = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError:
+        return importlib.import_module(path)
+
+targets = [(owner(path), name) for path, name in {targets!r}]
+on = [wrapper_layers(target, name, {wrapper_module!r}) for target, name in targets]
+instrumentor.uninstrument()
+off = [wrapper_layers(target, name, {wrapper_module!r}) for target, name in targets]
+print(json.dumps({{"on": on, "off": off}}))
+"""
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_three_instrument_uninstrument_cycles_then_a_late_import_leave_one_wrapper_layer_and_uninstrument_none(name):
+    instrumentor, library, late_import, targets, wrapper_module = CASES[name]
+    if importlib.util.find_spec(library) is None:
+        pytest.skip(f"needs {library} (the test extras)")
+    code = CYCLES.format(
+        instrumentor=instrumentor, late_import=late_import, targets=targets, wrapper_module=wrapper_module
+    )
+    proc = run_python(code)
+
+    assert proc.returncode == 0, proc.stderr
+    layers = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert layers == {"on": [1] * len(targets), "off": [0] * len(targets)}, (name, layers)
+
+
+def test_importing_the_instrumentation_registers_no_after_fork_handler():
+    proc = run_python(
+        """
+        import json, os
+        registered = []
+        original = os.register_at_fork
+
+        def recording(**handlers):
+            registered.extend(getattr(fn, "__wrapped__", fn).__module__ for fn in handlers.values())
+            return original(**handlers)
+
+        os.register_at_fork = recording  # before stallwatch's guard captures it
+        import stallwatch
+        before = list(registered)
+        import stallwatch.instrument.child_fate, stallwatch.instrument.executor, stallwatch.instrument.nebius
+        import stallwatch.instrument.paramiko, stallwatch.instrument.ssh, stallwatch.instrument.subprocess
+        print(json.dumps([module for module in registered[len(before):] if module.startswith("stallwatch.")]))
+        """
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
+
+
+def test_the_after_fork_handlers_are_registered_once_however_often_the_instrumentors_run():
+    proc = run_python(
+        """
+        import json, os
+        registered = []
+        original = os.register_at_fork
+
+        def recording(**handlers):
+            registered.extend(getattr(fn, "__wrapped__", fn).__qualname__ for fn in handlers.values())
+            return original(**handlers)
+
+        os.register_at_fork = recording  # stallwatch's guard wraps it: `__wrapped__` is the handler given
+        import stallwatch
+        from stallwatch.instrument.nebius import NebiusInstrumentor
+        from stallwatch.instrument.subprocess import SubprocessInstrumentor
+        before = len(registered)
+        for _ in range(3):
+            for instrumentor in (SubprocessInstrumentor(), NebiusInstrumentor()):
+                instrumentor.instrument(skip_dep_check=True)
+                instrumentor.uninstrument()
+        print(json.dumps(sorted(name for name in registered[before:] if name.startswith("_forget"))))
+        """
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [
+        "_forget_the_parents_calls",
+        "_forget_the_parents_children",
+        "_forget_the_parents_children",
+    ]  # nebius's calls; subprocess's children and child_fate's signalled pids
+
+
+def test_paramikos_channel_request_handler_is_wrapped_once_per_instrument_and_restored_by_uninstrument():
+    pytest.importorskip("paramiko")
+    proc = run_python(
+        """
+        import json
+        import paramiko
+        import stallwatch
+        from stallwatch.instrument.paramiko import ParamikoInstrumentor
+
+        table, key = paramiko.Transport._channel_handler_table, paramiko.common.MSG_CHANNEL_REQUEST
+        original = table[key]
+        instrumentor = ParamikoInstrumentor()
+        depths = []
+        for _ in range(3):
+            instrumentor.instrument(settings=stallwatch.Settings.load())
+            handler, depth = table[key], 0
+            while handler is not original and hasattr(handler, "__wrapped__"):
+                handler, depth = handler.__wrapped__, depth + 1
+            depths.append(depth)
+            instrumentor.uninstrument()
+        print(json.dumps({"depths": depths, "restored": table[key] is original}))
+        """
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"depths": [1, 1, 1], "restored": True}
