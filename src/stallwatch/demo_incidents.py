@@ -193,7 +193,8 @@ def executor_wedge(out: str, guard: bool, heal: bool, metric_export_interval_ms:
     Request B is submitted next, then C. Returns what the injection returned ("set_async_exc_returned"),
     what B and C gave ("B", "C": the result, "hung", or "ErrorType: message"), how long B took
     ("B_seconds") and B's trace id ("B_trace"). Calls `stallwatch.setup()` and `shutdown()`; the pool
-    is left as the incident left it, so the caller must end the process with `os._exit` (interpreter exit joins the workers).
+    is left as the incident left it, so the caller must end the process with `os._exit` (interpreter
+    exit joins the workers).
     """
     import ctypes
     import socket
