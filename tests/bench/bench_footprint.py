@@ -1,0 +1,257 @@
+"""Footprint benchmark: memory, threads and start-up of `import stallwatch.auto` against a stock SDK set-up.
+
+Run from the repository root (a full run takes about a minute)::
+
+    .venvs/main/bin/python tests/bench/bench_footprint.py             # 7 interleaved rounds
+    .venvs/main/bin/python tests/bench/bench_footprint.py --rounds 3  # shorter
+
+Writes ``footprint.md`` (the table, committed) to ``tests/bench/results`` and the raw numbers to
+``tests/bench/results/raw/footprint.json`` (not committed). ``--out DIR`` writes both into DIR.
+
+Every configuration runs in a fresh interpreter against the same OTLP/HTTP receiver on loopback
+(started by this runner, answering 200 to every export), with OTLP/HTTP exporters for the three
+signals:
+
+- ``bare``: no OpenTelemetry at all (the interpreter and this script), for reference.
+- ``stock``: the set-up a user writes without stallwatch: TracerProvider + BatchSpanProcessor,
+  MeterProvider + PeriodicExportingMetricReader, LoggerProvider + BatchLogRecordProcessor and a
+  LoggingHandler on the root logger, each with the OTLP/HTTP exporter, installed globally.
+- ``stallwatch``: ``import stallwatch.auto`` with ``OTEL_{TRACES,METRICS,LOGS}_EXPORTER=otlp``:
+  its default set-up, freeze watchdog (a second process) included.
+
+Each worker times its imports and set-up (``perf_counter`` around them, interpreter start-up
+excluded), then idles 3 s and reads its own RSS and PSS (``/proc/self/smaps_rollup``) and thread
+count (``/proc/self/task``), and the same for every child process (the watchdog). Rounds are
+interleaved (the order rotated by one per round) and the figures are medians over rounds; the
+ratios are against ``stock`` from the same run. The load average is recorded before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from _machine import clean_env, machine_info
+
+CONFIGS = ("bare", "stock", "stallwatch")
+BASELINE = "stock"
+IDLE_SECONDS = 3.0
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+VERSIONED = ("opentelemetry-api", "opentelemetry-sdk", "opentelemetry-exporter-otlp-proto-http", "stallwatch")
+GOALS = {  # figure: (stallwatch / stock at most, or an absolute limit)
+    "host_rss_mib": ("ratio", 1.1),
+    "host_threads": ("absolute", 4),
+    "total_pss_mib": ("ratio", 1.25),
+    "setup_ms": ("ratio", 1.2),
+}
+
+
+# ---- worker: one configuration in a fresh interpreter ----------------------------------------
+
+
+def build_stock() -> None:
+    """Three signals with the OTLP/HTTP exporters and batch processors, as a user sets them up."""
+    import logging
+
+    from opentelemetry import _logs, metrics, trace
+    from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk._logs import LoggerProvider, LoggingHandler
+    from opentelemetry.sdk._logs.export import BatchLogRecordProcessor
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    trace.set_tracer_provider(tracer_provider)
+    metrics.set_meter_provider(MeterProvider(metric_readers=[PeriodicExportingMetricReader(OTLPMetricExporter())]))
+    logger_provider = LoggerProvider()
+    logger_provider.add_log_record_processor(BatchLogRecordProcessor(OTLPLogExporter()))
+    _logs.set_logger_provider(logger_provider)
+    logging.getLogger().addHandler(LoggingHandler(logger_provider=logger_provider))
+
+
+def memory(pid: int | str) -> dict[str, float]:
+    """RSS and PSS in MiB and the thread count of a process."""
+    found = {"threads": len(os.listdir(f"/proc/{pid}/task"))}
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        name, value = line.split()[:2]
+        if name in ("Rss:", "Pss:"):
+            found[name[:-1].lower() + "_mib"] = int(value) / 1024
+    return found
+
+
+def children() -> list[int]:
+    """Pids of this process's children (the watchdog)."""
+    tasks = os.listdir("/proc/self/task")
+    return [int(pid) for task in tasks for pid in Path(f"/proc/self/task/{task}/children").read_text().split()]
+
+
+def worker(config: str) -> dict[str, Any]:
+    start = time.perf_counter()
+    if config == "stock":
+        build_stock()
+    elif config == "stallwatch":
+        import stallwatch.auto  # noqa: F401
+    setup_ms = (time.perf_counter() - start) * 1000
+    time.sleep(IDLE_SECONDS)
+    host = memory("self")
+    kids = {str(pid): memory(pid) for pid in children()}
+    return {
+        "config": config,
+        "setup_ms": setup_ms,
+        "host_rss_mib": host["rss_mib"],
+        "host_pss_mib": host["pss_mib"],
+        "host_threads": host["threads"],
+        "thread_names": sorted(thread.name for thread in threading.enumerate()),
+        "children": kids,
+        "total_pss_mib": host["pss_mib"] + sum(kid["pss_mib"] for kid in kids.values()),
+        "total_rss_mib": host["rss_mib"] + sum(kid["rss_mib"] for kid in kids.values()),
+        "modules": len(sys.modules),
+    }
+
+
+# ---- runner -----------------------------------------------------------------------------------
+
+
+class _Receiver(BaseHTTPRequestHandler):
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: object) -> None:
+        return
+
+
+def run_worker(config: str, endpoint: str) -> dict[str, Any]:
+    env = clean_env() | {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_METRICS_EXPORTER": "otlp",
+        "OTEL_LOGS_EXPORTER": "otlp",
+    }
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", config]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"worker {config} failed ({proc.returncode}):\n{proc.stderr}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+FIGURES = ("setup_ms", "host_rss_mib", "host_pss_mib", "host_threads", "total_pss_mib", "total_rss_mib")
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Median of every figure over the rounds, per configuration."""
+    mine = {config: [run for run in runs if run["config"] == config] for config in CONFIGS}
+    return {config: {figure: statistics.median(run[figure] for run in found) for figure in FIGURES}
+            for config, found in mine.items()}  # fmt: skip
+
+
+def judge(summary: dict[str, dict[str, float]]) -> list[tuple[str, float, str, str]]:
+    """(figure, stallwatch's value, the goal, met or not) for every goal."""
+    verdicts = []
+    for figure, (kind, limit) in GOALS.items():
+        mine = summary["stallwatch"][figure]
+        if kind == "ratio":
+            value, goal = mine / summary[BASELINE][figure], f"≤ {limit}x stock"
+        else:
+            value, goal = mine, f"≤ {limit}"
+        verdicts.append((figure, value, goal, "met" if value <= limit else "**not met**"))
+    return verdicts
+
+
+def render(summary: dict[str, dict[str, float]], runs: list[dict[str, Any]], info: dict[str, Any], rounds: int) -> str:
+    versions = ", ".join(f"{name} {version}" for name, version in info["versions"].items())
+    lines = [
+        "# Footprint after 3 s idle: `import stallwatch.auto` against a stock SDK set-up",
+        "",
+        f"Generated by `.venvs/main/bin/python tests/bench/bench_footprint.py --rounds {rounds}`: every "
+        "configuration in a fresh interpreter, OTLP/HTTP exporters for traces, metrics and logs against a "
+        f"loopback receiver, {rounds} interleaved rounds, medians over rounds, ratios against `stock` from "
+        "this run. `setup ms` is the imports plus set-up (interpreter start-up excluded); `total PSS` "
+        "is the host's PSS plus its child processes' (stallwatch's freeze watchdog).",
+        "",
+        f"Machine: {info['nproc']} CPUs, Linux {info['kernel']}, Python {info['python']}; {versions}; "
+        f"commit {info['git_commit']}{' (dirty)' if info['git_dirty'] else ''}; {info['date']}; load average "
+        f"{' '.join(info['loadavg'])} before, {' '.join(info['loadavg_after'])} after.",
+        "",
+        "| config | setup ms | host RSS MiB | host PSS MiB | host threads | host + children PSS MiB "
+        "| host + children RSS MiB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for config, row in summary.items():
+        lines.append(
+            f"| {config} | {row['setup_ms']:.0f} | {row['host_rss_mib']:.1f} | {row['host_pss_mib']:.1f} | "
+            f"{row['host_threads']:.0f} | {row['total_pss_mib']:.1f} | {row['total_rss_mib']:.1f} |"
+        )
+    lines += ["", "| goal | stallwatch | target | verdict |", "|---|---|---|---|"]
+    for figure, value, goal, verdict in judge(summary):
+        shown = f"{value:.2f}x" if "x" in goal else f"{value:.0f}"
+        lines.append(f"| {figure} | {shown} | {goal} | {verdict} |")
+    last = {run["config"]: run for run in runs}
+    lines += ["", "Threads of the last run of each configuration:", ""]
+    lines += [f"- {config}: {', '.join(run['thread_names'])}" for config, run in last.items()]
+    watchdogs = [kid for kid in last["stallwatch"]["children"].values()]
+    if watchdogs:
+        lines += ["", "stallwatch's watchdog process (last run): " + "; ".join(
+            f"RSS {kid['rss_mib']:.1f} MiB, PSS {kid['pss_mib']:.1f} MiB, {kid['threads']} threads" for kid in watchdogs
+        ) + "."]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def benchmark(rounds: int, out: Path) -> str:
+    info = machine_info(VERSIONED)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Receiver)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    runs = []
+    try:
+        for number in range(rounds):
+            shift = number % len(CONFIGS)
+            for config in CONFIGS[shift:] + CONFIGS[:shift]:
+                run = run_worker(config, endpoint) | {"round": number}
+                runs.append(run)
+                print(f"round {number} {config:<10} setup {run['setup_ms']:6.0f} ms, total PSS "
+                      f"{run['total_pss_mib']:5.1f} MiB, {run['host_threads']} threads", file=sys.stderr)  # fmt: skip
+    finally:
+        server.shutdown()
+    info["loadavg_after"] = Path("/proc/loadavg").read_text().split()[:3]
+    summary = summarize(runs)
+    markdown = render(summary, runs, info, rounds)
+    (out / "raw").mkdir(parents=True, exist_ok=True)
+    report = {"machine": info, "rounds": rounds, "summary": summary, "goals": judge(summary), "runs": runs}
+    (out / "raw" / "footprint.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "footprint.md").write_text(markdown)
+    return markdown
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default 7)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory (default tests/bench/results)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(args.worker)))
+        return
+    print(benchmark(args.rounds, args.out))
+
+
+if __name__ == "__main__":
+    main()
