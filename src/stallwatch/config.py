@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import stat
+import sys
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
@@ -25,6 +26,10 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ._private import make_directories
+
+# Whether an OpenTelemetry SDK module was loaded before stallwatch's first module (this one, which
+# loads none): SDK objects built before `import stallwatch` keep the stock fork handlers (`forksafe`).
+SDK_LOADED_BEFORE_STALLWATCH = any(name.startswith("opentelemetry.sdk") for name in sys.modules)
 
 TRACE_EXPORTERS = ("otlp", "console", "file", "none")
 METRIC_EXPORTERS = ("otlp", "console", "file", "prometheus", "none")

@@ -5,16 +5,13 @@ OpenTelemetry SDK classes, the gRPC fork guard and uvloop's spawns without fork.
 from __future__ import annotations
 
 import logging
-import sys
 from dataclasses import dataclass, field
 
-from ..config import IMPORT_PROBLEMS, env_flag, load_opentelemetry, uvloop_spawn_at_import
+from ..config import IMPORT_PROBLEMS, SDK_LOADED_BEFORE_STALLWATCH, env_flag, load_opentelemetry, uvloop_spawn_at_import
 from . import grpc_guard, guard, otel_compat, uvloop_spawn
 
 _log = logging.getLogger("stallwatch.forksafe")
-# Taken when this package is first imported, before stallwatch itself loads any SDK module.
-_SDK_LOADED_BEFORE = any(name.startswith("opentelemetry.sdk") for name in sys.modules)
-# Then the OpenTelemetry modules that read variables when imported, so that a bad value cannot fail
+# The OpenTelemetry modules that read variables when imported, so that a bad value cannot fail
 # the imports of the stallwatch modules after this package (see `config.load_opentelemetry`).
 load_opentelemetry()
 
@@ -34,7 +31,7 @@ class ForkSafety:
 
 def install() -> ForkSafety:
     """Install every fork protection that the environment allows; never raises."""
-    sdk_loaded_before = _SDK_LOADED_BEFORE
+    sdk_loaded_before = SDK_LOADED_BEFORE_STALLWATCH
     guard_enabled = env_flag("STALLWATCH_FORK_GUARD", True)
     grpc_enabled = env_flag("STALLWATCH_GRPC_FORK_GUARD", True)
     flags = [str(IMPORT_PROBLEMS[name]) for name in ("STALLWATCH_FORK_GUARD", "STALLWATCH_GRPC_FORK_GUARD")
