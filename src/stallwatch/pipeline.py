@@ -7,9 +7,9 @@ exporter (and with it grpc) is imported only when the settings ask for it.
 
 Export timeouts stay the SDK's (10 s per OTLP request, `OTEL_EXPORTER_OTLP[_<SIGNAL>]_TIMEOUT` in
 seconds): they only bound how long a background worker waits, never the host. What bounds the host
-is the shutdown: `Pipeline.shutdown()` runs the providers' shutdowns on a daemon thread started
-while the host runs (`_Closer`) and waits for it `STALLWATCH_SHUTDOWN_TIMEOUT` seconds at most.
-The thread is started beforehand because Python 3.12+ refuses new threads at interpreter exit,
+is the shutdown: `Pipeline.shutdown()` runs the providers' shutdowns on stallwatch's worker thread,
+started while the host runs (`_Closer`, `background`), and waits for it `STALLWATCH_SHUTDOWN_TIMEOUT`
+seconds at most. The thread is started beforehand because Python 3.12+ refuses new threads at interpreter exit,
 which is when `atexit` calls us: measured on 3.12 with a collector that never answers, a host
 that made 100 spans took 20.3 s to exit when the flush ran inline instead.
 """
@@ -42,7 +42,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider, sampling
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SpanExportResult
 
-from . import telemetry
+from . import background, telemetry
 from ._version import __version__
 from .config import ConfigError, Settings
 from .export import log_bridge
@@ -71,42 +71,26 @@ _HTTP_PATHS = {"traces": "v1/traces", "metrics": "v1/metrics", "logs": "v1/logs"
 
 
 class _Closer:
-    """A daemon thread, started while the host runs, that runs the pipeline's shutdown when asked.
+    """Runs the pipeline's shutdown, once, on stallwatch's worker thread (`background`).
 
-    Started by `build()` (the host's own thread, never a fork handler) and again in a fork child
-    that lives on, by its first export (`ExportGate`), since a child inherits no thread.
+    The worker is started by `build()` (the host's own thread, never a fork handler) and again in a
+    fork child that lives on, by its first export (`ExportGate`), since a child inherits no thread.
     """
 
     def __init__(self, work: Callable[[], None]) -> None:
         self._work = work
-        self._pid = 0
-        self._go = threading.Event()
-        self._done = threading.Event()
+        self._job: background.Job | None = None
+        self._job_pid = 0
 
     def start(self) -> bool:
-        """Make sure this process has the thread; False when no thread can start (interpreter exit)."""
-        if self._pid == os.getpid():
-            return True
-        go, done = threading.Event(), threading.Event()
-        thread = threading.Thread(target=self._run, args=(go, done), name="stallwatch-shutdown", daemon=True)
-        try:
-            thread.start()
-        except RuntimeError:  # Python 3.12+ at interpreter exit
-            return False
-        self._pid, self._go, self._done = os.getpid(), go, done
-        return True
-
-    def _run(self, go: threading.Event, done: threading.Event) -> None:
-        go.wait()
-        try:
-            self._work()
-        finally:
-            done.set()
+        """Make sure this process has the worker; False when no thread can start (interpreter exit)."""
+        return background.ensure()
 
     def finish(self, timeout: float) -> bool:
-        """Run the shutdown on the thread; True if it finished within `timeout` seconds."""
-        self._go.set()
-        return self._done.wait(timeout)
+        """Run the shutdown on the worker; True if it finished within `timeout` seconds."""
+        if self._job is None or self._job_pid != os.getpid():
+            self._job, self._job_pid = background.submit(self._work), os.getpid()
+        return self._job is not None and self._job.done.wait(timeout)
 
 
 class _Deadline(BaseException):

@@ -2,7 +2,7 @@
 
 While uvloop forks it holds the GIL until the child execs, so no Python thread of the host runs;
 the only witness is another process. The host writes two heartbeats into a small mmap'd file
-(mode 0600): an *interpreter* heartbeat from a daemon thread (stale when nothing Python runs:
+(mode 0600): an *interpreter* heartbeat from stallwatch's worker thread (stale when nothing Python runs:
 `gil_held`) and a *loop* heartbeat from a callback on the main thread's event loop (stale while
 the interpreter runs: `loop_blocked`). Before each exec-bound spawn the host also writes what it
 spawns and the current span, so the watchdog can name the frozen operation; and whenever a span
@@ -40,6 +40,7 @@ from typing import Any
 
 from opentelemetry.trace import get_current_span
 
+from .. import background
 from .._private import opener
 from ..instrument._common import first_record
 from ..instrument.scrub import scrub_value
@@ -321,7 +322,7 @@ def frozen_span(snapshot: dict[str, Any]) -> tuple[int, int]:
 # ---- host-side writers --------------------------------------------------------------------------
 
 AREA: HeartbeatArea | None = None
-_thread_pid = 0
+_beating: background.Task | None = None  # this process's interpreter heartbeat (`ensure_beating`)
 _stacks_file: Any = None  # open file faulthandler dumps into (STALLWATCH_FAULTHANDLER)
 # The pid of the process that armed faulthandler's timer. CPython's timer thread does not survive a
 # fork, and `cancel_dump_traceback_later` waits for it: in a child forked while the timer was armed,
@@ -332,7 +333,7 @@ _armed_by = 0
 _rearm = False  # `disarm_for_fork` cancelled the timer: `rearm_after_fork` arms it again
 _threshold = 1.0
 _watchdog: Any = None  # the watchdog's subprocess.Popen, to notice that it died
-_stopping = threading.Lock()  # stop() against the heartbeat thread making the file again
+_stopping = threading.Lock()  # stop() against the heartbeat task making the file again
 # Starts a heartbeat file and watchdog for a fork child that lives on (`_watch_this_child`)
 _start_for_child: Callable[[], tuple[HeartbeatArea, Any] | None] | None = None
 _child_tried = 0  # the pid of the last process that called it
@@ -347,7 +348,7 @@ def start(
     watchdog: Any = None,
     start_for_child: Callable[[], tuple[HeartbeatArea, Any] | None] | None = None,
 ) -> None:
-    """Begin the interpreter heartbeat (a daemon thread) and watch event loops as they start.
+    """Begin the interpreter heartbeat (a task on stallwatch's worker thread) and watch event loops as they start.
 
     With `stacks`, each loop heartbeat re-arms `faulthandler.dump_traceback_later(threshold)`: a C
     timer that, when the loop stops beating, writes every thread's stack without needing the GIL.
@@ -371,31 +372,39 @@ def start(
     if not guard.installed() and not _child_handler_registered:  # as above, for `forked_child`
         os.register_at_fork(after_in_child=forked_child)
         _child_handler_registered = True
-    ensure_thread()
+    ensure_beating()
     _watch_loops()
     _span_writer = area
     track_current_span()
 
 
-def ensure_thread() -> None:
-    """Start the interpreter heartbeat thread in this process if it has none (fork-aware)."""
-    global _thread_pid
-    if AREA is None or _thread_pid == os.getpid():
+def ensure_beating() -> None:
+    """Run the interpreter heartbeat on stallwatch's worker (`background`) in this process, if it
+    does not yet (fork-aware)."""
+    global _beating
+    if AREA is None or (_beating is not None and _beating.pid == os.getpid()):
         return
-    _thread_pid = os.getpid()
-    threading.Thread(target=_interpreter_beats, name="stallwatch-heartbeat", daemon=True).start()
+    _beating = background.every(BEAT_SECONDS, _InterpreterBeats(AREA).beat)
 
 
-def _interpreter_beats() -> None:
-    area, pid = AREA, os.getpid()
-    handed: dict[str, Any] | None = None
-    while area is not None and AREA is area and os.getpid() == pid:
+class _InterpreterBeats:
+    """The interpreter heartbeat of one heartbeat file: a task every `BEAT_SECONDS` that also asks
+    each running loop for its beat, keeps the watchdog's copy of the Sentry options current and
+    checks that the watchdog and the file are still there."""
+
+    def __init__(self, area: HeartbeatArea) -> None:
+        self.area = area
+        self.handed: dict[str, Any] | None = None
+
+    def beat(self) -> None:
+        area = self.area
+        if AREA is not area:  # stopped, or a fork child's own file replaced it
+            return
         area.beat_interpreter()
         _send_loop_beats()
-        time.sleep(BEAT_SECONDS)
-        try:  # this thread dying would stop the heartbeat: the watchdog would report a freeze
+        try:  # the task failing on every beat would stop the heartbeat: the watchdog would report a freeze
             if area.writable:
-                handed = _hand_over_sentry(area, handed)
+                self.handed = _hand_over_sentry(area, self.handed)
                 _check_watchdog(area)
         except Exception:
             from ..instrument._common import FAULTS
@@ -482,11 +491,14 @@ def _hand_over_sentry(area: HeartbeatArea, handed: dict[str, Any] | None) -> dic
 def stop() -> None:
     """Stop writing heartbeats and remove the files (at shutdown). In a fork child that lives on
     (and exits through `atexit`), the files are its parent's: they stay."""
-    global AREA, _stacks_file, _armed_by, _span_writer
+    global AREA, _stacks_file, _armed_by, _span_writer, _beating
     with _stopping:
         area, AREA = AREA, None
     _span_writer = None
     untrack_current_span()
+    if _beating is not None:
+        background.cancel(_beating)
+        _beating = None
     if _stacks_file is not None:
         if _armed_by == os.getpid():
             faulthandler.cancel_dump_traceback_later()
@@ -642,7 +654,7 @@ def rearm_after_fork() -> None:
 
 def _watch_this_child() -> HeartbeatArea | None:
     """In a fork child that lives on, on its main thread as its first event loop starts: its own
-    heartbeat file, watchdog and heartbeat thread (once per process; None if that fails).
+    heartbeat file, watchdog and heartbeat task (once per process; None if that fails).
 
     Not in an after-fork handler (no process or thread starts there): a child that only execs, or
     never runs a loop, costs nothing. The parent's file and watchdog are left to the parent.
@@ -669,12 +681,12 @@ def _watch_this_child() -> HeartbeatArea | None:
             _stacks_file = open(stacks_path(area.path), "w", opener=opener)  # noqa: SIM115 - as in start()
     AREA, _watchdog, _span_writer = area, process, area
     _MAIN_THREAD = threading.get_ident()
-    ensure_thread()
+    ensure_beating()
     return area
 
 
 def _send_loop_beats() -> None:
-    """From the heartbeat thread: ask each running loop for a beat, unless one still waits there.
+    """From the heartbeat task: ask each running loop for a beat, unless one still waits there.
 
     A `call_soon_threadsafe` rather than a `call_later` chain on the loop: a loop with a timer in
     its heap pays for it on every iteration (clock reads, and an epoll_wait with a timeout, which

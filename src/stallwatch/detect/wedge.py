@@ -2,8 +2,8 @@
 (incident 002 in docs/incidents.md).
 
 A worker's death is recorded the moment `_worker` returns abnormally (see `instrument.executor`).
-A periodic check (a daemon thread started on first need, restarted lazily in a fork child that
-lives on) then finds what the death left behind:
+A periodic check (a task on stallwatch's worker thread, added on first need, and again in a fork
+child that lives on) then finds what the death left behind:
 
 - `orphaned_item`: an item a dead worker had dequeued but never ran (mode 1: its future stays
   PENDING; found by queue accounting) or was running (mode 2: RUNNING, owner thread dead);
@@ -29,7 +29,7 @@ from typing import Any
 
 from opentelemetry import trace
 
-from .. import telemetry
+from .. import background, telemetry
 from .. import timeout as execution_timeouts
 from ..instrument import executor as ex
 from ..instrument._common import FAULTS, to_sentry
@@ -49,8 +49,7 @@ class WedgeSettings:
 
 SETTINGS = WedgeSettings()
 _lock = threading.Lock()
-_thread: threading.Thread | None = None
-_thread_pid = 0
+_task: background.Task | None = None  # the periodic check in this process
 _stalled: set[int] = set()  # id() of executors already reported stalled (once per episode)
 _overdue_reported: set[int] = set()  # id() of item records already reported overdue
 
@@ -61,26 +60,22 @@ def configure(settings: WedgeSettings) -> None:
 
 
 def ensure_running() -> None:
-    """Start the check thread if this process has none (first use, or a fork child that lives on)."""
-    global _thread, _thread_pid
-    if _thread_pid == os.getpid() and _thread is not None:
+    """Run the check on stallwatch's worker (`background`) in this process, if it does not yet
+    (first use, or a fork child that lives on)."""
+    global _task
+    if _task is not None and _task.pid == os.getpid():
         return
     with _lock:
-        if _thread_pid == os.getpid() and _thread is not None:
-            return
-        _thread = threading.Thread(target=_loop, name="stallwatch-wedge", daemon=True)
-        _thread.start()
-        _thread_pid = os.getpid()
+        if _task is None or _task.pid != os.getpid():
+            _task = background.every(SETTINGS.interval, _check_and_drain)
 
 
-def _loop() -> None:
-    while True:
-        time.sleep(SETTINGS.interval)
-        try:
-            check()
-            ex.drain_histograms()
-        except Exception:
-            FAULTS.record("wedge detector", "STALLWATCH_INSTRUMENT_EXECUTOR")
+def _check_and_drain() -> None:
+    try:
+        check()
+        ex.drain_histograms()
+    except Exception:
+        FAULTS.record("wedge detector", "STALLWATCH_INSTRUMENT_EXECUTOR")
 
 
 def check() -> None:

@@ -1,0 +1,68 @@
+"""What stallwatch costs a host that is idle: its threads in the host (tests/bench/bench_footprint.py
+measures the rest)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import clean_env
+
+pytestmark = [
+    pytest.mark.matrix,
+    pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="the watchdog needs pidfd_open (Linux 5.3+)"),
+]
+
+_IDLE_HOST = """
+import json, sys, threading, stallwatch
+session = stallwatch.setup()
+assert session.wait_for_watchdog(30)
+threads = sorted(t.name for t in threading.enumerate() if not t.name.startswith(("MainThread", "Otel")))
+print(json.dumps({"watchdog": session.watchdog_pid, "threads": threads}), flush=True)
+sys.stdin.readline()
+print(json.dumps({"shutdown": stallwatch.shutdown()}), flush=True)
+"""
+
+
+def _idle_host(tmp_path: Path, exporter: str) -> subprocess.Popen[str]:
+    env = clean_env(
+        XDG_RUNTIME_DIR=str(tmp_path),
+        # With `otlp`, exporters that the watchdog's set-up would build too; nothing is exported while idle.
+        OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:9",
+        OTEL_TRACES_EXPORTER=exporter,
+        OTEL_METRICS_EXPORTER=exporter,
+        OTEL_LOGS_EXPORTER=exporter,
+    )
+    return subprocess.Popen([sys.executable, "-c", _IDLE_HOST], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def test_the_heartbeat_the_wedge_check_and_the_shutdown_share_one_stallwatch_thread_in_the_host(tmp_path):
+    host = _idle_host(tmp_path, "none")
+    try:
+        started = json.loads(host.stdout.readline())
+        host.stdin.write("\n")
+        host.stdin.flush()
+        stopped = json.loads(host.stdout.readline())
+    finally:
+        host.kill()
+        host.wait()
+
+    assert started["threads"] == ["stallwatch-worker"]
+    assert stopped["shutdown"] is True  # run on that thread
+
+
+@pytest.mark.parametrize(("first", "before"), [("", False), ("import opentelemetry.sdk.trace\n", True)])
+def test_import_stallwatch_says_the_sdk_was_loaded_before_it_only_when_it_was(first, before):
+    # Taken after stallwatch's own modules had loaded the SDK, it was always true, and every import
+    # of stallwatch scanned the whole heap for SDK objects built before it.
+    code = first + "import json, stallwatch\nprint(json.dumps(stallwatch.FORK_SAFETY.sdk_loaded_before))\n"
+    proc = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=60)
+
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) is before
