@@ -1,9 +1,31 @@
 """Spawn-freeze benchmark: how long one subprocess spawn blocks the calling thread.
 
-Run from the repository root (a full run takes a few minutes)::
+Run from the repository root, in the bench environment (tests/bench/README.md: the peers are
+installed there)::
 
-    .venvs/main/bin/python tests/bench/bench_spawn.py
-    .venvs/main/bin/python tests/bench/bench_spawn.py --quick    # smoke test, < 30 s, writes to a temp dir
+    .venvs/bench/bin/python tests/bench/bench_spawn.py --load incident   # against the peers, ~6 min
+    .venvs/bench/bin/python tests/bench/bench_spawn.py                   # one spawn at a time, 1 GiB too
+    .venvs/bench/bin/python tests/bench/bench_spawn.py --quick           # smoke test, < 30 s, temp dir
+
+``--load incident`` is the freeze incident's load: in one uvloop process, 4 coroutines spawn
+``/bin/true`` (and wait for it) in a loop while 4 coroutines call a gRPC echo server (another
+process, started by the runner) through ``grpc.aio``, for ``--seconds`` (default 20) per run. It
+reports the p50 of the time each ``create_subprocess_exec`` call blocks the loop, and its ratio to
+``no_otel``, for these configurations (each in a fresh interpreter, interleaved, ``--rounds``
+rounds, default 3; exporters send OTLP/HTTP or Sentry envelopes to a loopback receiver that
+answers 200):
+
+- ``no_otel``: uvloop, no telemetry at all (the baseline).
+- ``stallwatch``: ``import stallwatch.auto`` first, its default set-up (OTLP/HTTP for the three
+  signals) (vfork spawning under uvloop, the default).
+- ``stock_otel``: the stock SDK with OTLP/HTTP for the three signals, opentelemetry-instrumentation-grpc's
+  ``grpc.aio`` client instrumentor, and a span around each spawn.
+- ``sentry``: ``sentry_sdk.init(traces_sample_rate=1.0)`` with its default integrations (the
+  subprocess one included), each spawn inside a transaction.
+- ``ddtrace``: ``import ddtrace.auto`` (grpc and subprocess patched), each spawn inside a span.
+- ``asyncio``: the standard asyncio loop, no telemetry.
+
+Results go to ``spawn-incident.md`` (committed) and ``raw/spawn-incident.json``.
 
 Options: ``--spawns N`` measured spawns per run (default 200, after 10 warm-ups), ``--rounds R``
 (default 3), ``--quick`` (20 spawns, 1 round, ``rss0`` only), ``--out DIR`` (default
@@ -51,6 +73,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -292,18 +315,256 @@ def benchmark(spawns: int, rounds: int, rss_variants: list[str], out: Path) -> s
     return markdown
 
 
+# ---- the incident load: spawners and grpc.aio callers on one loop, against the peers ----------
+
+INCIDENT_CONFIGS = ("no_otel", "stallwatch", "stock_otel", "sentry", "ddtrace", "asyncio")
+INCIDENT_GOALS = {"stallwatch": 0.62}  # p50 per spawn at most this times no_otel's
+SPAWNERS = CALLERS = 4
+ECHO = "/bench.Echo/Echo"
+
+
+def echo_server() -> None:
+    """The gRPC server the callers call (its own process): echoes every request; prints its port."""
+    from concurrent import futures
+
+    import grpc
+
+    handler = grpc.method_handlers_generic_handler(
+        "bench.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(lambda request, context: request)}
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    print(port, flush=True)
+    server.wait_for_termination()
+
+
+def incident_setup(config: str, receiver: str) -> Any:
+    """What each configuration does before grpc and the loop are imported; returns a context
+    manager factory to wrap each spawn in (or None)."""
+    if config == "stallwatch":
+        import stallwatch.auto  # noqa: F401 - first, as a server's first import
+
+        return None
+    if config == "stock_otel":
+        from opentelemetry import _logs, metrics, trace
+        from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.instrumentation.grpc import GrpcAioInstrumentorClient
+        from opentelemetry.sdk._logs import LoggerProvider
+        from opentelemetry.sdk._logs.export import BatchLogRecordProcessor
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        tracer_provider = TracerProvider()
+        tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        trace.set_tracer_provider(tracer_provider)
+        metrics.set_meter_provider(MeterProvider(metric_readers=[PeriodicExportingMetricReader(OTLPMetricExporter())]))
+        logger_provider = LoggerProvider()
+        logger_provider.add_log_record_processor(BatchLogRecordProcessor(OTLPLogExporter()))
+        _logs.set_logger_provider(logger_provider)
+        GrpcAioInstrumentorClient().instrument()
+        tracer = trace.get_tracer("bench_spawn")
+        return lambda: tracer.start_as_current_span("spawn")
+    if config == "sentry":
+        import sentry_sdk
+
+        sentry_sdk.init(dsn=f"http://public@{receiver.removeprefix('http://')}/1", traces_sample_rate=1.0)
+        return lambda: sentry_sdk.start_transaction(name="spawn", op="bench")
+    if config == "ddtrace":
+        import ddtrace.auto  # noqa: F401
+        from ddtrace.trace import tracer
+
+        return lambda: tracer.trace("spawn")
+    return None
+
+
+async def incident_load(port: int, seconds: float, wrap: Any) -> dict[str, Any]:
+    import grpc
+
+    stop_at = time.monotonic() + seconds
+    blocked: list[float] = []
+    calls = [0]
+    failures: list[str] = []
+
+    async def spawner() -> None:
+        while time.monotonic() < stop_at:
+            with wrap() if wrap else contextlib.nullcontext():
+                start = time.perf_counter()
+                proc = await asyncio.create_subprocess_exec(
+                    "/bin/true", stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+                )
+                blocked.append((time.perf_counter() - start) * 1000)
+                code = await proc.wait()
+            if code != 0:
+                failures.append(f"exit {code}")
+
+    async def caller(channel: Any) -> None:
+        echo = channel.unary_unary(ECHO)
+        while time.monotonic() < stop_at:
+            await echo(b"x" * 64, timeout=30)
+            calls[0] += 1
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        await channel.unary_unary(ECHO)(b"ping", timeout=30)
+        await asyncio.gather(*[spawner() for _ in range(SPAWNERS)], *[caller(channel) for _ in range(CALLERS)])
+    return {"spawn_ms": blocked, "rpc_calls": calls[0], "failures": failures[:10], "failed": len(failures)}
+
+
+def incident_worker(config: str, port: int, seconds: float, receiver: str) -> dict[str, Any]:
+    wrap = incident_setup(config, receiver)
+    import grpc  # noqa: F401 - initialised before uvloop, as in the incident
+
+    coroutine = incident_load(port, seconds, wrap)
+    if config == "asyncio":
+        result = asyncio.run(coroutine)
+    else:
+        import uvloop
+
+        result = uvloop.run(coroutine)
+    spawn_mode = os.environ.get("STALLWATCH_UVLOOP_SPAWN") if config == "stallwatch" else None
+    return {"config": config, "uvloop_spawn": spawn_mode, "vm_rss_mb": vm_rss_mb(), **result}
+
+
+class _Answer200(BaseHTTPRequestHandler):
+    """The loopback receiver: takes OTLP/HTTP exports, Sentry envelopes and ddtrace payloads."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_PUT = do_POST
+
+    def log_message(self, format: str, *args: object) -> None:
+        return
+
+
+def run_incident(rounds: int, seconds: float, out: Path) -> str:
+    info = machine_info((*VERSIONED, "sentry-sdk", "ddtrace", "opentelemetry-instrumentation-grpc"))
+    receiver = ThreadingHTTPServer(("127.0.0.1", 0), _Answer200)
+    threading.Thread(target=receiver.serve_forever, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{receiver.server_address[1]}"
+    server = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--echo-server"],
+                              stdout=subprocess.PIPE, text=True, env=clean_env())  # fmt: skip
+    runs = []
+    try:
+        port = int(server.stdout.readline())
+        for number in range(rounds):
+            shift = number % len(INCIDENT_CONFIGS)
+            for config in INCIDENT_CONFIGS[shift:] + INCIDENT_CONFIGS[:shift]:
+                env = clean_env() | {
+                    "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+                    "OTEL_TRACES_EXPORTER": "otlp",
+                    "OTEL_METRICS_EXPORTER": "otlp",
+                    "OTEL_LOGS_EXPORTER": "otlp",
+                    "STALLWATCH_UVLOOP_SPAWN": "vfork",
+                    "DD_TRACE_AGENT_URL": endpoint,
+                    "DD_INSTRUMENTATION_TELEMETRY_ENABLED": "false",
+                    "DD_REMOTE_CONFIGURATION_ENABLED": "false",
+                }
+                command = [sys.executable, str(Path(__file__).resolve()), "--incident-worker", config, str(port),
+                           str(seconds), endpoint]  # fmt: skip
+                proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=seconds + 300)
+                if proc.returncode != 0:
+                    raise RuntimeError(f"worker {config} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+                run = json.loads(proc.stdout.strip().splitlines()[-1]) | {"round": number}
+                runs.append(run)
+                print(f"round {number} {config:<10} p50 {statistics.median(run['spawn_ms']):6.2f} ms, "
+                      f"{len(run['spawn_ms'])} spawns, {run['rpc_calls']} calls", file=sys.stderr)  # fmt: skip
+    finally:
+        server.kill()
+        server.wait()
+        receiver.shutdown()
+    info["loadavg_after"] = Path("/proc/loadavg").read_text().split()[:3]
+    rows = {}
+    for config in INCIDENT_CONFIGS:
+        mine = [run for run in runs if run["config"] == config]
+        samples = [ms for run in mine for ms in run["spawn_ms"]]
+        rows[config] = {
+            "p50_ms": statistics.median(samples),
+            "p99_ms": p99(samples),
+            "spawns": len(samples),
+            "rpc_calls": sum(run["rpc_calls"] for run in mine),
+            "failed": sum(run["failed"] for run in mine),
+            "round_p50_ms": [statistics.median(run["spawn_ms"]) for run in mine],
+        }
+    for row in rows.values():
+        row["ratio"] = row["p50_ms"] / rows[BASELINE]["p50_ms"]
+    settings = {"rounds": rounds, "seconds": seconds, "spawners": SPAWNERS, "callers": CALLERS}
+    markdown = render_incident(rows, info, settings)
+    (out / "raw").mkdir(parents=True, exist_ok=True)
+    report = {"machine": info, "settings": settings, "summary": rows, "runs": runs}
+    (out / "raw" / "spawn-incident.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "spawn-incident.md").write_text(markdown)
+    return markdown
+
+
+def render_incident(rows: dict[str, dict[str, Any]], info: dict[str, Any], settings: dict[str, Any]) -> str:
+    versions = ", ".join(f"{name} {version}" for name, version in info["versions"].items())
+    lines = [
+        "# Spawns under the freeze incident's load, against the peers",
+        "",
+        f"Generated by `.venvs/bench/bin/python tests/bench/bench_spawn.py --load incident --rounds "
+        f"{settings['rounds']} --seconds {settings['seconds']:g}`: in one process, {settings['spawners']} "
+        f"coroutines spawn `/bin/true` and wait for it in a loop while {settings['callers']} call a gRPC echo "
+        "server (another process) through `grpc.aio`. `p50 ms` is the time one `create_subprocess_exec` "
+        "call blocks the loop, pooled over the rounds; every configuration in a fresh interpreter, "
+        "interleaved (order rotated per round); ratios against `no_otel` from this run. `stallwatch` runs "
+        "with `STALLWATCH_UVLOOP_SPAWN=vfork` set explicitly (vfork is not its default yet).",
+        "",
+        f"Machine: {info['nproc']} CPUs, Linux {info['kernel']}, Python {info['python']}; {versions}; "
+        f"commit {info['git_commit']}{' (dirty)' if info['git_dirty'] else ''}; {info['date']}; load average "
+        f"{' '.join(info['loadavg'])} before, {' '.join(info['loadavg_after'])} after.",
+        "",
+        "| config | p50 ms | p99 ms | spawns | gRPC calls | failed spawns | p50 / no_otel | goal |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for config, row in rows.items():
+        goal = INCIDENT_GOALS.get(config)
+        verdict = "" if goal is None else f"≤ {goal}x: {'met' if row['ratio'] <= goal else '**not met**'}"
+        lines.append(
+            f"| {config} | {row['p50_ms']:.2f} | {row['p99_ms']:.2f} | {row['spawns']} | {row['rpc_calls']} | "
+            f"{row['failed']} | {row['ratio']:.2f}x | {verdict} |"
+        )
+    lines += ["", "Each round's own p50 (ms), in round order:", ""]
+    lines += [f"- {config}: " + ", ".join(f"{ms:.2f}" for ms in row["round_p50_ms"]) for config, row in rows.items()]
+    return "\n".join(lines) + "\n"
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--spawns", type=int, help="measured spawns per run (default 200; 20 with --quick)")
     parser.add_argument("--rounds", type=int, help="interleaved rounds (default 3; 1 with --quick)")
     parser.add_argument("--quick", action="store_true", help="smoke test: few spawns, one round, rss0 only")
     parser.add_argument("--out", type=Path, help="output directory (default tests/bench/results; temp with --quick)")
+    parser.add_argument("--load", choices=("sequential", "incident"), default="sequential",
+                        help="one spawn at a time (default), or the incident's load against the peers")  # fmt: skip
+    parser.add_argument("--seconds", type=float, default=20.0, help="with --load incident: seconds per run")
     parser.add_argument("--worker", nargs=3, metavar=("CONFIG", "RSS", "N"), help=argparse.SUPPRESS)
+    parser.add_argument("--incident-worker", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--echo-server", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.echo_server:
+        echo_server()
+        return
+    if args.incident_worker:
+        config, port, seconds, receiver = args.incident_worker
+        print(json.dumps(incident_worker(config, int(port), float(seconds), receiver)))
+        return
+    if args.load == "incident":
+        out = args.out or (Path(tempfile.mkdtemp(prefix="bench_spawn_")) if args.quick else DEFAULT_OUT)
+        print(run_incident(args.rounds or (1 if args.quick else 3), 3.0 if args.quick else args.seconds, out))
+        return
     if args.worker:
         config, rss, spawns = args.worker
         print(json.dumps(worker(config, rss, int(spawns))))
