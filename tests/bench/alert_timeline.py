@@ -43,7 +43,8 @@ from _machine import machine_info
 
 from support.prometheus import HOST_JOB, WATCHDOG_JOB, Prometheus, Scenario
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+REPOSITORY = Path(__file__).resolve().parents[2]
+DEFAULT_OUT = REPOSITORY / "tests" / "bench" / "results"
 VERSIONED = ("uvloop", "opentelemetry-sdk", "opentelemetry-exporter-prometheus", "stallwatch")
 POLL = 2.0  # seconds between /api/v1/alerts polls: the resolution of the observed times
 TOLERANCE = 5.0  # seconds on top of the scrape and evaluation granularity (scrape time, slow evaluation)
@@ -308,13 +309,14 @@ def summary(
     plan: Mapping[str, float],
     raw: Path,
 ) -> str:
+    shown = raw.resolve().relative_to(REPOSITORY) if raw.resolve().is_relative_to(REPOSITORY) else raw
     lines = [
         "# Alert timeline: the shipped alerts through one incident, real Prometheus at shipped settings",
         "",
         "Written by `tests/bench/alert_timeline.py` (see its docstring for the method). Times are seconds from the",
         f"timeline's start; observed times come from polls every {POLL:.0f} s. Expected windows: event time + the",
         f"alert's `for` + one 15 s scrape + one 15 s evaluation + {TOLERANCE:.0f} s.",
-        f"Raw records (not committed): `{raw}`.",
+        f"Raw records (not committed): `{shown}`.",
         "",
         f"Machine: {info['nproc']} cores, load {' '.join(info['loadavg'])}, Python {info['python']}, commit "
         f"{info['git_commit']}{' (dirty)' if info['git_dirty'] else ''}, {info['date']}; versions "
