@@ -6,7 +6,8 @@ Run from the repository root (about 30 minutes; needs `prometheus` on PATH or /u
     .venvs/main/bin/python tests/bench/alert_timeline.py --quick    # smoke test, ~2 min, writes to a temp dir
 
 Options: ``--quick`` (every step a few seconds; the Prometheus configuration is the same), ``--out DIR``
-(default ``tests/bench/results``; the raw records go to ``DIR/raw/alert_timeline-<time>/``, not committed).
+(default ``tests/bench/results``; the raw records go to ``DIR/raw/alert_timeline-<time>/``, not committed),
+``--report RAW`` (write the summary of the run recorded in RAW again, without running anything).
 
 One Prometheus runs dashboards/provisioning/prometheus/prometheus.yml and dashboards/alerts.yaml unchanged but
 for the targets (tests/support/prometheus.py, `Prometheus.shipped`). It scrapes one uvloop host with
