@@ -6,10 +6,13 @@ then), does its work, prints a JSON line with "done" and keeps serving its metri
 A state that a 15 s scrape must see is held with `hold(name)` until the test releases it.
 """
 
+import ctypes
 import json
 import os
 import sys
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 
 def ready(**info: object) -> None:
@@ -30,3 +33,16 @@ def hold(name: str, timeout: float = 240.0) -> None:
     deadline = time.monotonic() + timeout
     while not os.path.exists(release) and time.monotonic() < deadline:
         time.sleep(0.1)
+
+
+def wedge(pool: ThreadPoolExecutor) -> list[Future]:
+    """Incident 002's wedge in a 1-worker `pool` (run with STALLWATCH_GUARD_ASYNC_EXC=false): a stale SystemExit
+    kills its only worker as it dequeues an item, which is orphaned; two more items then wait with no live worker.
+    Returns the three futures, none of which completes."""
+    idents = []
+    pool.submit(lambda: idents.append(threading.get_ident())).result(2)
+    time.sleep(0.05)
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(idents[0]), ctypes.py_object(SystemExit))
+    orphaned = pool.submit(lambda: "B done")  # the worker dequeues it and dies
+    time.sleep(0.5)
+    return [orphaned, pool.submit(lambda: "C done"), pool.submit(lambda: "D done")]

@@ -11,24 +11,11 @@ import stallwatch
 
 stallwatch.setup(guard_async_exc=False)
 
-import ctypes
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
-from dash_common import done, hold, ready
+from dash_common import done, hold, ready, wedge
 
 RUNNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="runner")
-
-
-def wedge(pool: ThreadPoolExecutor) -> list:
-    idents = []
-    pool.submit(lambda: idents.append(threading.get_ident())).result(2)
-    time.sleep(0.05)
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(idents[0]), ctypes.py_object(SystemExit))
-    orphaned = pool.submit(lambda: "B done")  # the worker dequeues it and dies
-    time.sleep(0.5)
-    return [orphaned, pool.submit(lambda: "C done"), pool.submit(lambda: "D done")]
 
 
 ready()
