@@ -1347,7 +1347,8 @@ def _panel(panel: Panel, panel_id: int, position: gm.GridPos) -> Any:
             .max(panel.states[-1].value)
         )
     if panel.alert_at is not None:
-        steps = [gm.Threshold(value=None, color="green"), gm.Threshold(value=panel.alert_at, color="red")]
+        # the base step (Grafana reads the first as base whatever its value; the schema wants a number)
+        steps = [gm.Threshold(value=0, color="green"), gm.Threshold(value=panel.alert_at, color="red")]
         builder = builder.thresholds(gd.ThresholdsConfig().mode(gm.ThresholdsMode.ABSOLUTE).steps(steps))
         builder = builder.thresholds_style(gc.GraphThresholdsStyleConfig().mode(common.GraphThresholdsStyleMode.LINE))
     for index, query in enumerate(panel.queries):
@@ -1418,7 +1419,12 @@ def trace_records_panel(spec: Dashboard, model: dict[str, Any]) -> dict[str, Any
         Panel(title, description, "none", (Query(expr),), kind="logs", source=LOKI, width=24), panel_id, position
     )
     panel: dict[str, Any] = json.loads(json.dumps(built.build(), cls=JSONEncoder))
-    panel["fieldConfig"]["defaults"]["links"] = [{"title": "Trace in Tempo", "url": TRACE_LINK}]
+    # A data link (title, url, targetBlank); the SDK's schema types field links as dashboard links, whose
+    # other fields Grafana ignores here.
+    link = {"title": "Trace in Tempo", "url": TRACE_LINK, "targetBlank": False, "type": "link", "icon": "external link",
+            "tooltip": "The record's trace in Tempo", "tags": [], "asDropdown": False, "includeVars": False,
+            "keepTime": False}  # fmt: skip
+    panel["fieldConfig"]["defaults"]["links"] = [link]
     return panel
 
 
