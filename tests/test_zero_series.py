@@ -150,3 +150,74 @@ def test_a_series_born_with_its_first_value_is_exported_at_zero_first_and_with_t
     exited = [_export_values(line, telemetry.SUBPROCESS_EXITS.name, name, key) for line in exports]
     assert spawned[:3] == [[0.0], [1.0], [2.0]], spawned
     assert exited[:3] == [[0.0], [1.0], [2.0]], exited
+
+
+def test_with_delta_temporality_a_new_series_value_held_back_once_is_counted_exactly_once():
+    # The SDK's own in-memory reader preferring delta, as a host with
+    # OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE=delta gets; no OTLP backend needed to read deltas.
+    from opentelemetry.sdk.metrics import Counter, Histogram, MeterProvider
+    from opentelemetry.sdk.metrics.export import AggregationTemporality, InMemoryMetricReader
+
+    from stallwatch.export.new_series import NewSeries
+
+    delta = {Counter: AggregationTemporality.DELTA, Histogram: AggregationTemporality.DELTA}
+    reader = InMemoryMetricReader(preferred_temporality=delta)
+    provider = MeterProvider(metric_readers=[reader])
+    meter = provider.get_meter(telemetry.INSTRUMENTATION_SCOPE)
+    counter = meter.create_counter("stallwatch.test.events")
+    histogram = meter.create_histogram("stallwatch.test.duration")
+    new_series = NewSeries()
+
+    def collect() -> dict[str, float]:
+        data = new_series.delay(reader.get_metrics_data())
+        values = {}
+        for resource in data.resource_metrics if data is not None else ():
+            for scope in resource.scope_metrics:
+                for metric in scope.metrics:
+                    for point in metric.data.data_points:
+                        values[metric.name] = getattr(point, "value", getattr(point, "count", None))
+        return values
+
+    counter.add(3, {"kind": "a"})
+    histogram.record(30.0, {"kind": "a"})
+    first = collect()
+    second = collect()  # nothing new meanwhile: the held values go out alone
+    counter.add(2, {"kind": "a"})
+    histogram.record(1.0, {"kind": "a"})
+    third = collect()
+    provider.shutdown()
+
+    assert first == {"stallwatch.test.events": 0, "stallwatch.test.duration": 0}
+    assert second == {"stallwatch.test.events": 3, "stallwatch.test.duration": 1}
+    assert third == {"stallwatch.test.events": 2, "stallwatch.test.duration": 1}
+
+
+def test_with_delta_temporality_a_held_back_value_joins_its_series_next_point():
+    from opentelemetry.sdk.metrics import Counter, MeterProvider
+    from opentelemetry.sdk.metrics.export import AggregationTemporality, InMemoryMetricReader
+
+    from stallwatch.export.new_series import NewSeries
+
+    reader = InMemoryMetricReader(preferred_temporality={Counter: AggregationTemporality.DELTA})
+    provider = MeterProvider(metric_readers=[reader])
+    counter = provider.get_meter(telemetry.INSTRUMENTATION_SCOPE).create_counter("stallwatch.test.events")
+    new_series = NewSeries()
+
+    def collect() -> list[float]:
+        data = new_series.delay(reader.get_metrics_data())
+        return [
+            point.value
+            for resource in data.resource_metrics
+            for scope in resource.scope_metrics
+            for metric in scope.metrics
+            for point in metric.data.data_points
+        ]
+
+    counter.add(3, {"kind": "a"})
+    first = collect()
+    counter.add(2, {"kind": "a"})
+    second = collect()
+    counter.add(1, {"kind": "a"})
+    third = collect()
+    provider.shutdown()
+    assert (first, second, third) == ([0], [5], [1])

@@ -39,6 +39,8 @@ from opentelemetry.sdk.metrics.export import (
     ScopeMetrics,
     Sum,
 )
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from .. import telemetry
 from ..instrument._common import FAULTS
@@ -50,6 +52,8 @@ _Key = tuple[str, frozenset[tuple[str, Any]]]  # metric name, attributes
 class _Held:
     """A delta point exported as zero, to be added to its series' next point."""
 
+    resource: Resource
+    scope: InstrumentationScope
     metric: Metric
     point: Any
     zeroed_at: int  # the end of the interval its zero covered
@@ -75,8 +79,10 @@ class NewSeries:
 
         `push`: the caller calls `commit(succeeded)` after its export; otherwise the collection
         counts as delivered at once (a scrape)."""
-        if metrics_data is None:
-            return None
+        if metrics_data is None:  # nothing collected (delta, no new value): held points still go out
+            if not self._held:
+                return None
+            metrics_data = MetricsData(resource_metrics=[])
         try:
             return self._delay(metrics_data, push)
         except Exception:  # the collection goes out as it is: nothing lost, a first value unseen by rate()
@@ -92,16 +98,11 @@ class NewSeries:
             seen: set[_Key] = set()
             earlier, made = dict(self._held), {}
             resource_metrics = [self._resource(entry, seen, earlier, made) for entry in metrics_data.resource_metrics]
-            if earlier and resource_metrics:  # held delta points whose series have no point in this collection
+            if earlier:  # held delta points whose series have no point in this collection
                 now = time.time_ns()
-                alone = [
-                    (
-                        held.metric,
-                        dataclasses.replace(held.point, start_time_unix_nano=held.zeroed_at, time_unix_nano=now),
-                    )
-                    for held in earlier.values()
-                ]
-                resource_metrics[0] = _add(resource_metrics[0], alone)
+                for held in earlier.values():
+                    point = dataclasses.replace(held.point, start_time_unix_nano=held.zeroed_at, time_unix_nano=now)
+                    resource_metrics = _add(resource_metrics, held, point)
             if push:
                 self._pending = (seen, made)
             else:
@@ -124,14 +125,26 @@ class NewSeries:
         self, entry: ResourceMetrics, seen: set[_Key], earlier: dict[_Key, _Held], made: dict[_Key, _Held]
     ) -> ResourceMetrics:
         scopes = [
-            ScopeMetrics(scope.scope, [self._metric(m, seen, earlier, made) for m in scope.metrics], scope.schema_url)
+            ScopeMetrics(
+                scope.scope,
+                [self._metric(entry.resource, scope.scope, m, seen, earlier, made) for m in scope.metrics],
+                scope.schema_url,
+            )
             if scope.scope.name == telemetry.INSTRUMENTATION_SCOPE
             else scope
             for scope in entry.scope_metrics
         ]
         return ResourceMetrics(resource=entry.resource, scope_metrics=scopes, schema_url=entry.schema_url)
 
-    def _metric(self, metric: Metric, seen: set[_Key], earlier: dict[_Key, _Held], made: dict[_Key, _Held]) -> Metric:
+    def _metric(
+        self,
+        resource: Resource,
+        scope: InstrumentationScope,
+        metric: Metric,
+        seen: set[_Key],
+        earlier: dict[_Key, _Held],
+        made: dict[_Key, _Held],
+    ) -> Metric:
         """`metric` with its new series at zero; `earlier`: delta points held back last time (each
         taken out as it joins its series' point here); `made`: those held back now."""
         data = metric.data
@@ -149,7 +162,7 @@ class NewSeries:
                 points.append(point)
                 continue
             if delta:
-                made[key] = _Held(metric, point, point.time_unix_nano)
+                made[key] = _Held(resource, scope, metric, point, point.time_unix_nano)
             points.append(_zero(point))
         return dataclasses.replace(metric, data=dataclasses.replace(data, data_points=points))
 
@@ -185,17 +198,28 @@ def _merged(earlier: Any, point: Any) -> Any:
     )
 
 
-def _add(entry: ResourceMetrics, extra: list[tuple[Metric, Any]]) -> ResourceMetrics:
-    """`entry` with the held points of `extra` added to their metrics in stallwatch's scope."""
+def _add(resource_metrics: list[ResourceMetrics], held: _Held, point: Any) -> list[ResourceMetrics]:
+    """`resource_metrics` with `point` added to its metric in its resource and scope (made if absent)."""
+    entries = list(resource_metrics)
+    at = next((i for i, e in enumerate(entries) if e.resource == held.resource), None)
+    if at is None:
+        entries.append(ResourceMetrics(resource=held.resource, scope_metrics=[], schema_url=held.resource.schema_url))
+        at = len(entries) - 1
+    entry = entries[at]
     scopes = list(entry.scope_metrics)
-    index = next((i for i, s in enumerate(scopes) if s.scope.name == telemetry.INSTRUMENTATION_SCOPE), None)
+    index = next((i for i, s in enumerate(scopes) if s.scope == held.scope), None)
     if index is None:
-        return entry  # no stallwatch scope at all: nothing of ours is exported by this reader
-    metrics = {m.name: m for m in scopes[index].metrics}
-    for template, point in extra:
-        metric = metrics.get(template.name, template)
-        points = [*(metric.data.data_points if metric is not template else ()), point]
-        metrics[template.name] = dataclasses.replace(metric, data=dataclasses.replace(metric.data, data_points=points))
-    scope = scopes[index]
-    scopes[index] = ScopeMetrics(scope.scope, list(metrics.values()), scope.schema_url)
-    return ResourceMetrics(resource=entry.resource, scope_metrics=scopes, schema_url=entry.schema_url)
+        scopes.append(ScopeMetrics(scope=held.scope, metrics=[], schema_url=held.scope.schema_url or ""))
+        index = len(scopes) - 1
+    metrics = list(scopes[index].metrics)
+    found = next((i for i, m in enumerate(metrics) if m.name == held.metric.name), None)
+    metric = held.metric if found is None else metrics[found]
+    points = [*(metric.data.data_points if found is not None else ()), point]
+    metric = dataclasses.replace(metric, data=dataclasses.replace(metric.data, data_points=points))
+    if found is None:
+        metrics.append(metric)
+    else:
+        metrics[found] = metric
+    scopes[index] = ScopeMetrics(scope=scopes[index].scope, metrics=metrics, schema_url=scopes[index].schema_url)
+    entries[at] = ResourceMetrics(resource=entry.resource, scope_metrics=scopes, schema_url=entry.schema_url)
+    return entries
