@@ -141,10 +141,10 @@ def recent_events(metric: t.Metric, *group: t.Attribute, matchers: tuple = ()) -
     nothing to compare with), and one whose last sample before a gap longer than the window is
     older than the window: the second clause compares the last value in the window with the last
     value in the `ALERT_MEMORY` before it (absent: 0). A gap alone never changes either value, so no
-    alert fires, clears or fires again because of it. What stays unseen is a series that restarts
-    with its first event under labels seen within the memory (a restarted host): stallwatch makes
-    the series it can at zero (`telemetry` attributes with enumerated values), which `increase()`
-    then sees reset and grow.
+    alert fires, clears or fires again because of it. A series that restarts with its first event
+    under labels seen within the memory (a restarted host) is seen by `increase()` alone, as a reset
+    and growth: stallwatch makes the series it can at zero from the start and exports every other
+    new series at zero in its first scrape (`stallwatch.export.new_series`).
     """
     keys = by(metric, *group, extra=ALERT_KEEP)
     selector = series(metric, matchers=matchers)
