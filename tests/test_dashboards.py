@@ -181,7 +181,8 @@ def test_the_panel_of_an_alert_that_fires_over_a_level_draws_that_level_as_a_red
     panels = {d["uid"]: {p["title"]: p for p in d["panels"]} for d in dashboards().values()}
     drawn = 0
     for rule in alert_rules():
-        level = re.search(r"> ([0-9.]+)$", rule["expr"])
+        # over a level, or (an event alert) observations over a bucket bound
+        level = re.search(r"> ([0-9.]+)$", rule["expr"]) or re.search(r'le="([0-9.]+)"', rule["expr"])
         if level is None or float(level.group(1)) == 0:
             continue  # an event or a state: its panel counts, or maps 0/1 to names and colours
         panel = panels[rule["annotations"]["dashboard_uid"]][rule["annotations"]["panel"]]

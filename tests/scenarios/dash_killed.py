@@ -21,7 +21,8 @@ os.register_at_fork(after_in_child=slow_library_child_handler)
 
 import stallwatch
 
-session = stallwatch.setup(freeze_threshold=0.5)
+# uvloop's own fork (the opt-out of the default vfork spawn): the library's handler runs in its child.
+session = stallwatch.setup(freeze_threshold=0.5, uvloop_spawn="fork")
 assert session.wait_for_watchdog(30), "the freeze watchdog is not watching"
 
 import asyncio

@@ -151,19 +151,22 @@ class NewSeries:
         if not (isinstance(data, Histogram) or (isinstance(data, Sum) and data.is_monotonic)):
             return metric
         delta = data.aggregation_temporality is AggregationTemporality.DELTA
-        points = []
+        points, changed = [], False
         for point in data.data_points:
             key = (metric.name, frozenset(point.attributes.items()))
             seen.add(key)
             held = earlier.pop(key, None) if delta else None
             if held is not None:
-                point = _merged(held.point, point)
+                point, changed = _merged(held.point, point), True
             if key in self._seen or self._final or held is not None or _empty(point):
                 points.append(point)
                 continue
             if delta:
                 made[key] = _Held(resource, scope, metric, point, point.time_unix_nano)
             points.append(_zero(point))
+            changed = True
+        if not changed:
+            return metric
         return dataclasses.replace(metric, data=dataclasses.replace(data, data_points=points))
 
 
