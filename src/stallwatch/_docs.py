@@ -70,7 +70,7 @@ executor, per freeze kind and cause) start at zero (histograms only where stallw
 them, below: the SDK's API cannot), and every other new series of stallwatch's counters and
 histograms (a spawn's program, a child's exit signal, a Nebius method) is exported at zero for one
 collection before its first value, by each metric exporter and the Prometheus endpoint
-(`export/new_series.py`), so `rate()` and `increase()` see every first event. With delta
+(`src/stallwatch/export/new_series.py`), so `rate()` and `increase()` see every first event. With delta
 temporality that first value goes out with the next collection instead, counted once. When every
 metric reader stallwatch builds takes cumulative histograms (the default; not with
 `OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE=delta` or `lowmemory`), stallwatch aggregates its own
