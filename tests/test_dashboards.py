@@ -111,7 +111,7 @@ def test_every_name_in_the_expressions_is_in_the_telemetry_contract():
         series |= {base, f"{base}_bucket", f"{base}_sum", f"{base}_count"} if metric.kind == "histogram" else {base}
         labels |= {a.name.replace(".", "_").replace("-", "_") for a in metric.attributes}
     keywords = {"sum", "max", "by", "rate", "increase", "histogram_quantile", "unless", "offset", "or", "and"}
-    keywords |= {"last_over_time", "max_over_time", "on", "group_left"}
+    keywords |= {"last_over_time", "max_over_time", "on", "group_left", "ignoring"}
     for where, expr in promql():
         bare = re.sub(r'"[^"]*"|\$__rate_interval|\b\d+(\.\d+)?[smhd]?\b', " ", expr)
         for word in re.findall(r"[A-Za-z_][A-Za-z0-9_]*", bare):
@@ -181,7 +181,8 @@ def test_the_panel_of_an_alert_that_fires_over_a_level_draws_that_level_as_a_red
     panels = {d["uid"]: {p["title"]: p for p in d["panels"]} for d in dashboards().values()}
     drawn = 0
     for rule in alert_rules():
-        level = re.search(r"> ([0-9.]+)$", rule["expr"])
+        # over a level, or (an event alert) observations over a bucket bound
+        level = re.search(r"> ([0-9.]+)$", rule["expr"]) or re.search(r'le="([0-9.]+)"', rule["expr"])
         if level is None or float(level.group(1)) == 0:
             continue  # an event or a state: its panel counts, or maps 0/1 to names and colours
         panel = panels[rule["annotations"]["dashboard_uid"]][rule["annotations"]["panel"]]
@@ -371,10 +372,10 @@ PANEL_SCENARIOS = {
     "annotation Wedges": "wedge",
 }
 # The scenario in which each alert must fire with its shipped `for`, or at least be pending where that `for`
-# outlasts the test (SpawnBlockedHigh: 5 minutes); the 1-minute ones fire because their state is held.
+# outlasts the test; the 1-minute ones fire because their state is held.
 ALERT_SCENARIOS = {
     "FreezeActive": ("freeze", "firing"),
-    "SpawnBlockedHigh": ("freeze", "pending"),
+    "SpawnBlockedHigh": ("freeze", "firing"),
     "ChildKilledBySignal": ("freeze", "firing"),
     "ExecutorWorkerDied": ("wedge", "firing"),
     "ExecutorOrphanedItem": ("wedge_held", "firing"),
