@@ -329,7 +329,12 @@ def _leak_candidates(events: list[Event]) -> list[dict[str, Any]]:
 
 
 def _process_key(resource: dict[str, Any]) -> str:
-    return str(resource.get("service.instance.id") or json.dumps(resource, sort_keys=True, default=str))
+    """One key per process: a watchdog shares its host's service.instance.id, and is told apart by its role."""
+    instance = resource.get("service.instance.id")
+    if not instance:
+        return json.dumps(resource, sort_keys=True, default=str)
+    role = resource.get("stallwatch.process.role")
+    return f"{instance} ({role})" if role else str(instance)
 
 
 def _counters(metrics: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
