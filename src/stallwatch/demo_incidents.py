@@ -51,7 +51,7 @@ def freeze(out: str, seconds: float) -> dict[str, object]:
 
     session = stallwatch.setup(file_dir=out, freeze_threshold=1.0, metric_export_interval_ms=3_600_000)
 
-    hang = sys.modules["__main__"].HANG  # type: ignore[attr-defined]
+    hang = sys.modules["__main__"].HANG
 
     async def main() -> dict[str, object]:
         await asyncio.sleep(0.5)  # the watchdog is up and the loop heartbeat flows

@@ -331,7 +331,12 @@ def _sampler(settings: Settings) -> sampling.Sampler:
 def _exporter(settings: Settings, signal: str, name: str, pipeline: Pipeline) -> Any:
     """One `file`, `console` or `otlp` exporter for a signal."""
     if name == "file":
-        file_exporter = {"traces": FileSpanExporter, "metrics": FileMetricExporter, "logs": FileLogExporter}[signal]
+        exporters: dict[str, type[FileSpanExporter | FileMetricExporter | FileLogExporter]] = {
+            "traces": FileSpanExporter,
+            "metrics": FileMetricExporter,
+            "logs": FileLogExporter,
+        }
+        file_exporter = exporters[signal]
         try:
             exporter = file_exporter(settings.file_dir)
         except OSError as exc:
@@ -421,14 +426,15 @@ def _prometheus_reader(settings: Settings, pipeline: Pipeline) -> MetricReader:
             f"OTEL_EXPORTER_PROMETHEUS_PORT={settings.prometheus_port}: cannot listen on "
             f"{settings.prometheus_host}:{settings.prometheus_port} ({exc.strerror}); choose a free port, or 0"
         ) from exc
-    pipeline.prometheus_address = server.server_address[:2]
+    pipeline.prometheus_address = server.server_address[:2]  # type: ignore[assignment]  # AF_INET(6): (host, port)
     pipeline._closers += [server.shutdown, server.server_close]
 
-    class Reader(PrometheusMetricReader):  # type: ignore[misc]
+    class Reader(PrometheusMetricReader):
         """The stock reader, whose scrapes also carry stallwatch's own histograms (`histograms`)."""
 
         def _receive_metrics(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> None:
-            super()._receive_metrics(histograms.inject(metrics_data), timeout_millis, **kwargs)
+            data = histograms.inject(metrics_data)
+            super()._receive_metrics(data, timeout_millis, **kwargs)  # type: ignore[arg-type]  # None: it returns
 
     return Reader()
 
@@ -464,6 +470,7 @@ def _otlp_exporter(settings: Settings, signal: str) -> Any:
 def _new_otlp_exporter(settings: Settings, signal: str) -> Any:
     protocol = settings.protocol_for(signal)
     if protocol == "grpc":
+        GrpcExporter: type[Any]  # the signal's OTLP/gRPC exporter class
         try:
             if signal == "traces":
                 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (

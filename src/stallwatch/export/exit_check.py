@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.sdk.trace import Event, ReadableSpan
@@ -28,6 +28,9 @@ from .. import telemetry
 from ..instrument._common import FAULTS
 from ..instrument.scrub import scrub_attributes, scrub_value
 from .span_json import FIELD_READABLE, plain_attributes
+
+if TYPE_CHECKING:
+    from opentelemetry.util.types import AnyValue
 
 _OWN_SCOPE = telemetry.INSTRUMENTATION_SCOPE
 _SETTINGS = {"traces": "OTEL_TRACES_EXPORTER", "logs": "OTEL_LOGS_EXPORTER"}
@@ -95,7 +98,9 @@ def _attributes(attributes: Any) -> Any:
     if scrubbed is plain:
         return attributes
     if isinstance(attributes, BoundedAttributes):
-        bounded = BoundedAttributes(attributes.maxlen, scrubbed, immutable=True, max_value_len=attributes.max_value_len)
+        # scrubbing keeps each value's kind (a string stays a string, a sequence of strings a sequence)
+        values = cast("Mapping[str, AnyValue]", scrubbed)
+        bounded = BoundedAttributes(attributes.maxlen, values, immutable=True, max_value_len=attributes.max_value_len)
         bounded.dropped = attributes.dropped  # what the original dropped is still what was dropped
         return bounded
     return dict(scrubbed)

@@ -247,5 +247,5 @@ def _with(scope_metrics: Iterable[ScopeMetrics], metrics: list[Metric]) -> list[
             scopes[number] = ScopeMetrics(scope=scope.scope, metrics=[*scope.metrics, *metrics],
                                           schema_url=scope.schema_url)  # fmt: skip
             return scopes
-    scope = InstrumentationScope(telemetry.INSTRUMENTATION_SCOPE, __version__)
-    return [*scopes, ScopeMetrics(scope=scope, metrics=metrics, schema_url="")]
+    own = InstrumentationScope(telemetry.INSTRUMENTATION_SCOPE, __version__)
+    return [*scopes, ScopeMetrics(scope=own, metrics=metrics, schema_url="")]
