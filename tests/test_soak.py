@@ -18,7 +18,9 @@ RSS_GROWTH_BOUND_MB = 40  # measured: ~10 MB at 2,000 spawns and at 6,000 (flat:
 
 def test_soak_has_no_host_errors_and_no_growth_in_memory_threads_fds_or_shared_memory(tmp_path):
     spawns, items, tunnels = int(20_000 * SCALE), int(100_000 * SCALE), int(1_000 * SCALE)
-    result = run_scenario("soak.py", str(tmp_path), str(spawns), str(items), str(tunnels), timeout=900 * max(SCALE, 0.5))
+    result = run_scenario(
+        "soak.py", str(tmp_path), str(spawns), str(items), str(tunnels), timeout=900 * max(SCALE, 0.5)
+    )
 
     assert result["errors"] == []
     baseline, end = result["baseline"], result["end"]

@@ -14,8 +14,8 @@ worker and scopes interruptions to the item (see `interrupt`): the item is its o
 wrapper layer runs per item (a wrapt method wrapper alone costs 0.45 µs, measured; the budget is
 2 µs per item, see `tests/bench/bench_executor.py`).
 
-CPython internals used (3.10 to 3.14, checked): `ThreadPoolExecutor._work_queue`, `_threads`,
-`_thread_name_prefix`, `_max_workers`, `_shutdown`, `_broken`, `_shutdown_lock`,
+CPython internals used (3.10 to 3.13, the versions the tests run on): `ThreadPoolExecutor._work_queue`,
+`_threads`, `_thread_name_prefix`, `_max_workers`, `_shutdown`, `_broken`, `_shutdown_lock`,
 `_adjust_thread_count`, module `_worker`, `_shutdown`, `_global_shutdown_lock`, `_WorkItem.future`.
 """
 
