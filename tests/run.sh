@@ -72,9 +72,14 @@ pids+=("$!:main")
 for combo in "${MATRIX_COMBOS[@]}"; do
   set -- $combo
   name=$(matrix_venv "$combo")
+  # opentelemetry-instrumentation 0.48b0 imports pkg_resources without requiring setuptools, which
+  # environments of CPython 3.12+ do not get by default (and setuptools 81 no longer ships it).
+  old_instrumentation=()
+  [ "$3" != 0.48b0 ] || old_instrumentation=("setuptools<81")
   make_venv "$name" "$(python_for "$1")" -e '.[grpc]' pytest uvloop sentry-sdk opentelemetry-exporter-prometheus \
     "opentelemetry-api==$2" "opentelemetry-sdk==$2" "opentelemetry-exporter-otlp-proto-http==$2" \
-    "opentelemetry-exporter-otlp-proto-grpc==$2" "opentelemetry-instrumentation==$3" >"$LOGS/venv-$name" 2>&1 &
+    "opentelemetry-exporter-otlp-proto-grpc==$2" "opentelemetry-instrumentation==$3" "${old_instrumentation[@]}" \
+    >"$LOGS/venv-$name" 2>&1 &
   pids+=("$!:$name")
 done
 for entry in "${pids[@]}"; do

@@ -39,6 +39,7 @@ def test_without_the_guard_the_worker_death_and_the_orphaned_item_are_reported(t
     assert "wedge orphaned_item" in logs and "runner_0" in logs and "STALLWATCH_EXECUTOR_HEAL" in logs
 
 
+@pytest.mark.serial  # a time bound: not beside the other tests' load
 def test_with_heal_the_lost_request_fails_fast_and_the_pool_recovers(telemetry_dir):
     result = run_scenario("executor_wedge.py", "noguard", "heal", str(telemetry_dir))
 

@@ -132,6 +132,7 @@ _BUSY_EXPORT = {
 }
 
 
+@pytest.mark.serial  # a time bound: not beside the other tests' load
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_host_calls_never_wait_on_a_collector_that_never_answers(protocol: str, telemetry_dir: Path):
     """The collector holds every export for the whole export timeout (10 s); the host's 6,000 spans,
