@@ -3,6 +3,7 @@
 #   bash tests/run.sh            # everything: lint, types, tests, OTel SDK / Python version matrix
 #   MATRIX=0 bash tests/run.sh   # skip the version matrix (quicker local runs)
 #   WORKERS=4 bash tests/run.sh  # pytest-xdist workers for the main tests (default 2: one per core here)
+#   MATRIX_JOBS=2 bash tests/run.sh  # matrix environments that test at once (default 3)
 #   STALLWATCH_SOAK_SCALE=1 bash tests/run.sh   # with the full soak (the default runs a tenth of it)
 # Virtual environments go under $VENVS (default: .venvs/ in the repository; git-ignored). The main one
 # installs the versions locked in .ci/constraints.txt (refresh them on purpose: bash .ci/lock).
@@ -11,6 +12,7 @@ cd "$(dirname "$0")/.."
 VENVS=${VENVS:-$PWD/.venvs}
 PYENV_ROOT=${PYENV_ROOT:-$HOME/.pyenv}
 WORKERS=${WORKERS:-2}
+MATRIX_JOBS=${MATRIX_JOBS:-3}
 LOGS=$(mktemp -d)
 trap 'rm -rf "$LOGS"' EXIT
 mkdir -p "$VENVS"
@@ -73,9 +75,10 @@ for combo in "${MATRIX_COMBOS[@]}"; do
   set -- $combo
   name=$(matrix_venv "$combo")
   # opentelemetry-instrumentation 0.48b0 imports pkg_resources without requiring setuptools, which
-  # environments of CPython 3.12+ do not get by default (and setuptools 81 no longer ships it).
+  # environments of CPython 3.12+ do not get by default: one that has it for 3.12+ (66.1) and does
+  # not yet warn on the host's stderr that it is deprecated (67.5).
   old_instrumentation=()
-  [ "$3" != 0.48b0 ] || old_instrumentation=("setuptools<81")
+  [ "$3" != 0.48b0 ] || old_instrumentation=("setuptools>=66.1,<67.5")
   make_venv "$name" "$(python_for "$1")" -e '.[grpc]' pytest uvloop sentry-sdk opentelemetry-exporter-prometheus \
     "opentelemetry-api==$2" "opentelemetry-sdk==$2" "opentelemetry-exporter-otlp-proto-http==$2" \
     "opentelemetry-exporter-otlp-proto-grpc==$2" "opentelemetry-instrumentation==$3" "${old_instrumentation[@]}" \
@@ -106,17 +109,18 @@ status=0
 
 if [ ${#MATRIX_COMBOS[@]} -gt 0 ]; then
   # Only the modules with matrix tests are collected: the others import test-only packages
-  # (dstack, nebius, hypothesis) that these environments do not install. Two environments run at a
-  # time (one per core), each serially; the tests marked serial run afterwards, one environment at a time.
+  # (dstack, nebius, hypothesis) that these environments do not install. MATRIX_JOBS environments run
+  # at a time, each serially (their tests mostly wait on children); the tests marked serial run
+  # afterwards, one environment at a time.
   modules=$(grep -l "mark.matrix" tests/test_*.py)
   run_matrix() {  # run_matrix COMBO MARKS
     set -- $1 "$2"
     "$VENVS/$(matrix_venv "$1 $2")/bin/python" -m pytest -q -p no:cacheprovider -m "$4" $modules
   }
-  log "matrix: ${#MATRIX_COMBOS[@]} environments, $WORKERS at a time"
+  log "matrix: ${#MATRIX_COMBOS[@]} environments, $MATRIX_JOBS at a time"
   failed=()
-  for ((i = 0; i < ${#MATRIX_COMBOS[@]}; i += WORKERS)); do
-    batch=("${MATRIX_COMBOS[@]:i:WORKERS}")
+  for ((i = 0; i < ${#MATRIX_COMBOS[@]}; i += MATRIX_JOBS)); do
+    batch=("${MATRIX_COMBOS[@]:i:MATRIX_JOBS}")
     pids=()
     for combo in "${batch[@]}"; do
       run_matrix "$combo" "matrix and not serial" >"$LOGS/matrix-$(matrix_venv "$combo")" 2>&1 &

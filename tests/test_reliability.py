@@ -433,6 +433,7 @@ elif how == "sigterm":
 
 
 @pytest.mark.matrix
+@pytest.mark.serial  # a time bound: not beside the other tests' load
 @pytest.mark.parametrize("how", ["interpreter_exit", "shutdown", "sigterm", "fork_child", "fork_child_at_exit"])
 def test_the_host_exits_within_the_shutdown_timeout_when_the_collector_never_answers(how: str, silent: str):
     proc = run_python(_EXITING_HOST.format(how=how), env=env(silent), timeout=60)
@@ -526,6 +527,7 @@ def test_control_the_stock_sdk_holds_the_exit_for_the_export_timeout(silent: str
     assert exited - report["work_done"] >= 2.9
 
 
+@pytest.mark.serial  # a time bound: not beside the other tests' load
 def test_grpc_host_exits_within_the_shutdown_timeout_when_the_collector_never_answers():
     pytest.importorskip("opentelemetry.exporter.otlp.proto.grpc")
     with serve("silent", "grpc") as endpoint:
