@@ -100,12 +100,18 @@ log "ruff"
 log "mypy (configured in pyproject.toml)"
 "$MAIN/mypy"
 
+# Every test pass runs, even after one failed: a run reports all its failures. Exit status 5 is a pass
+# that selected no test.
+failed=()
+passed() { [ "$1" = 0 ] || [ "$1" = 5 ]; }
 log "pytest: Python 3.11, locked dependencies, $WORKERS workers"
-"$MAIN/python" -m pytest -q -n "$WORKERS" --dist loadgroup -m "not serial"
+status=0
+"$MAIN/python" -m pytest -q -n "$WORKERS" --dist loadgroup -m "not serial" || status=$?
+passed "$status" || failed+=("main")
 log "pytest: the tests marked serial, alone"
 status=0
 "$MAIN/python" -m pytest -q -m serial || status=$?
-[ "$status" = 0 ] || [ "$status" = 5 ] || exit "$status"  # 5: none marked
+passed "$status" || failed+=("main (serial)")
 
 if [ ${#MATRIX_COMBOS[@]} -gt 0 ]; then
   # Only the modules with matrix tests are collected: the others import test-only packages
@@ -118,7 +124,6 @@ if [ ${#MATRIX_COMBOS[@]} -gt 0 ]; then
     "$VENVS/$(matrix_venv "$1 $2")/bin/python" -m pytest -q -p no:cacheprovider -m "$4" $modules
   }
   log "matrix: ${#MATRIX_COMBOS[@]} environments, $MATRIX_JOBS at a time"
-  failed=()
   for ((i = 0; i < ${#MATRIX_COMBOS[@]}; i += MATRIX_JOBS)); do
     batch=("${MATRIX_COMBOS[@]:i:MATRIX_JOBS}")
     pids=()
@@ -132,7 +137,7 @@ if [ ${#MATRIX_COMBOS[@]} -gt 0 ]; then
       wait "${pids[j]}" || status=$?
       printf -- '-- Python %s, opentelemetry-sdk %s\n' "$1" "$2"
       cat "$LOGS/matrix-$(matrix_venv "${batch[j]}")"
-      [ "$status" = 0 ] || [ "$status" = 5 ] || failed+=("Python $1 / SDK $2")
+      passed "$status" || failed+=("matrix: Python $1 / SDK $2")
     done
   done
   log "matrix: the tests marked serial, one environment at a time"
@@ -141,11 +146,12 @@ if [ ${#MATRIX_COMBOS[@]} -gt 0 ]; then
     printf -- '-- Python %s, opentelemetry-sdk %s\n' "$1" "$2"
     status=0
     run_matrix "$combo" "matrix and serial" || status=$?
-    [ "$status" = 0 ] || [ "$status" = 5 ] || failed+=("Python $1 / SDK $2 (serial)")
+    passed "$status" || failed+=("matrix: Python $1 / SDK $2 (serial)")
   done
-  if [ ${#failed[@]} -gt 0 ]; then
-    printf 'matrix failures: %s\n' "${failed[@]}" >&2
-    exit 1
-  fi
+fi
+if [ ${#failed[@]} -gt 0 ]; then
+  printf 'failed: %s\n' "${failed[@]}" >&2
+  log "some tests failed"
+  exit 1
 fi
 log "all tests passed"
