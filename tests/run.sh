@@ -14,7 +14,7 @@ PYENV_ROOT=${PYENV_ROOT:-$HOME/.pyenv}
 WORKERS=${WORKERS:-2}
 MATRIX_JOBS=${MATRIX_JOBS:-3}
 LOGS=$(mktemp -d)
-trap 'rm -rf "$LOGS"' EXIT
+trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$LOGS"' EXIT  # jobs: matrix installs still running after a failure
 mkdir -p "$VENVS"
 
 log() { printf '\n== %s (%s s)\n' "$*" "$SECONDS"; }
@@ -66,11 +66,13 @@ MATRIX_COMBOS=(
 [ "${MATRIX:-1}" != "0" ] || MATRIX_COMBOS=()
 matrix_venv() { set -- $1; echo "py$1-otel$2"; }
 
-# Every virtual environment at once: installing is mostly waiting on disk and network.
-log "virtual environments: main (Python 3.11, .ci/constraints.txt) and ${#MATRIX_COMBOS[@]} for the matrix"
-pids=()
-make_venv main "$(python_for 3.11)" -c .ci/constraints.txt -e '.[test]' >"$LOGS/venv-main" 2>&1 &
-pids+=("$!:main")
+log "main environment: Python 3.11, .ci/constraints.txt"
+make_venv main "$(python_for 3.11)" -c .ci/constraints.txt -e '.[test]'
+MAIN="$VENVS/main/bin"
+
+# The matrix environments install in the background while the main tests run.
+log "matrix environments: ${#MATRIX_COMBOS[@]}, installing in the background"
+installs=()
 for combo in "${MATRIX_COMBOS[@]}"; do
   set -- $combo
   name=$(matrix_venv "$combo")
@@ -83,16 +85,8 @@ for combo in "${MATRIX_COMBOS[@]}"; do
     "opentelemetry-api==$2" "opentelemetry-sdk==$2" "opentelemetry-exporter-otlp-proto-http==$2" \
     "opentelemetry-exporter-otlp-proto-grpc==$2" "opentelemetry-instrumentation==$3" "${old_instrumentation[@]}" \
     >"$LOGS/venv-$name" 2>&1 &
-  pids+=("$!:$name")
+  installs+=("$!:$name")
 done
-for entry in "${pids[@]}"; do
-  if ! wait "${entry%%:*}"; then
-    cat "$LOGS/venv-${entry#*:}"
-    echo "installing the ${entry#*:} environment failed" >&2
-    exit 1
-  fi
-done
-MAIN="$VENVS/main/bin"
 
 log "ruff"
 "$MAIN/ruff" check src tests dashboards
@@ -118,6 +112,14 @@ if [ ${#MATRIX_COMBOS[@]} -gt 0 ]; then
   # (dstack, nebius, hypothesis) that these environments do not install. MATRIX_JOBS environments run
   # at a time, each serially (their tests mostly wait on children); the tests marked serial run
   # afterwards, one environment at a time.
+  log "matrix environments: waiting for the installs"
+  for entry in "${installs[@]}"; do
+    if ! wait "${entry%%:*}"; then
+      cat "$LOGS/venv-${entry#*:}"
+      echo "installing the ${entry#*:} environment failed" >&2
+      exit 1
+    fi
+  done
   modules=$(grep -l "mark.matrix" tests/test_*.py)
   run_matrix() {  # run_matrix COMBO MARKS
     set -- $1 "$2"
