@@ -14,7 +14,7 @@ PYENV_ROOT=${PYENV_ROOT:-$HOME/.pyenv}
 WORKERS=${WORKERS:-2}
 MATRIX_JOBS=${MATRIX_JOBS:-3}
 LOGS=$(mktemp -d)
-trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$LOGS"' EXIT  # jobs: matrix installs still running after a failure
+trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$LOGS"' EXIT  # jobs: matrix installs still running after a failure
 mkdir -p "$VENVS"
 
 log() { printf '\n== %s (%s s)\n' "$*" "$SECONDS"; }
