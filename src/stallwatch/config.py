@@ -501,7 +501,7 @@ class Settings:
         """
         env = os.environ if environ is None else environ
         problems: list[Problem] = list(IMPORT_PROBLEMS.values()) if environ is None else []
-        defaults = {f.name: f.default if f.default is not MISSING else f.default_factory() for f in fields(cls)}
+        defaults = {f.name: f.default_factory() if f.default_factory is not MISSING else f.default for f in fields(cls)}
         for keyword in sorted(set(overrides) - set(KEYWORDS)):
             problems.append(Problem(keyword, _unknown_keyword(keyword), "ignored"))
         values: dict[str, Any] = {}
