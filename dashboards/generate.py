@@ -922,9 +922,9 @@ ALERTS = (
         "as a freeze is counted when it ends, so FreezeActive fires first.",
         FREEZES,
         "Spawn blocked time p50/p99 by loop and method",
-        action="The Long spawns and freezes (traces) panel lists the spawn spans over 100 ms: which program, whether the "
-        "child reached exec. Method fork under uvloop: stallwatch.uvicorn_loop() or STALLWATCH_UVLOOP_SPAWN "
-        "spawns by vfork/posix_spawn instead.",
+        action="The Long spawns and freezes (traces) panel lists the spawn spans over 100 ms: which program, "
+        "whether the child reached exec. Method fork under uvloop: unset STALLWATCH_UVLOOP_SPAWN=fork (the default "
+        "spawns by vfork/posix_spawn) or run the standard loop (stallwatch.uvicorn_loop()).",
         fired_labels={"stallwatch_spawn_loop": "uvloop", "stallwatch_spawn_method": "fork"},
         cases=(
             Case(

@@ -13,6 +13,7 @@ import sys
 import tempfile
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -203,8 +204,22 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if session.config.stash[_GUARD].leaks and exitstatus == pytest.ExitCode.OK:
+    guard = session.config.stash[_GUARD]
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # a pytest-xdist worker: the controller reports and fails the session
+        workeroutput["leak_guard"] = {"checked": guard.checked, "leaks": guard.leaks}
+    elif guard.leaks and exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    """A pytest-xdist worker finished: its leak guard's count and leaks join the controller's."""
+    found = getattr(node, "workeroutput", {}).get("leak_guard")
+    if found is not None:
+        guard = node.config.stash[_GUARD]
+        guard.checked += found["checked"]
+        guard.leaks.extend(found["leaks"])
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

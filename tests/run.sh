@@ -1,15 +1,23 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh machine: installs what the tests need, then runs them.
-#   bash tests/run.sh            # everything: lint, tests, OTel SDK / Python version matrix
+#   bash tests/run.sh            # everything: lint, types, tests, OTel SDK / Python version matrix
 #   MATRIX=0 bash tests/run.sh   # skip the version matrix (quicker local runs)
-# Virtual environments go under $VENVS (default: .venvs/ in the repository; git-ignored).
+#   WORKERS=4 bash tests/run.sh  # pytest-xdist workers for the main tests (default 2: one per core here)
+#   MATRIX_JOBS=2 bash tests/run.sh  # matrix environments that test at once (default 3)
+#   STALLWATCH_SOAK_SCALE=1 bash tests/run.sh   # with the full soak (the default runs a tenth of it)
+# Virtual environments go under $VENVS (default: .venvs/ in the repository; git-ignored). The main one
+# installs the versions locked in .ci/constraints.txt (refresh them on purpose: bash .ci/lock).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENVS=${VENVS:-$PWD/.venvs}
 PYENV_ROOT=${PYENV_ROOT:-$HOME/.pyenv}
+WORKERS=${WORKERS:-2}
+MATRIX_JOBS=${MATRIX_JOBS:-3}
+LOGS=$(mktemp -d)
+trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$LOGS"' EXIT  # jobs: matrix installs still running after a failure
 mkdir -p "$VENVS"
 
-log() { printf '\n== %s\n' "$*"; }
+log() { printf '\n== %s (%s s)\n' "$*" "$SECONDS"; }
 
 python_for() {  # python_for 3.12 -> path of a CPython 3.12 interpreter
   local found
@@ -40,27 +48,112 @@ if [ ${#need[@]} -gt 0 ]; then
   fi
 fi
 
-log "main: Python 3.11, newest dependencies"
-make_venv main "$(python_for 3.11)" -e '.[test]'
+# The version matrix: the modules with matrix tests, on other CPython releases and OpenTelemetry SDKs,
+# each with the grpc extra and without the test extras. Fork handling changed across SDK releases
+# (1.28 WeakMethod, 1.32, 1.34 shared BatchProcessor, 1.40, 1.44 provider hooks): the oldest supported
+# SDK runs on the oldest and the newest CPython, the newest SDK (the one locked for the main tests) on
+# both too, and two SDKs in between on 3.12 and 3.13. Each entry: Python, SDK, instrumentation.
+newest_sdk=$(sed -n 's/^opentelemetry-sdk==//p' .ci/constraints.txt)
+newest_instrumentation=$(sed -n 's/^opentelemetry-instrumentation==//p' .ci/constraints.txt)
+MATRIX_COMBOS=(
+  "3.10 1.27.0 0.48b0"
+  "3.10 $newest_sdk $newest_instrumentation"
+  "3.12 1.33.1 0.54b1"
+  "3.13 1.27.0 0.48b0"
+  "3.13 1.39.1 0.60b1"
+  "3.13 $newest_sdk $newest_instrumentation"
+)
+[ "${MATRIX:-1}" != "0" ] || MATRIX_COMBOS=()
+matrix_venv() { set -- $1; echo "py$1-otel$2"; }
+
+log "main environment: Python 3.11, .ci/constraints.txt"
+make_venv main "$(python_for 3.11)" -c .ci/constraints.txt -e '.[test]'
 MAIN="$VENVS/main/bin"
+
+# The matrix environments install in the background while the main tests run.
+log "matrix environments: ${#MATRIX_COMBOS[@]}, installing in the background"
+installs=()
+for combo in "${MATRIX_COMBOS[@]}"; do
+  set -- $combo
+  name=$(matrix_venv "$combo")
+  # opentelemetry-instrumentation 0.48b0 imports pkg_resources without requiring setuptools, which
+  # environments of CPython 3.12+ do not get by default: one that has it for 3.12+ (66.1) and does
+  # not yet warn on the host's stderr that it is deprecated (67.5).
+  old_instrumentation=()
+  [ "$3" != 0.48b0 ] || old_instrumentation=("setuptools>=66.1,<67.5")
+  make_venv "$name" "$(python_for "$1")" -e '.[grpc]' pytest uvloop sentry-sdk opentelemetry-exporter-prometheus \
+    "opentelemetry-api==$2" "opentelemetry-sdk==$2" "opentelemetry-exporter-otlp-proto-http==$2" \
+    "opentelemetry-exporter-otlp-proto-grpc==$2" "opentelemetry-instrumentation==$3" "${old_instrumentation[@]}" \
+    >"$LOGS/venv-$name" 2>&1 &
+  installs+=("$!:$name")
+done
+
 log "ruff"
 "$MAIN/ruff" check src tests dashboards
 "$MAIN/ruff" format --check src tests dashboards
-log "pytest"
-"$MAIN/python" -m pytest -q
+log "mypy (configured in pyproject.toml)"
+"$MAIN/mypy"
 
-if [ "${MATRIX:-1}" != "0" ]; then
-  # Fork handling changed across SDK releases (1.28 WeakMethod, 1.32, 1.34 shared BatchProcessor,
-  # 1.40, 1.44 provider hooks): run the fork tests on older SDKs, each on another CPython.
-  for combo in "3.10 1.27.0 0.48b0" "3.12 1.33.1 0.54b1" "3.13 1.39.1 0.60b1"; do
-    set -- $combo
-    log "matrix: Python $1, opentelemetry-sdk $2"
-    make_venv "py$1-otel$2" "$(python_for "$1")" -e . pytest uvloop grpcio sentry-sdk opentelemetry-exporter-prometheus \
-      "opentelemetry-api==$2" "opentelemetry-sdk==$2" "opentelemetry-exporter-otlp-proto-http==$2" \
-      "opentelemetry-instrumentation==$3"
-    # Only the modules with matrix tests are collected: the others import test-only packages
-    # (dstack, nebius, hypothesis) that these venvs do not install.
-    "$VENVS/py$1-otel$2/bin/python" -m pytest -q -m matrix $(grep -l "mark.matrix" tests/test_*.py)
+# Every test pass runs, even after one failed: a run reports all its failures. Exit status 5 is a pass
+# that selected no test.
+failed=()
+passed() { [ "$1" = 0 ] || [ "$1" = 5 ]; }
+log "pytest: Python 3.11, locked dependencies, $WORKERS workers"
+status=0
+"$MAIN/python" -m pytest -q -n "$WORKERS" --dist loadgroup -m "not serial" || status=$?
+passed "$status" || failed+=("main")
+log "pytest: the tests marked serial, alone"
+status=0
+"$MAIN/python" -m pytest -q -m serial || status=$?
+passed "$status" || failed+=("main (serial)")
+
+if [ ${#MATRIX_COMBOS[@]} -gt 0 ]; then
+  # Only the modules with matrix tests are collected: the others import test-only packages
+  # (dstack, nebius, hypothesis) that these environments do not install. MATRIX_JOBS environments run
+  # at a time, each serially (their tests mostly wait on children); the tests marked serial run
+  # afterwards, one environment at a time.
+  log "matrix environments: waiting for the installs"
+  for entry in "${installs[@]}"; do
+    if ! wait "${entry%%:*}"; then
+      cat "$LOGS/venv-${entry#*:}"
+      echo "installing the ${entry#*:} environment failed" >&2
+      exit 1
+    fi
   done
+  modules=$(grep -l "mark.matrix" tests/test_*.py)
+  run_matrix() {  # run_matrix COMBO MARKS
+    set -- $1 "$2"
+    "$VENVS/$(matrix_venv "$1 $2")/bin/python" -m pytest -q -p no:cacheprovider -m "$4" $modules
+  }
+  log "matrix: ${#MATRIX_COMBOS[@]} environments, $MATRIX_JOBS at a time"
+  for ((i = 0; i < ${#MATRIX_COMBOS[@]}; i += MATRIX_JOBS)); do
+    batch=("${MATRIX_COMBOS[@]:i:MATRIX_JOBS}")
+    pids=()
+    for combo in "${batch[@]}"; do
+      run_matrix "$combo" "matrix and not serial" >"$LOGS/matrix-$(matrix_venv "$combo")" 2>&1 &
+      pids+=("$!")
+    done
+    for j in "${!batch[@]}"; do
+      set -- ${batch[j]}
+      status=0
+      wait "${pids[j]}" || status=$?
+      printf -- '-- Python %s, opentelemetry-sdk %s\n' "$1" "$2"
+      cat "$LOGS/matrix-$(matrix_venv "${batch[j]}")"
+      passed "$status" || failed+=("matrix: Python $1 / SDK $2")
+    done
+  done
+  log "matrix: the tests marked serial, one environment at a time"
+  for combo in "${MATRIX_COMBOS[@]}"; do
+    set -- $combo
+    printf -- '-- Python %s, opentelemetry-sdk %s\n' "$1" "$2"
+    status=0
+    run_matrix "$combo" "matrix and serial" || status=$?
+    passed "$status" || failed+=("matrix: Python $1 / SDK $2 (serial)")
+  done
+fi
+if [ ${#failed[@]} -gt 0 ]; then
+  printf 'failed: %s\n' "${failed[@]}" >&2
+  log "some tests failed"
+  exit 1
 fi
 log "all tests passed"

@@ -56,6 +56,7 @@ def events(span: dict) -> list[tuple[str, dict]]:
     return [(event["name"], attrs(event)) for event in span.get("events", [])]
 
 
+@pytest.mark.serial  # a time bound: not beside the other tests' load
 def test_a_child_the_host_kills_within_a_second_says_so_and_never_that_it_died_before_exec(fates):
     loop, children, directory = fates
     spans = spans_by_pid(directory)

@@ -111,6 +111,7 @@ def test_doctor_reports_grpc_imported_first():
     assert report["grpc"]["env"]["GRPC_ENABLE_FORK_SUPPORT"] == "false"
 
 
+@pytest.mark.serial  # a time bound: not beside the other tests' load
 def test_demo_runs_on_local_files_and_shows_zero_thread_starts(tmp_path):
     # With warnings as errors, as in many hosts' test suites: SDK 1.45 deprecates the SDK's
     # LoggingHandler that the demo's host (and stallwatch's pipeline) builds, which failed the demo.

@@ -48,6 +48,7 @@ def test_without_the_guard_the_worker_death_and_the_orphaned_item_are_reported(t
         assert {e["traceId"] for p in orphan_points for e in p.get("exemplars", [])} == {result["B_trace"]}
 
 
+@pytest.mark.serial  # a time bound: not beside the other tests' load
 def test_with_heal_the_lost_request_fails_fast_and_the_pool_recovers(telemetry_dir):
     result = run_scenario("executor_wedge.py", "noguard", "heal", str(telemetry_dir))
 

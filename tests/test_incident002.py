@@ -52,6 +52,7 @@ def test_with_the_guard_off_the_wedge_is_detected_with_thread_and_kind(tmp_path)
     assert any("wedge orphaned_item" in r and "asyncio-default" in r and "asyncio_0" in r for r in records)
 
 
+@pytest.mark.serial  # a time bound: not beside the other tests' load
 def test_with_heal_the_lost_request_fails_fast_and_the_next_succeeds():
     result = replay(
         "--import-stallwatch", "--requests", "3",

@@ -271,7 +271,8 @@ def test_every_timeout_the_grpc_exporters_refuse_is_refused_naming_it(monkeypatc
             if _grpc_exporter_refuses(monkeypatch, variable, value):
                 refused.append((variable, value))
                 (problem,) = problems
-                assert str(problem).startswith(f"{variable}={value!r} is invalid: expected a number"), problem
+                assert str(problem).startswith(f"{variable}={value!r} is invalid: expected a "), problem
+                assert "number of seconds (what the installed Python OTLP exporters read)" in str(problem), problem
             else:
                 assert problems == ()
     assert ("OTEL_EXPORTER_OTLP_TIMEOUT", "abc") in refused and ("OTEL_EXPORTER_OTLP_LOGS_TIMEOUT", "10s") in refused

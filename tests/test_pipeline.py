@@ -357,6 +357,7 @@ def silent_endpoint() -> Iterator[str]:
         yield endpoint
 
 
+@pytest.mark.serial  # a time bound: not beside the other tests' load
 def test_shutdown_returns_within_the_timeout_when_the_collector_hangs(silent_endpoint: str):
     started = time.monotonic()
     report = run_host(

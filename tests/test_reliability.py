@@ -135,6 +135,7 @@ _BUSY_EXPORT = {
 }
 
 
+@pytest.mark.serial  # a time bound: not beside the other tests' load
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_host_calls_never_wait_on_a_collector_that_never_answers(protocol: str, telemetry_dir: Path):
     """The collector holds every export for the whole export timeout (10 s); the host's 6,000 spans,
@@ -453,6 +454,7 @@ elif how == "sigterm":
 
 
 @pytest.mark.matrix
+@pytest.mark.serial  # a time bound: not beside the other tests' load
 @pytest.mark.parametrize("how", ["interpreter_exit", "shutdown", "sigterm", "fork_child", "fork_child_at_exit"])
 def test_the_host_exits_within_the_shutdown_timeout_when_the_collector_never_answers(how: str, silent: str):
     proc = run_python(_EXITING_HOST.format(how=how), env=env(silent), timeout=60)
@@ -546,6 +548,7 @@ def test_control_the_stock_sdk_holds_the_exit_for_the_export_timeout(silent: str
     assert exited - report["work_done"] >= 2.9
 
 
+@pytest.mark.serial  # a time bound: not beside the other tests' load
 def test_grpc_host_exits_within_the_shutdown_timeout_when_the_collector_never_answers():
     pytest.importorskip("opentelemetry.exporter.otlp.proto.grpc")
     with serve("silent", "grpc") as endpoint:

@@ -15,6 +15,7 @@ import textwrap
 import uuid
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -156,11 +157,13 @@ def test_the_leak_guard_checks_every_record_of_the_stallwatch_loggers_in_this_se
     )
 
 
-def test_the_leak_guard_fails_a_session_whose_stallwatch_records_carry_a_corpus_secret(tmp_path):
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["serial", "xdist"])
+def test_the_leak_guard_fails_a_session_whose_stallwatch_records_carry_a_corpus_secret(tmp_path, workers):
+    """Also when pytest-xdist workers run the tests: each worker's guard reports to the controller."""
     (tmp_path / "conftest.py").write_text((TESTS / "conftest.py").read_text())
     (tmp_path / "test_leaky.py").write_text(textwrap.dedent(LEAKY_TESTS))
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *workers, str(tmp_path)],
         cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))},
         capture_output=True,

@@ -28,7 +28,7 @@ TUNNEL_LOGGER = "dstack._internal.core.services.ssh.tunnel"
 
 
 def run_on(loop_name: str, coro: Coroutine[Any, Any, None]) -> None:
-    """Run `coro` on a fresh standard asyncio or uvloop event loop (without event loop policies, so 3.10-3.14)."""
+    """Run `coro` on a fresh standard asyncio or uvloop event loop (without event loop policies, which 3.14 removes)."""
     if loop_name == "asyncio":
         asyncio.run(coro)
         return

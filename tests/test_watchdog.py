@@ -147,6 +147,7 @@ def test_a_loop_blocked_reading_an_execd_interpreter_is_not_a_child_before_exec(
     assert record["stallwatch.freeze.cause"] == "blocked_syscall"  # it runs the host's executable, exec'd
 
 
+@pytest.mark.serial  # a time bound: not beside the other tests' load
 def test_host_killed_during_a_freeze_is_recorded_and_the_watchdog_leaves(telemetry_dir, tmp_path):
     runtime = tmp_path / "run"  # where the heartbeat file lives (it would be /dev/shm)
     runtime.mkdir()

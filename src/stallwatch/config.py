@@ -501,7 +501,7 @@ class Settings:
         """
         env = os.environ if environ is None else environ
         problems: list[Problem] = list(IMPORT_PROBLEMS.values()) if environ is None else []
-        defaults = {f.name: f.default if f.default is not MISSING else f.default_factory() for f in fields(cls)}
+        defaults = {f.name: f.default_factory() if f.default_factory is not MISSING else f.default for f in fields(cls)}
         for keyword in sorted(set(overrides) - set(KEYWORDS)):
             problems.append(Problem(keyword, _unknown_keyword(keyword), "ignored"))
         values: dict[str, Any] = {}
@@ -862,13 +862,15 @@ def _check_sdk_variables(env: Mapping[str, str]) -> list[Problem]:
         if batch > queue:  # the queue size was set, smaller than the default batch
             refuse(queue_variable, env[queue_variable], f"at least {batch_variable} ({batch}, its default)",
                    f"using the default {_SDK_BATCH_DEFAULTS['MAX_QUEUE_SIZE']}")  # fmt: skip
-    for variable in OTLP_TIMEOUTS:  # the gRPC exporters raise on one that is not a number (empty too)
+    whole_seconds = _otlp_timeouts_are_whole_seconds()
+    for variable in OTLP_TIMEOUTS:  # the exporters raise on one they cannot read (empty too)
         if (text := env.get(variable)) is not None:
             try:
-                float(text)
+                int(text) if whole_seconds else float(text)
             except ValueError:
                 general = variable == "OTEL_EXPORTER_OTLP_TIMEOUT"
-                refuse(variable, text, "a number of seconds (what the Python OTLP exporters read)",
+                expected = "a whole number of seconds" if whole_seconds else "a number of seconds"
+                refuse(variable, text, f"{expected} (what the installed Python OTLP exporters read)",
                        "using the default, 10 seconds" if general else "using OTEL_EXPORTER_OTLP_TIMEOUT or its "
                        "default, 10 seconds")  # fmt: skip
     text = env.get("OTEL_METRICS_EXEMPLAR_FILTER")
@@ -876,6 +878,17 @@ def _check_sdk_variables(env: Mapping[str, str]) -> list[Problem]:
         refuse("OTEL_METRICS_EXEMPLAR_FILTER", text, "one of " + ", ".join(EXEMPLAR_FILTERS) + " (exactly)",
                "using the default trace_based")  # fmt: skip
     return problems
+
+
+def _otlp_timeouts_are_whole_seconds() -> bool:
+    """The OTLP exporters before 1.34 read their timeout variables with `int()`, later ones with `float()`."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        major, minor = (int(part) for part in version("opentelemetry-exporter-otlp-proto-http").split(".")[:2])
+    except (PackageNotFoundError, ValueError):
+        return False
+    return (major, minor) < (1, 34)
 
 
 def _sdk_int(text: str, least: int) -> int | None:

@@ -132,7 +132,7 @@ class _BusyGrpc:
 
         async def client() -> None:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                echo = channel.unary_unary("/demo.Echo/Echo")
+                echo: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary("/demo.Echo/Echo")
                 while not self._stop.is_set():
                     await echo(b"x", timeout=10)
                     self.calls += 1
@@ -161,8 +161,9 @@ async def _probe_server(probes: int, blocked: list[float], crashed: list[int]) -
             started = time.perf_counter()
             child = await asyncio.create_subprocess_exec("/bin/true")
             blocked.append(time.perf_counter() - started)
-            if await child.wait() < 0:  # killed by a signal, e.g. SIGSEGV in gRPC's fork handler
-                crashed.append(child.returncode)
+            returncode = await child.wait()
+            if returncode < 0:  # killed by a signal, e.g. SIGSEGV in gRPC's fork handler
+                crashed.append(returncode)
         writer.write(b"ok\n")
         await writer.drain()
         writer.close()

@@ -94,7 +94,7 @@ class UnansweredCloud:
 
         self._released = threading.Event()
         self._server = grpc.server(ThreadPoolExecutor(max_workers=2, thread_name_prefix="demo-cloud"))
-        self._server.add_generic_rpc_handlers([self])
+        self._server.add_generic_rpc_handlers([self])  # type: ignore[list-item]  # a GenericRpcHandler by protocol
         self._port = self._server.add_insecure_port("127.0.0.1:0")
 
     @property
@@ -136,7 +136,7 @@ def freeze(out: str, seconds: float) -> dict[str, object]:
         file_dir=out, freeze_threshold=1.0, metric_export_interval_ms=3_600_000, uvloop_spawn="fork"
     )
 
-    hang = sys.modules["__main__"].HANG  # type: ignore[attr-defined]
+    hang = sys.modules["__main__"].HANG
 
     async def main() -> dict[str, object]:
         await asyncio.sleep(0.5)  # the watchdog is up and the loop heartbeat flows

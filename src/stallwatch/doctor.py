@@ -352,7 +352,7 @@ class Sandbox:
                 self.requested = {k: v for k, v in overrides.items() if k in keywords}
             return original(fork_safety, **{**overrides, **{k: v for k, v in keywords.items() if k in overrides}})
 
-        session.setup = sandboxed_setup  # type: ignore[assignment]
+        session.setup = sandboxed_setup
         return self
 
     def host_journal(self) -> dict[str, Any]:
@@ -376,7 +376,7 @@ class Sandbox:
                     watchdog.kill()
                     watchdog.wait()
         finally:
-            session.setup = self._setup  # type: ignore[assignment]
+            session.setup = self._setup
             heartbeat.use_directory(None)
             for variable, value in self._environ.items():
                 if value is None:

@@ -54,7 +54,7 @@ class _Pending:
 def _count(metric: telemetry.Metric, record: ItemRecord | None) -> None:
     counter = _counters.get(metric.name)
     if counter is not None:
-        name = record.executor.name if record is not None else "unknown"
+        name = record.executor.name if record is not None and record.executor is not None else "unknown"
         counter.add(1, {telemetry.EXECUTOR_NAME.name: name})
 
 
@@ -151,7 +151,7 @@ def interrupt_thread(
             if isinstance(target, Work) and record is not target._record:
                 _count(telemetry.ASYNC_EXC_REFUSED, target._record)
                 return "refused_idle"
-            if record is None:
+            if record is None or ident is None:  # no thread ident: no item runs it either
                 alive = any(t.ident == ident for t in threading.enumerate())
                 _count(telemetry.ASYNC_EXC_REFUSED, None)
                 return "refused_idle" if alive else "no_such_thread"

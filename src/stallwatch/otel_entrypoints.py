@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from opentelemetry.instrumentation.distro import BaseDistro
+from opentelemetry.instrumentation.distro import BaseDistro  # type: ignore[attr-defined]  # the module opts out of typing
 from opentelemetry.sdk._configuration import _BaseConfigurator
 
 import stallwatch

@@ -321,7 +321,12 @@ def _sampler(settings: Settings) -> sampling.Sampler:
 def _exporter(settings: Settings, signal: str, name: str, pipeline: Pipeline) -> Any:
     """One `file`, `console` or `otlp` exporter for a signal."""
     if name == "file":
-        file_exporter = {"traces": FileSpanExporter, "metrics": FileMetricExporter, "logs": FileLogExporter}[signal]
+        exporters: dict[str, type[FileSpanExporter | FileMetricExporter | FileLogExporter]] = {
+            "traces": FileSpanExporter,
+            "metrics": FileMetricExporter,
+            "logs": FileLogExporter,
+        }
+        file_exporter = exporters[signal]
         try:
             exporter = file_exporter(settings.file_dir)
         except OSError as exc:
@@ -416,14 +421,15 @@ def _prometheus_reader(settings: Settings, pipeline: Pipeline) -> MetricReader:
                 f"{settings.prometheus_host}:{settings.prometheus_port} ({exc.strerror}); choose a free port, or 0"
             ) from exc
 
-    class Reader(PrometheusMetricReader):  # type: ignore[misc]
+    class Reader(PrometheusMetricReader):
         """The stock reader, whose scrapes also carry stallwatch's own histograms (`histograms`) with
         their exemplars, and the resource's `PROMETHEUS_RESOURCE_LABELS` as labels of every series."""
 
         new_series = NewSeries()  # stallwatch's new series go out at zero first
 
         def _receive_metrics(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> None:
-            super()._receive_metrics(self.new_series.delay(histograms.inject(metrics_data)), timeout_millis, **kwargs)
+            data = self.new_series.delay(histograms.inject(metrics_data))
+            super()._receive_metrics(data, timeout_millis, **kwargs)  # type: ignore[arg-type]  # None: it returns
 
     labelled = [attribute.name for attribute in telemetry.PROMETHEUS_RESOURCE_LABELS]
     reader = otel_compat.labelled_prometheus_reader(Reader, labelled)
@@ -509,6 +515,7 @@ def _otlp_exporter(settings: Settings, signal: str) -> Any:
 def _new_otlp_exporter(settings: Settings, signal: str) -> Any:
     protocol = settings.protocol_for(signal)
     if protocol == "grpc":
+        GrpcExporter: type[Any]  # the signal's OTLP/gRPC exporter class
         try:
             if signal == "traces":
                 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (

@@ -394,7 +394,7 @@ def processes(spans: list[dict], logs: list[dict], metrics: list[dict]) -> dict[
         else:
             process.first_ns, process.last_ns = min(process.first_ns, *times), max(process.last_ns, *times)
     hosts = [p for p in found.values() if p.role == "host"]
-    traces_of = {p.key: set() for p in hosts}
+    traces_of: dict[str, set[Any]] = {p.key: set() for p in hosts}
     for span in spans:
         key = _process_key(span.get("_resource", {}))
         if key in traces_of:
@@ -578,6 +578,10 @@ def timeline(
     By default the group is the newest host in the inputs with its watchdogs; `service` and `pid`
     choose among the groups, `every_process` takes them all. What the journal holds is always shown.
     """
+    spans: list[dict[str, Any]]
+    logs: list[dict[str, Any]]
+    metrics: list[dict[str, Any]]
+    sources: list[str]
     if journal_dir is not None and directory is None and not list(files):
         spans, logs, metrics, sources, skipped = [], [], [], [], 0
     else:

@@ -176,8 +176,9 @@ def capture_for_host(
     again when the host's options changed), and wait up to `FLUSH_SECONDS` for it to leave."""
     global _watchdog_handover
     if dict(handed) != _watchdog_handover:
+        options: dict[str, Any] = {key: handed.get(key) for key in HANDED_OVER}
         sentry_sdk.init(
-            **{key: handed.get(key) for key in HANDED_OVER},
+            **options,
             default_integrations=False,
             integrations=[StallwatchIntegration()],
             auto_session_tracking=False,

@@ -68,12 +68,15 @@ class Session:
         deadline = time.monotonic() + timeout
         while True:
             watchdog = self._watchdog
-            if watchdog is None or heartbeat.AREA is not watchdog[0] or not watchdog[0].writable:
+            if watchdog is None:
                 return False
             area, process = watchdog
+            current = heartbeat.AREA
+            if current is None or current is not area or not current.writable:
+                return False
             if not _running(process):
                 return False
-            if area.watched_by() == process.pid:
+            if current.watched_by() == process.pid:
                 return True
             if time.monotonic() >= deadline:
                 return False

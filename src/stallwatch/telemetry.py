@@ -814,7 +814,8 @@ def reference_markdown() -> str:
         events = "".join(f" Event {event}" for event in span.events)
         attrs = ", ".join(f"`{a.name}`" for a in span.attributes)
         lines.append(f"| `{span.name}` | {span.kind} | {attrs} | {span.description}{events} |")
-    attributes = {a.name: a for group in (*METRICS, *SPANS) for a in group.attributes}
+    groups: list[Metric | Span] = [*METRICS, *SPANS]
+    attributes = {a.name: a for group in groups for a in group.attributes}
     lines += ["", "| Attribute | Values | Meaning |", "|---|---|---|"]
     for attr in [*attributes.values(), *RESOURCE_ATTRIBUTES]:
         values = ", ".join(f"`{v}`" for v in attr.values) or attr.type

@@ -142,6 +142,7 @@ class HeartbeatArea:
 
     def __init__(self, path: Path | None = None) -> None:
         self.path = path or area_directory() / f"stallwatch-{os.getpid()}-{os.urandom(4).hex()}.hb"
+        self.inode: int | None  # the file's inode; None once it is gone and cannot be made again
         self._fd, self._map, self.inode = self._create()
         now = time.monotonic_ns()
         self.owner = os.getpid()  # a forked child shares the mapping: it must never write to it

@@ -92,13 +92,14 @@ def _check_overdue(now: float) -> None:
     """Report guarded work still running past its execution_timeout deadline, once per item."""
     _overdue_reported.intersection_update(execution_timeouts.OVERDUE)
     for key, (record, deadline, name) in list(execution_timeouts.OVERDUE.items()):
-        if key in _overdue_reported:
+        state = record.executor
+        if key in _overdue_reported or state is None:  # None: never accounted (see `ItemRecord`)
             continue
         _overdue_reported.add(key)
         thread = record.thread.name if record.thread is not None else "?"
         _report(
             "execution_overdue",
-            record.executor,
+            state,
             record,
             f"work guarded by execution_timeout {name!r} is still running in {thread}, "
             f"{now - deadline:.1f}s past its deadline (a timeout cannot stop a thread)",

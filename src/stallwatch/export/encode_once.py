@@ -24,7 +24,7 @@ from typing import Any
 def encode_once(exporter_class: type) -> type:
     """A subclass of the SDK's OTLP/gRPC `exporter_class` that encodes each batch once per export."""
 
-    class EncodeOnce(exporter_class):  # type: ignore[misc,valid-type]
+    class EncodeOnce(exporter_class):
         _stallwatch_encoded: tuple[Any, Any] | None = None  # (batch, request) of the export under way
 
         def _translate_data(self, data: Any) -> Any:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import wrapt
 from opentelemetry.attributes import BoundedAttributes
@@ -36,6 +36,9 @@ from .. import telemetry
 from ..instrument._common import FAULTS
 from ..instrument.scrub import scrub_attributes, scrub_value
 from .span_json import FIELD_READABLE, plain_attributes
+
+if TYPE_CHECKING:
+    from opentelemetry.util.types import AnyValue
 
 _OWN_SCOPE = telemetry.INSTRUMENTATION_SCOPE
 _SETTINGS = {"traces": "OTEL_TRACES_EXPORTER", "logs": "OTEL_LOGS_EXPORTER"}
@@ -109,8 +112,10 @@ def _attributes(attributes: Any) -> Any:
         return attributes
     if isinstance(attributes, BoundedAttributes):
         immutable = getattr(attributes, "_immutable", True)  # a record's stay open to the processors after this one
+        # scrubbing keeps each value's kind (a string stays a string, a sequence of strings a sequence)
+        values = cast("Mapping[str, AnyValue]", scrubbed)
         bounded = BoundedAttributes(
-            attributes.maxlen, scrubbed, immutable=immutable, max_value_len=attributes.max_value_len
+            attributes.maxlen, values, immutable=immutable, max_value_len=attributes.max_value_len
         )
         bounded.dropped = attributes.dropped  # what the original dropped is still what was dropped
         return bounded

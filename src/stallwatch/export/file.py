@@ -19,12 +19,18 @@ import base64
 import json
 import logging
 import os
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from google.protobuf.json_format import MessageToDict
-from google.protobuf.message import Message
+with warnings.catch_warnings():
+    # protobuf 4 (what SDK 1.27-1.32 allow) on CPython 3.13 warns about its own C types when first imported
+    # (here, before any other stallwatch module); under the host's `-W error` that would fail setup() and
+    # the demo, and it is not the host's to act on
+    warnings.filterwarnings("ignore", r"Type google\._upb\._message\.", DeprecationWarning)
+    from google.protobuf.json_format import MessageToDict
+    from google.protobuf.message import Message
 from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
 from opentelemetry.sdk._logs import export as _log_export
 from opentelemetry.sdk._logs.export import LogExportResult

@@ -65,7 +65,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk._logs.export import BatchLogRecordProcessor
@@ -79,6 +79,10 @@ from ..instrument._common import dropped_values
 from . import exit_check
 from .new_series import NewSeries
 from .span_json import FIELD_READABLE
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk._logs.export import LogRecordExporter
+    from opentelemetry.sdk.trace.export import SpanExporter
 
 DROP_REASONS = telemetry.DROP_REASON.values
 QUEUE_FULL, EXPORT_FAILED, BACKEND_DOWN, SHUTDOWN_TIMEOUT, BACKEND_SLOW = DROP_REASONS
@@ -313,7 +317,8 @@ class CountingSpanProcessor(BatchSpanProcessor):
     """The stock BatchSpanProcessor (fork-aware via `forksafe.otel_compat`), counting queue-full drops."""
 
     def __init__(self, exporter: GuardedExporter, shed: bool = True) -> None:
-        super().__init__(exporter)  # queue size, batch size and delay from OTEL_BSP_* as in the SDK
+        # A GuardedExporter has a span exporter's methods when it wraps one.
+        super().__init__(cast("SpanExporter", exporter))  # queue size, batch size and delay from OTEL_BSP_*
         self.guard = exporter
         self.sheds = shed  # STALLWATCH_SHED_SPANS: whether `shed()` may count on this processor dropping
         # The SDK keeps one deque for the processor's life (a fork child clears it): the usual case,
@@ -363,7 +368,7 @@ class CountingLogProcessor(BatchLogRecordProcessor):
     """The stock BatchLogRecordProcessor, counting queue-full drops (`emit`, or `on_emit` since 1.39)."""
 
     def __init__(self, exporter: GuardedExporter) -> None:
-        super().__init__(exporter)  # OTEL_BLRP_* as in the SDK
+        super().__init__(cast("LogRecordExporter", exporter))  # as a span exporter above; OTEL_BLRP_* as in the SDK
         self.guard = exporter
         self._bounded = _queue(self)  # as in CountingSpanProcessor
         self._limit = self._bounded.maxlen or sys.maxsize
@@ -413,7 +418,7 @@ def shed(processors: Sequence[Any]) -> bool:
     reasons = shedding(processors)
     if reasons is None:
         return False
-    count_shed(processors, reasons)  # type: ignore[arg-type]
+    count_shed(processors, reasons)
     return True
 
 

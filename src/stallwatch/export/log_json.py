@@ -39,7 +39,7 @@ try:  # opentelemetry-sdk 1.39 and later
 
     _RESOURCE_ON_ITEM = True
 except ImportError:  # up to 1.38: the resource and the dropped count are on the SDK's LogRecord
-    from opentelemetry.sdk._logs import LogData as _BatchItem
+    from opentelemetry.sdk._logs import LogData as _BatchItem  # type: ignore[attr-defined, no-redef]  # gone in 1.39
 
     _RESOURCE_ON_ITEM = False
 
@@ -144,7 +144,7 @@ def _unpack(item: Any) -> tuple[LogRecord, Any, Any, Any]:
         return record, item.resource, item.instrumentation_scope, item.dropped_attributes
     if getattr(record, "event_name", None):
         raise _Unsupported
-    return record, record.resource, item.instrumentation_scope, record.dropped_attributes
+    return record, record.resource, item.instrumentation_scope, record.dropped_attributes  # type: ignore[attr-defined]  # up to 1.38
 
 
 def _record(record: LogRecord, dropped: Any) -> dict[str, Any]:
@@ -184,7 +184,7 @@ def _record(record: LogRecord, dropped: Any) -> dict[str, Any]:
 
 def _scope_logs(scope: Any, records: list[dict[str, Any]]) -> dict[str, Any]:
     encoded: dict[str, Any] = {}
-    schema_url = ""
+    schema_url: str | None = ""
     if scope is not None:
         if not isinstance(scope, InstrumentationScope):
             raise _Unsupported

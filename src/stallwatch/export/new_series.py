@@ -27,7 +27,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from opentelemetry.sdk.metrics.export import (
     AggregationTemporality,
@@ -96,7 +96,7 @@ class NewSeries:
             if self._pid != os.getpid():
                 self._pid, self._seen, self._held, self._pending = os.getpid(), set(), {}, None
             seen: set[_Key] = set()
-            earlier, made = dict(self._held), {}
+            earlier, made = dict(self._held), dict[_Key, _Held]()
             resource_metrics = [self._resource(entry, seen, earlier, made) for entry in metrics_data.resource_metrics]
             if earlier:  # held delta points whose series have no point in this collection
                 now = time.time_ns()
@@ -153,7 +153,7 @@ class NewSeries:
         delta = data.aggregation_temporality is AggregationTemporality.DELTA
         points, changed = [], False
         for point in data.data_points:
-            key = (metric.name, frozenset(point.attributes.items()))
+            key = (metric.name, frozenset((point.attributes or {}).items()))
             seen.add(key)
             held = earlier.pop(key, None) if delta else None
             if held is not None:
@@ -167,7 +167,7 @@ class NewSeries:
             changed = True
         if not changed:
             return metric
-        return dataclasses.replace(metric, data=dataclasses.replace(data, data_points=points))
+        return dataclasses.replace(metric, data=dataclasses.replace(cast(Any, data), data_points=points))
 
 
 def _empty(point: Any) -> bool:
@@ -176,22 +176,23 @@ def _empty(point: Any) -> bool:
 
 def _zero(point: Any) -> Any:
     """`point` with nothing counted yet."""
-    extra = {"exemplars": []} if hasattr(point, "exemplars") else {}
+    extra: dict[str, Any] = {"exemplars": []} if hasattr(point, "exemplars") else {}  # SDK 1.28+
     if isinstance(point, HistogramDataPoint):
         buckets = [0] * len(point.bucket_counts)
-        return dataclasses.replace(point, count=0, sum=0, bucket_counts=buckets, min=None, max=None, **extra)
+        return dataclasses.replace(point, count=0, sum=0, bucket_counts=buckets, min=None, max=None, **extra)  # type: ignore[arg-type]  # min/max: None for "no value" as the SDK's own empty points
     return dataclasses.replace(point, value=type(point.value)(0), **extra)
 
 
 def _merged(earlier: Any, point: Any) -> Any:
     """Delta `point` with the values of `earlier` (the same series' point held back) added."""
-    extra = {"exemplars": [*earlier.exemplars, *point.exemplars]} if hasattr(point, "exemplars") else {}
+    extra: dict[str, Any] = {"exemplars": [*earlier.exemplars, *point.exemplars]} if hasattr(point, "exemplars") else {}
     if not isinstance(point, HistogramDataPoint):
         return dataclasses.replace(point, value=earlier.value + point.value, **extra)
     lows = [v for v in (earlier.min, point.min) if v is not None]
     highs = [v for v in (earlier.max, point.max) if v is not None]
+    histogram: Any = point
     return dataclasses.replace(
-        point,
+        histogram,
         count=earlier.count + point.count,
         sum=earlier.sum + point.sum,
         bucket_counts=[a + b for a, b in zip(earlier.bucket_counts, point.bucket_counts, strict=True)],
@@ -216,7 +217,7 @@ def _add(resource_metrics: list[ResourceMetrics], held: _Held, point: Any) -> li
         index = len(scopes) - 1
     metrics = list(scopes[index].metrics)
     found = next((i for i, m in enumerate(metrics) if m.name == held.metric.name), None)
-    metric = held.metric if found is None else metrics[found]
+    metric: Any = held.metric if found is None else metrics[found]
     points = [*(metric.data.data_points if found is not None else ()), point]
     metric = dataclasses.replace(metric, data=dataclasses.replace(metric.data, data_points=points))
     if found is None:

@@ -99,7 +99,7 @@ def exemplar_filter() -> Any | None:
     except ImportError:
         return None
 
-    class UnlessShed(TraceBasedExemplarFilter):  # type: ignore[misc]
+    class UnlessShed(TraceBasedExemplarFilter):
         """The SDK's trace-based exemplar filter, but for measurements made inside a shed span."""
 
         def should_sample(self, value: float, time_unix_nano: int, attributes: Any, context: Any) -> bool:

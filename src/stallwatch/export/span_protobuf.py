@@ -148,6 +148,8 @@ def _span(span: ReadableSpan) -> bytes:
         start, end, attributes, events, links = span.start_time, span.end_time, span.attributes, span.events, span.links
         status = span.status
         dropped = (span.dropped_attributes, span.dropped_events, span.dropped_links)
+    if context is None:  # no exported span lacks one; the SDK's encoder cannot write it either
+        raise _Unsupported
     parts = [b"\x0a\x10" + context.trace_id.to_bytes(16, "big"), b"\x12\x08" + context.span_id.to_bytes(8, "big")]
     if context.trace_state is not None:
         state = ",".join([f"{key}={value}" for key, value in context.trace_state.items()])

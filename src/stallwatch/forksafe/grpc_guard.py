@@ -88,7 +88,7 @@ class GrpcActivity:
 
 def grpc_threads() -> list[str]:
     """Names of gRPC core threads in this process, from `/proc/self/task/*/comm`."""
-    found = []
+    found: list[str] = []
     try:
         tasks = os.listdir("/proc/self/task")
     except OSError:

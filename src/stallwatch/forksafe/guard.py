@@ -145,8 +145,8 @@ def run_child_handler(fn: Handler) -> object:
 
 
 def _register_at_fork(
-    wrapped: Callable[..., None], instance: object, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> None:
+    wrapped: Callable[..., Any], instance: object, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     before = kwargs.get("before")
     parent = kwargs.get("after_in_parent")
     child = kwargs.get("after_in_child")

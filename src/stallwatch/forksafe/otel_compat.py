@@ -169,7 +169,7 @@ def _refresh_process_resource(provider: Any) -> None:
     from opentelemetry.sdk import resources
 
     resource = resources.Resource.get_empty()
-    for detector in resources._build_resource_detectors():  # type: ignore[attr-defined]
+    for detector in resources._build_resource_detectors():
         if detector.is_process_dependent():
             try:
                 resource = resource.merge(detector.detect())

@@ -35,7 +35,7 @@ def instrument(
     meter_: Meter, metric: telemetry.Metric, callback: Callable[[CallbackOptions], Iterable[Observation]] | None = None
 ) -> Any:
     """Create the OTel instrument that `metric` describes."""
-    common = {"name": metric.name, "unit": metric.unit, "description": metric.description}
+    common: dict[str, Any] = {"name": metric.name, "unit": metric.unit, "description": metric.description}
     if metric.kind == "counter":
         return meter_.create_counter(**common)
     if metric.kind == "updowncounter":
@@ -330,7 +330,7 @@ class Deferred:
             except Exception:
                 FAULTS.record(*self._owner, count=len(values))
             return
-        record = self._histogram.record
+        record = self._histogram.record  # type: ignore[union-attr]  # set whenever `_own` is None
         for value in values:
             try:
                 record(value, attributes)

@@ -14,8 +14,8 @@ worker and scopes interruptions to the item (see `interrupt`): the item is its o
 wrapper layer runs per item (a wrapt method wrapper alone costs 0.45 µs, measured; the budget is
 2 µs per item, see `tests/bench/bench_executor.py`).
 
-CPython internals used (3.10 to 3.14, checked): `ThreadPoolExecutor._work_queue`, `_threads`,
-`_thread_name_prefix`, `_max_workers`, `_shutdown`, `_broken`, `_shutdown_lock`,
+CPython internals used (3.10 to 3.13, the versions the tests run on): `ThreadPoolExecutor._work_queue`,
+`_threads`, `_thread_name_prefix`, `_max_workers`, `_shutdown`, `_broken`, `_shutdown_lock`,
 `_adjust_thread_count`, module `_worker`, `_shutdown`, `_global_shutdown_lock`, `_WorkItem.future`.
 """
 
@@ -74,7 +74,7 @@ class WorkerDied(RuntimeError):
 _OriginalWorkItem = cf_thread._WorkItem
 
 
-class ItemRecord(_OriginalWorkItem):  # type: ignore[misc,valid-type]
+class ItemRecord(_OriginalWorkItem):
     """A work item made by `submit` while stallwatch is installed, and what stallwatch knows about it.
 
     `concurrent.futures.thread._WorkItem` is this class while the instrumentation is on, so the
@@ -223,7 +223,7 @@ class ItemRecord(_OriginalWorkItem):  # type: ignore[misc,valid-type]
 def _future_outcome(future: Any) -> BaseException | None:
     """The exception a completed future holds, else None."""
     if future.done() and not future.cancelled():
-        return future.exception()  # type: ignore[no-any-return]
+        return future.exception()
     return None
 
 
@@ -262,7 +262,7 @@ class ExecutorState:
             self.durations = (_histograms[0].values_for(self.attributes), _histograms[1].values_for(self.attributes))
 
 
-class _AccountingQueue(queue.SimpleQueue):  # type: ignore[type-arg]
+class _AccountingQueue(queue.SimpleQueue):
     """The executor's work queue, logging what is put so that what was taken can be known.
 
     The log needs no lock of its own: `submit`, the only caller putting work items, holds the
@@ -368,7 +368,7 @@ class _ContextApi:
 # context the API ships (1.27 to 1.45 alike): read and set it directly, as `get_current()`,
 # `attach()` and `detach()` do through two Python frames each. Another runtime context
 # (OTEL_PYTHON_CONTEXT) goes through the API.
-_context_var: Any = getattr(otel_context._RUNTIME_CONTEXT, "_current_context", None)  # type: ignore[attr-defined]
+_context_var: Any = getattr(otel_context._RUNTIME_CONTEXT, "_current_context", None)
 if not isinstance(_context_var, contextvars.ContextVar):
     _context_var = _ContextApi
 _tracer: trace.Tracer | None = None
@@ -442,8 +442,8 @@ def _init_wrapper(wrapped: Any, executor: ThreadPoolExecutor, args: tuple[Any, .
     try:
         state = ExecutorState(executor_name(executor), weakref.ref(executor))
         accounting = _AccountingQueue()
-        accounting.state, accounting.log, accounting.lock = state, deque(), executor._shutdown_lock  # type: ignore[attr-defined]
-        executor._work_queue = accounting  # type: ignore[attr-defined]  # no worker holds the old one yet
+        accounting.state, accounting.log, accounting.lock = state, deque(), executor._shutdown_lock
+        executor._work_queue = accounting  # no worker holds the old one yet
         executor._stallwatch = state  # type: ignore[attr-defined]
         EXECUTORS.add(executor)
         _zero_series(state)
@@ -460,11 +460,18 @@ def _start_span(item: ItemRecord, context: otel_context.Context) -> None:
     current = context.get(_SPAN_KEY)
     if current is None or not (type(current) in _SPAN_TYPES or isinstance(current, Span)):
         return
-    parent = current.get_span_context()
+    parent = current.get_span_context()  # type: ignore[attr-defined]  # a span: its type checked above
     _, _, _, flags, _, valid = parent  # the `SpanContext` tuple's layout
     if valid and flags & _SAMPLED:
-        state = item.executor
-        item.span = light_span.start(_tracer, state.span_name, context, state.attributes, parent=parent, shed=True)
+        state = item.executor  # set, as `_tracer` is, when `put` calls this
+        item.span = light_span.start(
+            _tracer,  # type: ignore[arg-type]
+            state.span_name,  # type: ignore[union-attr]
+            context,
+            state.attributes,  # type: ignore[union-attr]
+            parent=parent,
+            shed=True,
+        )
 
 
 def _attach(item: ItemRecord) -> object:
@@ -475,14 +482,13 @@ def _attach(item: ItemRecord) -> object:
         # `trace.set_span_in_context(item.span, item.context)` with one copy of the context, not
         # two (`set_value` copies it, then `Context()` copies that): the key is set in the copy,
         # which nothing else holds yet, past the immutable Context's `__setitem__`
-        context = otel_context.Context(item.context)
+        context = otel_context.Context(item.context)  # type: ignore[arg-type]  # set: the item has a span
         _dict_set(context, _SPAN_KEY, item.span)
         fn = item.fn
-        if type(fn) is partial and type(getattr(fn.func, "__self__", None)) is contextvars.Context:
+        if type(fn) is partial and type(entered := getattr(fn.func, "__self__", None)) is contextvars.Context:
             # `asyncio.to_thread`: the function runs in a copy of the submitter's contextvars
             # (`partial(ctx.run, func)`), where a context set in the worker's own is not seen.
             # Set it in that copy, for the item's span to be current in there too.
-            entered = fn.func.__self__
             return _InContext(entered, entered.run(_context_var.set, context))
         return _context_var.set(context)
     except Exception:
@@ -503,7 +509,7 @@ class _InContext(NamedTuple):
 
 def _end_span(span: Span, queue_seconds: float, run_seconds: float) -> None:
     if type(span) is _LightSpan:
-        attributes = span._attributes  # the dict given at its start: the durations are valid values
+        attributes: Any = span._attributes  # the dict given at its start: the durations are valid values
         attributes[_QUEUE_SECONDS] = queue_seconds
         attributes[_RUN_SECONDS] = run_seconds
     else:
@@ -566,7 +572,7 @@ def _observe_workers(options: CallbackOptions) -> Iterable[Observation]:
     for executor in list(EXECUTORS):
         state = state_of(executor)
         if state is not None:
-            alive = sum(1 for t in list(executor._threads) if t.is_alive())  # type: ignore[attr-defined]
+            alive = sum(1 for t in list(executor._threads) if t.is_alive())
             yield Observation(alive, state.attributes)
 
 
@@ -575,7 +581,7 @@ def _observe_pending(options: CallbackOptions) -> Iterable[Observation]:
     for executor in list(EXECUTORS):
         state = state_of(executor)
         if state is not None:
-            yield Observation(executor._work_queue.qsize(), state.attributes)  # type: ignore[attr-defined]
+            yield Observation(executor._work_queue.qsize(), state.attributes)
 
 
 def _observe_oldest_pending(options: CallbackOptions) -> Iterable[Observation]:
@@ -591,8 +597,9 @@ def _observe_oldest_pending(options: CallbackOptions) -> Iterable[Observation]:
 def _observe_running(options: CallbackOptions) -> Iterable[Observation]:
     running: dict[str, int] = {}
     for record in list(_current_item.values()):
-        if record.thread is not None and record.thread.is_alive():
-            running[record.executor.name] = running.get(record.executor.name, 0) + 1
+        state = record.executor  # never None: only accounted items become current
+        if state is not None and record.thread is not None and record.thread.is_alive():
+            running[state.name] = running.get(state.name, 0) + 1
     for executor in list(EXECUTORS):
         state = state_of(executor)
         if state is not None:
@@ -612,10 +619,10 @@ def _observe_max_workers(options: CallbackOptions) -> Iterable[Observation]:
     for executor in list(EXECUTORS):
         state = state_of(executor)
         if state is not None:
-            yield Observation(executor._max_workers, state.attributes)  # type: ignore[attr-defined]
+            yield Observation(executor._max_workers, state.attributes)
 
 
-class ExecutorInstrumentor(BaseInstrumentor):  # type: ignore[misc]
+class ExecutorInstrumentor(BaseInstrumentor):
     """Instruments every ThreadPoolExecutor built after `instrument()` (and the death hook for all).
 
     Keyword arguments of `instrument()`: `meter_provider`, `tracer_provider` (default: the global

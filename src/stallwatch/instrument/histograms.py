@@ -53,7 +53,7 @@ from .._version import __version__
 try:
     from opentelemetry.sdk.metrics import Exemplar as _SdkExemplar
 except ImportError:  # SDK 1.27: no exemplars in its data points
-    _SdkExemplar = None
+    _SdkExemplar = None  # type: ignore[misc, assignment]  # the class exists from SDK 1.28 on
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,8 +303,8 @@ def _with(scope_metrics: Iterable[ScopeMetrics], metrics: list[Metric]) -> list[
             scopes[number] = ScopeMetrics(scope=scope.scope, metrics=[*scope.metrics, *metrics],
                                           schema_url=scope.schema_url)  # fmt: skip
             return scopes
-    scope = InstrumentationScope(telemetry.INSTRUMENTATION_SCOPE, __version__)
-    return [*scopes, ScopeMetrics(scope=scope, metrics=metrics, schema_url="")]
+    own = InstrumentationScope(telemetry.INSTRUMENTATION_SCOPE, __version__)
+    return [*scopes, ScopeMetrics(scope=own, metrics=metrics, schema_url="")]
 
 
 def with_exemplars(families: Iterable[Any]) -> list[Any]:

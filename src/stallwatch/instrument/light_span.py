@@ -105,7 +105,7 @@ _new_tuple = tuple.__new__
 def _span_context(trace_id: int, span_id: int, flags: int, trace_state: trace.TraceState | None) -> SpanContext:
     """`SpanContext(trace_id, span_id, False, TraceFlags(flags), trace_state)`, the tuple its `__new__`
     builds (API 1.27 to 1.45: `test_light_span` compares the two), in a third of the time."""
-    return _new_tuple(  # type: ignore[no-any-return]
+    return _new_tuple(
         SpanContext,
         (
             trace_id,
@@ -161,10 +161,10 @@ def decide(
     sampler = sdk.sampler
     if type(sampler) not in _PARENT_BASED:
         delegate = None
-    elif parent is None:
-        delegate = sampler._root
+    elif parent is None:  # a ParentBased sampler below (its type checked): its private delegates
+        delegate = sampler._root  # type: ignore[attr-defined]
     elif parent_flags & _SAMPLED:
-        delegate = sampler._remote_parent_sampled if parent_remote else sampler._local_parent_sampled
+        delegate = sampler._remote_parent_sampled if parent_remote else sampler._local_parent_sampled  # type: ignore[attr-defined]
     else:
         delegate = None
     if delegate is sampling.ALWAYS_ON:  # what the sampler would answer, without its three calls and result object
@@ -197,6 +197,7 @@ def start(
         first_record()
         return tracer.start_span(name, context=context, kind=kind, attributes=attributes, start_time=start_time)
     sampler = sdk.sampler
+    trace_state: trace.TraceState | None
     if parent is not None:
         parent_trace_id, _, parent_remote, parent_flags, parent_state, parent_valid = parent  # the tuple's layout
     if (
@@ -205,7 +206,7 @@ def start(
         and parent_flags & _SAMPLED
         and not parent_remote
         and type(sampler) in _PARENT_BASED
-        and sampler._local_parent_sampled is sampling.ALWAYS_ON
+        and sampler._local_parent_sampled is sampling.ALWAYS_ON  # type: ignore[attr-defined]  # a ParentBased
     ):  # a sampled local parent and the default sampler: `decide`'s known answer, without the call
         trace_id, flags, trace_state = parent_trace_id, parent_flags & _RANDOM | _SAMPLED, parent_state
         span_attributes = dict(attributes)
@@ -259,7 +260,7 @@ class LightSpan(trace.Span, ReadableSpan):
         self._tracer = tracer
         self._name = name
         self._kind = kind
-        self._context = context
+        self._context: SpanContext = context
         self._parent = parent
         self._attributes: Mapping[str, Any] = attributes
         self._foreign = False  # set by code other than stallwatch: cleaned and bounded at the end
@@ -300,7 +301,7 @@ class LightSpan(trace.Span, ReadableSpan):
                 return
             if type(self._events) is tuple:
                 self._events = BoundedList(limits.max_events)
-            self._events.append(sdk_trace.Event(name, bounded, timestamp or time_ns()))
+            self._events.append(sdk_trace.Event(name, bounded, timestamp or time_ns()))  # type: ignore[attr-defined]  # a BoundedList
 
     def add_link(self, context: SpanContext, attributes: types.Attributes = None) -> None:
         if not context.is_valid:
@@ -312,7 +313,7 @@ class LightSpan(trace.Span, ReadableSpan):
                 return
             if type(self._links) is tuple:
                 self._links = BoundedList(limits.max_links)
-            self._links.append(Link(context, bounded))
+            self._links.append(Link(context, bounded))  # type: ignore[attr-defined]  # a BoundedList
 
     def update_name(self, name: str) -> None:
         with _LOCK:

@@ -298,7 +298,7 @@ class _Call:
         later = self.later
         while later:
             try:
-                later.pop(0)()  # type: ignore[union-attr]
+                later.pop(0)()
             except Exception:
                 FAULTS.record(COMPONENT, SETTING)
 
@@ -541,7 +541,7 @@ def _patch(module: Any) -> None:
     wrapt.wrap_function_wrapper(request_class, "_await_native_call", _attempt_wrapper)
 
 
-class NebiusInstrumentor(BaseInstrumentor):  # type: ignore[misc]
+class NebiusInstrumentor(BaseInstrumentor):
     """One span per Nebius API call; installed when `nebius.aio.request` is imported (now, if it is).
 
     Keyword arguments of `instrument()`: `tracer_provider`, `meter_provider` (default: the global ones).

@@ -204,7 +204,8 @@ def _connect(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any)
     if state is None or not is_instrumentation_enabled():
         return wrapped(*args, **kwargs)
     try:
-        connection: _Connection | None = _Connection(state, _peer(args, kwargs))
+        connection: _Connection | None
+        connection = _Connection(state, _peer(args, kwargs))
         token: object = context_api.attach(trace.set_span_in_context(connection.span))
     except Exception:
         FAULTS.record(COMPONENT, SETTING)
@@ -378,7 +379,7 @@ def _patch(module: Any) -> None:
         table[key] = wrapt.FunctionWrapper(table[key], _channel_request)
 
 
-class ParamikoInstrumentor(BaseInstrumentor):  # type: ignore[misc]
+class ParamikoInstrumentor(BaseInstrumentor):
     """Spans for paramiko connections, remote commands and SFTP sessions (see the module docstring).
 
     Keyword arguments of `instrument()`: `tracer_provider`, `meter_provider` (default: the global ones)

@@ -478,6 +478,7 @@ def scrub_attributes(attributes: Mapping[str, object]) -> Mapping[str, object]:
     `telemetry.IDENTIFIERS` names; `attributes` itself when nothing changed."""
     changed: dict[str, object] | None = None
     clean, identifiers = _clean_values, telemetry.IDENTIFIERS
+    value: Any  # told apart by exact type below (a subclass is left as it is), which mypy does not follow
     for key, value in attributes.items():
         kind = type(value)
         if kind is str:
@@ -485,14 +486,15 @@ def scrub_attributes(attributes: Mapping[str, object]) -> Mapping[str, object]:
                 continue
             checked: object = scrub_value(value)
         elif (kind is list or kind is tuple) and value and all(type(item) is str for item in value):
-            if key in identifiers or tuple(value) in _clean_lists:
+            listed = tuple(value)
+            if key in identifiers or listed in _clean_lists:
                 continue
             items = scrub_args(value)
             checked = value if items == list(value) else kind(items)
             if checked is value:
                 if len(_clean_lists) >= _CLEAN_VALUES_LIMIT:
                     _clean_lists.clear()
-                _clean_lists[tuple(value)] = None
+                _clean_lists[listed] = None
         else:
             continue
         if checked is not value:

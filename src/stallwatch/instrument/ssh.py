@@ -349,7 +349,7 @@ def _instrument_dstack(module: Any) -> None:
         _get_instruments()  # the tunnel metrics at zero before the first tunnel
 
 
-class SSHTunnelInstrumentor(BaseInstrumentor):  # type: ignore[misc]
+class SSHTunnelInstrumentor(BaseInstrumentor):
     """`ssh.tunnel.*` spans and metrics for dstack's `SSHTunnel`, wrapped when its module is imported
     (now, if it is); `uninstrument()` unwraps it.
 

@@ -757,7 +757,7 @@ def _watching_factory(protocol_factory: Callable[[], Any], child: _Child) -> Cal
 
 def _fallback_reason() -> str | None:
     module = sys.modules.get("stallwatch.forksafe.uvloop_spawn")
-    return module.FALLBACK.get() if module is not None else None  # type: ignore[attr-defined]
+    return module.FALLBACK.get() if module is not None else None
 
 
 def _loop_wrapper(loop: str, shell: bool) -> Callable[..., Coroutine[Any, Any, Any]]:
@@ -813,7 +813,7 @@ def _patch_uvloop(module: Any) -> None:
         wrapt.wrap_function_wrapper(module, f"Loop.{name}", _loop_wrapper("uvloop", name == "subprocess_shell"))
 
 
-class SubprocessInstrumentor(BaseInstrumentor):  # type: ignore[misc]
+class SubprocessInstrumentor(BaseInstrumentor):
     """Spans and metrics for every child process (see the module docstring for the paths).
 
     Keyword arguments of `instrument()`: `tracer_provider`, `meter_provider` (default: the global

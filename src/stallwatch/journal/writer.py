@@ -207,7 +207,7 @@ class Journal:
                 "status": span.status,
                 "end_ns": span.end_time or time.time_ns(),
                 "mono_ns": time.monotonic_ns(),
-                "attributes": span.attributes.copy(),
+                "attributes": span.attributes.copy(),  # type: ignore[union-attr]  # an SDK span's: a mappingproxy
             }
         except Exception:
             self._failed()
