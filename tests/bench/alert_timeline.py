@@ -10,13 +10,14 @@ Options: ``--quick`` (every step a few seconds; the Prometheus configuration is 
 ``--report RAW`` (write the summary of the run recorded in RAW again, without running anything).
 
 One Prometheus runs dashboards/provisioning/prometheus/prometheus.yml and dashboards/alerts.yaml unchanged but
-for the targets (tests/support/prometheus.py, `Prometheus.shipped`). It scrapes one uvloop host with
-stallwatch's default set-up (tests/scenarios/dash_timeline.py; the async-exception guard off, or there
-is no wedge) and its watchdog, while the host goes through: an 8 s and a 40 s event-loop block, a 30 s GIL
-hold, two uvloop spawns held 30 s before exec, a child killed by SIGSEGV, a stale SystemExit killing the only
-worker of a one-worker pool with more work behind it (left in place for 11 minutes), an
-`execution_timeout` overrun of 2 minutes inside those 11 minutes, and a freeze (a spawn held before exec)
-ended after 45 s by SIGKILL of the host; then 11 more minutes of watching (the 10-minute windows end).
+for the targets (tests/support/prometheus.py, `Prometheus.shipped`). It scrapes one uvloop host
+(tests/scenarios/dash_timeline.py) with stallwatch's default set-up but for uvloop's own fork (the held spawns
+need it) and the async-exception guard off (or there is no wedge), and its watchdog, while the host goes
+through: an 8 s and a 40 s event-loop block, a 30 s GIL hold, two uvloop spawns held 30 s before exec, a
+child killed by SIGSEGV, a stale SystemExit killing the only worker of a one-worker pool with more work
+behind it (left in place for 11 minutes), an `execution_timeout` overrun of 2 minutes inside those 11
+minutes, and a freeze (a spawn held before exec) ended after 45 s by SIGKILL of the host; then 11 more
+minutes of watching (the 10-minute windows end).
 
 /api/v1/alerts is polled every 2 s. Each alert's expected firing intervals are derived from the event times
 (and, for freezes and the host's death, the scrape times Prometheus recorded), the alert's `for` and the

@@ -32,7 +32,9 @@ os.register_at_fork(after_in_child=slow_library_child_handler)
 
 import stallwatch
 
-session = stallwatch.setup()
+# uvloop's own fork, as in the freeze incident: the held spawns need the fork (by default stallwatch spawns
+# by vfork under uvloop, and no at-fork handler runs in the child)
+session = stallwatch.setup(uvloop_spawn="fork")
 assert session.wait_for_watchdog(30), "the freeze watchdog is not watching"
 
 import asyncio
