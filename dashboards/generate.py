@@ -142,9 +142,9 @@ def recent_events(metric: t.Metric, *group: t.Attribute, matchers: tuple = ()) -
     older than the window: the second clause compares the last value in the window with the last
     value in the `ALERT_MEMORY` before it (absent: 0). A gap alone never changes either value, so no
     alert fires, clears or fires again because of it. A series that restarts with its first event
-    under labels seen within the memory (a restarted host) is seen by `increase()` alone, as a reset
-    and growth: stallwatch makes the series it can at zero from the start and exports every other
-    new series at zero in its first scrape (`stallwatch.export.new_series`).
+    under labels seen within the memory (a restarted host with a fixed service.instance.id) is seen
+    by `increase()` alone, as a reset and growth, where stallwatch makes that series at zero from the
+    start (the series it can name in advance).
     """
     keys = by(metric, *group, extra=ALERT_KEEP)
     selector = series(metric, matchers=matchers)
@@ -934,7 +934,7 @@ ALERTS = (
                 quiet=at(9, 21, 25, 28, 30, 40),
             ),
             Case(
-                "a slow spawn in a series born with it (not made at zero first): fires",
+                "a slow spawn in a series born with it: fires",
                 spawns(minutes(("_", 10), (1, 20)), minutes(("_", 10), (0, 20))),
                 firing=at(10, 15, 19),
                 quiet=at(9, 21, 25),

@@ -67,11 +67,10 @@ spawn blocked time, SSH tunnels and Nebius calls have fine ones (at most 1.2 tim
 they matter (1 s, 0.1 s, 0.1 s, 10 ms) up to 600 s, so `histogram_quantile` reads a 30 s freeze
 within 20 %. Counters and histograms whose attribute values are known in advance (e.g. per
 executor, per freeze kind and cause) start at zero (histograms only where stallwatch aggregates
-them, below: the SDK's API cannot), and every other new series of stallwatch's counters and
-histograms (a spawn's program, a child's exit signal, a Nebius method) is exported at zero for one
-collection before its first value, by each metric exporter and the Prometheus endpoint
-(`src/stallwatch/export/new_series.py`), so `rate()` and `increase()` see every first event. With delta
-temporality that first value goes out with the next collection instead, counted once. When every
+them, below: the SDK's API cannot). A series whose attribute values are not known in advance (a
+spawn's program, a child's exit signal, a Nebius method) is born with its first value: the alert
+rules see that first event (they also compare a series with its absence before), but `rate()`
+and `increase()` panels show it only from that series' second value on. When every
 metric reader stallwatch builds takes cumulative histograms (the default; not with
 `OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE=delta` or `lowmemory`), stallwatch aggregates its own
 duration histograms and adds them to each export: an SDK `Histogram.record` costs 6 µs, which

@@ -57,7 +57,6 @@ from .export.guarded import (
     drop_early,
     leftovers,
 )
-from .export.new_series import NewSeries
 from .export.scrapes import ScrapeCounter
 from .export.shedding import SheddingTracerProvider, exemplar_filter
 from .forksafe import grpc_guard, guard, otel_compat
@@ -158,8 +157,6 @@ class Pipeline:
             guard.drain_pending()  # a fork child's telemetry made at exit, where no worker could start
         except Exception:
             _log.warning("stallwatch: exporting a fork child's telemetry at exit failed", exc_info=True)
-        for exporter in self._metric_exporters:
-            exporter.new_series.finish()  # the final export carries every value: no later one would
         for provider in (self.tracer_provider, self.meter_provider, self.logger_provider):
             if provider is None:
                 continue
@@ -425,10 +422,8 @@ def _prometheus_reader(settings: Settings, pipeline: Pipeline) -> MetricReader:
         """The stock reader, whose scrapes also carry stallwatch's own histograms (`histograms`) with
         their exemplars, and the resource's `PROMETHEUS_RESOURCE_LABELS` as labels of every series."""
 
-        new_series = NewSeries()  # stallwatch's new series go out at zero first
-
         def _receive_metrics(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> None:
-            data = self.new_series.delay(histograms.inject(metrics_data))
+            data = histograms.inject(metrics_data)
             super()._receive_metrics(data, timeout_millis, **kwargs)  # type: ignore[arg-type]  # None: it returns
 
     labelled = [attribute.name for attribute in telemetry.PROMETHEUS_RESOURCE_LABELS]

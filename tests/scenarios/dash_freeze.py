@@ -62,6 +62,7 @@ async def main() -> None:
 
 
 async def run() -> None:
+    await spawn_true(1)  # a server that has spawned before: its spawn series are there at the first scrape
     await asyncio.to_thread(ready, watchdog_pid=session.watchdog_pid)
     await main()
     await asyncio.to_thread(done)

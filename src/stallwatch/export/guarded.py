@@ -77,7 +77,6 @@ from .. import telemetry
 from ..instrument import histograms
 from ..instrument._common import dropped_values
 from . import exit_check
-from .new_series import NewSeries
 from .span_json import FIELD_READABLE
 
 if TYPE_CHECKING:
@@ -240,7 +239,6 @@ class GuardedMetricExporter(MetricExporter):
         self.gate = gate
         self.breaker = Breaker()
         self.closed = False
-        self.new_series = NewSeries()  # stallwatch's new series go out at zero first
 
     def export(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> MetricExportResult:
         if self.gate.cut_off:
@@ -249,14 +247,12 @@ class GuardedMetricExporter(MetricExporter):
             self.gate.drop("metrics", BACKEND_DOWN, 1)
             return MetricExportResult.FAILURE
         self.gate.entering_export()
-        metrics_data = self.new_series.delay(histograms.inject(metrics_data), push=True)
+        metrics_data = histograms.inject(metrics_data)
         try:
             result = self.inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
         except Exception:
-            self.new_series.commit(False)
             self._count_failure()
             raise
-        self.new_series.commit(not _failed(result))
         if _failed(result):
             self._count_failure()
         else:

@@ -19,9 +19,7 @@ Exemplars: a rare value recorded inside a sampled span (`record_exemplar`, throu
 `Deferred.record_now`: a freeze, a tunnel, an overrun) is kept as its bucket's exemplar, the last
 one per bucket and series. OTLP carries them (SDK 1.28+, whose data points have exemplars); the
 OpenTelemetry Prometheus exporter drops every exemplar, so stallwatch's Prometheus reader puts
-them back on the bucket samples (`with_exemplars`), which its OpenMetrics answer carries; not on a
-bucket still at zero (a new series' first collection, `export.new_series`: the exemplar's value
-is in the next one).
+them back on the bucket samples (`with_exemplars`), which its OpenMetrics answer carries.
 """
 
 from __future__ import annotations
@@ -325,8 +323,8 @@ def with_exemplars(families: Iterable[Any]) -> list[Any]:
         return families
     for family in families:
         for index, sample in enumerate(family.samples):
-            if not sample.name.endswith("_bucket") or "le" not in sample.labels or not sample.value:
-                continue  # an empty bucket: its series is new, exported at zero (`export.new_series`)
+            if not sample.name.endswith("_bucket") or "le" not in sample.labels:
+                continue
             for labels, exemplar in wanted.get((sample.name, float(sample.labels["le"])), ()):
                 if labels.items() <= sample.labels.items():
                     ids = {"trace_id": f"{exemplar.trace_id:032x}", "span_id": f"{exemplar.span_id:016x}"}
