@@ -424,6 +424,7 @@ print(json.dumps({"host": os.getpid(), "shutdown": stallwatch.shutdown()}))
 """
 
 
+@pytest.mark.serial  # a time bound: the worker's 1.5 s block must be reported before the worker exits
 @pytest.mark.parametrize("worker", ["exits", "serves"])
 @pytest.mark.parametrize("fork_guard", ["true", "false"])
 def test_a_worker_forked_while_faulthandler_is_armed_exits_and_is_watched_with_stacks(
