@@ -38,6 +38,7 @@ BAD_VALUES: dict[str, tuple[str, ...]] = {
     "OTEL_EXPORTER_PROMETHEUS_HOST": ("   ",),
     "OTEL_EXPORTER_PROMETHEUS_PORT": ("70000", "-1", "http"),
     "STALLWATCH_SHED_SPANS": ("sometimes",),
+    "STALLWATCH_FAST_PATHS": ("sometimes",),
     "STALLWATCH_PROVIDERS": ("both",),
     "STALLWATCH_FILE_DIR": ("   ",),
     "STALLWATCH_LOG_LEVEL": ("LOUD",),

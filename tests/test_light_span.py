@@ -17,9 +17,11 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 
+from stallwatch import sdk_compat
 from stallwatch.instrument import light_span
+from support.fast_paths import fast_paths_on  # noqa: F401  # a fixture
 
-pytestmark = pytest.mark.matrix
+pytestmark = [pytest.mark.matrix, pytest.mark.usefixtures("fast_paths_on")]  # the fast path against the SDK
 
 ATTRIBUTES = {"stallwatch.executor.name": "pool"}
 
@@ -89,7 +91,7 @@ def test_a_plain_work_item_span_is_exported_as_the_sdk_would():
 )
 @pytest.mark.parametrize("flags", [0, 1, 2, 3, 255])
 def test_its_span_context_is_the_one_the_api_builds(ids, flags, trace_state):
-    built = light_span._span_context(ids[0], ids[1], flags, trace_state)
+    built = sdk_compat.new_span_context(ids[0], ids[1], flags, trace_state)
     stock = SpanContext(ids[0], ids[1], False, TraceFlags(flags), trace_state)
     assert type(built) is SpanContext
     assert tuple(built) == tuple(stock)
@@ -305,7 +307,9 @@ def test_a_provider_without_processors_gets_light_spans_from_the_first_call():
     test has filled the cache)."""
     script = (
         "from opentelemetry.sdk.trace import TracerProvider\n"
+        "from stallwatch import sdk_compat\n"
         "from stallwatch.instrument import light_span\n"
+        "sdk_compat.use_fast_paths(True)\n"
         "tracer = TracerProvider().get_tracer('test')\n"
         "span = light_span.start(tracer, 'item', None, {'k': 'v'})\n"
         "span.end()\n"

@@ -21,10 +21,12 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, TraceFlags
 
 from stallwatch.export import log_protobuf, span_protobuf
+from support.fast_paths import fast_paths_on  # noqa: F401  # a fixture
 from support.sample_logs import Bridge, log_batch
 from support.sample_spans import light_spans, sdk_spans
 
-pytestmark = pytest.mark.matrix  # what the SDK's encoder writes differs across its versions
+# what the SDK's encoder writes differs across its versions; each test holds the fast path against it
+pytestmark = [pytest.mark.matrix, pytest.mark.usefixtures("fast_paths_on")]
 
 
 def _sdk_bytes(spans: list[Any]) -> bytes:

@@ -576,7 +576,7 @@ _GRPC_EXPORTERS = {  # signal: (SDK gRPC exporter module, the encoder it calls, 
 @pytest.mark.parametrize("signal", sorted(_GRPC_EXPORTERS))
 def test_a_grpc_export_retried_after_unavailable_encodes_its_batch_once(signal, built_by, monkeypatch, caplog):
     """The SDK's gRPC exporters encode the batch again for every retry, on the export thread under
-    the host's GIL (`export/encode_once.py`: in the fault bench, bursts of 11 ms requests at each
+    the host's GIL (`sdk_compat.encode_once`: in the fault bench, bursts of 11 ms requests at each
     retry). Those stallwatch builds encode it once. `sdk`, the control: the SDK's own class, against
     the same collector answering UNAVAILABLE, encodes it once per attempt."""
     pytest.importorskip("opentelemetry.exporter.otlp.proto.grpc")

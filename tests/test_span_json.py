@@ -12,11 +12,18 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import Link, SpanContext, TraceFlags
 
+from stallwatch import sdk_compat
 from stallwatch.export.file import to_otlp_json
 from stallwatch.export.span_json import encode_spans_json
+from support.fast_paths import fast_paths_on  # noqa: F401  # a fixture
 from support.sample_spans import light_spans, sdk_spans
 
-pytestmark = pytest.mark.matrix  # the protobuf route differs across SDK versions
+pytestmark = [pytest.mark.matrix, pytest.mark.usefixtures("fast_paths_on")]  # the protobuf route differs across SDKs
+
+
+def fast_json(spans: list[ReadableSpan]) -> str:
+    """What the file exporter writes with the fast paths on: fields read through `sdk_compat`."""
+    return encode_spans_json(spans, sdk_compat.readable_fields, sdk_compat.span_origin)
 
 
 def _flatten(document: dict, keep_flags: bool) -> list[tuple[str, str, str]]:
@@ -35,11 +42,11 @@ def _flatten(document: dict, keep_flags: bool) -> list[tuple[str, str, str]]:
 
 @pytest.mark.parametrize(("make", "count"), [(sdk_spans, 6), (light_spans, 4)], ids=["sdk_spans", "light_spans"])
 def test_the_direct_encoder_matches_the_protobuf_route_field_by_field(make, count):
-    """Light spans are read through their own fields (`FIELD_READABLE`); the SDK's encoder reads
-    their properties."""
+    """Light spans are read through their own fields (`sdk_compat.FIELD_READABLE`); the SDK's encoder
+    reads their properties."""
     spans = make()
     reference = json.loads(to_otlp_json(encode_spans(spans)))
-    ours = json.loads(encode_spans_json(spans))
+    ours = json.loads(fast_json(spans))
     # Older SDK encoders write no `flags`; compare them only where the reference has them.
     keep_flags = '"flags"' in json.dumps(reference)
     assert _flatten(ours, keep_flags) == _flatten(reference, keep_flags)
@@ -52,8 +59,8 @@ def test_empty_values_resources_and_batches_are_written_as_protobuf_writes_them(
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     provider.get_tracer("x").start_span("empty values", attributes={"none": [], "s": ""}).end()
     spans = list(exporter.get_finished_spans())
-    assert json.loads(encode_spans_json(spans)) == json.loads(to_otlp_json(encode_spans(spans)))
-    assert encode_spans_json([]) == to_otlp_json(encode_spans([]))
+    assert json.loads(fast_json(spans)) == json.loads(to_otlp_json(encode_spans(spans)))
+    assert fast_json([]) == to_otlp_json(encode_spans([]))
 
 
 class _OtherReadableSpan(ReadableSpan):
@@ -67,8 +74,8 @@ def test_spans_of_other_types_are_read_through_their_properties_with_the_same_re
         other = object.__new__(_OtherReadableSpan)
         other.__dict__.update(span.__dict__)
         others.append(other)
-    assert encode_spans_json(others) == encode_spans_json(spans)
-    assert '"droppedAttributesCount"' not in encode_spans_json(others)
+    assert fast_json(others) == fast_json(spans)
+    assert '"droppedAttributesCount"' not in fast_json(others)
 
 
 def test_dropped_attribute_event_and_link_counts_are_written_as_protobuf_writes_them():
@@ -81,7 +88,7 @@ def test_dropped_attribute_event_and_link_counts_are_written_as_protobuf_writes_
     span.add_event("two")
     span.end()
     spans = list(exporter.get_finished_spans())
-    ours = encode_spans_json(spans)
+    ours = fast_json(spans)
     assert json.loads(ours) == json.loads(to_otlp_json(encode_spans(spans)))
     assert '"droppedAttributesCount":2' in ours and '"droppedEventsCount":1' in ours and '"droppedLinksCount":2' in ours
 
@@ -105,7 +112,7 @@ def test_cached_key_and_value_texts_stay_bounded_and_write_what_the_protobuf_rou
     for batch in (spans, spans):  # the second time, from what the first left in the caches
         reference = json.loads(to_otlp_json(encode_spans(batch)))
         keep_flags = '"flags"' in json.dumps(reference)
-        assert _flatten(json.loads(encode_spans_json(batch)), keep_flags) == _flatten(reference, keep_flags)
+        assert _flatten(json.loads(fast_json(batch)), keep_flags) == _flatten(reference, keep_flags)
         assert 0 < len(span_json._key_texts) <= 8
         assert 0 < len(span_json._string_texts) <= 8
     assert long_value not in span_json._string_texts

@@ -224,6 +224,16 @@ OPTIONS: tuple[Option, ...] = (
         "(ids and sampled flag kept; counted as dropped). `false` records them, to be dropped at their end.",
     ),
     Option(
+        "STALLWATCH_FAST_PATHS",
+        "fast_paths",
+        "`true`",
+        "Take stallwatch's fast paths around the OpenTelemetry SDK (its own spans for hot paths, OTLP "
+        "encoders, duration histograms, span shedding, the current span noted for freeze reports), each the "
+        "same telemetry, cheaper, through the SDK's private parts (`sdk_compat`). `false` uses only public "
+        "SDK objects: more CPU per work item and child process, `STALLWATCH_SHED_SPANS` has no effect, "
+        "and a freeze report names no current span.",
+    ),
+    Option(
         "STALLWATCH_SLOW_EXPORT_SECONDS",
         "slow_export_seconds",
         "`1.0`",
@@ -461,6 +471,7 @@ class Settings:
     prometheus_host: str = "localhost"
     prometheus_port: int = 9464
     shed_spans: bool = True
+    fast_paths: bool = True
     providers: str = "stallwatch"
     file_dir: Path = field(default_factory=_default_file_dir)
     log_level: int = logging.WARNING
@@ -559,6 +570,7 @@ class Settings:
         take("prometheus_host", "OTEL_EXPORTER_PROMETHEUS_HOST", _nonempty)
         take("prometheus_port", "OTEL_EXPORTER_PROMETHEUS_PORT", _port)
         take("shed_spans", "STALLWATCH_SHED_SPANS", _bool)
+        take("fast_paths", "STALLWATCH_FAST_PATHS", _bool)
         take("slow_export_seconds", "STALLWATCH_SLOW_EXPORT_SECONDS", _seconds_or_zero)
         take("providers", "STALLWATCH_PROVIDERS", _one_of(PROVIDER_OWNERS))
         take("file_dir", "STALLWATCH_FILE_DIR", _path)

@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 from opentelemetry.instrumentation.distro import BaseDistro  # type: ignore[attr-defined]  # the module opts out of typing
-from opentelemetry.sdk._configuration import _BaseConfigurator
 
 import stallwatch
+from stallwatch.sdk_compat import base_configurator
 
 
 class StallwatchDistro(BaseDistro):
@@ -30,7 +30,7 @@ class StallwatchDistro(BaseDistro):
         super().load_instrumentor(entry_point, **kwargs)
 
 
-class StallwatchConfigurator(_BaseConfigurator):
+class StallwatchConfigurator(base_configurator()):  # type: ignore[misc]
     """Builds the fork-aware pipeline from the environment: `stallwatch.setup()`."""
 
     def _configure(self, **kwargs: Any) -> None:

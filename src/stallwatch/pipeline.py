@@ -42,7 +42,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider, sampling
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SpanExportResult
 
-from . import background, telemetry
+from . import background, sdk_compat, telemetry
 from ._version import __version__
 from .config import ConfigError, Settings
 from .export import log_bridge
@@ -341,7 +341,8 @@ def _exporter(settings: Settings, signal: str, name: str, pipeline: Pipeline) ->
 
 
 def _build_traces(settings: Settings, resource: Resource, pipeline: Pipeline) -> TracerProvider:
-    provider = SheddingTracerProvider(resource=resource, sampler=_sampler(settings), shutdown_on_exit=False)
+    provider_class = SheddingTracerProvider if sdk_compat.fast_paths() else TracerProvider
+    provider = provider_class(resource=resource, sampler=_sampler(settings), shutdown_on_exit=False)
     for name in settings.traces_exporter:
         exporter = _exporter(settings, "traces", name, pipeline)
         guarded = GuardedExporter(
@@ -365,7 +366,8 @@ def _build_metrics(settings: Settings, resource: Resource, pipeline: Pipeline) -
             PeriodicExportingMetricReader(exporter, export_interval_millis=settings.metric_export_interval_ms)
         )
     # Every reader gets stallwatch's own duration histograms, unless one wants them as deltas.
-    histograms.activate(resource if all(_cumulative_histograms(reader) for reader in readers) else None)
+    own = sdk_compat.fast_paths() and all(_cumulative_histograms(reader) for reader in readers)
+    histograms.activate(resource if own else None)
     chosen = exemplar_filter()
     extra = {"exemplar_filter": chosen} if chosen is not None else {}
     return MeterProvider(resource=resource, metric_readers=readers, shutdown_on_exit=False, **extra)
@@ -378,11 +380,7 @@ def _cumulative_histograms(reader: MetricReader) -> bool:
     `_Histogram` on older ones."""
     from opentelemetry.sdk.metrics.export import AggregationTemporality
 
-    chosen = [
-        temporality
-        for cls, temporality in getattr(reader, "_instrument_class_temporality", {}).items()
-        if cls.__name__.lstrip("_") == "Histogram"
-    ]
+    chosen = sdk_compat.histogram_temporalities(reader)
     return bool(chosen) and all(t is AggregationTemporality.CUMULATIVE for t in chosen)
 
 
@@ -418,16 +416,14 @@ def _prometheus_reader(settings: Settings, pipeline: Pipeline) -> MetricReader:
                 f"{settings.prometheus_host}:{settings.prometheus_port} ({exc.strerror}); choose a free port, or 0"
             ) from exc
 
-    class Reader(PrometheusMetricReader):
-        """The stock reader, whose scrapes also carry stallwatch's own histograms (`histograms`) with
-        their exemplars, and the resource's `PROMETHEUS_RESOURCE_LABELS` as labels of every series."""
-
-        def _receive_metrics(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> None:
-            data = histograms.inject(metrics_data)
-            super()._receive_metrics(data, timeout_millis, **kwargs)  # type: ignore[arg-type]  # None: it returns
-
+    reader_class = sdk_compat.prometheus_reader_class(
+        PrometheusMetricReader,
+        histograms.inject,
+        "The stock reader, whose scrapes also carry stallwatch's own histograms (`histograms`) with their "
+        "exemplars, and the resource's `PROMETHEUS_RESOURCE_LABELS` as labels of every series.",
+    )
     labelled = [attribute.name for attribute in telemetry.PROMETHEUS_RESOURCE_LABELS]
-    reader = otel_compat.labelled_prometheus_reader(Reader, labelled)
+    reader = otel_compat.labelled_prometheus_reader(reader_class, labelled)
     otel_compat.transform_prometheus_families(reader, histograms.with_exemplars)  # the stock drops exemplars
     return reader
 
@@ -528,15 +524,14 @@ def _new_otlp_exporter(settings: Settings, signal: str) -> Any:
             raise ConfigError(
                 "OTEL_EXPORTER_OTLP_PROTOCOL=grpc needs the grpc extra: pip install 'stallwatch[grpc]'"
             ) from exc
-        from .export.encode_once import encode_once
-
-        return encode_once(GrpcExporter)(endpoint=_otlp_endpoint(settings, signal, http=False))
+        return sdk_compat.encode_once(GrpcExporter)(endpoint=_otlp_endpoint(settings, signal, http=False))
     if signal == "traces":
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
         from .export.span_protobuf import with_fast_encoding
 
-        return with_fast_encoding(OTLPSpanExporter)(endpoint=_otlp_endpoint(settings, signal, http=True))
+        span_class = with_fast_encoding(OTLPSpanExporter) if sdk_compat.fast_paths() else OTLPSpanExporter
+        return span_class(endpoint=_otlp_endpoint(settings, signal, http=True))
     if signal == "metrics":
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 
@@ -545,4 +540,5 @@ def _new_otlp_exporter(settings: Settings, signal: str) -> Any:
 
     from .export.log_protobuf import with_fast_encoding as with_fast_log_encoding
 
-    return with_fast_log_encoding(OTLPLogExporter)(endpoint=_otlp_endpoint(settings, signal, http=True))
+    log_class = with_fast_log_encoding(OTLPLogExporter) if sdk_compat.fast_paths() else OTLPLogExporter
+    return log_class(endpoint=_otlp_endpoint(settings, signal, http=True))

@@ -22,7 +22,7 @@ from typing import Any
 from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Observation
 
-from . import config, telemetry
+from . import config, sdk_compat, telemetry
 from ._version import __version__
 from .config import ConfigError, Problem, Settings
 from .forksafe import ForkSafety, guard, uvloop_spawn
@@ -152,6 +152,7 @@ def _start(fork_safety: ForkSafety, overrides: dict[str, Any]) -> Session:
     """A bad setting costs only itself (`config`); its line is logged once the pipeline is built, so
     that it is exported as a log record too. `strict` raises `ConfigError` before anything starts."""
     settings = Settings.load(**overrides)
+    sdk_compat.use_fast_paths(settings.fast_paths)
     # Fork safety, like the guard: applies with telemetry off too. Installed at import, under the guard's
     # and the subprocess instrumentation's uvloop wrappers; this only switches it.
     if settings.uvloop_spawn == "vfork":

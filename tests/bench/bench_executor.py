@@ -120,24 +120,33 @@ def noop() -> None:
 
 def make_file_exporter(directory: Path) -> Any:
     """A span exporter doing what stallwatch's `FileSpanExporter` does, without importing stallwatch:
-    the same OTLP/JSON encoder (`stallwatch/export/span_json.py`, loaded from its file, which imports
-    nothing of stallwatch), one `os.writev` per batch."""
+    the same OTLP/JSON encoder (`stallwatch/export/span_json.py` and the span field readers of
+    `stallwatch/sdk_compat.py`, each loaded from its file, which imports nothing of stallwatch), one
+    `os.writev` per batch."""
     import importlib.util
 
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-    source = Path(__file__).resolve().parents[2] / "src" / "stallwatch" / "export" / "span_json.py"
-    spec = importlib.util.spec_from_file_location("bench_span_json", source)
-    assert spec is not None and spec.loader is not None
-    span_json = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(span_json)
+    package = Path(__file__).resolve().parents[2] / "src" / "stallwatch"
+    loaded = []
+    for name, source in (
+        ("bench_span_json", package / "export" / "span_json.py"),
+        ("bench_sdk_compat", package / "sdk_compat.py"),
+    ):
+        spec = importlib.util.spec_from_file_location(name, source)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        loaded.append(module)
+    span_json, sdk_compat = loaded
 
     class OtlpJsonFileExporter(SpanExporter):
         def __init__(self) -> None:
             self._fd = os.open(directory / "traces.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
 
         def export(self, spans: Sequence[Any]) -> SpanExportResult:
-            os.writev(self._fd, (span_json.encode_spans_json(spans).encode(), b"\n"))
+            line = span_json.encode_spans_json(spans, sdk_compat.readable_fields, sdk_compat.span_origin)
+            os.writev(self._fd, (line.encode(), b"\n"))
             return SpanExportResult.SUCCESS
 
         def shutdown(self) -> None:

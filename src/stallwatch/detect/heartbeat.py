@@ -520,7 +520,6 @@ def _watch_loops() -> None:
     )
 
 
-_tracked: tuple[Any, ...] | None = None  # the original attach/detach and ours, while ours are in place
 _child_handler_registered = False
 
 
@@ -529,44 +528,25 @@ def track_current_span() -> None:
     context is attached or detached there, and zeros at each loop heartbeat (between callbacks no
     span is current, and a task that resumes inside a span attaches nothing: unknown, not stale).
 
-    The public `opentelemetry.context.attach`/`detach` are replaced (`use_span` and
-    `start_as_current_span` call them through the module) by plain functions around them, not wrapt
-    wrappers: they run twice per span, where wrapt's dispatch would double the cost.
-    `untrack_current_span()` puts them back."""
-    global _tracked
-    if _tracked is not None:
-        return
-    import opentelemetry.context as context_api
+    `opentelemetry.context.attach`/`detach` are noted through `sdk_compat.note_context_changes`, a
+    fast path: with `STALLWATCH_FAST_PATHS=false` nothing is noted and a freeze report names no
+    current span. `untrack_current_span()` stops it."""
+    from .. import sdk_compat  # loads the SDK, which reads its variables at import: after `setup()` checked them
 
-    attach, detach = context_api.attach, context_api.detach
     get_ident = threading.get_ident
 
-    def attach_noted(context: Any) -> Any:
-        token = attach(context)
+    def noted(context: Any) -> None:
         if _span_writer is not None and get_ident() == _MAIN_THREAD:
             _write_current_span(get_current_span(context))
-        return token
 
-    def detach_noted(token: Any) -> None:
-        detach(token)
-        if _span_writer is not None and get_ident() == _MAIN_THREAD:
-            _write_current_span(get_current_span())
-
-    context_api.attach, context_api.detach = attach_noted, detach_noted
-    _tracked = (attach, detach, attach_noted, detach_noted)
+    sdk_compat.note_context_changes(noted)
 
 
 def untrack_current_span() -> None:
-    """Put `opentelemetry.context.attach`/`detach` back, unless something replaced ours since."""
-    global _tracked
-    if _tracked is None:
-        return
-    import opentelemetry.context as context_api
+    """Stop writing the current span into the heartbeat (see `track_current_span`)."""
+    from .. import sdk_compat
 
-    attach, detach, attach_noted, detach_noted = _tracked
-    if context_api.attach is attach_noted and context_api.detach is detach_noted:
-        context_api.attach, context_api.detach = attach, detach
-    _tracked = None
+    sdk_compat.stop_noting_context_changes()
 
 
 def forked_child() -> None:

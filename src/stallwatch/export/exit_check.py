@@ -32,10 +32,10 @@ from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.trace import Link, Status
 
-from .. import telemetry
+from .. import sdk_compat, telemetry
 from ..instrument._common import FAULTS
 from ..instrument.scrub import scrub_attributes, scrub_value
-from .span_json import FIELD_READABLE, plain_attributes
+from .span_json import plain_attributes
 
 if TYPE_CHECKING:
     from opentelemetry.util.types import AnyValue
@@ -75,11 +75,10 @@ def _span(span: Any) -> Any:
     """`span`, or a copy with its host-recorded strings scrubbed, if it is one of stallwatch's."""
     if not isinstance(span, ReadableSpan):
         return span
-    exact = type(span) in FIELD_READABLE
-    scope = span._instrumentation_scope if exact else span.instrumentation_scope
+    _, scope = sdk_compat.span_origin(span)
     if scope is None or scope.name != _OWN_SCOPE:
         return span
-    name, attributes, events, links, status = span._name, span._attributes, span._events, span._links, span._status
+    _, _, name, _, _, _, attributes, events, links, status = sdk_compat.span_fields(span)
     new_name = scrub_value(name) if type(name) is str else name
     new_attributes = _attributes(attributes) if attributes else attributes
     new_events = _events(events) if events else events
@@ -93,11 +92,7 @@ def _span(span: Any) -> Any:
     unchanged = new_attributes is attributes and new_events is events and new_links is links
     if unchanged and new_name is name and new_status is status:
         return span
-    clone = copy.copy(span)
-    clone._name, clone._attributes, clone._events, clone._links, clone._status = (
-        new_name, new_attributes, new_events, new_links, new_status,
-    )  # fmt: skip
-    return clone
+    return sdk_compat.replaced_span(span, new_name, new_attributes, new_events, new_links, new_status)
 
 
 def _attributes(attributes: Any) -> Any:
@@ -221,9 +216,7 @@ def _checked_logger(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     try:
         name = _scope_name(*args, **kwargs)
         if type(name) is str and (name == _OWN_SCOPE or name.startswith(_OWN_SCOPE + ".")):
-            processor = getattr(logger, "_multi_log_record_processor", None)
-            if processor is not None and type(processor) is not CheckedLogs:
-                logger._multi_log_record_processor = CheckedLogs(processor)
+            sdk_compat.checked_logger(logger, CheckedLogs, CheckedLogs)
     except Exception:
         _unchecked("logs")
     return logger

@@ -32,12 +32,15 @@ with warnings.catch_warnings():
     from google.protobuf.json_format import MessageToDict
     from google.protobuf.message import Message
 from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk._logs import export as _log_export
 from opentelemetry.sdk._logs.export import LogExportResult
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+from .. import sdk_compat
 from .._private import make_directories
+from ..sdk_compat import encode_logs, fast_paths
 from .log_json import encode_logs_json
 from .span_json import encode_spans_json
 
@@ -97,7 +100,11 @@ class FileSpanExporter(SpanExporter):
         return self._file.path
 
     def export(self, spans: Sequence[Any]) -> SpanExportResult:
-        ok = self._file.append(encode_spans_json(spans))
+        if fast_paths():
+            line = encode_spans_json(spans, sdk_compat.readable_fields, sdk_compat.span_origin)
+        else:
+            line = to_otlp_json(encode_spans(spans))
+        ok = self._file.append(line)
         return SpanExportResult.SUCCESS if ok else SpanExportResult.FAILURE
 
     def shutdown(self) -> None:
@@ -122,7 +129,8 @@ class FileLogExporter(_LogExporterBase):
         return self._file.path
 
     def export(self, batch: Sequence[Any]) -> LogExportResult:
-        ok = self._file.append(encode_logs_json(batch))
+        line = encode_logs_json(batch) if fast_paths() else to_otlp_json(encode_logs(batch))
+        ok = self._file.append(line)
         return LogExportResult.SUCCESS if ok else LogExportResult.FAILURE
 
     def shutdown(self) -> None:

@@ -71,13 +71,11 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk._logs.export import BatchLogRecordProcessor
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from opentelemetry.trace import TraceFlags
 
-from .. import telemetry
+from .. import sdk_compat, telemetry
 from ..instrument import histograms
 from ..instrument._common import dropped_values
 from . import exit_check
-from .span_json import FIELD_READABLE
 
 if TYPE_CHECKING:
     from opentelemetry.sdk._logs.export import LogRecordExporter
@@ -273,16 +271,9 @@ class GuardedMetricExporter(MetricExporter):
         self.inner.shutdown(timeout_millis=timeout_millis, **kwargs)
 
 
-def _holder(processor: Any) -> Any:
-    """What holds the queue: the shared `_batch_processor` since SDK 1.34, the processor itself before."""
-    return getattr(processor, "_batch_processor", processor)
-
-
 def _queue(processor: Any) -> deque[Any]:
-    """The bounded deque: `_queue` (1.34+, and logs before), `queue` (spans up to 1.33)."""
-    holder = _holder(processor)
-    queue = getattr(holder, "_queue", None)
-    return queue if queue is not None else holder.queue
+    """The SDK batch processor's bounded deque."""
+    return sdk_compat.batch_queue(processor)[0]  # type: ignore[no-any-return]
 
 
 def queued(processor: Any) -> int:
@@ -295,8 +286,8 @@ def _full(processor: Any) -> bool:
     In a fork child whose at-fork handlers never ran, the inherited queue may be full: the SDK's
     own path must then run, since its pid check is what restarts the worker there.
     """
-    queue = _queue(processor)
-    return len(queue) >= (queue.maxlen or len(queue) + 1) and _holder(processor)._pid == os.getpid()
+    queue, holder = sdk_compat.batch_queue(processor)
+    return len(queue) >= (queue.maxlen or len(queue) + 1) and sdk_compat.queue_pid(holder) == os.getpid()
 
 
 def _early_drop(processor: CountingSpanProcessor | CountingLogProcessor, take: bool = True) -> str | None:
@@ -337,27 +328,12 @@ class CountingSpanProcessor(BatchSpanProcessor):
             if reason is not None:
                 self.guard.gate.drop("traces", reason, 1)
                 return
-        if _STOCK_ON_END and type(span) in FIELD_READABLE:
-            # The stock `on_end`: a sampled span goes to the batch processor. Its context read
-            # from the field and the tuple, not through three properties, for every span.
-            context = span._context
-            if context:  # a ReadableSpan may be given no context: then it is dropped
-                _, _, _, flags, _, _ = context  # the `SpanContext` tuple's layout
-                if flags & _SAMPLED:
-                    self._batch_processor.emit(span)
-            return
+        if _stock_on_end is not None and _stock_on_end(self, span):
+            return  # the stock `on_end`, its context read from the field and the tuple (not three properties)
         BatchSpanProcessor.on_end(self, span)
 
 
-# SDK 1.34+: `BatchSpanProcessor.on_end` emits a sampled span to its `_batch_processor`, and only that.
-_STOCK_ON_END = set(BatchSpanProcessor.on_end.__code__.co_names) == {
-    "context",
-    "trace_flags",
-    "sampled",
-    "_batch_processor",
-    "emit",
-}
-_SAMPLED = TraceFlags.SAMPLED
+_stock_on_end = sdk_compat.stock_span_on_end(BatchSpanProcessor)
 
 
 class CountingLogProcessor(BatchLogRecordProcessor):

@@ -28,10 +28,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from opentelemetry._logs import LogRecord, SeverityNumber
-from opentelemetry.exporter.otlp.proto.common._log_encoder import encode_logs
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
+from ..sdk_compat import encode_logs
 from .span_json import plain_attributes
 
 try:  # opentelemetry-sdk 1.39 and later

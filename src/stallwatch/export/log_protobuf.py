@@ -21,6 +21,7 @@ from typing import Any
 
 from opentelemetry._logs import SeverityNumber
 
+from ..sdk_compat import encode_logs, with_encoder
 from . import log_json
 from .span_protobuf import (
     _any_value,
@@ -34,7 +35,6 @@ from .span_protobuf import (
     _varint,
     fallback_encoder,
     request,
-    with_encoder,
 )
 
 
@@ -122,8 +122,6 @@ def _probe() -> list[Any]:
 @cache
 def matches_sdk() -> bool:
     """True if this module writes, byte for byte, what the installed SDK's encoder writes."""
-    from opentelemetry.exporter.otlp.proto.common._log_encoder import encode_logs
-
     try:
         probe = _probe()
         return encode_logs_protobuf(probe) == encode_logs(probe).SerializeToString()
@@ -138,7 +136,7 @@ def fast_encoder(sdk_encode: Callable[[Sequence[Any]], Any]) -> Callable[[Sequen
 
 @cache
 def with_fast_encoding(exporter_class: type) -> type:
-    """The SDK's OTLP/HTTP log exporter, encoding with this module (see `span_protobuf.with_encoder`),
+    """The SDK's OTLP/HTTP log exporter, encoding with this module (see `sdk_compat.with_encoder`),
     or the class itself if `matches_sdk()` is False."""
     if not matches_sdk():
         return exporter_class

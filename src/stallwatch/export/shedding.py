@@ -35,7 +35,7 @@ from opentelemetry.sdk import trace as sdk_trace
 from opentelemetry.trace import Link, SpanKind, TraceFlags
 from opentelemetry.util import types
 
-from .. import telemetry
+from .. import sdk_compat, telemetry
 from ..instrument import light_span
 from . import guarded
 
@@ -56,9 +56,9 @@ class SheddingTracer(sdk_trace.Tracer):
         record_exception: bool = True,
         set_status_on_exception: bool = True,
     ) -> trace.Span:
-        processors = getattr(self.span_processor, "_span_processors", None)
+        processors = sdk_compat.span_processors(self.span_processor)
         reasons = guarded.shedding(processors)
-        if reasons is not None and self._as_sdk():
+        if reasons is not None and sdk_compat.plain_tracer(self):
             decision = light_span.decide(self, name, context, attributes, kind, links or (), None)
             if decision[1] & TraceFlags.SAMPLED:
                 guarded.count_shed(processors, reasons)  # type: ignore[arg-type]
@@ -67,15 +67,6 @@ class SheddingTracer(sdk_trace.Tracer):
             self, name, context, kind, attributes, links, start_time, record_exception, set_status_on_exception
         )
 
-    def _as_sdk(self) -> bool:
-        """Whether a span this tracer does not record is exactly what the SDK would hand out: the
-        tracer is enabled (SDK 1.45+ tracer configurator) and records no self-metrics (SDK 1.45+)."""
-        is_enabled = getattr(self, "_is_enabled", None)
-        if is_enabled is not None and not is_enabled():
-            return False
-        metrics = getattr(self, "_tracer_metrics", None)
-        return metrics is None or type(metrics).__name__ == "NoOpTracerMetrics"
-
 
 class SheddingTracerProvider(sdk_trace.TracerProvider):
     """The SDK's tracer provider, whose tracers are `SheddingTracer`s (but for stallwatch's own)."""
@@ -83,7 +74,7 @@ class SheddingTracerProvider(sdk_trace.TracerProvider):
     def get_tracer(self, instrumenting_module_name: str, *args: Any, **kwargs: Any) -> trace.Tracer:
         tracer = super().get_tracer(instrumenting_module_name, *args, **kwargs)
         if type(tracer) is sdk_trace.Tracer and instrumenting_module_name != telemetry.INSTRUMENTATION_SCOPE:
-            tracer.__class__ = SheddingTracer
+            sdk_compat.retype_tracer(tracer, SheddingTracer)
         return tracer
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import base64
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from opentelemetry.attributes import BoundedAttributes
@@ -39,9 +39,6 @@ _FLAGS_END = {False: f',"flags":{_HAS_IS_REMOTE}}}', True: f',"flags":{_HAS_IS_R
 _KIND_BY_ID = {id(kind): number for kind, number in _KIND.items()}  # an enum member's hash is a Python call
 
 
-# Span types whose `ReadableSpan` fields the encoders read directly: the SDK's finished span, and
-# `instrument.light_span.LightSpan`, which adds itself (this file imports nothing of stallwatch).
-FIELD_READABLE: set[type] = {ReadableSpan}
 _NONE_DROPPED = (0, 0, 0)
 
 
@@ -163,16 +160,20 @@ def _attributes_text(attributes: Any) -> str:
     return ",".join(parts)
 
 
-def _span_text(span: ReadableSpan) -> str:
-    """One OTLP/JSON span, written as text (see the module docstring). The SDK's `ReadableSpan` is
-    read through its private fields, the same from SDK 1.27 to 1.45 (its properties are a Python
-    call each, and `attributes`, `events` and `links` build a new view or tuple per access)."""
-    if type(span) in FIELD_READABLE:  # its fields, read without the properties
-        context, parent, name, kind = span._context, span._parent, span._name, span._kind
-        start, end, attributes, span_events, span_links = (
-            span._start_time, span._end_time, span._attributes, span._events, span._links,
-        )  # fmt: skip
-        span_status = span._status
+def _no_fields(span: Any) -> None:
+    return None
+
+
+def _origin(span: Any) -> tuple[Any, Any]:
+    return span.resource, span.instrumentation_scope
+
+
+def _span_text(span: ReadableSpan, readable_fields: Callable[[Any], tuple[Any, ...] | None]) -> str:
+    """One OTLP/JSON span, written as text (see the module docstring). The span is read through the
+    properties, or through `readable_fields(span)` when that gives its fields."""
+    fields = readable_fields(span)
+    if fields is not None:  # its fields, read without the properties
+        context, parent, name, kind, start, end, attributes, span_events, span_links, span_status = fields
         if type(attributes) is dict and type(span_events) is tuple and type(span_links) is tuple:
             counts = _NONE_DROPPED  # a light span's, with nothing set on it by other code
         else:
@@ -263,20 +264,26 @@ def _scope(scope: Any) -> dict[str, Any]:
     return out
 
 
-def encode_spans_json(spans: Sequence[ReadableSpan]) -> str:
-    """One OTLP/JSON `ExportTraceServiceRequest` line for `spans`, grouped by resource and scope."""
+def encode_spans_json(
+    spans: Sequence[ReadableSpan],
+    readable_fields: Callable[[Any], tuple[Any, ...] | None] = _no_fields,
+    span_origin: Callable[[Any], tuple[Any, Any]] = _origin,
+) -> str:
+    """One OTLP/JSON `ExportTraceServiceRequest` line for `spans`, grouped by resource and scope.
+
+    `readable_fields` and `span_origin` read a span's fields (`sdk_compat`'s: its private fields, without
+    the properties, which are a Python call each and build a new view or tuple per access); this module
+    imports nothing of stallwatch, for the executor benchmark's stallwatch-free baseline to load it."""
     by_resource: dict[int, tuple[Any, dict[int, tuple[Any, list[str]]]]] = {}
     for span in spans:
-        exact = type(span) in FIELD_READABLE
-        resource = span._resource if exact else span.resource
+        resource, scope = span_origin(span)
         resource_entry = by_resource.get(id(resource))
         if resource_entry is None:
             resource_entry = by_resource[id(resource)] = (resource, {})
-        scope = span._instrumentation_scope if exact else span.instrumentation_scope
         scope_entry = resource_entry[1].get(id(scope))
         if scope_entry is None:
             scope_entry = resource_entry[1][id(scope)] = (scope, [])
-        scope_entry[1].append(_span_text(span))
+        scope_entry[1].append(_span_text(span, readable_fields))
     if not by_resource:
         return "{}"
     # The document's pieces, joined once: a batch of 512 spans is about 300 kB of text, which

@@ -19,7 +19,6 @@ fails in any other way.
 from __future__ import annotations
 
 import struct
-import types
 from collections.abc import Callable, Iterable, Sequence
 from functools import cache
 from typing import Any
@@ -29,8 +28,9 @@ from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 
-from .span_json import FIELD_READABLE, plain_attributes
+from ..sdk_compat import readable_fields, span_origin, with_encoder
 from .span_json import dropped as span_dropped
+from .span_json import plain_attributes
 
 _INT64 = 2**63
 _KIND = {SpanKind.INTERNAL: 1, SpanKind.SERVER: 2, SpanKind.CLIENT: 3, SpanKind.PRODUCER: 4, SpanKind.CONSUMER: 5}
@@ -136,12 +136,9 @@ def _flags(other: SpanContext | None) -> int:
 
 
 def _span(span: ReadableSpan) -> bytes:
-    if type(span) in FIELD_READABLE:  # its fields, read without the properties (see `span_json`)
-        context, parent, name, kind = span._context, span._parent, span._name, span._kind
-        start, end, attributes, events, links = (
-            span._start_time, span._end_time, span._attributes, span._events, span._links,
-        )  # fmt: skip
-        status = span._status
+    fields = readable_fields(span)
+    if fields is not None:  # its fields, read without the properties (see `span_json`)
+        context, parent, name, kind, start, end, attributes, events, links, status = fields
         dropped = (span_dropped(attributes), span_dropped(events), span_dropped(links))
     else:
         context, parent, name, kind = span.get_span_context(), span.parent, span.name, span.kind
@@ -237,9 +234,7 @@ def request(items: Iterable[tuple[Any, Any, bytes]]) -> bytes:
 
 
 def _triple(span: ReadableSpan) -> tuple[Any, Any, bytes]:
-    exact = type(span) in FIELD_READABLE
-    resource = span._resource if exact else span.resource
-    scope = span._instrumentation_scope if exact else span.instrumentation_scope
+    resource, scope = span_origin(span)
     return resource, scope or None, _span(span)
 
 
@@ -338,28 +333,9 @@ def fast_encoder(sdk_encode: Callable[[Sequence[ReadableSpan]], Any]) -> Callabl
     return fallback_encoder(lambda spans: encode_spans_protobuf(spans), sdk_encode)
 
 
-def with_encoder(exporter_class: type, global_name: str, make: Callable[[Any], Any]) -> type:
-    """A subclass of an SDK OTLP/HTTP exporter whose methods that call the SDK encoder `global_name`
-    (`export`, or `_serialize_spans` in SDK 1.27) call `make(<the SDK's encoder>)` instead: the same
-    code, run with that one global replaced. The class itself if no method calls it."""
-    replaced: dict[str, Any] = {}
-    for name in ("export", "_serialize_spans"):
-        method = getattr(exporter_class, name, None)
-        if isinstance(method, types.FunctionType) and global_name in method.__code__.co_names:
-            namespace = dict(method.__globals__)
-            namespace[global_name] = make(method.__globals__[global_name])
-            function = types.FunctionType(method.__code__, namespace, name, method.__defaults__, method.__closure__)
-            function.__kwdefaults__ = method.__kwdefaults__
-            function.__qualname__ = method.__qualname__
-            replaced[name] = function
-    if not replaced:
-        return exporter_class
-    return type(exporter_class.__name__, (exporter_class,), {**replaced, "__module__": __name__})
-
-
 @cache
 def with_fast_encoding(exporter_class: type) -> type:
-    """The SDK's OTLP/HTTP span exporter, encoding with this module (see `with_encoder`), or the
+    """The SDK's OTLP/HTTP span exporter, encoding with this module (see `sdk_compat.with_encoder`), or the
     class itself if `matches_sdk()` is False."""
     if not matches_sdk():
         return exporter_class

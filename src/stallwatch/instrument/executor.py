@@ -42,11 +42,9 @@ from opentelemetry import trace
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]
 from opentelemetry.instrumentation.utils import unwrap
 from opentelemetry.metrics import CallbackOptions, Observation
-from opentelemetry.sdk import trace as sdk_trace
 from opentelemetry.trace import Span, Status, StatusCode, TraceFlags
-from opentelemetry.trace.propagation import _SPAN_KEY
 
-from .. import interrupt, telemetry
+from .. import interrupt, sdk_compat, telemetry
 from .. import timeout as execution_timeouts
 from . import light_span
 from ._common import FAULTS, Deferred, instrument, meter
@@ -364,20 +362,11 @@ class _ContextApi:
     reset = staticmethod(otel_context.detach)
 
 
-# OpenTelemetry's current context is one ContextVar in `ContextVarsRuntimeContext`, the runtime
-# context the API ships (1.27 to 1.45 alike): read and set it directly, as `get_current()`,
-# `attach()` and `detach()` do through two Python frames each. Another runtime context
-# (OTEL_PYTHON_CONTEXT) goes through the API.
-_context_var: Any = getattr(otel_context._RUNTIME_CONTEXT, "_current_context", None)
-if not isinstance(_context_var, contextvars.ContextVar):
-    _context_var = _ContextApi
+# OpenTelemetry's current context: its ContextVar, read and set directly (`sdk_compat.context_var`),
+# or the API's functions (fast paths off, another runtime context); chosen at `instrument()`.
+_context_var: Any = _ContextApi
 _tracer: trace.Tracer | None = None
-# Span types told without `isinstance` against the API's abstract `Span` (0.5 µs per item)
-_SPAN_TYPES = frozenset(
-    {sdk_trace.Span, sdk_trace._Span, light_span.LightSpan, trace.NonRecordingSpan, light_span.ShedSpan}
-)
 _SAMPLED = TraceFlags.SAMPLED
-_LightSpan = light_span.LightSpan
 _dict_set = dict.__setitem__
 _QUEUE_SECONDS = telemetry.WORK_ITEM_QUEUE_SECONDS.name
 _RUN_SECONDS = telemetry.WORK_ITEM_RUN_SECONDS.name
@@ -457,11 +446,11 @@ def _start_span(item: ItemRecord, context: otel_context.Context) -> None:
     What `trace.get_current_span(context).get_span_context()` and its `is_valid` and
     `trace_flags.sampled` give, read from the context and the `SpanContext` tuple directly (six
     Python calls fewer per item; the tuple's layout is the same from API 1.27 to 1.45)."""
-    current = context.get(_SPAN_KEY)
-    if current is None or not (type(current) in _SPAN_TYPES or isinstance(current, Span)):
+    current = sdk_compat.span_in(context)
+    if current is None:
         return
-    parent = current.get_span_context()  # type: ignore[attr-defined]  # a span: its type checked above
-    _, _, _, flags, _, valid = parent  # the `SpanContext` tuple's layout
+    parent = current.get_span_context()
+    _, _, _, flags, _, valid = sdk_compat.span_context_fields(parent)
     if valid and flags & _SAMPLED:
         state = item.executor  # set, as `_tracer` is, when `put` calls this
         item.span = light_span.start(
@@ -479,11 +468,7 @@ def _attach(item: ItemRecord) -> object:
     try:
         if item.span is None:
             return _context_var.set(item.context)
-        # `trace.set_span_in_context(item.span, item.context)` with one copy of the context, not
-        # two (`set_value` copies it, then `Context()` copies that): the key is set in the copy,
-        # which nothing else holds yet, past the immutable Context's `__setitem__`
-        context = otel_context.Context(item.context)  # type: ignore[arg-type]  # set: the item has a span
-        _dict_set(context, _SPAN_KEY, item.span)
+        context = sdk_compat.with_span(item.context, item.span)  # type: ignore[arg-type]  # set: it has a span
         fn = item.fn
         if type(fn) is partial and type(entered := getattr(fn.func, "__self__", None)) is contextvars.Context:
             # `asyncio.to_thread`: the function runs in a copy of the submitter's contextvars
@@ -508,8 +493,8 @@ class _InContext(NamedTuple):
 
 
 def _end_span(span: Span, queue_seconds: float, run_seconds: float) -> None:
-    if type(span) is _LightSpan:
-        attributes: Any = span._attributes  # the dict given at its start: the durations are valid values
+    attributes = sdk_compat.own_attributes(span)
+    if attributes is not None:  # the dict given at its start: the durations are valid values
         attributes[_QUEUE_SECONDS] = queue_seconds
         attributes[_RUN_SECONDS] = run_seconds
     else:
@@ -634,7 +619,7 @@ class ExecutorInstrumentor(BaseInstrumentor):
         return ()
 
     def _instrument(self, **kwargs: Any) -> None:
-        global _tracer
+        global _tracer, _context_var
         from ..config import ConfigError, Settings
         from ..detect import wedge
 
@@ -646,6 +631,7 @@ class ExecutorInstrumentor(BaseInstrumentor):
         meter_ = meter(kwargs.get("meter_provider"))
         FAULTS.bind(kwargs.get("meter_provider"))
         _tracer = trace.get_tracer(telemetry.INSTRUMENTATION_SCOPE, tracer_provider=kwargs.get("tracer_provider"))
+        _context_var = sdk_compat.context_var() or _ContextApi
         _histograms[:] = [
             Deferred(meter_, telemetry.EXECUTOR_QUEUE_DURATION, _HISTOGRAM_LIMIT),
             Deferred(meter_, telemetry.EXECUTOR_RUN_DURATION, _HISTOGRAM_LIMIT),

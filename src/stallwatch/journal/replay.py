@@ -37,7 +37,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .. import ledger, telemetry
+from .. import ledger, sdk_compat, telemetry
 from .._version import __version__
 from . import frames, leaks
 from .writer import boot_id, start_ticks
@@ -313,7 +313,7 @@ def _replay_one(
     leaks.record(directory, journal.start_ticks, unconfirmed)  # before the journal leaves for the archive
     spans = [to_span(op, _resource(tracer_provider, journal.pid)) for op in interrupted if op.sampled]
     if spans and tracer_provider is not None:
-        processor = tracer_provider._active_span_processor  # the SDK's own processors, 1.27 to 1.45
+        processor = sdk_compat.active_span_processor(tracer_provider)
         for span in spans:
             processor.on_end(span)
     if spans and span_exporter is not None:
