@@ -217,10 +217,11 @@ def build(settings: Settings) -> Pipeline:
     """
     pipeline = Pipeline()
     resource = build_resource(settings)
+    proxy_tracer_provider, proxy_meter_provider, proxy_logger_provider = sdk_compat.proxy_providers()
     owners = {
-        "TracerProvider": _unset(trace.get_tracer_provider(), trace.ProxyTracerProvider),
-        "MeterProvider": _unset(metrics.get_meter_provider(), metrics._internal._ProxyMeterProvider),
-        "LoggerProvider": _unset(_logs.get_logger_provider(), _logs._internal.ProxyLoggerProvider),
+        "TracerProvider": _unset(trace.get_tracer_provider(), proxy_tracer_provider),
+        "MeterProvider": _unset(metrics.get_meter_provider(), proxy_meter_provider),
+        "LoggerProvider": _unset(_logs.get_logger_provider(), proxy_logger_provider),
     }
     try:
         if owners["TracerProvider"]:

@@ -616,3 +616,28 @@ def with_span(context: otel_context.Context, span: Any) -> otel_context.Context:
     copied = otel_context.Context(context)  # type: ignore[arg-type]
     dict.__setitem__(copied, SPAN_KEY, span)
     return copied
+
+
+def proxy_providers() -> tuple[type, type, type]:
+    """The API's placeholder tracer, meter and logger provider classes, what `get_*_provider()` returns
+    before a provider is set (the meter's and the logger's in private modules, API 1.27 to 1.45)."""
+    from opentelemetry import _logs, metrics
+
+    return trace.ProxyTracerProvider, metrics._internal._ProxyMeterProvider, _logs._internal.ProxyLoggerProvider
+
+
+def exporter_preferences(exporter: Any) -> tuple[Any, Any]:
+    """(preferred temporality, preferred aggregation) an SDK `MetricExporter` was built with: its
+    reader reads them from these fields (1.27 to 1.45); the constructor takes them, nothing gives them."""
+    return exporter._preferred_temporality, exporter._preferred_aggregation
+
+
+def immutable(attributes: BoundedAttributes) -> bool:
+    """Whether a `BoundedAttributes` refuses changes: a log record's stay open to the processors after
+    the one that reads them, a finished span's are closed (API 1.27 to 1.45; True if unknown)."""
+    return bool(getattr(attributes, "_immutable", True))
+
+
+def metric_readers(meter_provider: Any) -> Sequence[Any]:
+    """The metric readers an SDK `MeterProvider` was built with (its private configuration), or none."""
+    return getattr(getattr(meter_provider, "_sdk_config", None), "metric_readers", ())  # type: ignore[no-any-return]

@@ -219,8 +219,9 @@ def _warn_when_the_host_exports_nothing() -> None:
     installed a tracer or a meter provider, since everything stallwatch records is then dropped."""
     from opentelemetry import trace
 
-    if isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider) and isinstance(
-        metrics.get_meter_provider(), metrics._internal._ProxyMeterProvider
+    proxy_tracer_provider, proxy_meter_provider, _ = sdk_compat.proxy_providers()
+    if isinstance(trace.get_tracer_provider(), proxy_tracer_provider) and isinstance(
+        metrics.get_meter_provider(), proxy_meter_provider
     ):
         _log.warning(
             "stallwatch: STALLWATCH_PROVIDERS=host, but the host has installed no OpenTelemetry tracer or meter "

@@ -473,8 +473,9 @@ class FreezeTelemetry:
             flush = getattr(provider, "force_flush", None)
             if flush is not None:
                 flush()
-        sdk_config = getattr(metrics.get_meter_provider(), "_sdk_config", None)
-        for reader in getattr(sdk_config, "metric_readers", ()):
+        from .. import sdk_compat
+
+        for reader in sdk_compat.metric_readers(metrics.get_meter_provider()):
             if isinstance(reader, PeriodicExportingMetricReader):
                 reader.force_flush()
 

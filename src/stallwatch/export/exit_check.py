@@ -106,7 +106,7 @@ def _attributes(attributes: Any) -> Any:
     if scrubbed is plain:
         return attributes
     if isinstance(attributes, BoundedAttributes):
-        immutable = getattr(attributes, "_immutable", True)  # a record's stay open to the processors after this one
+        immutable = sdk_compat.immutable(attributes)
         # scrubbing keeps each value's kind (a string stays a string, a sequence of strings a sequence)
         values = cast("Mapping[str, AnyValue]", scrubbed)
         bounded = BoundedAttributes(

@@ -229,10 +229,9 @@ class GuardedMetricExporter(MetricExporter):
     """Wraps a metric exporter: counts failed exports, fails fast once cut off."""
 
     def __init__(self, inner: MetricExporter, gate: ExportGate) -> None:
-        super().__init__()
         # The reader asks its exporter for these; they must be the wrapped exporter's own.
-        self._preferred_temporality = inner._preferred_temporality
-        self._preferred_aggregation = inner._preferred_aggregation
+        temporality, aggregation = sdk_compat.exporter_preferences(inner)
+        super().__init__(preferred_temporality=temporality, preferred_aggregation=aggregation)
         self.inner = inner
         self.gate = gate
         self.breaker = Breaker()

@@ -54,15 +54,11 @@ def dropped(collection: Any) -> int:
 
 
 def plain_attributes(attributes: Any) -> Any:
-    """The dict inside an SDK `BoundedAttributes`, for the encoders to read; anything else as it is.
-
-    A `BoundedAttributes` is a `MutableMapping` whose `items()`, iteration and `len()` go through
-    Python methods and a lock: 1.95 µs against 0.33 µs to walk three attributes here. A finished
-    span's or log record's attributes are immutable, so reading the dict directly is safe. (Here,
-    not in the package: the executor benchmark loads this file alone.)
-    """
+    """A plain dict of an SDK `BoundedAttributes` (its public `copy()`, one C-level dict copy), for the
+    encoders to read; anything else as it is. A `BoundedAttributes` is a `MutableMapping` whose
+    `items()`, iteration and `len()` go through Python methods and a lock."""
     if type(attributes) is BoundedAttributes:
-        return getattr(attributes, "_dict", attributes)
+        return attributes.copy()
     return attributes
 
 
