@@ -26,12 +26,15 @@ SCENARIOS = TESTS / "scenarios"
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """The test process's environment without OTEL_/STALLWATCH_/GRPC_ variables, plus `extra`.
+    """The test process's environment without OTEL_/STALLWATCH_/GRPC_ variables (but for
+    STALLWATCH_FAST_PATHS, the mode the tests run in), plus `extra`.
 
     Each call gets its own empty journal directory: a host killed in one test must not be replayed
     by the next test's `setup()` (tests that replay on purpose pass `journal_dir` themselves).
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "STALLWATCH_", "GRPC_"))}
+    if "STALLWATCH_FAST_PATHS" in os.environ:
+        env["STALLWATCH_FAST_PATHS"] = os.environ["STALLWATCH_FAST_PATHS"]
     env["STALLWATCH_JOURNAL_DIR"] = _JOURNALS.mkdtemp()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))  # `support.*`
     env.update(extra)

@@ -52,16 +52,18 @@ fi
 # each with the grpc extra and without the test extras. Fork handling changed across SDK releases
 # (1.28 WeakMethod, 1.32, 1.34 shared BatchProcessor, 1.40, 1.44 provider hooks): the oldest supported
 # SDK runs on the oldest and the newest CPython, the newest SDK (the one locked for the main tests) on
-# both too, and two SDKs in between on 3.12 and 3.13. Each entry: Python, SDK, instrumentation.
+# both too, and two SDKs in between on 3.12 and 3.13. Half of them run with STALLWATCH_FAST_PATHS=false
+# (only public SDK objects: sdk_compat), the oldest and the newest SDK each way. Each entry: Python, SDK,
+# instrumentation, STALLWATCH_FAST_PATHS.
 newest_sdk=$(sed -n 's/^opentelemetry-sdk==//p' .ci/constraints.txt)
 newest_instrumentation=$(sed -n 's/^opentelemetry-instrumentation==//p' .ci/constraints.txt)
 MATRIX_COMBOS=(
-  "3.10 1.27.0 0.48b0"
-  "3.10 $newest_sdk $newest_instrumentation"
-  "3.12 1.33.1 0.54b1"
-  "3.13 1.27.0 0.48b0"
-  "3.13 1.39.1 0.60b1"
-  "3.13 $newest_sdk $newest_instrumentation"
+  "3.10 1.27.0 0.48b0 false"
+  "3.10 $newest_sdk $newest_instrumentation true"
+  "3.12 1.33.1 0.54b1 false"
+  "3.13 1.27.0 0.48b0 true"
+  "3.13 1.39.1 0.60b1 true"
+  "3.13 $newest_sdk $newest_instrumentation false"
 )
 [ "${MATRIX:-1}" != "0" ] || MATRIX_COMBOS=()
 matrix_venv() { set -- $1; echo "py$1-otel$2"; }
@@ -123,9 +125,11 @@ if [ ${#MATRIX_COMBOS[@]} -gt 0 ]; then
   modules=$(grep -l "mark.matrix" tests/test_*.py)
   run_matrix() {  # run_matrix COMBO MARKS
     set -- $1 "$2"
-    "$VENVS/$(matrix_venv "$1 $2")/bin/python" -m pytest -q -p no:cacheprovider -m "$4" $modules
+    STALLWATCH_FAST_PATHS=$4 "$VENVS/$(matrix_venv "$1 $2")/bin/python" -m pytest -q -p no:cacheprovider -m "$5" \
+      $modules
   }
-  log "matrix: ${#MATRIX_COMBOS[@]} environments, $MATRIX_JOBS at a time"
+  log "matrix: ${#MATRIX_COMBOS[@]} environments, $MATRIX_JOBS at a time (STALLWATCH_FAST_PATHS=false in:$(
+    for combo in "${MATRIX_COMBOS[@]}"; do set -- $combo; [ "$4" = true ] || printf ' %s/%s' "$1" "$2"; done))"
   for ((i = 0; i < ${#MATRIX_COMBOS[@]}; i += MATRIX_JOBS)); do
     batch=("${MATRIX_COMBOS[@]:i:MATRIX_JOBS}")
     pids=()
@@ -137,18 +141,18 @@ if [ ${#MATRIX_COMBOS[@]} -gt 0 ]; then
       set -- ${batch[j]}
       status=0
       wait "${pids[j]}" || status=$?
-      printf -- '-- Python %s, opentelemetry-sdk %s\n' "$1" "$2"
+      printf -- '-- Python %s, opentelemetry-sdk %s, STALLWATCH_FAST_PATHS=%s\n' "$1" "$2" "$4"
       cat "$LOGS/matrix-$(matrix_venv "${batch[j]}")"
-      passed "$status" || failed+=("matrix: Python $1 / SDK $2")
+      passed "$status" || failed+=("matrix: Python $1 / SDK $2 / fast paths $4")
     done
   done
   log "matrix: the tests marked serial, one environment at a time"
   for combo in "${MATRIX_COMBOS[@]}"; do
     set -- $combo
-    printf -- '-- Python %s, opentelemetry-sdk %s\n' "$1" "$2"
+    printf -- '-- Python %s, opentelemetry-sdk %s, STALLWATCH_FAST_PATHS=%s\n' "$1" "$2" "$4"
     status=0
     run_matrix "$combo" "matrix and serial" || status=$?
-    passed "$status" || failed+=("matrix: Python $1 / SDK $2 (serial)")
+    passed "$status" || failed+=("matrix: Python $1 / SDK $2 / fast paths $4 (serial)")
   done
 fi
 if [ ${#failed[@]} -gt 0 ]; then

@@ -45,6 +45,7 @@ from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SpanExportResult
 from . import background, sdk_compat, telemetry
 from ._version import __version__
 from .config import ConfigError, Settings
+from .detect import heartbeat
 from .export import log_bridge
 from .export.file import FileLogExporter, FileMetricExporter, FileSpanExporter
 from .export.guarded import (
@@ -344,6 +345,8 @@ def _exporter(settings: Settings, signal: str, name: str, pipeline: Pipeline) ->
 def _build_traces(settings: Settings, resource: Resource, pipeline: Pipeline) -> TracerProvider:
     provider_class = SheddingTracerProvider if sdk_compat.fast_paths() else TracerProvider
     provider = provider_class(resource=resource, sampler=_sampler(settings), shutdown_on_exit=False)
+    if not sdk_compat.fast_paths():  # attach/detach are not noted: the heartbeat's current span from its spans
+        provider.add_span_processor(heartbeat.current_span_processor())
     for name in settings.traces_exporter:
         exporter = _exporter(settings, "traces", name, pipeline)
         guarded = GuardedExporter(

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from opentelemetry.trace import get_current_span
+from opentelemetry.trace import INVALID_SPAN_CONTEXT, NonRecordingSpan, get_current_span
 
 from .. import background
 from .._private import opener
@@ -529,8 +529,8 @@ def track_current_span() -> None:
     span is current, and a task that resumes inside a span attaches nothing: unknown, not stale).
 
     `opentelemetry.context.attach`/`detach` are noted through `sdk_compat.note_context_changes`, a
-    fast path: with `STALLWATCH_FAST_PATHS=false` nothing is noted and a freeze report names no
-    current span. `untrack_current_span()` stops it."""
+    fast path; with `STALLWATCH_FAST_PATHS=false`, the spans of stallwatch's tracer provider are
+    noted as they start and end instead (`current_span_processor`). `untrack_current_span()` stops it."""
     from .. import sdk_compat  # loads the SDK, which reads its variables at import: after `setup()` checked them
 
     get_ident = threading.get_ident
@@ -540,6 +540,33 @@ def track_current_span() -> None:
             _write_current_span(get_current_span(context))
 
     sdk_compat.note_context_changes(noted)
+
+
+def current_span_processor() -> Any:
+    """A span processor (public SDK API) that writes a span starting on the main thread into the
+    heartbeat as its current span, and when that span ends (in any thread) its parent: the current
+    span as `start_as_current_span` and `use_span` nest them, for the fast paths off, where
+    `attach`/`detach` are not noted. A span started there without being made current (an executor
+    item's, ended by its worker) is taken as current until it ends."""
+    from opentelemetry.sdk.trace import SpanProcessor
+
+    get_ident = threading.get_ident
+
+    class CurrentSpanNoter(SpanProcessor):
+        noted = 0  # the span id last written
+
+        def on_start(self, span: Any, parent_context: Any = None) -> None:
+            if _span_writer is not None and get_ident() == _MAIN_THREAD:
+                _write_current_span(span)
+                self.noted = span.get_span_context().span_id
+
+        def on_end(self, span: Any) -> None:
+            if _span_writer is not None and self.noted and span.context.span_id == self.noted:
+                parent = span.parent or INVALID_SPAN_CONTEXT
+                _write_current_span(NonRecordingSpan(parent))
+                self.noted = parent.span_id
+
+    return CurrentSpanNoter()
 
 
 def untrack_current_span() -> None:
