@@ -35,12 +35,15 @@ from stallwatch.export.guarded import (
 )
 from stallwatch.export.shedding import SheddingTracer, SheddingTracerProvider, exemplar_filter
 from stallwatch.instrument import light_span
+from support.fast_paths import FAST_PATHS, fast_paths_on  # noqa: F401  # a fixture
 from support.waiting import wait_until
 
 sys.path.insert(0, str(SCENARIOS))
 from reliability_collectors import serve
 
-pytestmark = pytest.mark.matrix
+# In this process, the shedding tracer and the light path, a fast path, against the SDK (the host
+# started by `test_an_executor_item_and_a_child_under_a_shed_request` runs in the environment's mode).
+pytestmark = [pytest.mark.matrix, pytest.mark.usefixtures("fast_paths_on")]
 HAS_EXEMPLARS = exemplar_filter() is not None  # SDK 1.27 has no exemplars
 
 
@@ -182,7 +185,8 @@ def test_spans_shed_while_the_queue_is_full_of_a_collector_that_never_answers(mo
 def test_an_executor_item_and_a_child_under_a_shed_request(tmp_path: Path, shed: bool):
     """End to end through `setup()`: the host's request, its executor item and its child process are
     shed, the item still runs in the request's trace, and every shed span is counted. With
-    STALLWATCH_SHED_SPANS=false they are recorded, then dropped at their end: the same counts."""
+    STALLWATCH_SHED_SPANS=false (or the fast paths off, where nothing is shed) they are recorded, then
+    dropped at their end: the same counts."""
     code = f"""
 import json, subprocess
 import stallwatch
@@ -228,7 +232,7 @@ print(json.dumps({{
         result = run_python(code, env=clean_env(**env))
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert report["request_recording"] is report["item_recording"] is not shed
+    assert report["request_recording"] is report["item_recording"] is not (shed and FAST_PATHS)
     assert report["item_trace"] == report["request_trace"] and report["item_sampled"]
     assert report["item_span"] != report["request_span"]  # the item had its own span
     assert report["backend_down"] == 3  # the request, its item and its child: shed, or dropped at their end

@@ -38,6 +38,7 @@ from opentelemetry.sdk.metrics.export import (
     MetricReader,
     PeriodicExportingMetricReader,
 )
+from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider, sampling
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SpanExportResult
@@ -345,7 +346,7 @@ def _exporter(settings: Settings, signal: str, name: str, pipeline: Pipeline) ->
 def _build_traces(settings: Settings, resource: Resource, pipeline: Pipeline) -> TracerProvider:
     provider_class = SheddingTracerProvider if sdk_compat.fast_paths() else TracerProvider
     provider = provider_class(resource=resource, sampler=_sampler(settings), shutdown_on_exit=False)
-    if not sdk_compat.fast_paths():  # attach/detach are not noted: the heartbeat's current span from its spans
+    if not sdk_compat.fast_paths() and settings.watchdog:  # the heartbeat's current span, from the spans
         provider.add_span_processor(heartbeat.current_span_processor())
     for name in settings.traces_exporter:
         exporter = _exporter(settings, "traces", name, pipeline)
@@ -373,7 +374,13 @@ def _build_metrics(settings: Settings, resource: Resource, pipeline: Pipeline) -
     own = sdk_compat.fast_paths() and all(_cumulative_histograms(reader) for reader in readers)
     histograms.activate(resource if own else None)
     chosen = exemplar_filter()
-    extra = {"exemplar_filter": chosen} if chosen is not None else {}
+    extra: dict[str, Any] = {"exemplar_filter": chosen} if chosen is not None else {}
+    if not own:  # the SDK's histograms: the contract's buckets by Views (the API has no advisory before 1.30)
+        extra["views"] = [
+            View(instrument_name=metric.name, aggregation=ExplicitBucketHistogramAggregation(metric.buckets))
+            for metric in telemetry.METRICS
+            if metric.buckets
+        ]
     return MeterProvider(resource=resource, metric_readers=readers, shutdown_on_exit=False, **extra)
 
 
@@ -422,12 +429,12 @@ def _prometheus_reader(settings: Settings, pipeline: Pipeline) -> MetricReader:
 
     reader_class = sdk_compat.prometheus_reader_class(
         PrometheusMetricReader,
-        histograms.inject,
+        lambda metrics_data: histograms.note_exemplars(histograms.inject(metrics_data)),
         "The stock reader, whose scrapes also carry stallwatch's own histograms (`histograms`) with their "
         "exemplars, and the resource's `PROMETHEUS_RESOURCE_LABELS` as labels of every series.",
     )
     labelled = [attribute.name for attribute in telemetry.PROMETHEUS_RESOURCE_LABELS]
-    reader = otel_compat.labelled_prometheus_reader(reader_class, labelled)
+    reader: MetricReader = otel_compat.labelled_prometheus_reader(reader_class, labelled)
     otel_compat.transform_prometheus_families(reader, histograms.with_exemplars)  # the stock drops exemplars
     return reader
 

@@ -27,7 +27,7 @@ import traceback
 import types as pytypes
 from collections.abc import Callable, Mapping, Sequence
 from time import time_ns
-from typing import Any
+from typing import Any, cast
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -80,7 +80,7 @@ def new_span_context(trace_id: int, span_id: int, flags: int, trace_state: trace
 def span_context_fields(context: SpanContext | None) -> tuple[Any, ...]:
     """(trace id, span id, is remote, trace flags, trace state, is valid) of `context` (`NO_PARENT` for
     None), read at once from the tuple it is rather than through six properties."""
-    return context or NO_PARENT  # type: ignore[return-value]
+    return context or NO_PARENT
 
 
 # ---- the SDK tracer's parts ----
@@ -371,14 +371,14 @@ def span_origin(span: Any) -> tuple[Any, Any]:
 def span_context(span: Any) -> SpanContext | None:
     """A finished span's context, from its field when it has one."""
     if _FAST[0] and type(span) in FIELD_READABLE:
-        return span._context  # type: ignore[no-any-return]
-    return span.context  # type: ignore[no-any-return]
+        return span._context
+    return span.context
 
 
 def own_attributes(span: Any) -> dict[str, Any] | None:
     """The attribute dict a `LightSpan` was started with (stallwatch may add valid values to it
     before `end()`), or None for any other span."""
-    return span._attributes if type(span) is LightSpan else None  # type: ignore[no-any-return]
+    return cast("dict[str, Any]", span._attributes) if type(span) is LightSpan else None
 
 
 def replaced_span(
@@ -388,9 +388,8 @@ def replaced_span(
     import copy
 
     clone = copy.copy(span)
-    clone._name, clone._attributes, clone._events, clone._links, clone._status = (  # type: ignore[assignment]
-        name, attributes, events, links, status,
-    )  # fmt: skip
+    clone._name, clone._attributes, clone._events, clone._links = name, attributes, events, links
+    clone._status = status  # type: ignore[assignment]  # a ReadableSpan may be given no status
     return clone
 
 
@@ -429,7 +428,7 @@ def batch_queue(processor: Any) -> tuple[Any, Any]:
 
 def queue_pid(holder: Any) -> int:
     """The pid the SDK batch processor's queue belongs to (its own check restarts the worker)."""
-    return holder._pid  # type: ignore[no-any-return]
+    return holder._pid
 
 
 # ---- context ----
@@ -472,7 +471,7 @@ def note_context_changes(on_change: Callable[[Any], None]) -> bool:
         detach(token)
         on_change(None)
 
-    otel_context.attach, otel_context.detach = attach_noted, detach_noted  # type: ignore[assignment]
+    otel_context.attach, otel_context.detach = attach_noted, detach_noted
     _tracked = (attach, detach, attach_noted, detach_noted)
     return True
 
@@ -484,7 +483,7 @@ def stop_noting_context_changes() -> None:
         return
     attach, detach, attach_noted, detach_noted = _tracked
     if otel_context.attach is attach_noted and otel_context.detach is detach_noted:
-        otel_context.attach, otel_context.detach = attach, detach  # type: ignore[assignment]
+        otel_context.attach, otel_context.detach = attach, detach
     _tracked = None
 
 
@@ -570,7 +569,7 @@ def encode_once(exporter_class: type) -> type:
     if not _FAST[0]:
         return exporter_class
 
-    class EncodeOnce(exporter_class):  # type: ignore[valid-type, misc]
+    class EncodeOnce(exporter_class):
         _stallwatch_encoded: tuple[Any, Any] | None = None  # (batch, request) of the export under way
 
         def _translate_data(self, data: Any) -> Any:
@@ -613,7 +612,7 @@ def with_span(context: otel_context.Context, span: Any) -> otel_context.Context:
     nothing else holds yet, past the immutable Context's `__setitem__` (a dict's, API 1.27 to 1.45)."""
     if not _FAST[0]:
         return trace.set_span_in_context(span, context)
-    copied = otel_context.Context(context)  # type: ignore[arg-type]
+    copied = otel_context.Context(context)
     dict.__setitem__(copied, SPAN_KEY, span)
     return copied
 
@@ -640,4 +639,4 @@ def immutable(attributes: BoundedAttributes) -> bool:
 
 def metric_readers(meter_provider: Any) -> Sequence[Any]:
     """The metric readers an SDK `MeterProvider` was built with (its private configuration), or none."""
-    return getattr(getattr(meter_provider, "_sdk_config", None), "metric_readers", ())  # type: ignore[no-any-return]
+    return getattr(getattr(meter_provider, "_sdk_config", None), "metric_readers", ())

@@ -272,7 +272,7 @@ class GuardedMetricExporter(MetricExporter):
 
 def _queue(processor: Any) -> deque[Any]:
     """The SDK batch processor's bounded deque."""
-    return sdk_compat.batch_queue(processor)[0]  # type: ignore[no-any-return]
+    return sdk_compat.batch_queue(processor)[0]
 
 
 def queued(processor: Any) -> int:

@@ -305,10 +305,51 @@ def _with(scope_metrics: Iterable[ScopeMetrics], metrics: list[Metric]) -> list[
     return [*scopes, ScopeMetrics(scope=own, metrics=metrics, schema_url="")]
 
 
+_PROMETHEUS_NAMES = {metric.name: metric.prometheus_name for metric in telemetry.METRICS}
+# The last exemplar collected per (Prometheus histogram name, attributes, bucket bound), from the SDK's
+# data, and the process they belong to (a fork child starts without its parent's)
+_collected: dict[tuple[str, tuple[tuple[str, Any], ...], float], BucketExemplar] = {}
+_collected_pid = [os.getpid()]
+
+
+def _collected_here() -> dict[tuple[str, tuple[tuple[str, Any], ...], float], BucketExemplar]:
+    if _collected_pid[0] != os.getpid():
+        _collected_pid[0] = os.getpid()
+        _collected.clear()
+    return _collected
+
+
+def note_exemplars(metrics_data: MetricsData | None) -> MetricsData | None:
+    """Keep the exemplars of stallwatch's histograms in `metrics_data` (what a Prometheus reader collected,
+    SDK 1.28+: its exemplar reservoirs hand each over once), for `with_exemplars`; `metrics_data` as it is."""
+    collected = _collected_here()
+    for resource_metrics in metrics_data.resource_metrics if metrics_data is not None else ():
+        for scope_metrics in resource_metrics.scope_metrics:
+            if scope_metrics.scope.name != telemetry.INSTRUMENTATION_SCOPE:
+                continue
+            for metric in scope_metrics.metrics:
+                name = _PROMETHEUS_NAMES.get(metric.name)
+                if name is None or not isinstance(metric.data, Histogram):
+                    continue
+                for point in metric.data.data_points:
+                    key = tuple(sorted((point.attributes or {}).items()))
+                    bounds = list(point.explicit_bounds)
+                    for exemplar in getattr(point, "exemplars", None) or ():
+                        if exemplar.trace_id is None or exemplar.span_id is None:
+                            continue
+                        index = bisect_left(bounds, exemplar.value)
+                        bound = bounds[index] if index < len(bounds) else math.inf
+                        collected[(name, key, bound)] = BucketExemplar(
+                            exemplar.value, exemplar.time_unix_nano, exemplar.trace_id, exemplar.span_id
+                        )
+    return metrics_data
+
+
 def with_exemplars(families: Iterable[Any]) -> list[Any]:
     """Prometheus metric families (`prometheus_client`) as the OpenTelemetry exporter made them, with
-    each own histogram's exemplars put on the `_bucket` sample of their series and bucket (matched
-    by name, `le` and the series' labels, which the exporter writes with `_` for any other character)."""
+    each histogram's exemplars (the own histograms', and those collected from the SDK's, `note_exemplars`)
+    put on the `_bucket` sample of their series and bucket (matched by name, `le` and the series' labels,
+    which the exporter writes with `_` for any other character)."""
     from prometheus_client.samples import Exemplar
 
     wanted: dict[tuple[str, float], list[tuple[dict[str, str], BucketExemplar]]] = {}
@@ -318,6 +359,9 @@ def with_exemplars(families: Iterable[Any]) -> list[Any]:
         for attributes, bound, exemplar in histogram.bucket_exemplars():
             labels = {_label(key): str(value) for key, value in attributes.items()}
             wanted.setdefault((f"{histogram.metric.prometheus_name}_bucket", bound), []).append((labels, exemplar))
+    for (name, key, bound), exemplar in list(_collected_here().items()):
+        labels = {_label(attribute): str(value) for attribute, value in key}
+        wanted.setdefault((f"{name}_bucket", bound), []).append((labels, exemplar))
     families = list(families)
     if not wanted:
         return families

@@ -136,7 +136,7 @@ def start(
         trace_id, flags, parent, trace_state, span_attributes, recording = decision
         if not recording:
             return non_recording(sdk, decision)
-    if shed and flags & _SAMPLED and guarded.shed(sdk_compat.span_processors(sdk.span_processor)):
+    if shed and flags & _SAMPLED and guarded.shed(sdk_compat.span_processors(sdk.span_processor) or ()):
         return non_recording(sdk, (trace_id, flags, parent, trace_state, span_attributes, True), shed=True)
     span_context = sdk_compat.new_span_context(trace_id, sdk.id_generator.generate_span_id(), flags, trace_state)
     return LightSpan(sdk, name, kind, span_context, parent, span_attributes, start_time or time_ns())
