@@ -313,8 +313,9 @@ def test_submission_span_only_inside_a_trace_and_context_reaches_the_worker(tele
         from opentelemetry import trace
         from stallwatch import sdk_compat
         from stallwatch.instrument import executor
-        if os.environ.get("OTEL_PYTHON_CONTEXT") or not sdk_compat.fast_paths():
+        if os.environ.get("OTEL_PYTHON_CONTEXT"):
             import other_context
+        if os.environ.get("OTEL_PYTHON_CONTEXT") or not sdk_compat.fast_paths():
             assert executor._context_var is executor._ContextApi, executor._context_var
         else:
             assert executor._context_var is not executor._ContextApi

@@ -28,11 +28,12 @@ median ratio with its 95 % bootstrap interval (``_paired.summarize``).
 End to end, fresh interpreters, each pinned to one CPU (the sink to another): the traced executor
 ``submit`` workload of ``bench_executor.py`` (a request span, ``pool.submit(noop).result()`` on a
 1-worker pool), ``stallwatch.setup()`` exporting traces and metrics (every second) over OTLP/HTTP
-protobuf to a local sink that answers 200. Configurations: ``all_on`` (the defaults), and one with
-each fast path off. stallwatch has no setting for any of them, so the worker turns one off before
-``setup()`` by replacing the module function that chooses it (``light_span.start`` by the tracer's
-own ``start_span``; ``span_protobuf.with_fast_encoding`` by the identity; ``histograms.activate`` by
-a no-op, which keeps the SDK's histograms, as a delta temporality preference does). Rounds run the
+protobuf to a local sink that answers 200. Configurations: ``all_on`` (the defaults), one with
+each fast path off, and ``fast_paths_off`` (``STALLWATCH_FAST_PATHS=false``: every fast path off,
+only public SDK objects). For one fast path alone, the worker turns it off before ``setup()`` by
+replacing the module function that chooses it (``light_span.start`` by the tracer's own
+``start_span``; ``span_protobuf.with_fast_encoding`` by the identity; ``histograms.activate`` by a
+no-op, which keeps the SDK's histograms, as a delta temporality preference does). Rounds run the
 configurations in an order rotated by one; reported: µs of wall time and of process CPU (every
 thread: the export threads included) per item, the median of all timed repeats, and per round the
 ratio of each configuration's CPU to `all_on`'s (median, 95 % bootstrap interval). A fast path
@@ -59,7 +60,7 @@ from _machine import clean_env, machine_info, raw_path
 from _paired import ratio_interval, summarize
 
 HERE = Path(__file__).resolve().parent
-CONFIGS = ("all_on", "light_span_off", "protobuf_off", "histograms_off")
+CONFIGS = ("all_on", "light_span_off", "protobuf_off", "histograms_off", "fast_paths_off")
 ATTRIBUTES = {"stallwatch.executor.name": "runner", "thread.name": "runner_0", "code.function": "noop"}
 BATCH = 512
 PAIRED_PROCESSES = 3
@@ -215,6 +216,8 @@ WORKER = r"""
 import json, os, sys, time
 config, items, repeats, cpu = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 os.sched_setaffinity(0, {cpu})  # before any thread starts: they all inherit it
+if config == "fast_paths_off":
+    os.environ["STALLWATCH_FAST_PATHS"] = "false"
 import stallwatch
 if config == "light_span_off":
     from stallwatch.instrument import light_span
@@ -363,7 +366,12 @@ MICRO = {
     "log_protobuf": (f"µs per batch of {BATCH} log records", micro_log_protobuf),
     "histogram": ("ns per value", micro_histogram),
 }
-REPLACES = {"light_span_off": "span", "protobuf_off": "span_protobuf, log_protobuf", "histograms_off": "histogram"}
+REPLACES = {
+    "light_span_off": "span",
+    "protobuf_off": "span_protobuf, log_protobuf",
+    "histograms_off": "histogram",
+    "fast_paths_off": "all (STALLWATCH_FAST_PATHS=false)",
+}
 
 
 def _round_medians(rounds: list[dict[str, list[float]]]) -> str:
