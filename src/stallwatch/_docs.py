@@ -72,9 +72,10 @@ spawn's program, a child's exit signal, a Nebius method) is born with its first 
 rules see that first event (they also compare a series with its absence before), but `rate()`
 and `increase()` panels show it only from that series' second value on. When every
 metric reader stallwatch builds takes cumulative histograms (the default; not with
-`OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE=delta` or `lowmemory`) and the fast paths are on
-(`STALLWATCH_FAST_PATHS`), stallwatch aggregates its own duration histograms and adds them to each
-export; otherwise the SDK's histograms get the same buckets through Views. A measurement made inside
+`OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE=delta` or `lowmemory`), stallwatch aggregates its own
+duration histograms and adds them to each export, whatever `STALLWATCH_FAST_PATHS` says (they are not a
+fast path: they make the series that start at zero); otherwise the SDK's histograms get the same
+buckets through Views. A measurement made inside
 a sampled span carries an exemplar linking to it either way (SDK 1.28+), in OTLP and in the
 Prometheus scrape. `setup()` takes no Views: a host that needs its own brings its MeterProvider
 (`STALLWATCH_PROVIDERS=host`), whose Views then apply to every instrument of stallwatch's.

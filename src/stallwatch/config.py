@@ -228,10 +228,11 @@ OPTIONS: tuple[Option, ...] = (
         "fast_paths",
         "`true`",
         "Take stallwatch's fast paths around the OpenTelemetry SDK (its own spans for hot paths, OTLP "
-        "encoders, duration histograms, span shedding, the current span noted for freeze reports), each the "
-        "same telemetry, cheaper, through the SDK's private parts (`sdk_compat`). `false` uses only public "
-        "SDK objects: more CPU per work item and child process, `STALLWATCH_SHED_SPANS` has no effect, "
-        "and a freeze report names no current span.",
+        "encoders, span shedding, the context set directly, the current span noted for freeze reports at "
+        "each attach and detach), each the same telemetry, cheaper, through the SDK's private parts "
+        "(`sdk_compat`). `false` uses only public SDK objects: more CPU per work item and child process, "
+        "`STALLWATCH_SHED_SPANS` has no effect, and a freeze report's current span is the last span "
+        "started on the main thread and not yet ended there.",
     ),
     Option(
         "STALLWATCH_SLOW_EXPORT_SECONDS",

@@ -370,8 +370,9 @@ def _build_metrics(settings: Settings, resource: Resource, pipeline: Pipeline) -
         readers.append(
             PeriodicExportingMetricReader(exporter, export_interval_millis=settings.metric_export_interval_ms)
         )
-    # Every reader gets stallwatch's own duration histograms, unless one wants them as deltas.
-    own = sdk_compat.fast_paths() and all(_cumulative_histograms(reader) for reader in readers)
+    # Every reader gets stallwatch's own duration histograms, unless one wants them as deltas: not a fast
+    # path (the fast paths bench), but the only way to series that exist at zero before their first value.
+    own = all(_cumulative_histograms(reader) for reader in readers)
     histograms.activate(resource if own else None)
     chosen = exemplar_filter()
     extra: dict[str, Any] = {"exemplar_filter": chosen} if chosen is not None else {}
