@@ -368,13 +368,6 @@ def span_origin(span: Any) -> tuple[Any, Any]:
     return span.resource, span.instrumentation_scope
 
 
-def span_context(span: Any) -> SpanContext | None:
-    """A finished span's context, from its field when it has one."""
-    if _FAST[0] and type(span) in FIELD_READABLE:
-        return span._context
-    return span.context
-
-
 def own_attributes(span: Any) -> dict[str, Any] | None:
     """The attribute dict a `LightSpan` was started with (stallwatch may add valid values to it
     before `end()`), or None for any other span."""
@@ -487,6 +480,32 @@ def stop_noting_context_changes() -> None:
     _tracked = None
 
 
+SPAN_KEY = trace.propagation._SPAN_KEY  # the context key of the current span (API 1.27 to 1.45)
+
+
+def span_in(context: otel_context.Context) -> Any:
+    """The span `context` holds, or None (read as `trace.get_current_span(context)` does, without its
+    two calls; with the fast paths off, through it)."""
+    if not _FAST[0]:
+        span = trace.get_current_span(context)
+        return None if span is trace.INVALID_SPAN else span
+    current = context.get(SPAN_KEY)
+    if current is None or not (type(current) in SPAN_TYPES or isinstance(current, trace.Span)):
+        return None
+    return current
+
+
+def with_span(context: otel_context.Context, span: Any) -> otel_context.Context:
+    """`trace.set_span_in_context(span, context)`; with the fast paths on, with one copy of the context,
+    not two (`set_value` copies it, then `Context()` copies that): the key is set in the copy, which
+    nothing else holds yet, past the immutable Context's `__setitem__` (a dict's, API 1.27 to 1.45)."""
+    if not _FAST[0]:
+        return trace.set_span_in_context(span, context)
+    copied = otel_context.Context(context)
+    dict.__setitem__(copied, SPAN_KEY, span)
+    return copied
+
+
 # ---- logs, metrics, exporters ----
 
 
@@ -589,32 +608,6 @@ def encode_once(exporter_class: type) -> type:
     EncodeOnce.__name__ = EncodeOnce.__qualname__ = exporter_class.__name__
     EncodeOnce.__module__ = exporter_class.__module__
     return EncodeOnce
-
-
-SPAN_KEY = trace.propagation._SPAN_KEY  # the context key of the current span (API 1.27 to 1.45)
-
-
-def span_in(context: otel_context.Context) -> Any:
-    """The span `context` holds, or None (read as `trace.get_current_span(context)` does, without its
-    two calls; with the fast paths off, through it)."""
-    if not _FAST[0]:
-        span = trace.get_current_span(context)
-        return None if span is trace.INVALID_SPAN else span
-    current = context.get(SPAN_KEY)
-    if current is None or not (type(current) in SPAN_TYPES or isinstance(current, trace.Span)):
-        return None
-    return current
-
-
-def with_span(context: otel_context.Context, span: Any) -> otel_context.Context:
-    """`trace.set_span_in_context(span, context)`; with the fast paths on, with one copy of the context,
-    not two (`set_value` copies it, then `Context()` copies that): the key is set in the copy, which
-    nothing else holds yet, past the immutable Context's `__setitem__` (a dict's, API 1.27 to 1.45)."""
-    if not _FAST[0]:
-        return trace.set_span_in_context(span, context)
-    copied = otel_context.Context(context)
-    dict.__setitem__(copied, SPAN_KEY, span)
-    return copied
 
 
 def proxy_providers() -> tuple[type, type, type]:
