@@ -10,12 +10,14 @@ SDK's span, span fields read without the properties by the encoders and processo
 exporters' encoders replaced, a gRPC batch encoded once per export, the context's `ContextVar` set
 directly, tracers that shed spans nobody would export, `opentelemetry.context.attach`/`detach`
 noted for the heartbeat. `fast_paths()` is False with `STALLWATCH_FAST_PATHS=false`: none of them is
-taken and stallwatch uses only public SDK objects (`tests/bench/bench_fast_paths.py` measures each).
-The rest hold in both modes, having no public equivalent: scrubbing stallwatch's own log records
-(`checked_logger`), replaying interrupted spans into the provider's processors
-(`active_span_processor`), a Prometheus reader's collected data (`prometheus_reader_class`) and the
-temporality a reader wants (`histogram_temporalities`), the distro's configurator base
-(`base_configurator`) and the OTLP log encoder (`encode_logs`), both in private modules.
+taken, stallwatch uses the public SDK objects instead (`tests/bench/bench_fast_paths.py` measures
+each). The rest hold in both modes, having no public equivalent: a scrubbed copy of stallwatch's own spans
+(`span_fields`, `replaced_span`) and log records (`checked_logger`) at export, a batch processor's
+queue for drop counting (`batch_queue`), replaying interrupted spans into the provider's processors
+(`active_span_processor`), a Prometheus reader's collected data (`prometheus_reader_class`), what a
+metric reader or exporter was configured with (`histogram_temporalities`, `exporter_preferences`,
+`metric_readers`), the API's placeholder providers (`proxy_providers`), the distro's configurator
+base (`base_configurator`) and the OTLP log encoder (`encode_logs`), both in private modules.
 """
 
 from __future__ import annotations
