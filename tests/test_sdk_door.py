@@ -13,8 +13,11 @@ from functools import cache
 from pathlib import Path
 
 import opentelemetry
+import pytest
 
 import stallwatch
+
+pytestmark = pytest.mark.matrix  # each SDK version's private names
 
 SOURCE = Path(stallwatch.__file__).resolve().parent
 DOORS = {SOURCE / "sdk_compat.py", SOURCE / "forksafe" / "otel_compat.py"}
