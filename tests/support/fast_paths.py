@@ -21,8 +21,3 @@ def fast_paths_on() -> Iterator[None]:
     sdk_compat.use_fast_paths(True)
     yield
     sdk_compat.use_fast_paths(was)
-
-
-needs_fast_paths = pytest.mark.skipif(
-    not FAST_PATHS, reason="a fast path's own behaviour: STALLWATCH_FAST_PATHS=false takes none"
-)
