@@ -1,20 +1,18 @@
 """`stallwatch demo`: both incidents, replayed safely on this machine, then the postmortem.
 
-1. Spawns (incident 000, prevented): a small asyncio server, on uvloop when installed as uvicorn's
-   `loop="auto"` would pick, answers health probes. Each probe spawns a child the way dstack opens
-   and closes an SSH tunnel. The host builds its own stock-style OpenTelemetry providers after
-   `import stallwatch` (as dstack does). A worker forked with `os.fork()` lives on and reports a
-   span.
-2. A freeze (incident 000's mechanism), caught live: a child host whose uvloop spawn is held
-   before exec by a library's fork handler. The watchdog reports it while it lasts.
-3. A Nebius create in flight when the host is killed (incident 000's leaked instances): against
-   a local stand-in that never answers; the ledger's intent record makes it a leak candidate.
-4. The executor wedge (incident 002): a stale async SystemExit refused by the guard, then, with
-   the guard off, the worker's death detected and the stranded request healed.
+The stages (docs/postmortem.md):
+
+1. spawns on a small asyncio server (on uvloop when installed, as uvicorn's `loop="auto"` picks)
+   whose host builds stock-style OpenTelemetry providers after `import stallwatch`, as dstack does;
+   a worker forked with `os.fork()` lives on and reports a span;
+2. a freeze, caught live: a child host's uvloop spawn held before exec by a library's fork handler;
+3. a Nebius create in flight when its host is killed: the ledger's intent makes it a leak candidate;
+4. the executor wedge: a stale async SystemExit refused by the guard, then, with the guard off, the
+   worker's death detected and the stranded request healed;
 5. `stallwatch postmortem` over everything, with an HTML report.
 
-Stages 2-4 run in child processes (`demo_incidents`) writing to the same directory. Everything is
-local files; no collector needed.
+Stages 2-4 run in child processes (`demo_incidents`) writing to the same directory; everything is
+local files.
 """
 
 from __future__ import annotations

@@ -2,21 +2,16 @@
 
 `python -c BOOTSTRAP ROLE OUT ...` (see `command()`) with ROLE:
 
-- `freeze OUT SECONDS`: a library registered an after-fork handler before stallwatch was imported,
-  so the exec-bound guard cannot skip it. In the child of one uvloop spawn it sleeps SECONDS
-  before exec, and the host's loop thread waits holding the GIL (incident 000's freeze, without
-  the crash). The watchdog reports it while it lasts.
-- `create OUT ADDRESS`: a Nebius instance create against the stand-in at ADDRESS (`UnansweredCloud`),
-  which never answers; the demo kills this host with SIGKILL while the create is in flight, as the
-  health check did in incident 000.
-- `restart OUT`: the next start after the kill: `setup()` replays the dead host's journal (its
-  create becomes an interrupted span and a leak candidate), then shuts down.
-- `wedge OUT guard|noguard heal|noheal`: incident 002 in its smallest form (`executor_wedge()`, which
-  the tests run too). A stale `PyThreadState_SetAsyncExc(SystemExit)` aimed at an idle executor
-  worker, then the next request's item.
+- `freeze OUT SECONDS`: a fork handler registered before stallwatch was imported, which the
+  exec-bound guard cannot skip, sleeps SECONDS in the child of one uvloop spawn before exec, while
+  the host's loop thread waits holding the GIL. The watchdog reports it while it lasts.
+- `create OUT ADDRESS`: a Nebius instance create against `UnansweredCloud` at ADDRESS, which never
+  answers; the demo SIGKILLs this host while the create is in flight.
+- `restart OUT`: the next start: `setup()` replays the dead host's journal, then shuts down.
+- `wedge OUT guard|noguard heal|noheal`: `executor_wedge()`, the wedge in its smallest form.
 
-Each prints one JSON line. The runtime never imports this module: it imports uvloop, grpc and
-nebius. `sdk_for()` and `executor_wedge()` are shared with the tests, which import them.
+Each prints one JSON line. The runtime never imports this module (it imports uvloop, grpc and
+nebius); the tests import `sdk_for()` and `executor_wedge()` from it.
 """
 
 from __future__ import annotations

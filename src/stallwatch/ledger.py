@@ -1,35 +1,19 @@
-"""The cloud resource ledger: every create/delete call announces its intent before it is sent, and
-its outcome once known.
+"""The cloud resource ledger: each create/delete announces its intent before it is sent, its outcome once known.
 
-A host killed during a freeze exports nothing it held in memory. Incident 000 left 5 instances
-running for days because nothing recorded that they had been asked for. Instrumentations (Nebius
-today) call `intent()` before the request leaves and `outcome()` when the answer (or the failure)
-is known. The recorder behind this interface is replaceable with `set_recorder()`, so a durable
-one (the journal) can plug in. The default recorder writes one log record per event to the
-`stallwatch.cloud` logger at INFO:
-`cloud resource create requested`, `cloud resource created`, `cloud resource create failed` (WARNING),
-and the same for `delete`.
-Each record carries every id known in its attributes (`stallwatch.cloud.*`) and is emitted inside
-the call's span, so it carries that span's trace and span ids.
-The OpenTelemetry log handler that `setup()` installs exports these records whatever
-`STALLWATCH_LOG_LEVEL` says.
+Instrumentations (Nebius) call `intent()` before the request leaves and `outcome()` when the answer
+or the failure is known; `set_recorder()` plugs in a durable recorder (the journal). The default
+`LogRecorder` writes one record per event to the `stallwatch.cloud` logger (`cloud resource create
+requested`, `... created`, `... create failed` at WARNING, the same for `delete`), with every id
+known as `stallwatch.cloud.*` attributes, in the call's span context; `setup()` exports them
+whatever `STALLWATCH_LOG_LEVEL` says. With the journal's recorder:
 
-What each call must have done before it returns, for a crash to leave the right evidence:
-
-- `intent()`: the record is on disk (the journal's recorder `fdatasync`s it) before the request
-  leaves, so that a host killed mid-call leaves an unconfirmed create for the postmortem. This is
-  the one disk wait a create/delete pays (about 90 µs at the median here).
-- `outcome()`: the record is written (the journal's recorder `pwrite`s it: the page cache keeps it
-  whatever happens to the process) before the caller has the result, and reaches the disk within
-  the journal's flush period (0.1 s) or with the next durable record, whichever comes first. A
-  host that dies after the answer therefore never leaves a false leak candidate; only the
-  machine itself failing within that period can lose an outcome, and the create then shows as
-  unconfirmed (asked for, answer unknown), which is all the disk can tell. The outcome's own
-  `fdatasync` on the critical path doubled a create's overhead (`tests/bench/results/nebius.md`).
-- The log records are telemetry, not evidence: an instrumentation may set `EMIT_LATER` around its
-  `intent()`/`outcome()` calls to have `LogRecorder` hand them over, to be emitted off the call's
-  critical path (the Nebius one emits the intent's record while the request is on the network and
-  the outcome's once the caller has its result). Each keeps the span context it was recorded in.
+- `intent()` returns once the record is on disk, so a host killed mid-call leaves an unconfirmed
+  create for the postmortem: the one disk wait a create/delete pays;
+- `outcome()` returns once the record is written (in the page cache: it survives the process, so a
+  host dying after the answer leaves no false leak candidate); it reaches the disk within the
+  journal's flush period, so only a machine failure then can turn it back into an unconfirmed create;
+- the log records are telemetry, not evidence: under `EMIT_LATER` they are handed over to be
+  emitted off the call's critical path, each in the span context it was recorded in.
 """
 
 from __future__ import annotations

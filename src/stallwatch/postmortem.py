@@ -1,20 +1,15 @@
 """`stallwatch postmortem`: an incident timeline from the telemetry stallwatch left behind.
 
-Inputs are OTLP/JSON, either the `file` exporter's JSON-lines files (`traces.jsonl`, `logs.jsonl`,
-`metrics.jsonl` in `--dir`) or OTLP/JSON documents exported from a trace backend (`--file`: one
-`{"resourceSpans": ...}` / `{"resourceLogs": ...}` document, JSON lines of them, or Tempo's
-`{"batches": [...]}`), and the crash-safe journal (`--journal`, read without replaying it: what
-dead processes left open, their unconfirmed creates and the watchdog's freeze records). Spans
-replayed from a journal (`stallwatch.interrupted`) arrive through the exported files once a
-`setup()` has replayed it.
+Inputs (docs/postmortem.md): the `file` exporter's OTLP/JSON-lines files (`--dir`), OTLP/JSON
+documents exported from a trace backend (`--file`: one document, JSON lines of them, or Tempo's
+`{"batches": [...]}`), and the crash-safe journal (`--journal`, read without replaying it: what dead
+processes left open, their unconfirmed creates and the watchdog's freeze records).
 
-The timeline orders what an on-call engineer looks for: freezes (kind, cause, the child, the
-frozen spawn, outcome), spawns around them (blocked time, loop, method, exit signals), SSH tunnel
+The timeline orders what an on-call engineer looks for: freezes, the spawns around them, SSH tunnel
 failures, Nebius calls and the resource ledger (creates with no recorded outcome are leak
 candidates), executor wedges, timeouts and async-exception interventions. `--format text|json|html`;
-the HTML report is one self-contained file with an SVG timeline (a lane per component, freezes and
-wedges as bands), viewable offline. Plain SVG is written here instead of a plotting library, so
-the report needs nothing beyond the standard library.
+the HTML report is one self-contained file with an SVG timeline, written with the standard library
+alone, and viewable offline.
 """
 
 from __future__ import annotations
