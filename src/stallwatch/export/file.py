@@ -4,8 +4,8 @@ Each export call appends one line holding one OTLP `Export*ServiceRequest` in th
 encoding (lowerCamelCase fields, hex trace/span ids), the same shape the OpenTelemetry
 Collector's file exporter writes, so `jq`, the Collector's `otlpjsonfile` receiver and
 `stallwatch postmortem` can all read it. The SDK has no file exporter. Spans and log records,
-the numerous ones, are written by `span_json` and `log_json` straight from the SDK's objects (about
-5x cheaper than the protobuf route, and checked field by field against it). Metrics (a batch a
+the numerous ones, are written by `span_json` and `log_json` straight from the SDK's objects (cheaper
+than the protobuf route, and checked field by field against it). Metrics (a batch a
 minute by default), and the rare log batch holding something `log_json` does not write itself, take
 that protobuf route: the SDK's OTLP encoder and protobuf's JSON printer (`to_otlp_json`), fixing
 only the id encoding (protobuf prints bytes as base64, OTLP/JSON wants hex). Each line is a single
