@@ -1,26 +1,18 @@
 """paramiko instrumentation: `ssh.connection`, `ssh.command` and `ssh.sftp` spans, with the SSH metrics.
 
-`ParamikoInstrumentor` installs the wrappers when `paramiko` is imported (now, if it already is),
-through a wrapt post-import hook; `setup()` runs it unless `STALLWATCH_INSTRUMENT_SSH=false`.
+`ParamikoInstrumentor` wraps `paramiko` once imported (`setup()` runs it unless `STALLWATCH_INSTRUMENT_SSH=false`);
+a paramiko without the private names it wraps is left untouched, with one WARNING naming the setting.
 
-- `SSHClient.connect`/`close`: the `ssh.connection` span runs from connect to close. A connect that
-  raises ends it at once, in ERROR; `stallwatch.ssh.auth` says whether the server accepted the
-  credentials (absent when the connection failed before: refused, unknown host key, timeout).
-- `Channel.exec_command`: the `ssh.command` span starts before the exec request is sent (so it covers
-  `SSHClient.exec_command` and channels the host opened itself). It ends as soon as the channel knows
-  how the command ended: the server's `exit-status` or `exit-signal` request (seen on paramiko's
-  transport thread, which dispatches it through `Transport._channel_handler_table` to
-  `Channel._handle_request`: the table's entry is wrapped), or else the channel's close
-  (`Channel._set_closed`, through which every close passes: the host's, the server's, the
-  transport's death). `recv_exit_status` would only see the commands whose status the host reads,
-  and paramiko drops `exit-signal`, so a command killed by a signal would read as status -1.
-- `SSHClient.open_sftp`: the `ssh.sftp` span runs until the SFTP channel closes (`SFTPClient.close`
-  closes it).
+- `ssh.connection` runs from `SSHClient.connect` to `close` (a connect that raises ends it in ERROR);
+  `stallwatch.ssh.auth` says whether the server accepted the credentials.
+- `ssh.command` starts before `Channel.exec_command` sends its request and ends as soon as the channel
+  knows how the command ended: the server's `exit-status` or `exit-signal` (its handler-table entry,
+  run on paramiko's transport thread, is wrapped: paramiko drops `exit-signal`, and `recv_exit_status`
+  sees only statuses the host reads), else the channel's close (`Channel._set_closed`, every close).
+- `ssh.sftp` runs from `SSHClient.open_sftp` until the SFTP channel closes.
 
-The private names are checked when paramiko is imported; a paramiko without them is left
-untouched, with one WARNING naming the setting. The destination
-host is scrubbed like a command-line argument; the user name is never recorded, the command line only
-with `STALLWATCH_RECORD_ARGS=true`, scrubbed.
+Recorded: the destination host, scrubbed; the command line only with `STALLWATCH_RECORD_ARGS=true`,
+scrubbed; never the user name.
 """
 
 from __future__ import annotations
