@@ -1,11 +1,10 @@
 """The cloud resource ledger: each create/delete announces its intent before it is sent, its outcome once known.
 
-Instrumentations (Nebius) call `intent()` before the request leaves and `outcome()` when the answer
-or the failure is known; `set_recorder()` plugs in a durable recorder (the journal). The default
-`LogRecorder` writes one record per event to the `stallwatch.cloud` logger (`cloud resource create
-requested`, `... created`, `... create failed` at WARNING, the same for `delete`), with every id
-known as `stallwatch.cloud.*` attributes, in the call's span context; `setup()` exports them
-whatever `STALLWATCH_LOG_LEVEL` says. With the journal's recorder:
+Instrumentations (Nebius) call `intent()` before the request leaves and `outcome()` once the answer
+or the failure is known. The default `LogRecorder` writes one record per event to the
+`stallwatch.cloud` logger (`cloud resource create requested`, `... created`, `... create failed` at
+WARNING, the same for `delete`) with every id known, in the call's span context, exported whatever
+`STALLWATCH_LOG_LEVEL` says. With the journal's recorder (`set_recorder()`):
 
 - `intent()` returns once the record is on disk, so a host killed mid-call leaves an unconfirmed
   create for the postmortem: the one disk wait a create/delete pays;
