@@ -531,6 +531,7 @@ _SEED = (["--password", "ZQseeded"], "ZQseeded")
 @given(variable=st.sampled_from(VARIABLES), value=VALUES, seed=seeded(), where=st.sampled_from(["alone", "in"]))
 @example("STALLWATCH_LOG_LEVEL", "²", _SEED, "alone")  # a digit `int()` refuses
 @example("STALLWATCH_LOG_LEVEL", "9" * 5000, _SEED, "alone")  # more digits than `int()` converts
+@example("STALLWATCH_JOURNAL_DIR", "9" * 5000, _SEED, "alone")  # a path too long to make: its reason names it
 @example("STALLWATCH_FILE_DIR", "~nosuchuser-zz/x", _SEED, "alone")  # `expanduser()` raises
 @example("OTEL_EXPORTER_OTLP_ENDPOINT", "http://[::1", _SEED, "alone")  # `urlsplit()` raises
 @example("STALLWATCH_SCRUB_PATTERNS", "a{99999999999}", _SEED, "alone")  # `re.compile()` overflows
