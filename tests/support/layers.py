@@ -8,11 +8,13 @@ import wrapt
 
 
 def wrapper_layers(owner: object, name: str, module_name: str) -> int:
-    """How many wrapt layers around `owner.name` have their wrapper function defined in `module_name`."""
+    """How many wrapt layers around `owner.name` have their wrapper function defined in `module_name`
+    (a module or a package: its submodules count too)."""
     target = inspect.getattr_static(owner, name)
     layers = 0
     while isinstance(target, getattr(wrapt, "BaseObjectProxy", wrapt.ObjectProxy)):  # FunctionWrapper too
         wrapper = getattr(target, "_self_wrapper", None)
-        layers += getattr(wrapper, "__module__", None) == module_name
+        defined_in = getattr(wrapper, "__module__", None) or ""
+        layers += defined_in == module_name or defined_in.startswith(module_name + ".")
         target = target.__wrapped__
     return layers

@@ -55,12 +55,12 @@ from opentelemetry.instrumentation.utils import unwrap
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from .. import telemetry
-from .._version import __version__
-from ..forksafe import guard
-from ..forksafe.loop import loop_kind
-from . import child_fate, light_span, scrub
-from ._common import (
+from ... import telemetry
+from ..._version import __version__
+from ...forksafe import guard
+from ...forksafe.loop import loop_kind
+from .. import child_fate, light_span, scrub
+from .._common import (
     FAULTS,
     SPAWN_OBSERVER,
     Counts,
@@ -71,7 +71,7 @@ from ._common import (
     signal_name,
     unwrap_method,
 )
-from ._lifecycle import ForkReset, ImportHooks
+from .._lifecycle import ForkReset, ImportHooks
 
 _log = logging.getLogger("stallwatch")
 COMPONENT = "subprocess"
@@ -826,7 +826,7 @@ class SubprocessInstrumentor(BaseInstrumentor):
 
     def _instrument(self, **kwargs: Any) -> None:
         global _state
-        from ..config import ConfigError, Settings
+        from ...config import ConfigError, Settings
 
         try:
             settings = kwargs.get("settings") or Settings.load()
