@@ -6,15 +6,24 @@ import inspect
 
 import wrapt
 
+from stallwatch.forksafe import uvloop_layers
+
+
+def _defined_in(function: object, module_name: str) -> bool:
+    """Whether `function` is defined in `module_name` (a module or a package: its submodules count too)."""
+    defined_in = getattr(function, "__module__", None) or ""
+    return defined_in == module_name or defined_in.startswith(module_name + ".")
+
 
 def wrapper_layers(owner: object, name: str, module_name: str) -> int:
-    """How many wrapt layers around `owner.name` have their wrapper function defined in `module_name`
-    (a module or a package: its submodules count too)."""
+    """How many wrapt layers around `owner.name` have their wrapper function defined in `module_name`,
+    counting the layers composed inside uvloop's spawn wrapper (`forksafe.uvloop_layers`) as layers."""
     target = inspect.getattr_static(owner, name)
     layers = 0
     while isinstance(target, getattr(wrapt, "BaseObjectProxy", wrapt.ObjectProxy)):  # FunctionWrapper too
         wrapper = getattr(target, "_self_wrapper", None)
-        defined_in = getattr(wrapper, "__module__", None) or ""
-        layers += defined_in == module_name or defined_in.startswith(module_name + ".")
+        if _defined_in(wrapper, uvloop_layers.__name__):
+            layers += sum(_defined_in(layer, module_name) for _, layer in uvloop_layers.layers(name))
+        layers += _defined_in(wrapper, module_name)
         target = target.__wrapped__
     return layers

@@ -27,6 +27,7 @@ from typing import Any
 import wrapt
 
 from ..detect import heartbeat
+from . import uvloop_layers
 from .grpc_guard import GrpcActivity
 from .loop import running_loop_kind
 
@@ -316,11 +317,6 @@ def _mark_preexec_popen(
         _exec_bound.reset(token)
 
 
-def _patch_uvloop(module: Any) -> None:
-    for name in ("subprocess_exec", "subprocess_shell"):
-        wrapt.wrap_function_wrapper(module, f"Loop.{name}", _mark_uvloop_spawn(name == "subprocess_shell"))
-
-
 _installed = False
 
 
@@ -338,7 +334,7 @@ def install() -> None:
         register_exit(_interpreter_exiting)
     wrapt.wrap_function_wrapper(os, "register_at_fork", _register_at_fork)
     wrapt.wrap_function_wrapper(subprocess.Popen, "_execute_child", _mark_preexec_popen)
-    wrapt.register_post_import_hook(_patch_uvloop, "uvloop")
+    uvloop_layers.add("guard", _mark_uvloop_spawn(shell=False), _mark_uvloop_spawn(shell=True))
 
 
 def installed() -> bool:

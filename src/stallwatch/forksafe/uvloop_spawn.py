@@ -63,10 +63,9 @@ import subprocess
 import weakref
 from asyncio import base_subprocess, unix_events
 from collections.abc import Awaitable, Callable, Mapping
-from types import ModuleType
 from typing import Any
 
-import wrapt
+from . import uvloop_layers
 
 SETTING = "STALLWATCH_UVLOOP_SPAWN"
 
@@ -367,11 +366,6 @@ def _route(
     return wrapper
 
 
-def _patch_uvloop(module: ModuleType) -> None:
-    wrapt.wrap_function_wrapper(module, "Loop.subprocess_exec", _route(_subprocess_exec))
-    wrapt.wrap_function_wrapper(module, "Loop.subprocess_shell", _route(_subprocess_shell))
-
-
 _installed = False
 _routing = False
 
@@ -383,7 +377,7 @@ def install() -> None:
     if _installed:
         return
     _installed = True
-    wrapt.register_post_import_hook(_patch_uvloop, "uvloop")
+    uvloop_layers.add("route", _route(_subprocess_exec), _route(_subprocess_shell))
 
 
 def disable() -> None:
