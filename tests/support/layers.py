@@ -27,3 +27,18 @@ def wrapper_layers(owner: object, name: str, module_name: str) -> int:
         layers += _defined_in(wrapper, module_name)
         target = target.__wrapped__
     return layers
+
+
+def spawn_layer_modules(loop_class: type, name: str) -> list[str]:
+    """The modules of the wrapper layers on `loop_class.name` (uvloop's spawn method), outermost first,
+    with the layers composed inside `forksafe.uvloop_layers`'s wrapper in their place."""
+    target = inspect.getattr_static(loop_class, name)
+    modules: list[str] = []
+    while isinstance(target, getattr(wrapt, "BaseObjectProxy", wrapt.ObjectProxy)):
+        wrapper = getattr(target, "_self_wrapper", None)
+        if _defined_in(wrapper, uvloop_layers.__name__):
+            modules.extend(layer.__module__ for _, layer in uvloop_layers.layers(name))
+        else:
+            modules.append(getattr(wrapper, "__module__", "?"))
+        target = target.__wrapped__
+    return modules

@@ -366,6 +366,7 @@ def _route(
     return wrapper
 
 
+_ROUTE_EXEC, _ROUTE_SHELL = _route(_subprocess_exec), _route(_subprocess_shell)
 _installed = False
 _routing = False
 
@@ -373,11 +374,8 @@ _routing = False
 def install() -> None:
     """Route uvloop's subprocess_exec/subprocess_shell through Popen from now on (idempotent)."""
     global _installed, _routing
-    _routing = True
-    if _installed:
-        return
-    _installed = True
-    uvloop_layers.add("route", _route(_subprocess_exec), _route(_subprocess_shell))
+    _routing = _installed = True
+    uvloop_layers.add("route", _ROUTE_EXEC, _ROUTE_SHELL)  # puts the layer back if it was removed
 
 
 def disable() -> None:
