@@ -4,8 +4,9 @@ A real `fork()` runs every Python `os.register_at_fork` handler in the child. uv
 every subprocess and runs them although the child only execs (incident 000 in docs/incidents.md; uvloop#749), and so
 does `Popen(preexec_fn=...)`. This module wraps `os.register_at_fork` at `import stallwatch`, so
 each handler registered afterwards is skipped when the fork is *exec-bound*: the fork happens
-inside a uvloop `subprocess_exec`/`subprocess_shell` call or a `Popen` with `preexec_fn`, which
-this module marks with a context variable. Children of a plain `os.fork()` keep every handler.
+inside a uvloop `subprocess_exec`/`subprocess_shell` call (this module's layer in `uvloop_layers`)
+or a `Popen` with `preexec_fn`, which this module marks with a context variable. Children of a plain
+`os.fork()` keep every handler.
 
 It also counts each fork (`stallwatch.fork.count`) with plain integers in the `before` handler:
 no lock and no SDK call happens inside the fork window, where the parent may hold the GIL.
