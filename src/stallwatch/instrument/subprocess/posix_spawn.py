@@ -2,7 +2,7 @@
 `os.waitpid`/`wait`/`wait3`/`wait4` reaps it (checked against the pids spawned here).
 
 A `posix_spawn` inside `Popen` only tells the `Popen`'s span its method. The wait functions return
-what they return for the host; a wait that reaps no child of ours costs one empty-dict check.
+what they return for the host; while no directly spawned child is waiting, they check one empty dict.
 """
 
 from __future__ import annotations
