@@ -33,7 +33,7 @@ METHODS = ("subprocess_exec", "subprocess_shell")
 # Process-wide, as uvloop's `Loop` class is: name -> (subprocess_exec layer, subprocess_shell layer).
 _layers: dict[str, tuple[Layer, Layer]] = {}
 # Per method, innermost first: what a call composes, replaced as a whole on each change (one read per call).
-_stacks: dict[str, tuple[Layer, ...]] = dict.fromkeys(METHODS, ())
+_stacks: dict[str, tuple[tuple[str, Layer], ...]] = dict.fromkeys(METHODS, ())
 _hooked = False
 
 
@@ -56,14 +56,13 @@ def remove(name: str) -> None:
 
 
 def layers(method: str) -> tuple[tuple[str, Layer], ...]:
-    """The layers on `method` now, outermost first, with their names."""
-    index = METHODS.index(method)
-    return tuple((name, _layers[name][index]) for name in ORDER if name in _layers)
+    """The layers a call of `method` composes now, outermost first, with their names."""
+    return _stacks[method][::-1]
 
 
 def _restack() -> None:
     for index, method in enumerate(METHODS):
-        _stacks[method] = tuple(_layers[name][index] for name in reversed(ORDER) if name in _layers)
+        _stacks[method] = tuple((name, _layers[name][index]) for name in reversed(ORDER) if name in _layers)
 
 
 class _Bound:
@@ -83,7 +82,7 @@ def _composer(method: str) -> Layer:
         wrapped: Callable[..., Awaitable[Any]], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Awaitable[Any]:
         call = wrapped
-        for layer in _stacks[method]:
+        for _, layer in _stacks[method]:
             call = _Bound(layer, call, instance)
         return call(*args, **kwargs)  # the outermost layer's coroutine: no await frame of its own
 
