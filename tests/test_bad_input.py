@@ -173,9 +173,9 @@ def test_spawn_attributes_from_any_command_line(argv, seeds, shell, record_args)
     command = ["/usr/bin/tool", *argv[:3], *(word for words, _ in seeds for word in words), *argv[3:]]
     if shell:  # Popen("...", shell=True): one command string
         text = " ".join(str(word) if isinstance(word, str) else "x" for word in command)
-        program, recorded = spawns._popen_command((text,), {"shell": True})
+        program, recorded = spawns.popen_command((text,), {"shell": True})
     else:
-        program, recorded = spawns._popen_command((command,), {"executable": argv[0]})
+        program, recorded = spawns.popen_command((command,), {"executable": argv[0]})
     attributes = _spawn_attributes(record_args, program, recorded)
     method = spawns.popen_method((command,), {"preexec_fn": argv[0], "user": argv[-1]})
 

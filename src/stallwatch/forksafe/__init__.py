@@ -39,8 +39,7 @@ def install() -> ForkSafety:
     error = "; ".join(flags) or None
     grpc_state = grpc_guard.install(grpc_enabled)
     spawn = uvloop_spawn_at_import()
-    # Before the guard, whose uvloop wrappers then sit outside: every uvloop spawn, routed or not, is
-    # marked for the watchdog. Installed either way, so that setup() can switch it with the same layering.
+    # Installed either way, so that setup() can switch it; `uvloop_layers` puts it inside the guard's layer.
     uvloop_spawn.install()
     if spawn == "fork":
         uvloop_spawn.disable()

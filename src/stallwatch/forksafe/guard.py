@@ -4,8 +4,9 @@ A real `fork()` runs every Python `os.register_at_fork` handler in the child. uv
 every subprocess and runs them although the child only execs (incident 000 in docs/incidents.md; uvloop#749), and so
 does `Popen(preexec_fn=...)`. This module wraps `os.register_at_fork` at `import stallwatch`, so
 each handler registered afterwards is skipped when the fork is *exec-bound*: the fork happens
-inside a uvloop `subprocess_exec`/`subprocess_shell` call or a `Popen` with `preexec_fn`, which
-this module marks with a context variable. Children of a plain `os.fork()` keep every handler.
+inside a uvloop `subprocess_exec`/`subprocess_shell` call (this module's layer in `uvloop_layers`)
+or a `Popen` with `preexec_fn`, which this module marks with a context variable. Children of a plain
+`os.fork()` keep every handler.
 
 It also counts each fork (`stallwatch.fork.count`) with plain integers in the `before` handler:
 no lock and no SDK call happens inside the fork window, where the parent may hold the GIL.
@@ -27,6 +28,7 @@ from typing import Any
 import wrapt
 
 from ..detect import heartbeat
+from . import uvloop_layers
 from .grpc_guard import GrpcActivity
 from .loop import running_loop_kind
 
@@ -316,11 +318,6 @@ def _mark_preexec_popen(
         _exec_bound.reset(token)
 
 
-def _patch_uvloop(module: Any) -> None:
-    for name in ("subprocess_exec", "subprocess_shell"):
-        wrapt.wrap_function_wrapper(module, f"Loop.{name}", _mark_uvloop_spawn(name == "subprocess_shell"))
-
-
 _installed = False
 
 
@@ -338,7 +335,7 @@ def install() -> None:
         register_exit(_interpreter_exiting)
     wrapt.wrap_function_wrapper(os, "register_at_fork", _register_at_fork)
     wrapt.wrap_function_wrapper(subprocess.Popen, "_execute_child", _mark_preexec_popen)
-    wrapt.register_post_import_hook(_patch_uvloop, "uvloop")
+    uvloop_layers.add("guard", _mark_uvloop_spawn(shell=False), _mark_uvloop_spawn(shell=True))
 
 
 def installed() -> bool:

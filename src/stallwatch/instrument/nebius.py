@@ -66,6 +66,8 @@ class _Instruments:
     deleted: Any
 
 
+# The instrumentor's instruments while it is on (it holds them too): a module global because the wrappers are
+# module functions that wrapt puts on the SDK's `Request` class, shared by every call.
 _instruments: _Instruments | None = None
 _status = "off (setup() not run, or STALLWATCH_INSTRUMENT_NEBIUS=false)"
 _current: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("stallwatch_nebius_call", default=None)
@@ -515,6 +517,8 @@ class NebiusInstrumentor(BaseInstrumentor):
     Keyword arguments of `instrument()`: `tracer_provider`, `meter_provider` (default: the global ones).
     """
 
+    _instruments: _Instruments | None = None
+
     def instrumentation_dependencies(self) -> Collection[str]:
         return (SUPPORTED_SDK,)
 
@@ -528,7 +532,7 @@ class NebiusInstrumentor(BaseInstrumentor):
             complete_waiting()
             duration.drain()
 
-        _instruments = _Instruments(
+        self._instruments = _instruments = _Instruments(
             tracer=trace.get_tracer(telemetry.INSTRUMENTATION_SCOPE, __version__, kwargs.get("tracer_provider")),
             duration=duration,
             active=Counts(meter_, telemetry.NEBIUS_CALLS_ACTIVE, before=before_collection),
@@ -541,7 +545,7 @@ class NebiusInstrumentor(BaseInstrumentor):
 
     def _uninstrument(self, **kwargs: Any) -> None:
         global _instruments, _status
-        _instruments = None
+        self._instruments = _instruments = None
         ImportHooks.of(self).clear()
         _status = "off (uninstrumented)"
         module = sys.modules.get(REQUEST_MODULE)

@@ -63,6 +63,8 @@ class _State:
     patterns: Sequence[re.Pattern[str]]
 
 
+# The instrumentor's state while it is on (it holds it too): a module global because the wrappers are module
+# functions that wrapt puts on paramiko's classes, shared by every instance.
 _state: _State | None = None
 _lock = threading.Lock()  # guards the maps below: channels end on paramiko's transport thread
 _connections: weakref.WeakKeyDictionary[Any, _Connection] = weakref.WeakKeyDictionary()  # by SSHClient
@@ -379,6 +381,8 @@ class ParamikoInstrumentor(BaseInstrumentor):
     the environment).
     """
 
+    _state: _State | None = None
+
     def instrumentation_dependencies(self) -> Collection[str]:
         return ("paramiko >= 2.7",)
 
@@ -393,7 +397,7 @@ class ParamikoInstrumentor(BaseInstrumentor):
             return
         meter_ = meter(kwargs.get("meter_provider"))
         FAULTS.bind(kwargs.get("meter_provider"))
-        _state = _State(
+        self._state = _state = _State(
             tracer=trace.get_tracer(telemetry.INSTRUMENTATION_SCOPE, __version__, kwargs.get("tracer_provider")),
             connect_duration=Deferred(meter_, telemetry.SSH_CONNECT_DURATION),
             command_duration=Deferred(meter_, telemetry.SSH_COMMAND_DURATION),
@@ -408,7 +412,7 @@ class ParamikoInstrumentor(BaseInstrumentor):
 
     def _uninstrument(self, **kwargs: Any) -> None:
         global _state
-        _state = None
+        self._state = _state = None
         ImportHooks.of(self).clear()
         module = sys.modules.get(MODULE)
         if module is None:

@@ -56,6 +56,7 @@ class _Instruments:
     failures: Any
 
 
+# Module globals, not the instrumentor's: `instrument_tunnel()` works on a tunnel class without the instrumentor.
 _instruments: _Instruments | None = None
 _instruments_meter_provider: Any = None
 _open_tunnels: weakref.WeakSet[Any] = weakref.WeakSet()
