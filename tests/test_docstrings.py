@@ -38,11 +38,9 @@ LONG_DOCSTRING_ALLOWED = {
     "export/shedding.py",
     "export/span_json.py",
     "forksafe/otel_compat.py",
-    "forksafe/uvloop_spawn.py",
     "instrument/executor.py",
     "instrument/histograms.py",
     "instrument/light_span.py",
-    "instrument/subprocess.py",
 }
 FIGURES_ALLOWED = {
     "detect/heartbeat.py",
@@ -53,7 +51,6 @@ FIGURES_ALLOWED = {
     "instrument/executor.py",
     "instrument/histograms.py",
     "instrument/light_span.py",
-    "instrument/subprocess.py",
     "pipeline.py",
 }
 
