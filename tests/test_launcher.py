@@ -22,6 +22,7 @@ import pytest
 
 from conftest import attrs, clean_env, latest_total, otlp_items, read_jsonl
 from otlp_receiver import Receiver, otlp_received
+from stallwatch.session import HOST_PROVIDERS_GRACE
 from support.served import Served
 from support.waiting import wait_until
 
@@ -184,7 +185,7 @@ def _resources(path: Path) -> list[dict]:
 WARNING = "STALLWATCH_PROVIDERS=host, but the host has installed no OpenTelemetry tracer or meter provider"
 
 
-def test_host_providers_that_never_appear_get_one_line_at_stallwatchs_first_record_and_installed_ones_none(tmp_path):
+def test_host_providers_that_never_appear_get_one_line_and_ones_installed_even_after_the_first_record_none(tmp_path):
     spawn_twice = "import subprocess\nsubprocess.run(['true'])\nsubprocess.run(['true'])\n"
     install = textwrap.dedent("""\
         from opentelemetry import metrics, trace
@@ -194,11 +195,25 @@ def test_host_providers_that_never_appear_get_one_line_at_stallwatchs_first_reco
         metrics.set_meter_provider(MeterProvider())
     """)
     env = launcher_env(tmp_path, STALLWATCH_PROVIDERS="host")
-    for host, lines in ((spawn_twice, 1), (install + spawn_twice, 0)):
+    for host, lines in ((spawn_twice, 1), (install + spawn_twice, 0), (spawn_twice + install + spawn_twice, 0)):
         run = subprocess.run(
             [STALLWATCH, "run", "--", "python", "-c", host], env=env, capture_output=True, text=True, timeout=60
         )
         assert run.returncode == 0 and run.stderr.count(WARNING) == lines, run.stderr
+
+
+def test_a_host_that_runs_on_without_providers_gets_the_one_line_while_it_runs(tmp_path):
+    spawn_on = "import subprocess, time\nwhile True:\n    subprocess.run(['true'])\n    time.sleep(0.5)\n"
+    served = Served(
+        [STALLWATCH, "run", "--", "python", "-c", spawn_on], env=launcher_env(tmp_path, STALLWATCH_PROVIDERS="host")
+    )
+    try:
+        served.wait_for(WARNING, timeout=HOST_PROVIDERS_GRACE + 60)
+        served.process.send_signal(signal.SIGTERM)
+        assert served.finish() == -signal.SIGTERM
+    finally:
+        served.kill()
+    assert served.stderr().count(WARNING) == 1, served.stderr()
 
 
 def _dstack_otel_env(tmp_path: Path, receiver: Receiver, **extra: str) -> dict[str, str]:
