@@ -5,8 +5,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 import pytest
+from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
@@ -71,3 +73,23 @@ def otlp_metric_names(receiver: Receiver) -> set[str]:
         for sm in rm.scope_metrics
         for metric in sm.metrics
     }
+
+
+_SIGNALS = {
+    "spans": ("/v1/traces", ExportTraceServiceRequest, "resource_spans", "scope_spans", "spans"),
+    "metrics": ("/v1/metrics", ExportMetricsServiceRequest, "resource_metrics", "scope_metrics", "metrics"),
+    "logs": ("/v1/logs", ExportLogsServiceRequest, "resource_logs", "scope_logs", "log_records"),
+}
+
+
+def otlp_received(receiver: Receiver, kind: str) -> list[tuple[dict[str, str], str, Any]]:
+    """Every span, metric or log record (`kind`) the receiver got, each with its resource's string
+    attributes and its instrumentation scope's name: which process and which provider sent it."""
+    path, request_type, resources, scopes, items = _SIGNALS[kind]
+    received = []
+    for body in receiver.bodies(path):
+        for resource in getattr(request_type.FromString(body), resources):
+            attributes = {a.key: a.value.string_value for a in resource.resource.attributes}
+            for scope in getattr(resource, scopes):
+                received.extend((attributes, scope.scope.name, item) for item in getattr(scope, items))
+    return received

@@ -238,7 +238,8 @@ OPTIONS: tuple[Option, ...] = (
         "`stallwatch`",
         "`stallwatch` builds and installs the tracer/meter/logger providers; `host` leaves that to "
         "the host (stallwatch reports through whatever the host installs; the host's providers "
-        "are still made fork-aware).",
+        "are still made fork-aware, and flushed at a SIGTERM stop). The freeze watchdog, a process of its "
+        "own, keeps stallwatch's.",
     ),
     Option(
         "STALLWATCH_FILE_DIR",

@@ -345,3 +345,15 @@ class _LabellingCollector:
         for family in self._stock.collect():
             family.samples = [sample._replace(labels={**self._labels, **sample.labels}) for sample in family.samples]
             yield family
+
+
+def logging_handler_provider(handler: logging.Handler) -> Any | None:
+    """The logger provider an OpenTelemetry logging handler exports through, or None for any other handler.
+
+    Both handler classes keep it as `_logger_provider`: the SDK's `opentelemetry.sdk._logs.LoggingHandler`
+    (every version) and `opentelemetry.instrumentation.logging.handler.LoggingHandler` (0.61b0+, where the
+    SDK's moved; dstack's `DSTACK_OTEL_LOGS_ENABLED` uses it). Their public `flush()` cannot be waited for.
+    """
+    if not type(handler).__module__.startswith("opentelemetry."):
+        return None
+    return getattr(handler, "_logger_provider", None)

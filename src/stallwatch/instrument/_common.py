@@ -110,23 +110,27 @@ class Faults:
 
 FAULTS = Faults()
 
-_first_record_checks: list[Callable[[], None]] = []
+_first_record_checks: list[Callable[[], bool]] = []
 
 
-def on_first_record(check: Callable[[], None]) -> None:
-    """Run `check` once, at the first span or measurement stallwatch records through a provider that
-    is not an SDK's (so far only the host's, with STALLWATCH_PROVIDERS=host)."""
+def on_first_record(check: Callable[[], bool]) -> None:
+    """Run `check` at the first span or measurement stallwatch records through a provider that is not
+    an SDK's (so far only the host's, with STALLWATCH_PROVIDERS=host), and at each later one until it
+    returns True (decided)."""
     _first_record_checks.append(check)
 
 
 def first_record() -> None:
-    """Where stallwatch records through a provider that may not be an SDK's: the checks, once."""
+    """Where stallwatch records through a provider that may not be an SDK's: the undecided checks."""
+    undecided = []
     while _first_record_checks:
         try:
             check = _first_record_checks.pop()  # atomic: two threads never run the same check
         except IndexError:
-            return
-        check()
+            break
+        if not check():
+            undecided.append(check)
+    _first_record_checks.extend(undecided)
 
 
 # How a Sentry user turns stallwatch's events off, as `Faults.record`'s `setting` and `off`.
