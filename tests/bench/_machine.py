@@ -1,5 +1,6 @@
-"""What the benchmarks share: the machine description written next to every result, and a clean
-environment for the fresh interpreters they start."""
+"""What the benchmarks share: the machine description written next to every result, a clean environment
+for the fresh interpreters they start, the loopback receiver their exporters send to and the stock
+OpenTelemetry set-up they compare with."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import os
 import platform
 import subprocess
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -68,3 +71,66 @@ def machine_info(versioned: tuple[str, ...]) -> dict[str, Any]:
         ),
         "versions": versions,
     }
+
+
+class _Answer200(BaseHTTPRequestHandler):
+    """Reads any POST or PUT (OTLP/HTTP exports, Sentry envelopes, ddtrace payloads) and answers 200, empty."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_PUT = do_POST
+
+    def log_message(self, format: str, *args: object) -> None:
+        return
+
+
+class LoopbackReceiver(ThreadingHTTPServer):
+    """A receiver on 127.0.0.1 that answers 200 to everything sent to it, served by a thread of this process
+    from construction until `close()`."""
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _Answer200)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        """Where to send (OTEL_EXPORTER_OTLP_ENDPOINT, a Sentry DSN's host, DD_TRACE_AGENT_URL)."""
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def close(self) -> None:
+        self.shutdown()
+        self.server_close()
+
+
+def install_stock_otlp(logging_handler: bool = False) -> None:
+    """The set-up a user writes without stallwatch, installed globally: TracerProvider + BatchSpanProcessor,
+    MeterProvider + PeriodicExportingMetricReader and LoggerProvider + BatchLogRecordProcessor, each with the
+    OTLP/HTTP exporter (configured by the OTEL_EXPORTER_OTLP_* environment); with `logging_handler`, an
+    OpenTelemetry LoggingHandler on the root logger too. Imports OpenTelemetry when called."""
+    import logging
+
+    from opentelemetry import _logs, metrics, trace
+    from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk._logs import LoggerProvider, LoggingHandler
+    from opentelemetry.sdk._logs.export import BatchLogRecordProcessor
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    trace.set_tracer_provider(tracer_provider)
+    metrics.set_meter_provider(MeterProvider(metric_readers=[PeriodicExportingMetricReader(OTLPMetricExporter())]))
+    logger_provider = LoggerProvider()
+    logger_provider.add_log_record_processor(BatchLogRecordProcessor(OTLPLogExporter()))
+    _logs.set_logger_provider(logger_provider)
+    if logging_handler:
+        logging.getLogger().addHandler(LoggingHandler(logger_provider=logger_provider))

@@ -73,11 +73,10 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from _machine import clean_env, machine_info, raw_path
+from _machine import LoopbackReceiver, clean_env, install_stock_otlp, machine_info, raw_path
 
 CONFIGS = ("no_otel", "otel_no_fork_hooks", "stock_otel", "stallwatch", "asyncio")
 RSS_BYTES = {"rss0": 0, "rss1g": 1 << 30}
@@ -348,25 +347,10 @@ def incident_setup(config: str, receiver: str) -> Any:
 
         return None
     if config == "stock_otel":
-        from opentelemetry import _logs, metrics, trace
-        from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
-        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry import trace
         from opentelemetry.instrumentation.grpc import GrpcAioInstrumentorClient
-        from opentelemetry.sdk._logs import LoggerProvider
-        from opentelemetry.sdk._logs.export import BatchLogRecordProcessor
-        from opentelemetry.sdk.metrics import MeterProvider
-        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-        tracer_provider = TracerProvider()
-        tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-        trace.set_tracer_provider(tracer_provider)
-        metrics.set_meter_provider(MeterProvider(metric_readers=[PeriodicExportingMetricReader(OTLPMetricExporter())]))
-        logger_provider = LoggerProvider()
-        logger_provider.add_log_record_processor(BatchLogRecordProcessor(OTLPLogExporter()))
-        _logs.set_logger_provider(logger_provider)
+        install_stock_otlp()
         GrpcAioInstrumentorClient().instrument()
         tracer = trace.get_tracer("bench_spawn")
         return lambda: tracer.start_as_current_span("spawn")
@@ -430,26 +414,10 @@ def incident_worker(config: str, port: int, seconds: float, receiver: str) -> di
     return {"config": config, "uvloop_spawn": spawn_mode, "vm_rss_mb": vm_rss_mb(), **result}
 
 
-class _Answer200(BaseHTTPRequestHandler):
-    """The loopback receiver: takes OTLP/HTTP exports, Sentry envelopes and ddtrace payloads."""
-
-    def do_POST(self) -> None:
-        self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        self.send_response(200)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    do_PUT = do_POST
-
-    def log_message(self, format: str, *args: object) -> None:
-        return
-
-
 def run_incident(rounds: int, seconds: float, out: Path) -> str:
     info = machine_info((*VERSIONED, "sentry-sdk", "ddtrace", "opentelemetry-instrumentation-grpc"))
-    receiver = ThreadingHTTPServer(("127.0.0.1", 0), _Answer200)
-    threading.Thread(target=receiver.serve_forever, daemon=True).start()
-    endpoint = f"http://127.0.0.1:{receiver.server_address[1]}"
+    receiver = LoopbackReceiver()
+    endpoint = receiver.url
     server = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--echo-server"],
                               stdout=subprocess.PIPE, text=True, env=clean_env())  # fmt: skip
     runs = []
@@ -480,7 +448,7 @@ def run_incident(rounds: int, seconds: float, out: Path) -> str:
     finally:
         server.kill()
         server.wait()
-        receiver.shutdown()
+        receiver.close()
     info["loadavg_after"] = Path("/proc/loadavg").read_text().split()[:3]
     rows = {}
     for config in INCIDENT_CONFIGS:
