@@ -1,20 +1,25 @@
 """What the benchmarks share: the machine description written next to every result, a clean environment
-for the fresh interpreters they start, the loopback receiver their exporters send to and the stock
-OpenTelemetry set-up they compare with."""
+for the fresh interpreters they start, the interleaved order they run them in and how they read their
+results, the loopback receiver their exporters send to and the stock OpenTelemetry set-up they compare
+with."""
 
 from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+T = TypeVar("T")
 HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent
 if str(TESTS) not in sys.path:  # the benchmarks share the tests' `support` package (the fake Nebius server)
@@ -35,6 +40,28 @@ def clean_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "STALLWATCH_", "GRPC_"))}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
     return env
+
+
+def rotated(items: Sequence[T], rounds: int) -> Iterator[tuple[int, T]]:
+    """(round, item) in run order: every round runs all `items`, in an order rotated by one per round, so
+    that background noise on a shared machine hits each of them alike."""
+    for number in range(rounds):
+        shift = number % len(items)
+        for item in [*items[shift:], *items[:shift]]:
+            yield number, item
+
+
+def worker_result(proc: subprocess.CompletedProcess[str], what: str) -> dict[str, Any]:
+    """The JSON object a finished worker (a fresh interpreter) printed last; RuntimeError naming `what`, with
+    the end of its stderr, if it failed."""
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def p99(samples: list[float]) -> float:
+    """The 99th percentile of `samples` (the inclusive method: it stays within their range)."""
+    return statistics.quantiles(samples, n=100, method="inclusive")[98]
 
 
 def machine_info(versioned: tuple[str, ...]) -> dict[str, Any]:

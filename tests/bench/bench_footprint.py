@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _machine import LoopbackReceiver, clean_env, install_stock_otlp, machine_info
+from _machine import LoopbackReceiver, clean_env, install_stock_otlp, machine_info, rotated, worker_result
 
 CONFIGS = ("bare", "stock", "stallwatch")
 BASELINE = "stock"
@@ -110,9 +110,7 @@ def run_worker(config: str, endpoint: str) -> dict[str, Any]:
     }
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", config]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"worker {config} failed ({proc.returncode}):\n{proc.stderr}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return worker_result(proc, f"worker {config}")
 
 
 FIGURES = ("setup_ms", "host_rss_mib", "host_pss_mib", "host_threads", "total_pss_mib", "total_rss_mib")
@@ -183,13 +181,11 @@ def benchmark(rounds: int, out: Path) -> str:
     endpoint = receiver.url
     runs = []
     try:
-        for number in range(rounds):
-            shift = number % len(CONFIGS)
-            for config in CONFIGS[shift:] + CONFIGS[:shift]:
-                run = run_worker(config, endpoint) | {"round": number}
-                runs.append(run)
-                print(f"round {number} {config:<10} setup {run['setup_ms']:6.0f} ms, total PSS "
-                      f"{run['total_pss_mib']:5.1f} MiB, {run['host_threads']} threads", file=sys.stderr)  # fmt: skip
+        for number, config in rotated(CONFIGS, rounds):
+            run = run_worker(config, endpoint) | {"round": number}
+            runs.append(run)
+            print(f"round {number} {config:<10} setup {run['setup_ms']:6.0f} ms, total PSS "
+                  f"{run['total_pss_mib']:5.1f} MiB, {run['host_threads']} threads", file=sys.stderr)  # fmt: skip
     finally:
         receiver.close()
     info["loadavg_after"] = Path("/proc/loadavg").read_text().split()[:3]

@@ -76,7 +76,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from _machine import LoopbackReceiver, clean_env, install_stock_otlp, machine_info, raw_path
+from _machine import (
+    LoopbackReceiver,
+    clean_env,
+    install_stock_otlp,
+    machine_info,
+    p99,
+    raw_path,
+    rotated,
+    worker_result,
+)
 
 CONFIGS = ("no_otel", "otel_no_fork_hooks", "stock_otel", "stallwatch", "asyncio")
 RSS_BYTES = {"rss0": 0, "rss1g": 1 << 30}
@@ -207,18 +216,14 @@ def worker(config: str, rss: str, spawns: int) -> dict[str, Any]:
 def run_worker(config: str, rss: str, spawns: int) -> dict[str, Any]:
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", config, rss, str(spawns)]
     proc = subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=900, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"worker {config} {rss} failed ({proc.returncode}):\n{proc.stderr}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return worker_result(proc, f"worker {config} {rss}")
 
 
 def schedule(rss_variants: list[str], rounds: int) -> Iterator[tuple[int, str, str]]:
     """(round, config, rss) in run order: every round runs all pairs, rotated by one per round."""
     pairs = [(config, rss) for rss in rss_variants for config in CONFIGS]
-    for number in range(rounds):
-        shift = number % len(pairs)
-        for config, rss in pairs[shift:] + pairs[:shift]:
-            yield number, config, rss
+    for number, (config, rss) in rotated(pairs, rounds):
+        yield number, config, rss
 
 
 @dataclass
@@ -233,10 +238,6 @@ class Row:
     p50_ratio: float = float("nan")
     p99_ratio: float = float("nan")
     p50_floor_ratio: float = float("nan")
-
-
-def p99(samples: list[float]) -> float:
-    return statistics.quantiles(samples, n=100, method="inclusive")[98]
 
 
 def summarize(runs: list[dict[str, Any]], rss_variants: list[str]) -> list[Row]:
@@ -423,28 +424,24 @@ def run_incident(rounds: int, seconds: float, out: Path) -> str:
     runs = []
     try:
         port = int(server.stdout.readline())
-        for number in range(rounds):
-            shift = number % len(INCIDENT_CONFIGS)
-            for config in INCIDENT_CONFIGS[shift:] + INCIDENT_CONFIGS[:shift]:
-                env = clean_env() | {
-                    "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
-                    "OTEL_TRACES_EXPORTER": "otlp",
-                    "OTEL_METRICS_EXPORTER": "otlp",
-                    "OTEL_LOGS_EXPORTER": "otlp",
-                    "STALLWATCH_UVLOOP_SPAWN": "vfork",
-                    "DD_TRACE_AGENT_URL": endpoint,
-                    "DD_INSTRUMENTATION_TELEMETRY_ENABLED": "false",
-                    "DD_REMOTE_CONFIGURATION_ENABLED": "false",
-                }
-                command = [sys.executable, str(Path(__file__).resolve()), "--incident-worker", config, str(port),
-                           str(seconds), endpoint]  # fmt: skip
-                proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=seconds + 300)
-                if proc.returncode != 0:
-                    raise RuntimeError(f"worker {config} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-                run = json.loads(proc.stdout.strip().splitlines()[-1]) | {"round": number}
-                runs.append(run)
-                print(f"round {number} {config:<10} p50 {statistics.median(run['spawn_ms']):6.2f} ms, "
-                      f"{len(run['spawn_ms'])} spawns, {run['rpc_calls']} calls", file=sys.stderr)  # fmt: skip
+        for number, config in rotated(INCIDENT_CONFIGS, rounds):
+            env = clean_env() | {
+                "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+                "OTEL_TRACES_EXPORTER": "otlp",
+                "OTEL_METRICS_EXPORTER": "otlp",
+                "OTEL_LOGS_EXPORTER": "otlp",
+                "STALLWATCH_UVLOOP_SPAWN": "vfork",
+                "DD_TRACE_AGENT_URL": endpoint,
+                "DD_INSTRUMENTATION_TELEMETRY_ENABLED": "false",
+                "DD_REMOTE_CONFIGURATION_ENABLED": "false",
+            }
+            command = [sys.executable, str(Path(__file__).resolve()), "--incident-worker", config, str(port),
+                       str(seconds), endpoint]  # fmt: skip
+            proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=seconds + 300)
+            run = worker_result(proc, f"worker {config}") | {"round": number}
+            runs.append(run)
+            print(f"round {number} {config:<10} p50 {statistics.median(run['spawn_ms']):6.2f} ms, "
+                  f"{len(run['spawn_ms'])} spawns, {run['rpc_calls']} calls", file=sys.stderr)  # fmt: skip
     finally:
         server.kill()
         server.wait()
