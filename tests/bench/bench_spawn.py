@@ -325,17 +325,9 @@ ECHO = "/bench.Echo/Echo"
 
 def echo_server() -> None:
     """The gRPC server the callers call (its own process): echoes every request; prints its port."""
-    from concurrent import futures
+    from support.grpc_echo import start_echo_server
 
-    import grpc
-
-    handler = grpc.method_handlers_generic_handler(
-        "bench.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(lambda request, context: request)}
-    )
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+    server, port = start_echo_server("bench.Echo")
     print(port, flush=True)
     server.wait_for_termination()
 
