@@ -181,30 +181,18 @@ def host_calls():
 DSTACK_TUNNEL = """
 from pathlib import Path
 from dstack._internal.core.services.ssh import tunnel as tunnel_module
-from dstack._internal.utils.path import FilePath
+from support.ssh_tunnels import get_through, loopback_tunnel
 
 USER, HOST, PORT, IDENTITY, HTTP_PORT, SOCK_DIR = sys.argv[1:]
 runs = iter(range(100))
 
 def make(sock):
-    return tunnel_module.SSHTunnel(
-        destination=f"{USER}@{HOST}", port=int(PORT), identity=FilePath(IDENTITY), batch_mode=True,
-        forwarded_sockets=[tunnel_module.SocketPair(
-            local=tunnel_module.UnixSocket(sock), remote=tunnel_module.IPSocket("localhost", int(HTTP_PORT)))],
-    )
-
-async def get(path):
-    reader, writer = await asyncio.open_unix_connection(str(path))
-    writer.write(b"GET / HTTP/1.1\\r\\nHost: localhost\\r\\nConnection: close\\r\\n\\r\\n")
-    await writer.drain()
-    response = await asyncio.wait_for(reader.read(), 10)
-    writer.close()
-    return response.partition(b"\\r\\n\\r\\n")[2].decode()
+    return loopback_tunnel(USER, HOST, PORT, IDENTITY, HTTP_PORT, sock)
 
 async def session(sock):
     tunnel = make(sock)
     await tunnel.aopen()
-    body = await get(sock)
+    body = await get_through(sock)
     checked = await tunnel.acheck()
     said = await tunnel.aexec("echo hi")
     await tunnel.aclose()

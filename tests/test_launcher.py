@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from conftest import attrs, clean_env, latest_total, otlp_items, read_jsonl
-from otlp_receiver import Receiver, otlp_received
+from otlp_receiver import Receiver, otlp_received_from
 from stallwatch.session import HOST_PROVIDERS_GRACE
 from support.served import Served
 from support.waiting import wait_until
@@ -255,7 +255,7 @@ def _once_each(received: list[tuple[dict[str, str], str, Any]], key: Callable[[A
 
 
 def _log_bodies(receiver: Receiver) -> Counter[str]:
-    return Counter(record.body.string_value for _, _, record in otlp_received(receiver, "logs"))
+    return Counter(record.body.string_value for _, _, record in otlp_received_from(receiver, "/v1/logs"))
 
 
 RUNNING = "The dstack server .* is running at"
@@ -268,7 +268,7 @@ def test_dstack_with_host_providers_exports_stallwatchs_records_through_its_own_
     env = _dstack_otel_env(tmp_path, receiver, STALLWATCH_PROVIDERS="host")
     stderr = _serve_dstack_then_sigterm(tmp_path, env, before_stop=lambda: None)
     assert WARNING not in stderr  # dstack installs its providers after its first spawns: not "nothing exported"
-    spans = otlp_received(receiver, "spans")
+    spans = otlp_received_from(receiver, "/v1/traces")
     _once_each(spans, lambda span: span.span_id)
     # The watchdog's spans (a freeze while dstack imports, on a loaded machine) come with a resource of its own.
     host = [resource for resource, _, _ in spans if resource.get("stallwatch.process.role") != "watchdog"]
@@ -277,7 +277,7 @@ def test_dstack_with_host_providers_exports_stallwatchs_records_through_its_own_
     scopes = {scope for _, scope, _ in spans}
     assert {"stallwatch", "dstack.server"} <= scopes, scopes
     assert "ssh" in {span.name for resource, scope, span in spans if scope == "stallwatch" and resource == host[0]}
-    senders = {frozenset(resource.items()) for resource, scope, _ in otlp_received(receiver, "metrics")
+    senders = {frozenset(resource.items()) for resource, scope, _ in otlp_received_from(receiver, "/v1/metrics")
                if scope == "stallwatch"}  # fmt: skip
     roles = Counter(dict(sender).get("stallwatch.process.role", "host") for sender in senders)
     assert roles == {"host": 1, "watchdog": 1}, senders  # the watchdog exports with providers of its own
@@ -303,14 +303,14 @@ def test_dstack_beside_stallwatchs_own_providers_exports_every_record_once_and_f
 
     stderr = _serve_dstack_then_sigterm(tmp_path, env, before_stop=exported_at_start)
     assert WARNING not in stderr
-    spans = otlp_received(receiver, "spans")
+    spans = otlp_received_from(receiver, "/v1/traces")
     _once_each(spans, lambda span: span.span_id)
     scopes = {scope for _, scope, _ in spans}
     assert {"stallwatch", "dstack.server", "opentelemetry.instrumentation.fastapi"} <= scopes, scopes
     assert "ssh" in {span.name for _, scope, span in spans if scope == "stallwatch"}
-    metric_scopes = {scope for _, scope, _ in otlp_received(receiver, "metrics")}
+    metric_scopes = {scope for _, scope, _ in otlp_received_from(receiver, "/v1/metrics")}
     assert {"stallwatch", "dstack.server"} <= metric_scopes, metric_scopes
-    logs = otlp_received(receiver, "logs")
+    logs = otlp_received_from(receiver, "/v1/logs")
     running = [resource for resource, _, record in logs if re.search(RUNNING, record.body.string_value)]
     assert len(running) == 1, _log_bodies(receiver)
     assert "service.version" in running[0], running  # dstack's resource: its own handler exported the line
