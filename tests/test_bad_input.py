@@ -28,14 +28,14 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from conftest import otlp_items, run_python
-from stallwatch import config, ledger, telemetry
+from stallwatch import config, telemetry
 from stallwatch.config import Settings
+from stallwatch.core.faults import Counts, Deferred, instrument
+from stallwatch.core.scrub import MAX_ARG_CHARS, MAX_ARGS, MAX_NAME_CHARS, TRUNCATED, clip_text, scrub_text
 from stallwatch.instrument import executor as executor_module
 from stallwatch.instrument import nebius, ssh
 from stallwatch.instrument import subprocess as spawns
-from stallwatch.instrument._common import Counts, Deferred, instrument
-from stallwatch.instrument.scrub import MAX_ARG_CHARS, MAX_ARGS, MAX_NAME_CHARS, TRUNCATED, clip_text, scrub_text
-from stallwatch.journal import Journal, JournalRecorder, read_segment
+from stallwatch.journal import Journal, JournalRecorder, ledger, read_segment
 
 EXAMPLES = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

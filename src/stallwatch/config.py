@@ -789,7 +789,7 @@ def _accepted_at_import(variable: str) -> str:
 
 
 def _scrubbed(exc: Exception) -> str:
-    from .instrument.scrub import scrub_text
+    from .core.scrub import scrub_text
 
     return str(scrub_text(str(exc)))
 
@@ -908,7 +908,7 @@ def _shown(value: object) -> str:
     """A bad value as its error shows it: its repr, with secrets (a password in an endpoint URL, a token in
     the resource attributes) redacted and a long value cut, since the error goes to the host's log.
     Never raises, whatever the object's `__repr__` does."""
-    from .instrument.scrub import scrub_text
+    from .core.scrub import scrub_text
 
     if isinstance(value, str):
         return repr(scrub_text(value))
@@ -944,7 +944,7 @@ def _parse_keyword(value: Any, name: str, parse: Callable[[str, str], Any]) -> A
 
 
 def _patterns(text: str, name: str) -> tuple[re.Pattern[str], ...]:
-    from .instrument.scrub import compile_patterns
+    from .core.scrub import compile_patterns
 
     try:
         return compile_patterns(text, name)

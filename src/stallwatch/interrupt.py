@@ -210,8 +210,8 @@ def _refused(ident: int, exc_type: Any) -> None:
     """Report a refused raw call (outside LOCK: Sentry's client runs the host's `before_send`)."""
     from opentelemetry import trace
 
-    from .instrument._common import to_sentry
-    from .instrument.scrub import MAX_NAME_CHARS, scrub_text
+    from .core.faults import to_sentry
+    from .core.scrub import MAX_NAME_CHARS, scrub_text
 
     name = getattr(exc_type, "__name__", None) or scrub_text(exc_type, MAX_NAME_CHARS)
     message = (
@@ -235,7 +235,7 @@ def _refused(ident: int, exc_type: Any) -> None:
 
 def install(meter_: Any, guard_raw_calls: bool) -> None:
     """Create the counters; with `guard_raw_calls`, scope raw ctypes calls aimed at workers."""
-    from .instrument._common import instrument
+    from .core.faults import instrument
 
     for metric in (
         telemetry.ASYNC_EXC_INJECTED,

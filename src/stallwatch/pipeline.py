@@ -42,9 +42,12 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider, sampling
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SpanExportResult
 
-from . import background, telemetry
+from . import telemetry
 from ._version import __version__
 from .config import ConfigError, Settings
+from .core import background, histograms
+from .core.faults import FAULTS, instrument, meter
+from .core.scrub import scrub_text
 from .export import log_bridge
 from .export.file import FileLogExporter, FileMetricExporter, FileSpanExporter
 from .export.guarded import (
@@ -61,10 +64,7 @@ from .export.scrapes import ScrapeCounter
 from .export.shedding import SheddingTracerProvider, exemplar_filter
 from .forksafe import grpc_guard, guard, otel_compat
 from .forksafe.loop import package_version
-from .instrument import histograms
-from .instrument._common import FAULTS, instrument, meter
-from .instrument.scrub import scrub_text
-from .ledger import LOGGER_NAME as LEDGER_LOGGER
+from .journal.ledger import LOGGER_NAME as LEDGER_LOGGER
 
 _log = logging.getLogger("stallwatch")
 _HTTP_PATHS = {"traces": "v1/traces", "metrics": "v1/metrics", "logs": "v1/logs"}

@@ -23,7 +23,7 @@ name (`handover()`, in a 0600 file next to its heartbeat file) and the watchdog 
 once, while the host is still frozen (`capture_for_host`).
 
 This module imports sentry_sdk: the rest of stallwatch imports it only once the host has imported
-sentry_sdk itself (`instrument._common.to_sentry`).
+sentry_sdk itself (`core.faults.to_sentry`).
 """
 
 from __future__ import annotations

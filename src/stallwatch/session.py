@@ -188,8 +188,8 @@ def _start(fork_safety: ForkSafety, overrides: dict[str, Any]) -> Session:
             return Session(settings, fork_safety, error=str(exc) if isinstance(exc, ConfigError) else repr(exc))
     config.report(settings.problems)
     if settings.providers == "host":
+        from .core.faults import on_first_record
         from .export import exit_check
-        from .instrument._common import on_first_record
 
         exit_check.check_host_providers()  # before any instrumentor asks for a tracer
         on_first_record(_warn_when_the_host_exports_nothing)
@@ -197,8 +197,8 @@ def _start(fork_safety: ForkSafety, overrides: dict[str, Any]) -> Session:
     _instrument(settings)
     journal = _start_journal(settings) if settings.journal else None
     if watchdog is not None:
+        from .core.faults import instrument, meter
         from .detect import heartbeat
-        from .instrument._common import instrument, meter
 
         heartbeat.start(
             watchdog[0],
@@ -232,7 +232,7 @@ def _warn_when_the_host_exports_nothing() -> None:
 def _register_instruments() -> None:
     """Fork metrics, read from plain counters at collection time (never inside a fork), and the
     count of stallwatch's own faults (the journal's and the watchdog's, whatever is instrumented)."""
-    from .instrument._common import FAULTS
+    from .core.faults import FAULTS
 
     meter = metrics.get_meter(telemetry.INSTRUMENTATION_SCOPE, __version__)
     FAULTS.bind()
@@ -278,7 +278,7 @@ def _start_journal(settings: Settings) -> Any:
     from opentelemetry.sdk.trace import TracerProvider
 
     from . import journal
-    from .instrument._common import FAULTS, instrument, meter
+    from .core.faults import FAULTS, instrument, meter
 
     problem = (
         f"cannot use the journal in {settings.journal_dir}; the host goes on without the records it could not "

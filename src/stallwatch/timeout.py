@@ -44,7 +44,7 @@ COMPONENT, SETTING = "executor", "STALLWATCH_INSTRUMENT_EXECUTOR"  # what counts
 
 def _fault() -> None:
     """Call from an `except Exception` block: the host's timeout or wait goes ahead unchanged."""
-    from .instrument._common import FAULTS  # the common helpers import this module's users
+    from .core.faults import FAULTS  # the common helpers import this module's users
 
     FAULTS.record(COMPONENT, SETTING)
 
@@ -246,7 +246,7 @@ async def _timeout_exit(wrapped: Any, instance: Any, args: tuple[Any, ...], kwar
 
 def install(meter_: Any) -> None:
     """Create the execution-timeout instruments and count asyncio timeouts by call site."""
-    from .instrument._common import Deferred, instrument  # the common helpers import this module's users
+    from .core.faults import Deferred, instrument  # the common helpers import this module's users
 
     for metric in (telemetry.EXECUTION_TIMEOUTS, telemetry.ASYNCIO_TIMEOUTS):
         _instruments[metric.name] = instrument(meter_, metric)

@@ -40,10 +40,10 @@ from typing import Any
 
 from opentelemetry.trace import get_current_span
 
-from .. import background
 from .._private import opener
-from ..instrument._common import first_record
-from ..instrument.scrub import scrub_value
+from ..core import background
+from ..core.faults import first_record
+from ..core.scrub import scrub_value
 
 MAGIC = b"SWHB0002"
 # magic, host pid, flags, interpreter ns, loop ns, spawn-start ns, loop kind, watchdog pid, spawn
@@ -408,7 +408,7 @@ class _InterpreterBeats:
                 self.handed = _hand_over_sentry(area, self.handed)
                 _check_watchdog(area)
         except Exception:
-            from ..instrument._common import FAULTS
+            from ..core.faults import FAULTS
 
             FAULTS.record(COMPONENT, SETTING)
 
@@ -434,7 +434,7 @@ def _lost_watchdog(area: HeartbeatArea, process: Any) -> None:
         if AREA is not area:  # stop() came first: the shutdown ended the watchdog
             return
         _watchdog = None
-    from ..instrument._common import FAULTS, signal_name
+    from ..core.faults import FAULTS, signal_name
 
     code = process.returncode
     how = f"was killed by {signal_name(-code)}" if code < 0 else f"exited with status {code}"
@@ -453,7 +453,7 @@ def _lost_file(area: HeartbeatArea, inode: int | None) -> None:
             problem = (
                 f"the heartbeat file {area.path} was removed and cannot be made again ({error}); freezes go unreported"
             )
-    from ..instrument._common import FAULTS
+    from ..core.faults import FAULTS
 
     FAULTS.record(COMPONENT, SETTING, problem)
 
@@ -469,7 +469,7 @@ def _hand_over_sentry(area: HeartbeatArea, handed: dict[str, Any] | None) -> dic
 
         current = sentry.handover()
     except Exception:  # an odd sentry-sdk version: freezes still reach OpenTelemetry
-        from ..instrument._common import FAULTS, SENTRY_COMPONENT, SENTRY_OFF, SENTRY_SETTING
+        from ..core.faults import FAULTS, SENTRY_COMPONENT, SENTRY_OFF, SENTRY_SETTING
 
         FAULTS.record(SENTRY_COMPONENT, SENTRY_SETTING, off=SENTRY_OFF)
         return handed
@@ -587,7 +587,7 @@ def _write_current_span(span: Any) -> None:
     except ValueError:  # closed by stop() meanwhile
         pass
     except Exception:
-        from ..instrument._common import FAULTS
+        from ..core.faults import FAULTS
 
         FAULTS.record(COMPONENT, SETTING)
 
@@ -667,7 +667,7 @@ def _watch_this_child() -> HeartbeatArea | None:
     try:
         started = _start_for_child()
     except Exception:
-        from ..instrument._common import FAULTS
+        from ..core.faults import FAULTS
 
         FAULTS.record(COMPONENT, SETTING)
         return None

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Settings
-from ..instrument.scrub import scrub_value
+from ..core.scrub import scrub_value
 from . import heartbeat
 
 POLL_SECONDS = 0.1
@@ -207,7 +207,7 @@ def host_exit_status(pid: int) -> dict[str, Any]:
         return {}
     status = int(fields[49])
     if os.WIFSIGNALED(status):
-        from ..instrument._common import signal_name
+        from ..core.faults import signal_name
 
         return {"stallwatch.freeze.host.exit_signal": signal_name(os.WTERMSIG(status))}
     if os.WIFEXITED(status):
@@ -297,7 +297,7 @@ class FreezeTelemetry:
         from opentelemetry import metrics, trace
 
         from .. import telemetry
-        from ..instrument._common import Deferred, instrument
+        from ..core.faults import Deferred, instrument
 
         self._pid = pid
         self._journal = journal  # the host's journal, watchdog side: freeze records survive the host
@@ -459,7 +459,7 @@ class FreezeTelemetry:
                 f"{span_id:016x}" if trace_id else "",
             )
         except Exception:  # sentry-sdk missing or odd here: the freeze still went to OpenTelemetry
-            from ..instrument._common import FAULTS, SENTRY_COMPONENT, SENTRY_OFF, SENTRY_SETTING
+            from ..core.faults import FAULTS, SENTRY_COMPONENT, SENTRY_OFF, SENTRY_SETTING
 
             FAULTS.record(SENTRY_COMPONENT, SENTRY_SETTING, off=SENTRY_OFF)
 

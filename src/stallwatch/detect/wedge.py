@@ -29,11 +29,12 @@ from typing import Any
 
 from opentelemetry import trace
 
-from .. import background, telemetry
+from .. import telemetry
 from .. import timeout as execution_timeouts
+from ..core import background
+from ..core.faults import FAULTS, to_sentry
+from ..core.scrub import MAX_NAME_CHARS, scrub_text
 from ..instrument import executor as ex
-from ..instrument._common import FAULTS, to_sentry
-from ..instrument.scrub import MAX_NAME_CHARS, scrub_text
 
 _log = logging.getLogger("stallwatch")
 

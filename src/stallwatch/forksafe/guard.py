@@ -291,7 +291,7 @@ def _note_spawn(area: heartbeat.HeartbeatArea, args: tuple[Any, ...], shell: boo
     """Executable name and argument count only, counted as on the spawn's span: no argument leaves the process."""
     from opentelemetry import trace
 
-    from ..instrument import scrub  # a shell command's `PGPASSWORD=... psql` gives "psql"
+    from ..core import scrub  # a shell command's `PGPASSWORD=... psql` gives "psql"
 
     if len(args) > 1:
         program, argv = scrub.loop_command(args, shell)

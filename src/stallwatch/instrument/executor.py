@@ -48,9 +48,9 @@ from opentelemetry.trace.propagation import _SPAN_KEY
 
 from .. import interrupt, telemetry
 from .. import timeout as execution_timeouts
-from . import light_span
-from ._common import FAULTS, Deferred, instrument, meter
-from .scrub import MAX_NAME_CHARS, clip_text, scrub_text
+from ..core import light_span
+from ..core.faults import FAULTS, Deferred, instrument, meter
+from ..core.scrub import MAX_NAME_CHARS, clip_text, scrub_text
 
 SETTING = "STALLWATCH_INSTRUMENT_EXECUTOR"
 _log = logging.getLogger("stallwatch")

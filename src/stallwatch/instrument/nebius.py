@@ -14,7 +14,7 @@ three private methods instead:
 - `_send`: counts attempts and measures the backoff before each one.
 - `_await_native_call`: one `stallwatch.nebius.attempt` event per attempt, with its gRPC status.
 
-Create and delete calls go through the resource ledger (`stallwatch.ledger`): the intent is
+Create and delete calls go through the resource ledger (`stallwatch.journal.ledger`): the intent is
 recorded before the request leaves, the outcome (operation and resource ids, or the failure) when
 known. Payloads are never read, except for the `id` of a delete request. The names are private,
 so `supported()` checks them. An SDK without them gets one WARNING naming its version and is
@@ -27,7 +27,7 @@ needs stays between the caller's await and its result:
 1. before the request leaves: the span is started (its ids name the journal records and the
    ledger's records), its journal start record is queued (and never written if the call ends
    first, see `stallwatch.journal.writer`), and a create/delete's intent is made durable (one
-   `fdatasync`, the single disk wait the ledger requires; see `stallwatch.ledger`);
+   `fdatasync`, the single disk wait the ledger requires; see `stallwatch.journal.ledger`);
 2. when the answer is in, before the SDK hands it to the caller: the status and ids are read, a
    create/delete's outcome is written to the journal (a `pwrite`, synced by the journal within
    its flush period, see `stallwatch.journal.writer`), and the span gets its attributes, attempt
@@ -68,12 +68,13 @@ from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type:
 from opentelemetry.instrumentation.utils import unwrap
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from .. import journal, ledger, telemetry
+from .. import journal, telemetry
 from .._version import __version__
-from . import light_span
-from ._common import FAULTS, Counts, Deferred, instrument, meter
+from ..core import light_span
+from ..core.faults import FAULTS, Counts, Deferred, instrument, meter
+from ..core.scrub import MAX_NAME_CHARS, clip_text, scrub_text
+from ..journal import ledger
 from ._lifecycle import ForkReset, ImportHooks
-from .scrub import MAX_NAME_CHARS, clip_text, scrub_text
 
 _log = logging.getLogger("stallwatch")
 COMPONENT = "nebius"

@@ -45,8 +45,8 @@ from opentelemetry.util.types import AttributeValue
 
 from .. import journal, telemetry
 from .._version import __version__
-from . import scrub
-from ._common import FAULTS, Deferred, instrument, meter, unwrap_method
+from ..core import scrub
+from ..core.faults import FAULTS, Deferred, instrument, meter, unwrap_method
 from ._lifecycle import ImportHooks, is_wrapper
 from .ssh import MAX_HOST_CHARS
 

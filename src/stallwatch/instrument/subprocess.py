@@ -57,10 +57,8 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from .. import telemetry
 from .._version import __version__
-from ..forksafe import guard
-from ..forksafe.loop import loop_kind
-from . import child_fate, light_span, scrub
-from ._common import (
+from ..core import light_span, scrub
+from ..core.faults import (
     FAULTS,
     SPAWN_OBSERVER,
     Counts,
@@ -71,6 +69,9 @@ from ._common import (
     signal_name,
     unwrap_method,
 )
+from ..forksafe import guard
+from ..forksafe.loop import loop_kind
+from . import child_fate
 from ._lifecycle import ForkReset, ImportHooks
 
 _log = logging.getLogger("stallwatch")

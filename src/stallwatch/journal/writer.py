@@ -16,7 +16,7 @@ Three kinds of record:
   returns, the record survives the process whatever kills it (it is in the page cache); it reaches
   the disk with the next durable record or at the flusher's next pass (`flush_seconds`), which
   `fdatasync`s whenever a written record is pending, and before a segment is left. A create's
-  outcome needs no more (see `stallwatch.ledger`), and one `fdatasync` per create instead of two
+  outcome needs no more (see `stallwatch.journal.ledger`), and one `fdatasync` per create instead of two
   halves what a create pays for the journal.
 - **buffered** (operation start/end): appended to a bounded in-memory deque (records beyond
   `buffer_records` are dropped and counted; the count is journaled) and written by a daemon
@@ -59,11 +59,10 @@ from typing import Any
 
 from opentelemetry.sdk.trace import ReadableSpan
 
-from .. import ledger
 from .._private import make_directories
-from ..instrument.light_span import LightSpan
-from ..instrument.scrub import scrub_attributes, scrub_value
-from . import frames
+from ..core.light_span import LightSpan
+from ..core.scrub import scrub_attributes, scrub_value
+from . import frames, ledger
 
 _RECORDING = (ReadableSpan, LightSpan)
 # Fields that hold ids (what replay and the postmortem join on): random-looking, never secret, never scrubbed.

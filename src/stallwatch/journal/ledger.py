@@ -44,8 +44,8 @@ from typing import Any, Protocol
 
 from opentelemetry import context as context_api
 
-from . import telemetry
-from .instrument.scrub import clip_text
+from .. import telemetry
+from ..core.scrub import clip_text
 
 LOGGER_NAME = "stallwatch.cloud"
 _log = logging.getLogger(LOGGER_NAME)

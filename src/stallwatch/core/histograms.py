@@ -6,7 +6,7 @@ and a storage lookup per reader. stallwatch records a duration per executor queu
 (two per work item), per child process and per Nebius call; under a GIL that CPU is the host's
 (`tests/bench/bench_executor.py`). Here a value costs a bisect and four additions under a lock.
 
-The values still arrive through `_common.Deferred` (a list or deque append on the hot path). `collect()`
+The values still arrive through `faults.Deferred` (a list or deque append on the hot path). `collect()`
 drains them and returns one `Metric` per histogram, in the SDK's own data types, cumulative, with
 the contract's explicit buckets (`telemetry.DURATION_BUCKETS`, on every SDK version, including
 those whose API has no bucket advisory). `inject()` appends them to what a reader collected:

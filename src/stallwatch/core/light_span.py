@@ -39,7 +39,7 @@ from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode,
 from opentelemetry.util import types
 
 from ..export import guarded, span_json
-from ._common import first_record
+from .faults import first_record
 
 _LOCK = threading.Lock()  # guards every LightSpan's rare mutations (events, status, foreign attributes)
 _STOCK = (sdk_trace.SpanProcessor, sdk_export.BatchSpanProcessor, sdk_export.SimpleSpanProcessor)
