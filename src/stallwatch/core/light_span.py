@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from time import time_ns
 from typing import Any
 
@@ -38,7 +38,6 @@ from opentelemetry.sdk.util import BoundedList
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 from opentelemetry.util import types
 
-from ..export import guarded, span_json
 from .faults import first_record
 
 _LOCK = threading.Lock()  # guards every LightSpan's rare mutations (events, status, foreign attributes)
@@ -177,6 +176,20 @@ def decide(
     return trace_id, flags, parent, result.trace_state, dict(result.attributes or {}), recording
 
 
+def _never_shed(processors: Sequence[Any]) -> bool:
+    return False
+
+
+_shed: Callable[[Sequence[Any]], bool] = _never_shed
+
+
+def shed_with(check: Callable[[Sequence[Any]], bool]) -> None:
+    """Make `start(..., shed=True)` ask `check(span_processors)` whether every span processor would
+    drop a sampled span now (and count it when so). Set by the export layer, which owns those processors."""
+    global _shed
+    _shed = check
+
+
 def start(
     tracer: trace.Tracer,
     name: str,
@@ -191,7 +204,7 @@ def start(
     `parent`: the span context current in `context`, when the caller has looked it up already.
     `attributes` is copied, never kept nor changed: a caller may pass the same dict every time.
     `shed`: a sampled span that every span processor would drop now is not recorded
-    (`export.guarded.shed`); not for spans the journal must see in flight."""
+    (`shed_with`); not for spans the journal must see in flight."""
     sdk = _sdk_tracer(tracer)
     if sdk is None:
         first_record()
@@ -215,7 +228,7 @@ def start(
         trace_id, flags, parent, trace_state, span_attributes, recording = decision
         if not recording:
             return non_recording(sdk, decision)
-    if shed and flags & _SAMPLED and guarded.shed(sdk.span_processor._span_processors):
+    if shed and flags & _SAMPLED and _shed(sdk.span_processor._span_processors):
         return non_recording(sdk, (trace_id, flags, parent, trace_state, span_attributes, True), shed=True)
     span_context = _span_context(trace_id, sdk.id_generator.generate_span_id(), flags, trace_state)
     return LightSpan(sdk, name, kind, span_context, parent, span_attributes, start_time or time_ns())
@@ -367,6 +380,3 @@ class LightSpan(trace.Span, ReadableSpan):
                 each.on_end(self)
         else:
             processor.on_end(self)
-
-
-span_json.FIELD_READABLE.add(LightSpan)  # the encoders read its fields as a finished SDK span's

@@ -74,7 +74,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import TraceFlags
 
 from .. import telemetry
-from ..core import histograms
+from ..core import histograms, light_span
 from ..core.faults import dropped_values
 from . import exit_check
 from .span_json import FIELD_READABLE
@@ -317,6 +317,8 @@ class CountingSpanProcessor(BatchSpanProcessor):
         super().__init__(cast("SpanExporter", exporter))  # queue size, batch size and delay from OTEL_BSP_*
         self.guard = exporter
         self.sheds = shed  # STALLWATCH_SHED_SPANS: whether `shed()` may count on this processor dropping
+        if shed:
+            _light_spans_ask_shed()
         # The SDK keeps one deque for the processor's life (a fork child clears it): the usual case,
         # backend up and room in the queue, is told from two reads, before any call.
         self._bounded = _queue(self)
@@ -416,6 +418,11 @@ def shed(processors: Sequence[Any]) -> bool:
         return False
     count_shed(processors, reasons)
     return True
+
+
+def _light_spans_ask_shed() -> None:
+    """Light spans started with `shed=True` ask `shed()` before they are built (`light_span.shed_with`)."""
+    light_span.shed_with(shed)
 
 
 def drop_early(processors: Sequence[CountingLogProcessor]) -> bool:
