@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from . import telemetry
 
 if TYPE_CHECKING:
-    from .instrument.executor import ItemRecord
+    from .instrument.work_item import ItemRecord
 
 _log = logging.getLogger("stallwatch")
 _real_set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc

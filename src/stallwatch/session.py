@@ -409,11 +409,15 @@ def _instrument(settings: Settings) -> None:
             # methods at import decides, and its warning names the setting.
             calls.instrument(skip_dep_check=True)
     if settings.instrument_executor:
+        from .detect import wedge
         from .instrument.executor import ExecutorInstrumentor
 
         instrumentor = ExecutorInstrumentor()
         if not instrumentor.is_instrumented_by_opentelemetry:
             instrumentor.instrument(settings=settings)
+            wedge.install(
+                wedge.WedgeSettings(settings.wedge_check_interval, settings.queue_stall_seconds, settings.executor_heal)
+            )
 
 
 def shutdown(timeout: float | None = None) -> bool:

@@ -28,7 +28,7 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from . import telemetry
 
 if TYPE_CHECKING:
-    from .instrument.executor import ItemRecord
+    from .instrument.work_item import ItemRecord
 
 T = TypeVar("T")
 # The innermost execution_timeout around the running code; the executor's `put` adds each item
