@@ -341,7 +341,7 @@ def _start_watchdog(settings: Settings, forked: bool = False) -> tuple[Any, subp
         if swept:
             _log.debug("stallwatch: removed the heartbeat files of %d hosts that are gone", swept)
         area = heartbeat.HeartbeatArea()
-        command = [sys.executable, "-m", "stallwatch.detect.watchdog", "--pid", str(os.getpid()),
+        command = [sys.executable, "-m", "stallwatch._watchdog", "--pid", str(os.getpid()),
                    "--heartbeat", str(area.path), "--threshold", str(settings.freeze_threshold)]  # fmt: skip
         if settings.journal:
             command += ["--journal-dir", str(settings.journal_dir)]

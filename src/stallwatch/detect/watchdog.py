@@ -2,7 +2,7 @@
 (incident 000 in docs/incidents.md).
 
 `setup()` starts it with the standard library's vfork/posix_spawn path (never `fork()` of the big
-host) as `python -m stallwatch.detect.watchdog --pid HOST --heartbeat FILE`. It reads the host's
+host) as `python -m stallwatch._watchdog --pid HOST --heartbeat FILE`. It reads the host's
 heartbeats (`detect.heartbeat`) every 100 ms; when the interpreter heartbeat is older than the
 threshold the freeze is `gil_held` (no Python thread runs), when only the loop heartbeat is old it
 is `loop_blocked`. It then reads `/proc` to say what the host waits on, exports a WARNING log
@@ -30,6 +30,7 @@ import os
 import select
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -528,7 +529,9 @@ def _serve_last_word(session: Any, host_pid: int) -> None:
                      "STALLWATCH_WATCHDOG_LAST_SCRAPE_TIMEOUT sets how long to wait", host_pid, timeout)  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(setup: Callable[..., Any], shutdown: Callable[[], object], argv: list[str] | None = None) -> int:
+    """Run the watchdog process (`python -m stallwatch._watchdog`); `setup` and `shutdown` build and stop
+    its own telemetry pipeline (`stallwatch.setup` and `stallwatch.shutdown`, handed down by the caller)."""
     parser = argparse.ArgumentParser(prog="stallwatch watchdog", description=__doc__.splitlines()[0])
     parser.add_argument("--pid", type=int, required=True, help="the host process to watch")
     parser.add_argument("--heartbeat", type=Path, required=True, help="the host's heartbeat file")
@@ -540,13 +543,11 @@ def main(argv: list[str] | None = None) -> int:
     _name_the_source(args.pid)
     os.environ["STALLWATCH_WATCHDOG"] = "false"  # the watchdog never watches itself
     os.environ["STALLWATCH_INSTRUMENT_EXECUTOR"] = "false"
-    import stallwatch
-
     from .. import telemetry as names
 
     # The host's resource attributes (its service.instance.id among them) and the watchdog's own.
     inherited = Settings.load().resource_attributes
-    session = stallwatch.setup(resource_attributes={**inherited, names.RESOURCE_PROCESS_ROLE.name: "watchdog",
+    session = setup(resource_attributes={**inherited, names.RESOURCE_PROCESS_ROLE.name: "watchdog",
                                                     "stallwatch.watched.pid": str(args.pid)})  # fmt: skip
     journal = None
     if args.journal_dir is not None:
@@ -563,10 +564,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if journal is not None:
             journal.close()
-        stallwatch.shutdown()
+        shutdown()
     heartbeat.remove_files(args.heartbeat)  # the host is gone: a killed host could not remove them
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
