@@ -200,6 +200,7 @@ def doctor(probe: bool = True, journal: dict[str, Any] | None = None) -> Report:
             "set STALLWATCH_JOURNAL_DIR to a directory the host can write, or STALLWATCH_JOURNAL=false"
         )
 
+    # footprint: the Nebius instrumentation loads when the report runs
     from .instrument import nebius
 
     nebius_status = nebius.status()
@@ -331,6 +332,7 @@ class Sandbox:
         self._setup = session.setup
 
     def __enter__(self) -> Sandbox:
+        # footprint: the heartbeat loads when the report runs
         from .detect import heartbeat
 
         self.directory = Path(tempfile.mkdtemp(prefix="stallwatch-doctor-"))
@@ -364,6 +366,7 @@ class Sandbox:
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
     ) -> None:
+        # footprint: the heartbeat loads when the report runs
         from .detect import heartbeat
 
         try:

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import telemetry
+from .core.faults import instrument, to_sentry
+from .core.scrub import MAX_NAME_CHARS, scrub_text
 
 if TYPE_CHECKING:
     from .instrument.work_item import ItemRecord
@@ -210,9 +212,6 @@ def _refused(ident: int, exc_type: Any) -> None:
     """Report a refused raw call (outside LOCK: Sentry's client runs the host's `before_send`)."""
     from opentelemetry import trace
 
-    from .core.faults import to_sentry
-    from .core.scrub import MAX_NAME_CHARS, scrub_text
-
     name = getattr(exc_type, "__name__", None) or scrub_text(exc_type, MAX_NAME_CHARS)
     message = (
         f"refused PyThreadState_SetAsyncExc({name}) on idle executor worker {ident}: it would kill the worker and "
@@ -235,8 +234,6 @@ def _refused(ident: int, exc_type: Any) -> None:
 
 def install(meter_: Any, guard_raw_calls: bool) -> None:
     """Create the counters; with `guard_raw_calls`, scope raw ctypes calls aimed at workers."""
-    from .core.faults import instrument
-
     for metric in (
         telemetry.ASYNC_EXC_INJECTED,
         telemetry.ASYNC_EXC_DELIVERED,

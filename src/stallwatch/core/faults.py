@@ -139,6 +139,7 @@ def to_sentry(kind: str, tags: dict[str, Any], context: dict[str, Any], trace_id
     if "sentry_sdk" not in sys.modules:
         return
     try:
+        # optional: sentry-sdk, once the host has imported it
         from .. import sentry
 
         sentry.capture(kind, tags, context, trace_id, span_id)

@@ -309,6 +309,7 @@ def with_exemplars(families: Iterable[Any]) -> list[Any]:
     """Prometheus metric families (`prometheus_client`) as the OpenTelemetry exporter made them, with
     each own histogram's exemplars put on the `_bucket` sample of their series and bucket (matched
     by name, `le` and the series' labels, which the exporter writes with `_` for any other character)."""
+    # optional: the prometheus extra
     from prometheus_client.samples import Exemplar
 
     wanted: dict[tuple[str, float], list[tuple[dict[str, str], BucketExemplar]]] = {}

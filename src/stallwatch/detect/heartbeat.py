@@ -466,6 +466,7 @@ def _hand_over_sentry(area: HeartbeatArea, handed: dict[str, Any] | None) -> dic
     if "sentry_sdk" not in sys.modules:
         return handed
     try:
+        # optional: sentry-sdk, once the host has imported it
         from .. import sentry
 
         current = sentry.handover()

@@ -323,6 +323,7 @@ def _code_number(code: str) -> int:
     if number is not None:
         return number
     try:
+        # optional: grpc comes with nebius, and is never loaded by setup()
         import grpc
 
         number = int(grpc.StatusCode[code].value[0])

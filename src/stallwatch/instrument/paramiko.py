@@ -45,6 +45,7 @@ from opentelemetry.util.types import AttributeValue
 
 from .. import journal, telemetry
 from .._version import __version__
+from ..config import ConfigError, Settings
 from ..core import scrub
 from ..core.faults import FAULTS, Deferred, instrument, meter, unwrap_method
 from ._lifecycle import ImportHooks, is_wrapper
@@ -392,7 +393,6 @@ class ParamikoInstrumentor(BaseInstrumentor):
 
     def _instrument(self, **kwargs: Any) -> None:
         global _state
-        from ..config import ConfigError, Settings
 
         try:
             settings = kwargs.get("settings") or Settings.load()

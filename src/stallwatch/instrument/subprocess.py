@@ -57,6 +57,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from .. import telemetry
 from .._version import __version__
+from ..config import ConfigError, Settings
 from ..core import light_span, scrub
 from ..core.faults import (
     FAULTS,
@@ -827,7 +828,6 @@ class SubprocessInstrumentor(BaseInstrumentor):
 
     def _instrument(self, **kwargs: Any) -> None:
         global _state
-        from ..config import ConfigError, Settings
 
         try:
             settings = kwargs.get("settings") or Settings.load()

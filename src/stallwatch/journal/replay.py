@@ -39,6 +39,7 @@ from typing import Any
 
 from .. import telemetry
 from .._version import __version__
+from ..core.faults import to_sentry
 from . import frames, leaks, ledger
 from .writer import boot_id, start_ticks
 
@@ -381,8 +382,6 @@ def _warn_unconfirmed(resource: UnconfirmedResource) -> None:
 
 
 def _leak_to_sentry(resource: UnconfirmedResource, attributes: dict[str, Any]) -> None:
-    from ..core.faults import to_sentry
-
     described = f" {resource.resource_id}" if resource.resource_id else ""
     to_sentry(
         "leak_candidate",
