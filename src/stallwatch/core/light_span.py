@@ -1,23 +1,16 @@
 """Spans for hot paths (executor work items, child processes, Nebius calls), built as the SDK would, cheaper.
 
-An SDK span costs about 12 µs to start and end (measured, SDK 1.45: the sampler, a locked
-`BoundedAttributes`, `Status` and event lists made up front, the processors' `on_start` and
-`on_end`), as much as an executor work item it describes. A `LightSpan` takes the same decisions
-from the same parts of the tracer (its sampler, id generator, resource, scope, limits and span
-processor), keeps only what is set on it, and is itself the `ReadableSpan` the SDK would hand the
-processors at `end()` (the SDK's span copies itself into a new one there): about 3 µs. Its
-`SpanContext` is the tuple the API's constructor builds, without the call (`_span_context`).
-It is used only where that is exactly equivalent: an SDK `Tracer` that records no self-metrics,
-whose processors all have the stock no-op `on_start` (the SDK's batch and simple processors, and
-subclasses that keep it); anywhere else `start()` returns the tracer's own span. The SDK offers no
-cheaper span, hence this module. With the SDK's default sampler (parent-based, sampling whatever
-has a sampled parent) and a sampled parent, the sampler is not called: its answer is known (record
-and sample, the given attributes, the parent's trace state); likewise for a root span when its root
-sampler is `ALWAYS_ON` (the default).
+A `LightSpan` takes the same decisions as the SDK's span from the same parts of the tracer (its
+sampler, id generator, resource, scope, limits and span processor), keeps only what is set on it,
+and is itself the `ReadableSpan` the SDK would hand the processors at `end()`.
 
-Differences a user can see: none in what is exported; `on_start` is never called (it does nothing
-on the processors this path accepts); attribute values set by other code are cleaned and bounded
-at `end()` (by the SDK's `BoundedAttributes`) rather than when set.
+Contract: used only where that is exactly equivalent, an SDK `Tracer` that records no self-metrics
+and whose processors all have the stock no-op `on_start`; anywhere else `start()` returns the
+tracer's own span. With the default parent-based sampler and a sampled local parent the sampler's
+answer is known and it is not called. What is exported is the same; `on_start` is never called (it
+does nothing on the processors accepted); attribute values set by other code are cleaned and bounded
+at `end()` rather than when set. Uses SDK internals: `ReadableSpan`'s fields (the same from SDK 1.27
+to 1.45) and the `SpanContext` tuple's layout.
 """
 
 from __future__ import annotations
