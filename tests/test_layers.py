@@ -14,7 +14,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-SOURCE = Path(__file__).resolve().parent.parent / "src"
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCE = ROOT / "src"
 
 # Bottom to top. A module belongs to the layer of the longest name it matches (a package's name
 # matches its modules). Each may import its own layer and those below, never those above.
@@ -242,6 +245,27 @@ def test_an_import_inside_a_function_says_why_it_is_there():
         and (found.target in modules or any(found.target == o or found.target.startswith(o + ".") for o in OPTIONAL))
     ]
     assert unexplained == []
+
+
+def _drawn_layers(page: Path, heading: str) -> list[list[str]]:
+    """The layers drawn in the first code block after `heading`, bottom first, as module names."""
+    text = page.read_text().split(heading, 1)[1]
+    drawing = text.split("```\n", 2)[1]
+    rows = [re.split(r"\s{2,}", line.strip())[0] for line in drawing.splitlines() if line.strip()]
+    return [["stallwatch." + name.strip().rstrip("/") for name in row.split(",")] for row in reversed(rows)]
+
+
+@pytest.mark.parametrize(
+    ("page", "heading"), [("README.md", "## Architecture"), ("docs/architecture.md", "# Architecture")]
+)
+def test_the_drawing_of_the_layers_matches_the_code(page, heading):
+    modules = module_files()
+    drawn = _drawn_layers(ROOT / page, heading)
+    assert [name for row in drawn for name in row if name not in modules] == []
+    assert [[layer_of(name) for name in row] for row in drawn] == [
+        [index] * len(row) for index, row in enumerate(drawn)
+    ]
+    assert len(drawn) == len(LAYERS)
 
 
 def test_the_layer_check_sees_an_upward_import_a_cycle_and_an_unexplained_late_import(tmp_path, monkeypatch):
