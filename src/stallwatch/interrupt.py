@@ -99,7 +99,7 @@ def item_raised(record: ItemRecord, exc: BaseException) -> bool:
 
 
 def settle_finished(record: ItemRecord, outcome: BaseException | None) -> None:
-    """Under LOCK, as the item's scope ends (`ItemRecord.run`), `outcome` being the exception the
+    """Under LOCK, as the item's scope ends (`worker.WorkItem.run`), `outcome` being the exception the
     item ended with: an interruption still pending is revoked; one that landed is recorded as delivered."""
     pending = record.interrupt
     if pending is not None:  # `_settle` decides only once
