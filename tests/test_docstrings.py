@@ -38,19 +38,12 @@ LONG_DOCSTRING_ALLOWED = {
     "export/shedding.py",
     "export/span_json.py",
     "forksafe/otel_compat.py",
-    "instrument/executor.py",
-    "instrument/histograms.py",
-    "instrument/light_span.py",
 }
 FIGURES_ALLOWED = {
     "detect/heartbeat.py",
     "export/guarded.py",
     "export/shedding.py",
     "export/span_json.py",
-    "instrument/_common.py",
-    "instrument/executor.py",
-    "instrument/histograms.py",
-    "instrument/light_span.py",
     "pipeline.py",
 }
 

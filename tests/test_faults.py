@@ -356,7 +356,7 @@ def host_calls():
 # ---- the faults -----------------------------------------------------------------------------------
 
 # The tracer stallwatch got from the global provider raises on every span start: in start_span, and
-# in the sampler, which stallwatch's light spans (instrument/light_span.py) consult without it.
+# in the sampler, which stallwatch's light spans (core/light_span.py) consult without it.
 TRACER = """
 from opentelemetry.sdk import trace as sdk_trace
 from opentelemetry.sdk.trace import id_generator, sampling
@@ -388,7 +388,7 @@ for cls, method in [(sdk_instruments.Counter, "add"), (sdk_instruments.UpDownCou
     setattr(cls, method, broken(getattr(cls, method)))
 
 # stallwatch's own duration histograms, which the pipeline aggregates instead of the SDK's
-from stallwatch.instrument import histograms
+from stallwatch.core import histograms
 
 def own_record(self, *args, **kwargs):
     raise RuntimeError("injected: meter")
@@ -406,7 +406,7 @@ import {module} as module
 module.{function} = broken
 """
 
-SUBPROCESS = ("subprocess", "STALLWATCH_INSTRUMENT_SUBPROCESS", ("stallwatch.instrument.scrub", "executable_name"))
+SUBPROCESS = ("subprocess", "STALLWATCH_INSTRUMENT_SUBPROCESS", ("stallwatch.core.scrub", "executable_name"))
 SSH = ("ssh", "STALLWATCH_INSTRUMENT_SSH", ("stallwatch.instrument.ssh", "describe_generic"))
 NEBIUS_CALLS = ("nebius", "STALLWATCH_INSTRUMENT_NEBIUS", ("stallwatch.instrument.nebius", "_operation_ids"))
 EXECUTOR = ("executor", "STALLWATCH_INSTRUMENT_EXECUTOR", ("stallwatch.instrument.executor", "executor_name"))

@@ -26,6 +26,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ._private import make_directories
+from .core.scrub import compile_patterns, scrub_text
 
 # Whether an OpenTelemetry SDK module was loaded before stallwatch's first module (this one, which
 # loads none): SDK objects built before `import stallwatch` keep the stock fork handlers (`forksafe`).
@@ -790,8 +791,6 @@ def _accepted_at_import(variable: str) -> str:
 
 
 def _scrubbed(exc: Exception) -> str:
-    from .instrument.scrub import scrub_text
-
     return str(scrub_text(str(exc)))
 
 
@@ -909,8 +908,6 @@ def _shown(value: object) -> str:
     """A bad value as its error shows it: its repr, with secrets (a password in an endpoint URL, a token in
     the resource attributes) redacted and a long value cut, since the error goes to the host's log.
     Never raises, whatever the object's `__repr__` does."""
-    from .instrument.scrub import scrub_text
-
     if isinstance(value, str):
         return repr(scrub_text(value))
     try:
@@ -945,8 +942,6 @@ def _parse_keyword(value: Any, name: str, parse: Callable[[str, str], Any]) -> A
 
 
 def _patterns(text: str, name: str) -> tuple[re.Pattern[str], ...]:
-    from .instrument.scrub import compile_patterns
-
     try:
         return compile_patterns(text, name)
     except ValueError as exc:

@@ -52,6 +52,7 @@ def sdk_for(address: str, **overrides: Any) -> Any:
     (or `async with sdk:`) in a loop. The SDK starts its own daemon loop thread `nebius-sdk-loop` and
     lazily `nebius-sdk-worker_N` executor threads; close stops them.
     """
+    # optional: the demo extra
     from nebius.aio.channel import NoCredentials
     from nebius.base.options import INSECURE
     from nebius.base.resolver import Constant
@@ -85,6 +86,7 @@ class UnansweredCloud:
     def __init__(self) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
+        # optional: the grpc extra
         import grpc
 
         self._released = threading.Event()
@@ -98,11 +100,13 @@ class UnansweredCloud:
 
     def service(self, details: Any) -> Any:
         """`grpc.GenericRpcHandler`: the handler for Create; None (UNIMPLEMENTED) for any other method."""
+        # optional: the grpc extra
         import grpc
 
         return grpc.unary_unary_rpc_method_handler(self._create) if details.method == INSTANCE_CREATE else None
 
     def _create(self, request: bytes, context: Any) -> bytes:
+        # optional: the grpc extra
         import grpc
 
         self._released.wait()
@@ -123,8 +127,10 @@ class UnansweredCloud:
 def freeze(out: str, seconds: float) -> dict[str, object]:
     import asyncio
 
+    # optional: the demo extra
     import uvloop
 
+    # fork safety: each stage's host loads stallwatch itself, `freeze` after its fork handler
     import stallwatch
 
     session = stallwatch.setup(
@@ -155,9 +161,11 @@ def freeze(out: str, seconds: float) -> dict[str, object]:
 def create(out: str, address: str) -> None:
     import asyncio
 
+    # fork safety: each stage's host loads stallwatch itself, `freeze` after its fork handler
     import stallwatch
 
     stallwatch.setup(file_dir=out, watchdog=False)
+    # optional: the demo extra
     from nebius.api.nebius.common.v1 import ResourceMetadata
     from nebius.api.nebius.compute.v1 import CreateInstanceRequest, InstanceServiceClient
     from opentelemetry import trace
@@ -173,6 +181,7 @@ def create(out: str, address: str) -> None:
 
 
 def restart(out: str) -> dict[str, object]:
+    # fork safety: each stage's host loads stallwatch itself, `freeze` after its fork handler
     import stallwatch
 
     stallwatch.setup(file_dir=out, watchdog=False)
@@ -199,6 +208,7 @@ def executor_wedge(out: str, guard: bool, heal: bool, metric_export_interval_ms:
 
     from opentelemetry import trace
 
+    # fork safety: each stage's host loads stallwatch itself, `freeze` after its fork handler
     import stallwatch
 
     stallwatch.setup(

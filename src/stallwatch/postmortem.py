@@ -22,6 +22,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import journal
+from ._private import opener
+
 NOTABLE_BLOCKED_SECONDS = 0.05
 HEADLINE_KINDS = ("freeze", "freeze_detected", "wedge")
 LANES = ("freeze", "spawn", "ssh", "nebius", "cloud", "executor", "timeout", "stallwatch")
@@ -526,8 +529,6 @@ def _in_window(event: Event, since_ns: int | None, until_ns: int | None) -> bool
 
 def journal_events(journal_dir: Path) -> tuple[list[Event], list[dict[str, Any]]]:
     """What the journals in `journal_dir` hold that never ended, without replaying them."""
-    from . import journal
-
     if not journal_dir.is_dir():
         raise InputError(f"{journal_dir} is not a directory; pass the journal directory (STALLWATCH_JOURNAL_DIR)")
     events: list[Event] = []
@@ -845,8 +846,6 @@ background:#f4f4f4}} svg{{display:block;max-width:100%}}</style>
 
 def write_report(path: Path, text: str) -> None:
     """Write a report 0600, like every file stallwatch writes: it names hosts, pids, trace and resource ids."""
-    from ._private import opener
-
     with open(path, "w", encoding="utf-8", opener=opener) as out:
         out.write(text)
 

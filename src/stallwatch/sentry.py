@@ -12,7 +12,7 @@ OpenTelemetry ids to the `trace` context. Events carry the global scope only.
 
 Freezes are sent by the watchdog, once each and while the host is still frozen, with a client of its
 own made from what the host hands over (`handover()`, a 0600 file) (`capture_for_host`). This module
-imports sentry_sdk; the rest of stallwatch does only once the host has (`instrument._common.to_sentry`).
+imports sentry_sdk; the rest of stallwatch does only once the host has (`core.faults.to_sentry`).
 """
 
 from __future__ import annotations

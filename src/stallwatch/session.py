@@ -22,10 +22,11 @@ from typing import Any
 from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Observation
 
-from . import config, telemetry
+from . import config, journal, telemetry
 from ._version import __version__
 from .config import ConfigError, Problem, Settings
-from .forksafe import ForkSafety, guard, uvloop_spawn
+from .core.faults import FAULTS, instrument, meter, on_first_record
+from .forksafe import ForkSafety, guard, otel_compat, uvloop_spawn
 
 _log = logging.getLogger("stallwatch")
 
@@ -63,6 +64,7 @@ class Session:
         forked worker whose first event loop has not started its own watchdog yet. Blocks the
         calling thread (polls every 10 ms): call it off the event loop, or with `timeout=0` to ask.
         """
+        # footprint: with the watchdog only
         from .detect import heartbeat
 
         deadline = time.monotonic() + timeout
@@ -167,6 +169,7 @@ def _start(fork_safety: ForkSafety, overrides: dict[str, Any]) -> Session:
     watchdog = _start_watchdog(settings) if settings.watchdog else None  # before any thread of ours
     pipeline = None
     if settings.providers == "stallwatch":
+        # footprint: the pipeline loads at setup(), not at import
         from . import pipeline as pipeline_module
 
         try:
@@ -188,8 +191,8 @@ def _start(fork_safety: ForkSafety, overrides: dict[str, Any]) -> Session:
             return Session(settings, fork_safety, error=str(exc) if isinstance(exc, ConfigError) else repr(exc))
     config.report(settings.problems)
     if settings.providers == "host":
+        # footprint: export/ loads at setup(), not at import
         from .export import exit_check
-        from .instrument._common import on_first_record
 
         exit_check.check_host_providers()  # before any instrumentor asks for a tracer
         on_first_record(_warn_when_the_host_exports_nothing)
@@ -197,8 +200,8 @@ def _start(fork_safety: ForkSafety, overrides: dict[str, Any]) -> Session:
     _instrument(settings)
     journal = _start_journal(settings) if settings.journal else None
     if watchdog is not None:
+        # footprint: with the watchdog only
         from .detect import heartbeat
-        from .instrument._common import instrument, meter
 
         heartbeat.start(
             watchdog[0],
@@ -264,8 +267,6 @@ def _warn_when_the_host_exports_nothing(at_exit: bool = False) -> bool:
 def _register_instruments() -> None:
     """Fork metrics, read from plain counters at collection time (never inside a fork), and the
     count of stallwatch's own faults (the journal's and the watchdog's, whatever is instrumented)."""
-    from .instrument._common import FAULTS
-
     meter = metrics.get_meter(telemetry.INSTRUMENTATION_SCOPE, __version__)
     FAULTS.bind()
     # Every kind, gRPC state and loop at 0 until its first fork: Prometheus then sees that fork as an increase.
@@ -308,9 +309,6 @@ def _start_journal(settings: Settings) -> Any:
 
     from opentelemetry import trace
     from opentelemetry.sdk.trace import TracerProvider
-
-    from . import journal
-    from .instrument._common import FAULTS, instrument, meter
 
     problem = (
         f"cannot use the journal in {settings.journal_dir}; the host goes on without the records it could not "
@@ -367,6 +365,7 @@ def _watchdog_environment(settings: Settings, forked: bool) -> dict[str, str]:
 
 def _start_watchdog(settings: Settings, forked: bool = False) -> tuple[Any, subprocess.Popen[bytes]] | None:
     """Spawn the freeze watchdog (vfork/posix_spawn: never a fork of the host) and its heartbeat file."""
+    # footprint: with the watchdog only
     from .detect import heartbeat
 
     try:
@@ -374,7 +373,7 @@ def _start_watchdog(settings: Settings, forked: bool = False) -> tuple[Any, subp
         if swept:
             _log.debug("stallwatch: removed the heartbeat files of %d hosts that are gone", swept)
         area = heartbeat.HeartbeatArea()
-        command = [sys.executable, "-m", "stallwatch.detect.watchdog", "--pid", str(os.getpid()),
+        command = [sys.executable, "-m", "stallwatch._watchdog", "--pid", str(os.getpid()),
                    "--heartbeat", str(area.path), "--threshold", str(settings.freeze_threshold)]  # fmt: skip
         if settings.journal:
             command += ["--journal-dir", str(settings.journal_dir)]
@@ -416,24 +415,28 @@ def _stop_unused_watchdog(watchdog: tuple[Any, subprocess.Popen[bytes]] | None) 
 def _instrument(settings: Settings) -> None:
     """Install the instrumentors the settings ask for (they report through the global providers)."""
     if settings.instrument_subprocess:
+        # footprint: loaded only when its instrumentation is on
         from .instrument.subprocess import SubprocessInstrumentor
 
         spawns = SubprocessInstrumentor()
         if not spawns.is_instrumented_by_opentelemetry:
             spawns.instrument(settings=settings)
     if settings.instrument_ssh:
+        # footprint: loaded only when its instrumentation is on
         from .instrument.ssh import SSHTunnelInstrumentor
 
         tunnels = SSHTunnelInstrumentor()
         if not tunnels.is_instrumented_by_opentelemetry:
             tunnels.instrument(skip_dep_check=True)  # a host without dstack: nothing to wrap, nothing to log
         if importlib.util.find_spec("paramiko") is not None:  # else the dependency check would log an error
+            # footprint: loaded only when its instrumentation is on
             from .instrument.paramiko import ParamikoInstrumentor
 
             connections = ParamikoInstrumentor()
             if not connections.is_instrumented_by_opentelemetry:
                 connections.instrument(settings=settings)
     if settings.instrument_nebius:
+        # footprint: loaded only when its instrumentation is on
         from .instrument.nebius import NebiusInstrumentor
 
         calls = NebiusInstrumentor()
@@ -442,11 +445,18 @@ def _instrument(settings: Settings) -> None:
             # methods at import decides, and its warning names the setting.
             calls.instrument(skip_dep_check=True)
     if settings.instrument_executor:
+        # footprint: with the executor instrumentation only
+        from .detect import wedge
+
+        # footprint: loaded only when its instrumentation is on
         from .instrument.executor import ExecutorInstrumentor
 
         instrumentor = ExecutorInstrumentor()
         if not instrumentor.is_instrumented_by_opentelemetry:
             instrumentor.instrument(settings=settings)
+            wedge.install(
+                wedge.WedgeSettings(settings.wedge_check_interval, settings.queue_stall_seconds, settings.executor_heal)
+            )
 
 
 def shutdown(timeout: float | None = None) -> bool:
@@ -465,6 +475,7 @@ def shutdown(timeout: float | None = None) -> bool:
         timeout = session.settings.shutdown_timeout if session.settings else 1.0
     deadline = time.monotonic() + timeout  # one budget for everything below
     if session._watchdog is not None:
+        # footprint: with the watchdog only
         from .detect import heartbeat
 
         area, watchdog = session._watchdog
@@ -472,6 +483,7 @@ def shutdown(timeout: float | None = None) -> bool:
         if area.writable:  # not in a fork child that lives on: the watchdog is its parent's
             watchdog.terminate()
     if session.settings is not None and session.settings.instrument_subprocess:
+        # footprint: loaded only when its instrumentation is on
         from .instrument import subprocess as subprocess_instrumentation
 
         subprocess_instrumentation.end_open_spans()  # and builds the spans still waiting
@@ -481,8 +493,6 @@ def shutdown(timeout: float | None = None) -> bool:
     if session.settings is not None and session.settings.providers == "host":
         _warn_when_the_host_exports_nothing(at_exit=True)
     if session._journal is not None:
-        from . import journal
-
         journal.activate(None)
         session._journal.close(max(deadline - time.monotonic(), 0.0))
     if session._pipeline is None:
@@ -550,8 +560,6 @@ def _flush_host_providers(ours: set[int], deadline: float) -> None:
     the global ones and those of OpenTelemetry logging handlers on the root logger (dstack's handler keeps
     a logger provider of its own when stallwatch's is the global one). Each failure is logged and skipped."""
     from opentelemetry import _logs, trace
-
-    from .forksafe import otel_compat
 
     found: list[Any] = [trace.get_tracer_provider(), metrics.get_meter_provider(), _logs.get_logger_provider()]
     found += [otel_compat.logging_handler_provider(handler) for handler in logging.getLogger().handlers]

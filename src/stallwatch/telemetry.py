@@ -574,7 +574,7 @@ IDENTIFIERS = frozenset(
     attribute.name for attribute in (NEBIUS_REQUEST_ID, NEBIUS_TRACE_ID, CLOUD_OPERATION_ID, CLOUD_RESOURCE_ID)
 )
 """Attributes holding ids a server handed out: random-looking, never secret, and what a postmortem joins on, so the
-last check before telemetry leaves the process (`instrument.scrub.scrub_attributes`) keeps them as they are."""
+last check before telemetry leaves the process (`core.scrub.scrub_attributes`) keeps them as they are."""
 
 
 @dataclass(frozen=True)

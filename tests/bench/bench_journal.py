@@ -61,7 +61,7 @@ VERSIONED = ("opentelemetry-api", "opentelemetry-sdk", "stallwatch")
 
 
 def intent_record() -> Any:
-    from stallwatch import ledger
+    from stallwatch.journal import ledger
 
     return ledger.Intent("create", "compute.instance", "nebius.compute.v1.InstanceService/Create",
                          "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331")  # fmt: skip

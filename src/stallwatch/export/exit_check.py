@@ -27,8 +27,8 @@ from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.trace import Link, Status
 
 from .. import telemetry
-from ..instrument._common import FAULTS
-from ..instrument.scrub import scrub_attributes, scrub_value
+from ..core.faults import FAULTS
+from ..core.scrub import scrub_attributes, scrub_value
 from .span_json import FIELD_READABLE, plain_attributes
 
 if TYPE_CHECKING:

@@ -27,6 +27,7 @@ from opentelemetry.exporter.otlp.proto.common._log_encoder import encode_logs
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
+from .otlp_json import to_otlp_json
 from .span_json import plain_attributes
 
 try:  # opentelemetry-sdk 1.39 and later
@@ -229,8 +230,6 @@ def _encode(batch: Sequence[Any]) -> str:
 
 
 def _protobuf_route(batch: Sequence[Any]) -> str:
-    from .file import to_otlp_json  # here: file.py imports this module
-
     return to_otlp_json(encode_logs(batch))
 
 

@@ -29,8 +29,18 @@ class ForkSafety:
     uvloop_spawn: str = "vfork"  # STALLWATCH_UVLOOP_SPAWN as read at import
 
 
+INSTALLED: ForkSafety | None = None  # what `install()` did (`import stallwatch` calls it)
+
+
 def install() -> ForkSafety:
-    """Install every fork protection that the environment allows; never raises."""
+    """Install every fork protection that the environment allows; never raises. The result is
+    also kept as `INSTALLED`, for the fork-hazard report (`doctor`)."""
+    global INSTALLED
+    INSTALLED = _install()
+    return INSTALLED
+
+
+def _install() -> ForkSafety:
     sdk_loaded_before = SDK_LOADED_BEFORE_STALLWATCH
     guard_enabled = env_flag("STALLWATCH_FORK_GUARD", True)
     grpc_enabled = env_flag("STALLWATCH_GRPC_FORK_GUARD", True)

@@ -297,6 +297,7 @@ def labelled_prometheus_reader(reader_class: type[Reader], resource_labels: Coll
     """
     if "resource_attribute_filter" in inspect.signature(reader_class.__init__).parameters:
         return reader_class(resource_attribute_filter=frozenset(resource_labels).__contains__)  # type: ignore[call-arg]
+    # optional: the prometheus extra
     from prometheus_client import REGISTRY
 
     reader = reader_class()

@@ -29,7 +29,7 @@ import wrapt
 from opentelemetry.instrumentation.utils import unwrap
 
 from .. import telemetry
-from ._common import FAULTS, signal_name
+from ..core.faults import FAULTS, signal_name
 from ._lifecycle import ForkReset
 
 COMPONENT = "subprocess"

@@ -6,7 +6,7 @@ methods of `nebius.aio.request.Request` are wrapped: `_request_with_authorizatio
 never started, ended on the SDK loop before the caller has the result), `_send` counts attempts and
 backoffs, and `_await_native_call` adds a `stallwatch.nebius.attempt` event per attempt. An SDK
 without them (`supported()`) gets one WARNING and is left untouched. Payloads are never read but a
-delete's `id`; creates and deletes go through the resource ledger (`stallwatch.ledger`).
+delete's `id`; creates and deletes go through the resource ledger (`stallwatch.journal.ledger`).
 
 The SDK loop and the caller share one GIL, so only what the ledger's contract needs runs between the
 caller's await and its result: the span's start, a create/delete's durable intent before the request
@@ -36,12 +36,13 @@ from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type:
 from opentelemetry.instrumentation.utils import unwrap
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from .. import journal, ledger, telemetry
+from .. import journal, telemetry
 from .._version import __version__
-from . import light_span
-from ._common import FAULTS, Counts, Deferred, instrument, meter
+from ..core import light_span
+from ..core.faults import FAULTS, Counts, Deferred, instrument, meter
+from ..core.scrub import MAX_NAME_CHARS, clip_text, scrub_text
+from ..journal import ledger
 from ._lifecycle import ForkReset, ImportHooks
-from .scrub import MAX_NAME_CHARS, clip_text, scrub_text
 
 _log = logging.getLogger("stallwatch")
 COMPONENT = "nebius"
@@ -292,6 +293,7 @@ def _code_number(code: str) -> int:
     if number is not None:
         return number
     try:
+        # optional: grpc comes with nebius, and is never loaded by setup()
         import grpc
 
         number = int(grpc.StatusCode[code].value[0])

@@ -37,8 +37,9 @@ from opentelemetry.util.types import AttributeValue
 
 from .. import journal, telemetry
 from .._version import __version__
-from . import scrub
-from ._common import FAULTS, Deferred, instrument, meter, unwrap_method
+from ..config import ConfigError, Settings
+from ..core import scrub
+from ..core.faults import FAULTS, Deferred, instrument, meter, unwrap_method
 from ._lifecycle import ImportHooks, is_wrapper
 from .ssh import MAX_HOST_CHARS
 
@@ -388,7 +389,6 @@ class ParamikoInstrumentor(BaseInstrumentor):
 
     def _instrument(self, **kwargs: Any) -> None:
         global _state
-        from ..config import ConfigError, Settings
 
         try:
             settings = kwargs.get("settings") or Settings.load()

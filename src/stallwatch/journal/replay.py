@@ -28,9 +28,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .. import ledger, telemetry
+from .. import telemetry
 from .._version import __version__
-from . import frames, leaks
+from ..core.faults import to_sentry
+from . import frames, leaks, ledger
 from .writer import boot_id, start_ticks
 
 INTERRUPTED = telemetry.INTERRUPTED.name
@@ -372,8 +373,6 @@ def _warn_unconfirmed(resource: UnconfirmedResource) -> None:
 
 
 def _leak_to_sentry(resource: UnconfirmedResource, attributes: dict[str, Any]) -> None:
-    from ..instrument._common import to_sentry
-
     described = f" {resource.resource_id}" if resource.resource_id else ""
     to_sentry(
         "leak_candidate",

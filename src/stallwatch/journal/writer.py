@@ -30,11 +30,10 @@ from typing import Any
 
 from opentelemetry.sdk.trace import ReadableSpan
 
-from .. import ledger
 from .._private import make_directories
-from ..instrument.light_span import LightSpan
-from ..instrument.scrub import scrub_attributes, scrub_value
-from . import frames
+from ..core.light_span import LightSpan
+from ..core.scrub import scrub_attributes, scrub_value
+from . import frames, ledger
 
 _RECORDING = (ReadableSpan, LightSpan)
 # Fields that hold ids (what replay and the postmortem join on): random-looking, never secret, never scrubbed.

@@ -31,10 +31,11 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from ... import telemetry
+from ...core import light_span, scrub
+from ...core.faults import FAULTS, SPAWN_OBSERVER, Counts, Deferred, first_record, instrument, signal_name
 from ...forksafe import guard
 from ...forksafe.loop import loop_kind
-from .. import child_fate, light_span, scrub
-from .._common import FAULTS, SPAWN_OBSERVER, Counts, Deferred, first_record, instrument, signal_name
+from .. import child_fate
 from .arguments import popen_command, popen_method
 
 _log = logging.getLogger("stallwatch")

@@ -17,8 +17,9 @@ from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type:
 
 from ... import telemetry
 from ..._version import __version__
+from ...config import ConfigError, Settings
+from ...core.faults import FAULTS, Counts, meter
 from .. import child_fate
-from .._common import FAULTS, Counts, meter
 from .._lifecycle import ForkReset
 from . import children, loops, popen, posix_spawn
 from .children import Active, SpawnDurations, State
@@ -50,8 +51,6 @@ class SubprocessInstrumentor(BaseInstrumentor):
         return ()  # the standard library's; uvloop's loop methods are wrapped when it is installed
 
     def _instrument(self, **kwargs: Any) -> None:
-        from ...config import ConfigError, Settings
-
         try:
             settings = kwargs.get("settings") or Settings.load()
         except ConfigError as error:

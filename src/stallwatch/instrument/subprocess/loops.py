@@ -22,8 +22,9 @@ import wrapt
 from opentelemetry.instrumentation.utils import unwrap
 
 from ... import telemetry
+from ...core import scrub
 from ...forksafe import uvloop_layers, uvloop_spawn
-from .. import child_fate, scrub
+from .. import child_fate
 from . import children
 from .children import (
     IN_LOOP_SPAWN,

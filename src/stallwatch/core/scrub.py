@@ -1,18 +1,18 @@
 """Scrub secrets out of what stallwatch records from the host: child command lines, free text, and every
 string once more as it leaves the process.
 
-A secret becomes `[REDACTED]` (an identity file, a short fingerprint of its file name), and what is
-recorded is bounded. The policy is to leak nothing, at the price of sometimes hiding a harmless
-value; docs/scrubbing.md lists every rule and what is kept. Nothing here raises: a scrubber failure
-must not take down the host's spawn. Layers, each catching what another misses:
+A child's argv (or a shell's command string) becomes the span attribute `process.command_args` only
+with `STALLWATCH_RECORD_ARGS=true`; what is recorded has credentials replaced with `[REDACTED]`
+(identity files with a short fingerprint of their file name) and is bounded in size.
 
-1. Shapes anywhere in an argument: key material, URL user-info, `Bearer`/`Basic` credentials, SQL
-   `PASSWORD '...'` literals, public secret-scanning token layouts, webhook URL paths, long hex,
-   random-looking runs (`_looks_random`), and `name=value` / `name: value` pairs with a secret name.
-2. Structure, word by word (shell quoting understood): `--name=value`, `--name value`, `KEY=VALUE`,
-   `Header: value`, ssh identity files, and credential-taking tools' short options and plain words.
-
-`scrub_value` / `scrub_attributes` apply the same rules at the exit check, leaving scrubbed text as it is.
+Contract: uses only the standard library and never raises. The policy is to leak nothing, at the
+price of sometimes hiding a harmless value; docs/scrubbing.md lists every rule and what is kept.
+Two layers, each catching what the other misses: shapes anywhere in an argument (key material, URL
+user-info, `Bearer`/`Basic` credentials, known token layouts, random-looking runs, secret-named
+`name=value` pairs), and structure word by word with shell quoting understood (`--name=value`,
+`--name value`, `KEY=VALUE`, headers, identity files, the credential options of known tools).
+`scrub_value` / `scrub_attributes` apply the same rules to strings leaving the process (the exit
+check), leaving scrubbed text as it is.
 """
 
 from __future__ import annotations

@@ -1,18 +1,17 @@
-"""The cloud resource ledger: each create/delete announces its intent before it is sent, its outcome once known.
+"""The cloud resource ledger: every create/delete call announces its intent before it is sent, and
+its outcome once known, so that a host killed mid-call leaves evidence of what it asked for.
 
-Instrumentations (Nebius) call `intent()` before the request leaves and `outcome()` once the answer
-or the failure is known. The default `LogRecorder` writes one record per event to the
-`stallwatch.cloud` logger (`cloud resource create requested`, `... created`, `... create failed` at
-WARNING, the same for `delete`) with every id known, in the call's span context, exported whatever
-`STALLWATCH_LOG_LEVEL` says. With the journal's recorder (`set_recorder()`):
+Instrumentations (Nebius) call `intent()` before the request leaves and `outcome()` when the answer
+or the failure is known. The recorder is replaceable (`set_recorder()`): the journal plugs in a
+durable one. The default writes one record per event to the `stallwatch.cloud` logger (INFO; a
+failure at WARNING), with every known id as `stallwatch.cloud.*` attributes, inside the call's span;
+`setup()`'s log handler exports them whatever `STALLWATCH_LOG_LEVEL` says.
 
-- `intent()` returns once the record is on disk, so a host killed mid-call leaves an unconfirmed
-  create for the postmortem: the one disk wait a create/delete pays;
-- `outcome()` returns once the record is written (in the page cache: it survives the process, so a
-  host dying after the answer leaves no false leak candidate); it reaches the disk within the
-  journal's flush period, so only a machine failure then can turn it back into an unconfirmed create;
-- the log records are telemetry, not evidence: under `EMIT_LATER` they are handed over to be
-  emitted off the call's critical path, each in the span context it was recorded in.
+Contract for a durable recorder: `intent()` returns once its record is on disk (a killed host leaves
+an unconfirmed create); `outcome()` returns once its record is written to the page cache, and it
+reaches the disk within the journal's flush period, so a host that dies after the answer never
+leaves a false leak candidate. `EMIT_LATER` lets an instrumentation have the log records emitted
+off the call's critical path, each in the span context it was recorded in.
 """
 
 from __future__ import annotations
@@ -27,8 +26,8 @@ from typing import Any, Protocol
 
 from opentelemetry import context as context_api
 
-from . import telemetry
-from .instrument.scrub import clip_text
+from .. import telemetry
+from ..core.scrub import clip_text
 
 LOGGER_NAME = "stallwatch.cloud"
 _log = logging.getLogger(LOGGER_NAME)
