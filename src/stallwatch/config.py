@@ -642,20 +642,20 @@ def _unusable(directory: Path, create: bool) -> str | None:
         try:
             make_directories(directory)
         except OSError as exc:
-            return f"cannot create {_shown(str(exc.filename or directory))} ({exc.strerror or exc})"
+            return f"cannot create {scrub_text(str(exc.filename or directory))} ({exc.strerror or exc})"
     for candidate in (directory, *directory.parents):
         try:
             mode = candidate.stat().st_mode
         except (FileNotFoundError, NotADirectoryError):
             continue
         except OSError as exc:
-            return f"cannot read {_shown(str(candidate))} ({exc.strerror or exc})"
+            return f"cannot read {scrub_text(str(candidate))} ({exc.strerror or exc})"
         if not stat.S_ISDIR(mode):
-            return f"{_shown(str(candidate))} is not a directory"
+            return f"{scrub_text(str(candidate))} is not a directory"
         if not os.access(candidate, os.W_OK | os.X_OK):
-            return f"{_shown(str(candidate))} is not writable by this process"
+            return f"{scrub_text(str(candidate))} is not writable by this process"
         return None
-    return f"no parent of {_shown(str(directory))} exists"
+    return f"no parent of {scrub_text(str(directory))} exists"
 
 
 def _raise_if_strict(settings: Settings, problems: Collection[Problem]) -> None:
