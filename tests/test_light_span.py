@@ -1,4 +1,4 @@
-"""`instrument.light_span`: what the processors receive is what the SDK's own span would have given
+"""`core.light_span`: what the processors receive is what the SDK's own span would have given
 them, decision for decision (real SDK TracerProvider, samplers and processors)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 
 from stallwatch import sdk_compat
-from stallwatch.instrument import light_span
+from stallwatch.core import light_span
 from support.fast_paths import fast_paths_on  # noqa: F401  # a fixture
 
 pytestmark = [pytest.mark.matrix, pytest.mark.usefixtures("fast_paths_on")]  # the fast path against the SDK
@@ -308,7 +308,7 @@ def test_a_provider_without_processors_gets_light_spans_from_the_first_call():
     script = (
         "from opentelemetry.sdk.trace import TracerProvider\n"
         "from stallwatch import sdk_compat\n"
-        "from stallwatch.instrument import light_span\n"
+        "from stallwatch.core import light_span\n"
         "sdk_compat.use_fast_paths(True)\n"
         "tracer = TracerProvider().get_tracer('test')\n"
         "span = light_span.start(tracer, 'item', None, {'k': 'v'})\n"

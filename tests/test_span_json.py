@@ -13,7 +13,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import Link, SpanContext, TraceFlags
 
 from stallwatch import sdk_compat
-from stallwatch.export.file import to_otlp_json
+from stallwatch.export.otlp_json import to_otlp_json
 from stallwatch.export.span_json import encode_spans_json
 from support.fast_paths import fast_paths_on  # noqa: F401  # a fixture
 from support.sample_spans import light_spans, sdk_spans

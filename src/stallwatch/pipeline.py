@@ -43,9 +43,12 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider, sampling
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SpanExportResult
 
-from . import background, sdk_compat, telemetry
+from . import sdk_compat, telemetry
 from ._version import __version__
 from .config import ConfigError, Settings
+from .core import background, histograms
+from .core.faults import FAULTS, instrument, meter
+from .core.scrub import scrub_text
 from .detect import heartbeat
 from .export import log_bridge
 from .export.file import FileLogExporter, FileMetricExporter, FileSpanExporter
@@ -63,10 +66,7 @@ from .export.scrapes import ScrapeCounter
 from .export.shedding import SheddingTracerProvider, exemplar_filter
 from .forksafe import grpc_guard, guard, otel_compat
 from .forksafe.loop import package_version
-from .instrument import histograms
-from .instrument._common import FAULTS, instrument, meter
-from .instrument.scrub import scrub_text
-from .ledger import LOGGER_NAME as LEDGER_LOGGER
+from .journal.ledger import LOGGER_NAME as LEDGER_LOGGER
 
 _log = logging.getLogger("stallwatch")
 _HTTP_PATHS = {"traces": "v1/traces", "metrics": "v1/metrics", "logs": "v1/logs"}
@@ -410,6 +410,7 @@ def _build_logs(settings: Settings, resource: Resource, pipeline: Pipeline) -> L
 
 def _prometheus_reader(settings: Settings, pipeline: Pipeline) -> MetricReader:
     try:
+        # optional: the prometheus extra
         from opentelemetry.exporter.prometheus import PrometheusMetricReader
         from prometheus_client import start_http_server
     except ImportError as exc:
@@ -521,14 +522,17 @@ def _new_otlp_exporter(settings: Settings, signal: str) -> Any:
         GrpcExporter: type[Any]  # the signal's OTLP/gRPC exporter class
         try:
             if signal == "traces":
+                # optional: the grpc extra
                 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
                     OTLPSpanExporter as GrpcExporter,
                 )
             elif signal == "metrics":
+                # optional: the grpc extra
                 from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
                     OTLPMetricExporter as GrpcExporter,
                 )
             else:
+                # optional: the grpc extra
                 from opentelemetry.exporter.otlp.proto.grpc._log_exporter import (
                     OTLPLogExporter as GrpcExporter,
                 )
@@ -540,6 +544,7 @@ def _new_otlp_exporter(settings: Settings, signal: str) -> Any:
     if signal == "traces":
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
+        # footprint: loaded only for the exporters the settings name
         from .export.span_protobuf import with_fast_encoding
 
         span_class = with_fast_encoding(OTLPSpanExporter) if sdk_compat.fast_paths() else OTLPSpanExporter
@@ -550,6 +555,7 @@ def _new_otlp_exporter(settings: Settings, signal: str) -> Any:
         return OTLPMetricExporter(endpoint=_otlp_endpoint(settings, signal, http=True))
     from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
 
+    # footprint: loaded only for the exporters the settings name
     from .export.log_protobuf import with_fast_encoding as with_fast_log_encoding
 
     log_class = with_fast_log_encoding(OTLPLogExporter) if sdk_compat.fast_paths() else OTLPLogExporter

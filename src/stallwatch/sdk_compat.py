@@ -1,23 +1,18 @@
 """The one door to the OpenTelemetry SDK's private names and layouts (opentelemetry-api, -sdk and the
-OTLP exporters, 1.27 to 1.45).
+OTLP exporters, 1.27 to 1.45); what runs at fork time is in `forksafe.otel_compat`, the other half.
+`tests/test_sdk_door.py` fails on a private SDK name used anywhere else. It imports nothing of stallwatch.
 
-Everything stallwatch does that the SDK offers no public way to do is here, each use saying what it
-relies on; what runs at fork time is in `forksafe.otel_compat`, the other half of this door.
-`tests/test_sdk_door.py` reads stallwatch's sources and fails on a private SDK name used elsewhere.
+Fast paths, each the same result as the public objects, cheaper: `LightSpan` for the SDK's span, span
+fields read without the properties, the OTLP exporters' encoders replaced, a gRPC batch encoded once
+per export, the context's `ContextVar` set directly, tracers that shed spans nobody would export,
+`opentelemetry.context.attach`/`detach` noted for the heartbeat. With `STALLWATCH_FAST_PATHS=false`
+(`fast_paths()` False) none is taken: stallwatch uses the public SDK objects.
 
-Most of it is fast paths, each the same result as the public objects, cheaper: `LightSpan` for the
-SDK's span, span fields read without the properties by the encoders and processors, the OTLP
-exporters' encoders replaced, a gRPC batch encoded once per export, the context's `ContextVar` set
-directly, tracers that shed spans nobody would export, `opentelemetry.context.attach`/`detach`
-noted for the heartbeat. `fast_paths()` is False with `STALLWATCH_FAST_PATHS=false`: none of them is
-taken, stallwatch uses the public SDK objects instead (`tests/bench/bench_fast_paths.py` measures
-each). The rest hold in both modes, having no public equivalent: a scrubbed copy of stallwatch's own spans
-(`span_fields`, `replaced_span`) and log records (`checked_logger`) at export, a batch processor's
-queue for drop counting (`batch_queue`), replaying interrupted spans into the provider's processors
-(`active_span_processor`), a Prometheus reader's collected data (`prometheus_reader_class`), what a
-metric reader or exporter was configured with (`histogram_temporalities`, `exporter_preferences`,
-`metric_readers`), the API's placeholder providers (`proxy_providers`), the distro's configurator
-base (`base_configurator`) and the OTLP log encoder (`encode_logs`), both in private modules.
+Held in both modes, having no public equivalent: scrubbed copies of stallwatch's spans (`span_fields`,
+`replaced_span`) and log records (`checked_logger`), a batch processor's queue (`batch_queue`), replay
+into the provider's processors (`active_span_processor`), a Prometheus reader's data, what a reader or
+exporter was built with, the API's placeholder providers, the distro's configurator base and the OTLP
+log encoder (private modules).
 """
 
 from __future__ import annotations
@@ -194,7 +189,7 @@ _UNSET = Status(StatusCode.UNSET)  # immutable, shared as a new span's status
 
 
 class LightSpan(trace.Span, ReadableSpan):
-    """A recording span that is also the SDK's `ReadableSpan` it ends as (see `instrument.light_span`).
+    """A recording span that is also the SDK's `ReadableSpan` it ends as (see `core.light_span`).
 
     As the SDK's own span, it is handed to the span processors itself at `end()`: it has the
     `ReadableSpan` fields (`_name`, `_context`, `_start_time`, ...; the same from SDK 1.27 to 1.45)

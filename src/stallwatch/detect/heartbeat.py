@@ -40,10 +40,13 @@ from typing import Any
 
 from opentelemetry.trace import INVALID_SPAN_CONTEXT, NonRecordingSpan, get_current_span
 
-from .. import background
+from .. import sdk_compat
 from .._private import opener
-from ..instrument._common import first_record
-from ..instrument.scrub import scrub_value
+from ..core import background
+from ..core.faults import FAULTS, SENTRY_COMPONENT, SENTRY_OFF, SENTRY_SETTING, first_record, signal_name
+from ..core.scrub import scrub_value
+from ..forksafe import guard
+from ..forksafe.loop import loop_kind
 
 MAGIC = b"SWHB0002"
 # magic, host pid, flags, interpreter ns, loop ns, spawn-start ns, loop kind, watchdog pid, spawn
@@ -364,11 +367,11 @@ def start(
     _threshold = threshold
     _watchdog = watchdog
     _start_for_child = start_for_child
-    from ..forksafe import guard
-
+    if guard.installed():
+        guard.listen(guard.ForkListener(disarm_for_fork, rearm_after_fork, forked_child, _spawn_notes))
     if stacks:
         _stacks_file = open(stacks_path(area.path), "w", opener=opener)  # noqa: SIM115 - lives as long as the heartbeats
-        if not guard.installed():  # STALLWATCH_FORK_GUARD=false: the guard's handlers do not call them
+        if not guard.installed():  # STALLWATCH_FORK_GUARD=false: no guard handler to call them
             os.register_at_fork(before=disarm_for_fork, after_in_parent=rearm_after_fork)
     if not guard.installed() and not _child_handler_registered:  # as above, for `forked_child`
         os.register_at_fork(after_in_child=forked_child)
@@ -377,6 +380,11 @@ def start(
     _watch_loops()
     _span_writer = area
     track_current_span()
+
+
+def _spawn_notes() -> HeartbeatArea | None:
+    """Where the fork guard notes a uvloop spawn for the watchdog: this process's heartbeat file."""
+    return AREA
 
 
 def ensure_beating() -> None:
@@ -408,8 +416,6 @@ class _InterpreterBeats:
                 self.handed = _hand_over_sentry(area, self.handed)
                 _check_watchdog(area)
         except Exception:
-            from ..instrument._common import FAULTS
-
             FAULTS.record(COMPONENT, SETTING)
 
 
@@ -434,8 +440,6 @@ def _lost_watchdog(area: HeartbeatArea, process: Any) -> None:
         if AREA is not area:  # stop() came first: the shutdown ended the watchdog
             return
         _watchdog = None
-    from ..instrument._common import FAULTS, signal_name
-
     code = process.returncode
     how = f"was killed by {signal_name(-code)}" if code < 0 else f"exited with status {code}"
     FAULTS.record(COMPONENT, SETTING, f"the freeze watchdog (pid {process.pid}) {how}; freezes go unreported")
@@ -453,8 +457,6 @@ def _lost_file(area: HeartbeatArea, inode: int | None) -> None:
             problem = (
                 f"the heartbeat file {area.path} was removed and cannot be made again ({error}); freezes go unreported"
             )
-    from ..instrument._common import FAULTS
-
     FAULTS.record(COMPONENT, SETTING, problem)
 
 
@@ -465,12 +467,11 @@ def _hand_over_sentry(area: HeartbeatArea, handed: dict[str, Any] | None) -> dic
     if "sentry_sdk" not in sys.modules:
         return handed
     try:
+        # optional: sentry-sdk, once the host has imported it
         from .. import sentry
 
         current = sentry.handover()
     except Exception:  # an odd sentry-sdk version: freezes still reach OpenTelemetry
-        from ..instrument._common import FAULTS, SENTRY_COMPONENT, SENTRY_OFF, SENTRY_SETTING
-
         FAULTS.record(SENTRY_COMPONENT, SENTRY_SETTING, off=SENTRY_OFF)
         return handed
     if current == handed:
@@ -531,8 +532,6 @@ def track_current_span() -> None:
     `opentelemetry.context.attach`/`detach` are noted through `sdk_compat.note_context_changes`, a
     fast path; with `STALLWATCH_FAST_PATHS=false`, the spans of stallwatch's tracer provider are
     noted as they start and end instead (`current_span_processor`). `untrack_current_span()` stops it."""
-    from .. import sdk_compat  # loads the SDK, which reads its variables at import: after `setup()` checked them
-
     get_ident = threading.get_ident
 
     def noted(context: Any) -> None:
@@ -571,8 +570,6 @@ def current_span_processor() -> Any:
 
 def untrack_current_span() -> None:
     """Stop writing the current span into the heartbeat (see `track_current_span`)."""
-    from .. import sdk_compat
-
     sdk_compat.stop_noting_context_changes()
 
 
@@ -594,8 +591,6 @@ def _write_current_span(span: Any) -> None:
     except ValueError:  # closed by stop() meanwhile
         pass
     except Exception:
-        from ..instrument._common import FAULTS
-
         FAULTS.record(COMPONENT, SETTING)
 
 
@@ -626,8 +621,6 @@ def _run_forever(wrapped: Any, loop: asyncio.AbstractEventLoop, args: tuple[Any,
         area = _watch_this_child()
         if area is None:
             return wrapped(*args, **kwargs)
-    from ..forksafe.loop import loop_kind
-
     beats = _LoopBeats(loop, area, loop_kind(loop), time.monotonic(), waiting=True)
     _loops[id(loop)] = beats
     loop.call_soon(_beat, beats)
@@ -674,8 +667,6 @@ def _watch_this_child() -> HeartbeatArea | None:
     try:
         started = _start_for_child()
     except Exception:
-        from ..instrument._common import FAULTS
-
         FAULTS.record(COMPONENT, SETTING)
         return None
     if started is None:

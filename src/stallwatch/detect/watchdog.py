@@ -2,7 +2,7 @@
 (incident 000 in docs/incidents.md).
 
 `setup()` starts it with the standard library's vfork/posix_spawn path (never `fork()` of the big
-host) as `python -m stallwatch.detect.watchdog --pid HOST --heartbeat FILE`. It reads the host's
+host) as `python -m stallwatch._watchdog --pid HOST --heartbeat FILE`. It reads the host's
 heartbeats (`detect.heartbeat`) every 100 ms; when the interpreter heartbeat is older than the
 threshold the freeze is `gil_held` (no Python thread runs), when only the loop heartbeat is old it
 is `loop_blocked`. It then reads `/proc` to say what the host waits on, exports a WARNING log
@@ -30,12 +30,17 @@ import os
 import select
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import sdk_compat, telemetry
 from ..config import Settings
-from ..instrument.scrub import scrub_value
+from ..core.faults import FAULTS, SENTRY_COMPONENT, SENTRY_OFF, SENTRY_SETTING, Deferred, instrument, signal_name
+from ..core.scrub import scrub_value
+from ..instrument.child_fate import never_execed
+from ..journal import Journal
 from . import heartbeat
 
 POLL_SECONDS = 0.1
@@ -157,8 +162,6 @@ def _execed(pid: int, exe: str | None, host_exe: str | None) -> bool:
     """Whether a child of the host has exec'd: the kernel's flag for it, else (its `/proc/PID/stat`
     unreadable) whether it runs another executable than the host's. A host waiting on its own
     interpreter, exec'd again (`sys.executable`), is waiting on an exec'd child."""
-    from ..instrument.child_fate import never_execed
-
     never = never_execed(pid)
     return not never if never is not None else exe is not None and exe != host_exe
 
@@ -207,8 +210,6 @@ def host_exit_status(pid: int) -> dict[str, Any]:
         return {}
     status = int(fields[49])
     if os.WIFSIGNALED(status):
-        from ..instrument._common import signal_name
-
         return {"stallwatch.freeze.host.exit_signal": signal_name(os.WTERMSIG(status))}
     if os.WIFEXITED(status):
         return {"stallwatch.freeze.host.exit_code": os.WEXITSTATUS(status)}
@@ -295,9 +296,6 @@ class FreezeTelemetry:
 
     def __init__(self, pid: int, heartbeat_path: Path, journal: Any = None) -> None:
         from opentelemetry import metrics, trace
-
-        from .. import telemetry
-        from ..instrument._common import Deferred, instrument
 
         self._pid = pid
         self._journal = journal  # the host's journal, watchdog side: freeze records survive the host
@@ -448,6 +446,7 @@ class FreezeTelemetry:
             "stacks": record.get("stallwatch.freeze.stacks"),
         }
         try:
+            # optional: sentry-sdk, when the host handed its options over
             from .. import sentry
 
             sentry.capture_for_host(
@@ -459,8 +458,6 @@ class FreezeTelemetry:
                 f"{span_id:016x}" if trace_id else "",
             )
         except Exception:  # sentry-sdk missing or odd here: the freeze still went to OpenTelemetry
-            from ..instrument._common import FAULTS, SENTRY_COMPONENT, SENTRY_OFF, SENTRY_SETTING
-
             FAULTS.record(SENTRY_COMPONENT, SENTRY_SETTING, off=SENTRY_OFF)
 
     def flush(self) -> None:
@@ -473,8 +470,6 @@ class FreezeTelemetry:
             flush = getattr(provider, "force_flush", None)
             if flush is not None:
                 flush()
-        from .. import sdk_compat
-
         for reader in sdk_compat.metric_readers(metrics.get_meter_provider()):
             if isinstance(reader, PeriodicExportingMetricReader):
                 reader.force_flush()
@@ -529,7 +524,9 @@ def _serve_last_word(session: Any, host_pid: int) -> None:
                      "STALLWATCH_WATCHDOG_LAST_SCRAPE_TIMEOUT sets how long to wait", host_pid, timeout)  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(setup: Callable[..., Any], shutdown: Callable[[], object], argv: list[str] | None = None) -> int:
+    """Run the watchdog process (`python -m stallwatch._watchdog`); `setup` and `shutdown` build and stop
+    its own telemetry pipeline (`stallwatch.setup` and `stallwatch.shutdown`, handed down by the caller)."""
     parser = argparse.ArgumentParser(prog="stallwatch watchdog", description=__doc__.splitlines()[0])
     parser.add_argument("--pid", type=int, required=True, help="the host process to watch")
     parser.add_argument("--heartbeat", type=Path, required=True, help="the host's heartbeat file")
@@ -541,33 +538,24 @@ def main(argv: list[str] | None = None) -> int:
     _name_the_source(args.pid)
     os.environ["STALLWATCH_WATCHDOG"] = "false"  # the watchdog never watches itself
     os.environ["STALLWATCH_INSTRUMENT_EXECUTOR"] = "false"
-    import stallwatch
-
-    from .. import telemetry as names
 
     # The host's resource attributes (its service.instance.id among them) and the watchdog's own.
     inherited = Settings.load().resource_attributes
-    session = stallwatch.setup(resource_attributes={**inherited, names.RESOURCE_PROCESS_ROLE.name: "watchdog",
+    session = setup(resource_attributes={**inherited, telemetry.RESOURCE_PROCESS_ROLE.name: "watchdog",
                                                     "stallwatch.watched.pid": str(args.pid)})  # fmt: skip
     journal = None
     if args.journal_dir is not None:
-        from ..journal import Journal
-
         journal = Journal(args.journal_dir, role="watchdog", host_pid=args.pid)
     try:
-        telemetry = FreezeTelemetry(args.pid, args.heartbeat, journal)
-        Watchdog(args.pid, args.heartbeat, args.threshold, telemetry).run()
-        if telemetry.host_died_frozen:
+        freeze_telemetry = FreezeTelemetry(args.pid, args.heartbeat, journal)
+        Watchdog(args.pid, args.heartbeat, args.threshold, freeze_telemetry).run()
+        if freeze_telemetry.host_died_frozen:
             _serve_last_word(session, args.pid)
     except ProcessLookupError:
         pass
     finally:
         if journal is not None:
             journal.close()
-        stallwatch.shutdown()
+        shutdown()
     heartbeat.remove_files(args.heartbeat)  # the host is gone: a killed host could not remove them
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,1 +1,1 @@
-"""Exporters stallwatch adds to the OpenTelemetry SDK."""
+"""Exporters and processors stallwatch adds to the OpenTelemetry SDK."""

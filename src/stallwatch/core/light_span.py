@@ -1,29 +1,22 @@
 """Spans for hot paths (executor work items, child processes, Nebius calls), built as the SDK would, cheaper.
 
-An SDK span costs about 12 µs to start and end (measured, SDK 1.45: the sampler, a locked
-`BoundedAttributes`, `Status` and event lists made up front, the processors' `on_start` and
-`on_end`), as much as an executor work item it describes. A `LightSpan` takes the same decisions
-from the same parts of the tracer (its sampler, id generator, resource, scope, limits and span
-processor), keeps only what is set on it, and is itself the `ReadableSpan` the SDK would hand the
-processors at `end()` (the SDK's span copies itself into a new one there): about 3 µs. Its
-`SpanContext` is the tuple the API's constructor builds, without the call. The parts that know the
-SDK's private names and layouts (the `LightSpan` class itself) are in `sdk_compat`; with
-`STALLWATCH_FAST_PATHS=false`, `start()` always returns the tracer's own span.
-It is used only where that is exactly equivalent: an SDK `Tracer` that records no self-metrics,
-whose processors all have the stock no-op `on_start` (the SDK's batch and simple processors, and
-subclasses that keep it); anywhere else `start()` returns the tracer's own span. The SDK offers no
-cheaper span, hence this module. With the SDK's default sampler (parent-based, sampling whatever
-has a sampled parent) and a sampled parent, the sampler is not called: its answer is known (record
-and sample, the given attributes, the parent's trace state); likewise for a root span when its root
-sampler is `ALWAYS_ON` (the default).
+A `LightSpan` takes the same decisions as the SDK's span from the same parts of the tracer (its
+sampler, id generator, resource, scope, limits and span processor), keeps only what is set on it,
+and is itself the `ReadableSpan` the SDK would hand the processors at `end()`.
 
-Differences a user can see: none in what is exported; `on_start` is never called (it does nothing
-on the processors this path accepts); attribute values set by other code are cleaned and bounded
-at `end()` (by the SDK's `BoundedAttributes`) rather than when set.
+Contract: used only where that is exactly equivalent, an SDK `Tracer` that records no self-metrics
+and whose processors all have the stock no-op `on_start`; anywhere else `start()` returns the
+tracer's own span. With the default parent-based sampler and a sampled local parent the sampler's
+answer is known and it is not called. What is exported is the same; `on_start` is never called (it
+does nothing on the processors accepted); attribute values set by other code are cleaned and bounded
+at `end()` rather than when set. The SDK's private names and layouts it relies on (the `LightSpan`
+class, the `SpanContext` tuple) are in `sdk_compat`; with `STALLWATCH_FAST_PATHS=false`, `start()`
+always returns the tracer's own span.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from time import time_ns
 from typing import Any
 
@@ -35,9 +28,8 @@ from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
 from opentelemetry.util import types
 
 from .. import sdk_compat
-from ..export import guarded
 from ..sdk_compat import LightSpan
-from ._common import first_record
+from .faults import first_record
 
 __all__ = ["LightSpan", "ShedSpan", "decide", "non_recording", "start"]
 
@@ -97,6 +89,20 @@ def decide(
     return trace_id, flags, parent, result.trace_state, dict(result.attributes or {}), recording
 
 
+def _never_shed(processors: Sequence[Any]) -> bool:
+    return False
+
+
+_shed: Callable[[Sequence[Any]], bool] = _never_shed
+
+
+def shed_with(check: Callable[[Sequence[Any]], bool]) -> None:
+    """Make `start(..., shed=True)` ask `check(span_processors)` whether every span processor would
+    drop a sampled span now (and count it when so). Set by the export layer, which owns those processors."""
+    global _shed
+    _shed = check
+
+
 def start(
     tracer: trace.Tracer,
     name: str,
@@ -111,7 +117,7 @@ def start(
     `parent`: the span context current in `context`, when the caller has looked it up already.
     `attributes` is copied, never kept nor changed: a caller may pass the same dict every time.
     `shed`: a sampled span that every span processor would drop now is not recorded
-    (`export.guarded.shed`); not for spans the journal must see in flight."""
+    (`shed_with`); not for spans the journal must see in flight."""
     sdk = sdk_compat.light_tracer(tracer)
     if sdk is None:
         first_record()
@@ -136,7 +142,7 @@ def start(
         trace_id, flags, parent, trace_state, span_attributes, recording = decision
         if not recording:
             return non_recording(sdk, decision)
-    if shed and flags & _SAMPLED and guarded.shed(sdk_compat.span_processors(sdk.span_processor) or ()):
+    if shed and flags & _SAMPLED and _shed(sdk_compat.span_processors(sdk.span_processor) or ()):
         return non_recording(sdk, (trace_id, flags, parent, trace_state, span_attributes, True), shed=True)
     span_context = sdk_compat.new_span_context(trace_id, sdk.id_generator.generate_span_id(), flags, trace_state)
     return LightSpan(sdk, name, kind, span_context, parent, span_attributes, start_time or time_ns())
