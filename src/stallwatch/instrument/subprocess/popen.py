@@ -111,7 +111,10 @@ def _popen_reaped(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, .
                 setattr(instance, _CHILD_ATTRIBUTE, None)
                 exited(child, instance.returncode)
     except Exception:
-        fault()
+        # At the interpreter's exit, a Popen's `__del__` may poll after this module's globals were
+        # cleared (None): nothing is left to record then, and the host's stderr stays untouched.
+        if fault is not None:
+            fault()
     return result
 
 
