@@ -83,6 +83,51 @@ def test_gunicorn_stopping_its_uvicorn_workers_keeps_every_workers_spans(tmp_pat
     assert len(children) == REQUESTS
 
 
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl_c"])
+def test_uvicorn_workers_stopped_by_their_parent_export_every_request_and_child(tmp_path, stop):
+    # Each spawned worker imports the app inside uvicorn's signal capture: SIGTERM is uvicorn's then, and
+    # uvicorn raises it again at the default action once its graceful shutdown is over.
+    telemetry = tmp_path / "telemetry"
+    command = [sys.executable, "-m", "uvicorn", "served_app:app", "--port", "0", "--workers", "2"]
+    host = Served(command, _host_env(telemetry), cwd=SCENARIOS)
+    try:
+        port = int(host.wait_for(r"Uvicorn running on http://127\.0\.0\.1:(\d+)").group(1))
+        host.wait_for(r"Application startup complete", count=2)
+        _spawn_requests(port)
+        host.process.send_signal(stop)  # the parent stops its workers with SIGTERM
+        code = host.finish()
+    finally:
+        host.kill()
+
+    assert code == 0, host.stderr()
+    assert host.stderr().count("Finished server process") == 2
+    requests, children = _host_spans(telemetry)
+    assert requests == sorted(f"GET /spawn/{n}" for n in range(REQUESTS))
+    assert len(children) == REQUESTS
+
+
+def test_gunicorn_with_preload_stopping_its_forked_workers_keeps_every_workers_spans(tmp_path):
+    # The workers are forks of a master that ran setup(); gunicorn's worker puts SIGTERM back to its
+    # default action in each before uvicorn captures it.
+    telemetry = tmp_path / "telemetry"
+    command = [sys.executable, "-m", "gunicorn", "served_app:app", "-k", "uvicorn.workers.UvicornWorker",
+               "-w", "2", "-b", "127.0.0.1:0", "--preload"]  # fmt: skip
+    host = Served(command, _host_env(telemetry), cwd=SCENARIOS)
+    try:
+        port = int(host.wait_for(r"Listening at: http://127\.0\.0\.1:(\d+)").group(1))
+        host.wait_for(r"Application startup complete", count=2)
+        _spawn_requests(port)
+        host.process.send_signal(signal.SIGTERM)
+        code = host.finish()
+    finally:
+        host.kill()
+
+    assert code == 0, host.stderr()
+    requests, children = _host_spans(telemetry)
+    assert requests == sorted(f"GET /spawn/{n}" for n in range(REQUESTS))
+    assert len(children) == REQUESTS
+
+
 _SCRIPT = """
 import os, signal, sys, time
 import stallwatch

@@ -210,6 +210,7 @@ def _start(fork_safety: ForkSafety, overrides: dict[str, Any]) -> Session:
         )
     atexit.register(_shutdown_at_exit)
     _keep_the_tail_on_sigterm(settings.shutdown_timeout)
+    _flush_when_uvicorn_stops(settings.shutdown_timeout)
     return Session(settings, fork_safety, dict(pipeline.files) if pipeline else {}, None, pipeline, watchdog, journal)
 
 
@@ -522,6 +523,41 @@ def _keep_the_tail_on_sigterm(timeout: float) -> None:
     with contextlib.suppress(ValueError, OSError):
         if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
             signal.signal(signal.SIGTERM, lambda signum, frame: _flush_then_die(signum, timeout))
+
+
+_uvicorn_flush_hooked = False  # once per process: a second setup() must not flush twice
+
+
+def _flush_when_uvicorn_stops(timeout: float) -> None:
+    """Export what was recorded when a uvicorn server's graceful shutdown ends, before uvicorn
+    restores the signal handlers it found and raises the signal that stopped it again.
+
+    A worker of `uvicorn --workers` or of gunicorn's `UvicornWorker` with `--preload` has SIGTERM at
+    its default action when uvicorn captures it, and imports stallwatch (or was forked) with
+    uvicorn's handler in place: `_keep_the_tail_on_sigterm` cannot stand in for the default there,
+    and uvicorn's re-raised SIGTERM would end the worker with its queued telemetry. So every
+    `uvicorn.server.Server.shutdown` is followed by a flush of the global providers (and those of
+    OpenTelemetry logging handlers on the root logger), within `timeout` seconds
+    (STALLWATCH_SHUTDOWN_TIMEOUT). Nothing is stopped: a process that lives on keeps recording.
+    """
+    global _uvicorn_flush_hooked
+    if _uvicorn_flush_hooked:
+        return
+    _uvicorn_flush_hooked = True
+    import wrapt
+
+    def flush_after(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+        async def shutdown_then_flush() -> Any:
+            try:
+                return await wrapped(*args, **kwargs)
+            finally:
+                _flush_host_providers(set(), time.monotonic() + timeout)
+
+        return shutdown_then_flush()
+
+    wrapt.register_post_import_hook(  # runs now if uvicorn is imported already
+        lambda module: wrapt.wrap_function_wrapper(module, "Server.shutdown", flush_after), "uvicorn.server"
+    )
 
 
 def _flush_then_die(signum: int, timeout: float) -> None:

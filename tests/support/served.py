@@ -34,15 +34,16 @@ class Served:
                 into.append(line)
                 self._changed.notify_all()
 
-    def wait_for(self, pattern: str, timeout: float = 60) -> re.Match[str]:
-        """The first stderr line matching `pattern`, waiting up to `timeout` seconds for it."""
+    def wait_for(self, pattern: str, timeout: float = 60, count: int = 1) -> re.Match[str]:
+        """The `count`th stderr line matching `pattern` (the first by default), waiting up to
+        `timeout` seconds for it."""
         compiled = re.compile(pattern)
         deadline = time.monotonic() + timeout
         seen = 0
         with self._changed:
             while True:
                 for line in self._lines[seen:]:
-                    if match := compiled.search(line.decode(errors="replace")):
+                    if (match := compiled.search(line.decode(errors="replace"))) and (count := count - 1) == 0:
                         return match
                 seen = len(self._lines)
                 left = deadline - time.monotonic()
