@@ -393,11 +393,20 @@ def _watch_fork_child(settings: Settings) -> tuple[Any, subprocess.Popen[bytes]]
     loop (`detect.heartbeat` calls this there); the session's shutdown in the child then stops them."""
     spawns = sys.modules.get("stallwatch.instrument.subprocess")  # installed: the host's spawns are recorded
     with spawns.unrecorded() if spawns is not None else contextlib.nullcontext():
-        started = _start_watchdog(settings, forked=True)
+        started = _start_watchdog(_as_fork_child(settings), forked=True)
     session = _session
     if started is not None and session is not None:
         session._watchdog = started
     return started
+
+
+def _as_fork_child(settings: Settings) -> Settings:
+    """The host's settings with the resource attributes its providers take on in this fork child (a
+    `service.instance.id` of its own on SDKs that detect one per process), for its watchdog to carry."""
+    from .forksafe import otel_compat
+
+    refreshed = {key: str(value) for key, value in otel_compat.process_resource().attributes.items()}
+    return dataclasses.replace(settings, resource_attributes={**settings.resource_attributes, **refreshed})
 
 
 def _stop_unused_watchdog(watchdog: tuple[Any, subprocess.Popen[bytes]] | None) -> None:
