@@ -4,6 +4,7 @@ by SIGTERM, a handler the host installed is never replaced, and a host ignoring 
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -101,6 +102,28 @@ def test_uvicorn_workers_stopped_by_their_parent_export_every_request_and_child(
 
     assert code == 0, host.stderr()
     assert host.stderr().count("Finished server process") == 2
+    requests, children = _host_spans(telemetry)
+    assert requests == sorted(f"GET /spawn/{n}" for n in range(REQUESTS))
+    assert len(children) == REQUESTS
+
+
+def test_ctrl_c_to_uvicorn_workers_stops_them_without_a_traceback_or_a_lost_watchdog_warning(tmp_path):
+    # Ctrl-C signals the terminal's whole foreground process group: the parent, its workers, and
+    # whatever they started in the same group.
+    telemetry = tmp_path / "telemetry"
+    command = [sys.executable, "-m", "uvicorn", "served_app:app", "--port", "0", "--workers", "2"]
+    host = Served(command, _host_env(telemetry), cwd=SCENARIOS, own_group=True)
+    try:
+        port = int(host.wait_for(r"Uvicorn running on http://127\.0\.0\.1:(\d+)").group(1))
+        host.wait_for(r"Application startup complete", count=2)
+        _spawn_requests(port)
+        os.killpg(host.process.pid, signal.SIGINT)
+        code = host.finish()
+    finally:
+        host.kill()
+
+    assert code == 0, host.stderr()
+    assert "Traceback" not in host.stderr() and "freeze watchdog" not in host.stderr(), host.stderr()
     requests, children = _host_spans(telemetry)
     assert requests == sorted(f"GET /spawn/{n}" for n in range(REQUESTS))
     assert len(children) == REQUESTS

@@ -379,9 +379,13 @@ def _start_watchdog(settings: Settings, forked: bool = False) -> tuple[Any, subp
                    "--heartbeat", str(area.path), "--threshold", str(settings.freeze_threshold)]  # fmt: skip
         if settings.journal:
             command += ["--journal-dir", str(settings.journal_dir)]
-        process = subprocess.Popen(  # stderr is shared so its WARNINGs reach the host's log
-            command, env=_watchdog_environment(settings, forked), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL
-        )
+        # stderr is shared so its WARNINGs reach the host's log. A session of its own: Ctrl-C (SIGINT to the
+        # terminal's process group) and a supervisor signalling the host's group stop the host, not its
+        # watchdog, which leaves when the host has gone and keeps reporting a host too frozen to stop.
+        process = subprocess.Popen(
+            command, env=_watchdog_environment(settings, forked), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
     except OSError as exc:
         _log.warning("stallwatch: cannot start the freeze watchdog (%s); STALLWATCH_WATCHDOG=false silences this.", exc)
         return None

@@ -15,10 +15,15 @@ SCENARIOS = Path(__file__).resolve().parent.parent / "scenarios"
 class Served:
     """A process whose stderr is collected line by line while it runs, for `wait_for` to match."""
 
-    def __init__(self, command: Sequence[str], env: dict[str, str], cwd: Path | None = None) -> None:
+    def __init__(
+        self, command: Sequence[str], env: dict[str, str], cwd: Path | None = None, own_group: bool = False
+    ) -> None:
+        """`own_group`: in a session (and process group) of its own, as a shell runs a foreground job, so
+        that a signal to its group (Ctrl-C) reaches it and its children but not the test."""
         self.process = subprocess.Popen(
-            list(command), env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-        )
+            list(command), env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            start_new_session=own_group,
+        )  # fmt: skip
         self._lines: list[bytes] = []
         self._changed = threading.Condition()
         self._readers = [
