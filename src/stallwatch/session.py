@@ -418,13 +418,13 @@ def _stop_unused_watchdog(watchdog: tuple[Any, subprocess.Popen[bytes]] | None) 
     if watchdog is None:
         return
     area, process = watchdog
+    area.close()  # first: a watchdog whose host still has its heartbeat file ignores SIGTERM
     process.terminate()
     try:
         process.wait(timeout=1.0)
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
-    area.close()
 
 
 def _instrument(settings: Settings) -> None:
