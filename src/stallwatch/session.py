@@ -564,7 +564,12 @@ def _flush_when_uvicorn_stops(timeout: float) -> None:
             try:
                 return await wrapped(*args, **kwargs)
             finally:
-                _flush_host_providers(set(), time.monotonic() + timeout)
+                try:
+                    _flush_host_providers(set(), time.monotonic() + timeout)
+                except Exception as exc:  # uvicorn's shutdown keeps its own outcome
+                    _log.warning("stallwatch: flushing telemetry after uvicorn's shutdown failed (%s: %s); what "
+                                 "was queued is exported at exit, if the process gets there.", type(exc).__name__,
+                                 exc)  # fmt: skip
 
         return shutdown_then_flush()
 
