@@ -233,3 +233,31 @@ def test_the_html_report_fits_the_window_and_shows_the_freeze_before_the_healthy
     assert first["trace_id"] in found["text"]  # the frozen spawn's trace, in its row and its waterfall
     report = json.loads(postmortem("--dir", str(directory), "--pid", str(first["pid"]), "--format", "json").stdout)
     assert all(e["trace_id"] in found["text"] for e in report["events"] if e["trace_id"])
+
+
+def _otlp_line(resource: dict[str, str], name: str, start_s: int, end_s: int) -> str:
+    span = {"name": name, "traceId": os.urandom(16).hex(), "spanId": os.urandom(8).hex(),
+            "startTimeUnixNano": str(start_s * 10**9), "endTimeUnixNano": str(end_s * 10**9)}  # fmt: skip
+    attributes = [{"key": key, "value": {"stringValue": value}} for key, value in resource.items()]
+    return json.dumps({"resourceSpans": [{"resource": {"attributes": attributes}, "scopeSpans": [{"spans": [span]}]}]})
+
+
+def test_workers_started_together_are_each_reported_with_the_watchdog_that_carries_their_instance_id(tmp_path):
+    # Worker a's watchdog outlived it (it was still starting); by time in common it would join worker b.
+    base = 1764669600
+
+    def watchdog(instance: str, pid: str) -> dict[str, str]:
+        return {"service.instance.id": instance, "stallwatch.process.role": "watchdog", "stallwatch.watched.pid": pid}
+
+    lines = [
+        _otlp_line({"service.instance.id": "a"}, "GET /a", base, base + 10),
+        _otlp_line({"service.instance.id": "b"}, "GET /b", base, base + 20),
+        _otlp_line(watchdog("a", "101"), "watchdog a", base, base + 20),
+        _otlp_line(watchdog("b", "202"), "watchdog b", base + 1, base + 20),
+    ]
+    (tmp_path / "traces.jsonl").write_text("\n".join(lines) + "\n")
+
+    proc = postmortem("--dir", str(tmp_path), "--all-processes", "--format", "json")
+    assert proc.returncode == 0, proc.stderr
+    hosts = {p["key"]: p["pid"] for p in json.loads(proc.stdout)["processes"] if p["role"] == "host"}
+    assert hosts == {"a": 101, "b": 202}

@@ -4,6 +4,7 @@ by SIGTERM, a handler the host installed is never replaced, and a host ignoring 
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -13,7 +14,10 @@ import httpx
 import pytest
 
 from conftest import attrs, clean_env, latest_total, otlp_items, run_python
+from stallwatch.detect import heartbeat
+from support.processes import descendants
 from support.served import SCENARIOS, Served
+from support.waiting import wait_until
 
 REQUESTS = 30
 
@@ -78,6 +82,105 @@ def test_gunicorn_stopping_its_uvicorn_workers_keeps_every_workers_spans(tmp_pat
         host.kill()
 
     assert code == 0, host.stderr()  # gunicorn's master exits normally after stopping its workers
+    requests, children = _host_spans(telemetry)
+    assert requests == sorted(f"GET /spawn/{n}" for n in range(REQUESTS))
+    assert len(children) == REQUESTS
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl_c"])
+def test_uvicorn_workers_stopped_by_their_parent_export_every_request_and_child(tmp_path, stop):
+    # Each spawned worker imports the app inside uvicorn's signal capture: SIGTERM is uvicorn's then, and
+    # uvicorn raises it again at the default action once its graceful shutdown is over.
+    telemetry = tmp_path / "telemetry"
+    command = [sys.executable, "-m", "uvicorn", "served_app:app", "--port", "0", "--workers", "2"]
+    host = Served(command, _host_env(telemetry), cwd=SCENARIOS)
+    try:
+        port = int(host.wait_for(r"Uvicorn running on http://127\.0\.0\.1:(\d+)").group(1))
+        host.wait_for(r"Application startup complete", count=2)
+        _spawn_requests(port)
+        host.process.send_signal(stop)  # the parent stops its workers with SIGTERM
+        code = host.finish()
+    finally:
+        host.kill()
+
+    assert code == 0, host.stderr()
+    assert host.stderr().count("Finished server process") == 2
+    requests, children = _host_spans(telemetry)
+    assert requests == sorted(f"GET /spawn/{n}" for n in range(REQUESTS))
+    assert len(children) == REQUESTS
+
+
+def test_ctrl_c_to_uvicorn_workers_stops_them_without_a_traceback_or_a_lost_watchdog_warning(tmp_path):
+    # Ctrl-C signals the terminal's whole foreground process group: the parent, its workers, and
+    # whatever they started in the same group.
+    telemetry = tmp_path / "telemetry"
+    command = [sys.executable, "-m", "uvicorn", "served_app:app", "--port", "0", "--workers", "2"]
+    host = Served(command, _host_env(telemetry), cwd=SCENARIOS, own_group=True)
+    try:
+        port = int(host.wait_for(r"Uvicorn running on http://127\.0\.0\.1:(\d+)").group(1))
+        host.wait_for(r"Application startup complete", count=2)
+        _spawn_requests(port)
+        os.killpg(host.process.pid, signal.SIGINT)
+        code = host.finish()
+    finally:
+        host.kill()
+
+    assert code == 0, host.stderr()
+    assert "Traceback" not in host.stderr() and "freeze watchdog" not in host.stderr(), host.stderr()
+    requests, children = _host_spans(telemetry)
+    assert requests == sorted(f"GET /spawn/{n}" for n in range(REQUESTS))
+    assert len(children) == REQUESTS
+
+
+def _watched(runtime: Path) -> list[int]:
+    """The pids of the watchdogs that watch (marked their host's heartbeat file) under `runtime`."""
+    snapshots = [heartbeat.read(path) for path in runtime.glob("stallwatch-*.hb")]
+    return [snapshot["watchdog_pid"] for snapshot in snapshots if snapshot and snapshot["watchdog_pid"]]
+
+
+def test_sigterm_to_every_process_of_gunicorn_as_systemd_stops_a_unit_keeps_each_watchdog_to_its_workers_end(
+    tmp_path,
+):
+    telemetry, runtime = tmp_path / "telemetry", tmp_path / "run"
+    runtime.mkdir()
+    command = [sys.executable, "-m", "gunicorn", "served_app:app", "-k", "uvicorn.workers.UvicornWorker",
+               "-w", "2", "-b", "127.0.0.1:0"]  # fmt: skip
+    host = Served(command, _host_env(telemetry, XDG_RUNTIME_DIR=str(runtime)), cwd=SCENARIOS)
+    try:
+        port = int(host.wait_for(r"Listening at: http://127\.0\.0\.1:(\d+)").group(1))
+        host.wait_for(r"Application startup complete", count=2)
+        _spawn_requests(port)
+        wait_until(lambda: len(_watched(runtime)) == 2, "each worker's watchdog watches")
+        for pid in [host.process.pid, *descendants(host.process.pid)]:  # the whole cgroup, watchdogs included
+            os.kill(pid, signal.SIGTERM)
+        code = host.finish()
+    finally:
+        host.kill()
+
+    assert code == 0, host.stderr()
+    assert "freeze watchdog" not in host.stderr(), host.stderr()
+    requests, _ = _host_spans(telemetry)
+    assert requests == sorted(f"GET /spawn/{n}" for n in range(REQUESTS))
+    wait_until(lambda: not list(runtime.glob("stallwatch-*")), "the watchdogs left and removed the heartbeat files")
+
+
+def test_gunicorn_with_preload_stopping_its_forked_workers_keeps_every_workers_spans(tmp_path):
+    # The workers are forks of a master that ran setup(); gunicorn's worker puts SIGTERM back to its
+    # default action in each before uvicorn captures it.
+    telemetry = tmp_path / "telemetry"
+    command = [sys.executable, "-m", "gunicorn", "served_app:app", "-k", "uvicorn.workers.UvicornWorker",
+               "-w", "2", "-b", "127.0.0.1:0", "--preload"]  # fmt: skip
+    host = Served(command, _host_env(telemetry), cwd=SCENARIOS)
+    try:
+        port = int(host.wait_for(r"Listening at: http://127\.0\.0\.1:(\d+)").group(1))
+        host.wait_for(r"Application startup complete", count=2)
+        _spawn_requests(port)
+        host.process.send_signal(signal.SIGTERM)
+        code = host.finish()
+    finally:
+        host.kill()
+
+    assert code == 0, host.stderr()
     requests, children = _host_spans(telemetry)
     assert requests == sorted(f"GET /spawn/{n}" for n in range(REQUESTS))
     assert len(children) == REQUESTS

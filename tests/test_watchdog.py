@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SCENARIOS, attrs, clean_env, metric_points, otlp_items, run_python, run_scenario
+from conftest import SCENARIOS, attrs, clean_env, metric_points, otlp_items, read_jsonl, run_python, run_scenario
 from support.loopback import free_port, prometheus_env, scrape
 from support.processes import is_gone
+from support.served import Served
 from support.waiting import wait_until
 
 pytestmark = [
@@ -681,3 +682,55 @@ def test_the_watchdogs_freeze_series_carry_the_service_name_and_instance_id_of_t
     assert _labels_of(from_watchdog, "stallwatch_", "service_instance_id") == {identity}
     (role,) = [line for line in from_watchdog.splitlines() if line.startswith("target_info{")]
     assert 'stallwatch_process_role="watchdog"' in role and f'service_instance_id="{identity}"' in role
+
+
+def _resources(path: Path, level: str) -> list[dict[str, str]]:
+    if not path.exists():
+        return []
+    return [
+        {a["key"]: next(iter(a["value"].values())) for a in resource["resource"].get("attributes", [])}
+        for request in read_jsonl(path)
+        for resource in request.get(level, [])
+    ]
+
+
+def test_each_worker_gunicorn_forks_after_preload_has_a_watchdog_carrying_its_own_instance_id(tmp_path):
+    # A fork child's providers take a service.instance.id of their own (SDK 1.45); the worker's watchdog
+    # must carry that one, not the master's, or every worker's freezes land on the master.
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("gunicorn")
+    pytest.importorskip("uvicorn")
+    telemetry, runtime = tmp_path / "telemetry", tmp_path / "run"
+    runtime.mkdir()
+    env = clean_env(STALLWATCH_FILE_DIR=str(telemetry), OTEL_METRIC_EXPORT_INTERVAL="3600000",
+                    XDG_RUNTIME_DIR=str(runtime))  # fmt: skip
+    command = [sys.executable, "-m", "gunicorn", "served_app:app", "-k", "uvicorn.workers.UvicornWorker",
+               "-w", "2", "-b", "127.0.0.1:0", "--preload"]  # fmt: skip
+    host = Served(command, env, cwd=SCENARIOS)
+    try:
+        port = int(host.wait_for(r"Listening at: http://127\.0\.0\.1:(\d+)").group(1))
+        workers = {int(host.wait_for(r"Booting worker with pid: (\d+)", count=n).group(1)) for n in (1, 2)}
+        host.wait_for(r"Application startup complete", count=2)
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+            for number in range(20):
+                assert client.get(f"/spawn/{number}").status_code == 200
+        host.process.send_signal(signal.SIGTERM)
+        assert host.finish() == 0, host.stderr()
+    finally:
+        host.kill()
+
+    def watchdogs() -> dict[int, str]:
+        return {
+            int(r["stallwatch.watched.pid"]): r["service.instance.id"]
+            for r in _resources(telemetry / "metrics.jsonl", "resourceMetrics")
+            if r.get("stallwatch.process.role") == "watchdog" and int(r["stallwatch.watched.pid"]) in workers
+        }
+
+    wait_until(lambda: len(watchdogs()) == 2, "both workers' watchdogs exported at their exit")
+    hosts = {
+        r["service.instance.id"]
+        for r in _resources(telemetry / "metrics.jsonl", "resourceMetrics")
+        if r.get("stallwatch.process.role") != "watchdog"
+    }
+    assert len(set(watchdogs().values())) == 2 and set(watchdogs().values()) <= hosts
+    wait_until(lambda: not list(runtime.glob("stallwatch-*")), "the watchdogs removed the heartbeat files")

@@ -374,11 +374,14 @@ def _item_times(item: dict[str, Any]) -> list[int]:
 def processes(spans: list[dict], logs: list[dict], metrics: list[dict]) -> dict[str, Process]:
     """Every process in the inputs, each watchdog grouped with the host it watches.
 
-    A watchdog joins the host its freeze spans link to; failing that, the host of its service whose
-    telemetry spans the most time in common with its own (it lives as long as its host). A host's pid is the pid
-    its watchdog watches, or the resource's `process.pid` (replayed journals carry one).
+    A watchdog joins the host with its service.instance.id (it carries its host's), else the host its
+    freeze spans link to, else the host of its service whose telemetry spans the most time in common with
+    its own (it lives as long as its host): workers started together overlap alike, so only the id tells
+    them apart. A host's pid is the pid its watchdog watches, or the resource's `process.pid` (replayed
+    journals carry one).
     """
     found: dict[str, Process] = {}
+    host_key_of: dict[str, str] = {}  # a watchdog's key -> the key its host's resource has
     for item in (*spans, *logs, *metrics):
         resource = item.get("_resource", {})
         key = _process_key(resource)
@@ -386,6 +389,8 @@ def processes(spans: list[dict], logs: list[dict], metrics: list[dict]) -> dict[
         process = found.get(key)
         if process is None:
             watchdog = resource.get("stallwatch.process.role") == "watchdog"
+            if watchdog and resource.get("service.instance.id"):
+                host_key_of[key] = _process_key({**resource, "stallwatch.process.role": None})
             pid = resource.get("stallwatch.watched.pid" if watchdog else "process.pid")
             found[key] = Process(key, str(resource.get("service.name", "?")), "watchdog" if watchdog else "host",
                                  _ns(pid) or None, min(times), max(times))  # fmt: skip
@@ -406,7 +411,9 @@ def processes(spans: list[dict], logs: list[dict], metrics: list[dict]) -> dict[
             if _process_key(span.get("_resource", {})) == watchdog.key
             for link in span.get("links") or []
         }
-        host = next((h for h in hosts if linked & traces_of[h.key]), None)
+        host = found.get(host_key_of.get(watchdog.key, ""))
+        if host is None or host.role != "host":
+            host = next((h for h in hosts if linked & traces_of[h.key]), None)
         if host is None:
             same = [h for h in hosts if h.service == watchdog.service]
             host = max(same, key=lambda h: min(h.last_ns, watchdog.last_ns) - max(h.first_ns, watchdog.first_ns),

@@ -214,6 +214,7 @@ def _start(fork_safety: ForkSafety, overrides: dict[str, Any]) -> Session:
         )
     atexit.register(_shutdown_at_exit)
     _keep_the_tail_on_sigterm(settings.shutdown_timeout)
+    _flush_when_uvicorn_stops(settings.shutdown_timeout)
     return Session(settings, fork_safety, dict(pipeline.files) if pipeline else {}, None, pipeline, watchdog, journal)
 
 
@@ -379,9 +380,13 @@ def _start_watchdog(settings: Settings, forked: bool = False) -> tuple[Any, subp
                    "--heartbeat", str(area.path), "--threshold", str(settings.freeze_threshold)]  # fmt: skip
         if settings.journal:
             command += ["--journal-dir", str(settings.journal_dir)]
-        process = subprocess.Popen(  # stderr is shared so its WARNINGs reach the host's log
-            command, env=_watchdog_environment(settings, forked), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL
-        )
+        # stderr is shared so its WARNINGs reach the host's log. A session of its own: Ctrl-C (SIGINT to the
+        # terminal's process group) and a supervisor signalling the host's group stop the host, not its
+        # watchdog, which leaves when the host has gone and keeps reporting a host too frozen to stop.
+        process = subprocess.Popen(
+            command, env=_watchdog_environment(settings, forked), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
     except OSError as exc:
         _log.warning("stallwatch: cannot start the freeze watchdog (%s); STALLWATCH_WATCHDOG=false silences this.", exc)
         return None
@@ -393,11 +398,20 @@ def _watch_fork_child(settings: Settings) -> tuple[Any, subprocess.Popen[bytes]]
     loop (`detect.heartbeat` calls this there); the session's shutdown in the child then stops them."""
     spawns = sys.modules.get("stallwatch.instrument.subprocess")  # installed: the host's spawns are recorded
     with spawns.unrecorded() if spawns is not None else contextlib.nullcontext():
-        started = _start_watchdog(settings, forked=True)
+        started = _start_watchdog(_as_fork_child(settings), forked=True)
     session = _session
     if started is not None and session is not None:
         session._watchdog = started
     return started
+
+
+def _as_fork_child(settings: Settings) -> Settings:
+    """The host's settings with the resource attributes its providers take on in this fork child (a
+    `service.instance.id` of its own on SDKs that detect one per process), for its watchdog to carry."""
+    from .forksafe import otel_compat
+
+    refreshed = {key: str(value) for key, value in otel_compat.process_resource().attributes.items()}
+    return dataclasses.replace(settings, resource_attributes={**settings.resource_attributes, **refreshed})
 
 
 def _stop_unused_watchdog(watchdog: tuple[Any, subprocess.Popen[bytes]] | None) -> None:
@@ -405,13 +419,13 @@ def _stop_unused_watchdog(watchdog: tuple[Any, subprocess.Popen[bytes]] | None) 
     if watchdog is None:
         return
     area, process = watchdog
+    area.close()  # first: a watchdog whose host still has its heartbeat file ignores SIGTERM
     process.terminate()
     try:
         process.wait(timeout=1.0)
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
-    area.close()
 
 
 def _instrument(settings: Settings) -> None:
@@ -534,6 +548,46 @@ def _keep_the_tail_on_sigterm(timeout: float) -> None:
     with contextlib.suppress(ValueError, OSError):
         if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
             signal.signal(signal.SIGTERM, lambda signum, frame: _flush_then_die(signum, timeout))
+
+
+_uvicorn_flush_hooked = False  # once per process: a second setup() must not flush twice
+
+
+def _flush_when_uvicorn_stops(timeout: float) -> None:
+    """Export what was recorded when a uvicorn server's graceful shutdown ends, before uvicorn
+    restores the signal handlers it found and raises the signal that stopped it again.
+
+    A worker of `uvicorn --workers` or of gunicorn's `UvicornWorker` with `--preload` has SIGTERM at
+    its default action when uvicorn captures it, and imports stallwatch (or was forked) with
+    uvicorn's handler in place: `_keep_the_tail_on_sigterm` cannot stand in for the default there,
+    and uvicorn's re-raised SIGTERM would end the worker with its queued telemetry. So every
+    `uvicorn.server.Server.shutdown` is followed by a flush of the global providers (and those of
+    OpenTelemetry logging handlers on the root logger), within `timeout` seconds
+    (STALLWATCH_SHUTDOWN_TIMEOUT). Nothing is stopped: a process that lives on keeps recording.
+    """
+    global _uvicorn_flush_hooked
+    if _uvicorn_flush_hooked:
+        return
+    _uvicorn_flush_hooked = True
+    import wrapt
+
+    def flush_after(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+        async def shutdown_then_flush() -> Any:
+            try:
+                return await wrapped(*args, **kwargs)
+            finally:
+                try:
+                    _flush_host_providers(set(), time.monotonic() + timeout)
+                except Exception as exc:  # uvicorn's shutdown keeps its own outcome
+                    _log.warning("stallwatch: flushing telemetry after uvicorn's shutdown failed (%s: %s); what "
+                                 "was queued is exported at exit, if the process gets there.", type(exc).__name__,
+                                 exc)  # fmt: skip
+
+        return shutdown_then_flush()
+
+    wrapt.register_post_import_hook(  # runs now if uvicorn is imported already
+        lambda module: wrapt.wrap_function_wrapper(module, "Server.shutdown", flush_after), "uvicorn.server"
+    )
 
 
 def _flush_then_die(signum: int, timeout: float) -> None:

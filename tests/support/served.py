@@ -15,10 +15,15 @@ SCENARIOS = Path(__file__).resolve().parent.parent / "scenarios"
 class Served:
     """A process whose stderr is collected line by line while it runs, for `wait_for` to match."""
 
-    def __init__(self, command: Sequence[str], env: dict[str, str], cwd: Path | None = None) -> None:
+    def __init__(
+        self, command: Sequence[str], env: dict[str, str], cwd: Path | None = None, own_group: bool = False
+    ) -> None:
+        """`own_group`: in a session (and process group) of its own, as a shell runs a foreground job, so
+        that a signal to its group (Ctrl-C) reaches it and its children but not the test."""
         self.process = subprocess.Popen(
-            list(command), env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-        )
+            list(command), env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            start_new_session=own_group,
+        )  # fmt: skip
         self._lines: list[bytes] = []
         self._changed = threading.Condition()
         self._readers = [
@@ -34,15 +39,16 @@ class Served:
                 into.append(line)
                 self._changed.notify_all()
 
-    def wait_for(self, pattern: str, timeout: float = 60) -> re.Match[str]:
-        """The first stderr line matching `pattern`, waiting up to `timeout` seconds for it."""
+    def wait_for(self, pattern: str, timeout: float = 60, count: int = 1) -> re.Match[str]:
+        """The `count`th stderr line matching `pattern` (the first by default), waiting up to
+        `timeout` seconds for it."""
         compiled = re.compile(pattern)
         deadline = time.monotonic() + timeout
         seen = 0
         with self._changed:
             while True:
                 for line in self._lines[seen:]:
-                    if match := compiled.search(line.decode(errors="replace")):
+                    if (match := compiled.search(line.decode(errors="replace"))) and (count := count - 1) == 0:
                         return match
                 seen = len(self._lines)
                 left = deadline - time.monotonic()

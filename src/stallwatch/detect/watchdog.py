@@ -18,6 +18,9 @@ served until one scrape has carried it (`STALLWATCH_WATCHDOG_LAST_SCRAPE_TIMEOUT
 exits and removes the host's heartbeat files. It also leaves, without
 reporting a freeze, when the heartbeats stop because the host exec'd another program: the host no
 longer holds its heartbeat file's lock (`heartbeat.in_use`), which it does for as long as it lives.
+It runs in a session of its own (no Ctrl-C from the host's terminal), and a SIGTERM while the host
+still has its heartbeat file (systemd signalling every process of a unit) leaves it watching until
+the host has gone; the host's own shutdown removes the file before it sends SIGTERM.
 It shares the host's stderr, so every line it writes there starts `stallwatch watchdog (host pid N):`.
 """
 
@@ -28,6 +31,7 @@ import contextlib
 import logging
 import os
 import select
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -524,6 +528,14 @@ def _serve_last_word(session: Any, host_pid: int) -> None:
                      "STALLWATCH_WATCHDOG_LAST_SCRAPE_TIMEOUT sets how long to wait", host_pid, timeout)  # fmt: skip
 
 
+def _on_sigterm(heartbeat_path: Path) -> None:
+    """The host's shutdown removes its heartbeat files, then sends SIGTERM: leave through `main`'s
+    cleanup. A SIGTERM while the file is still there went to every process of the host's cgroup
+    (systemd stopping a unit): keep watching, and leave when the host has gone."""
+    if not heartbeat_path.exists():
+        raise SystemExit(0)
+
+
 def main(setup: Callable[..., Any], shutdown: Callable[[], object], argv: list[str] | None = None) -> int:
     """Run the watchdog process (`python -m stallwatch._watchdog`); `setup` and `shutdown` build and stop
     its own telemetry pipeline (`stallwatch.setup` and `stallwatch.shutdown`, handed down by the caller)."""
@@ -536,6 +548,8 @@ def main(setup: Callable[..., Any], shutdown: Callable[[], object], argv: list[s
     if args.threshold <= 0:
         parser.error("--threshold must be positive (STALLWATCH_FREEZE_THRESHOLD)")
     _name_the_source(args.pid)
+    # Before setup(), whose own SIGTERM handler would flush and die at any SIGTERM.
+    signal.signal(signal.SIGTERM, lambda signum, frame: _on_sigterm(args.heartbeat))
     os.environ["STALLWATCH_WATCHDOG"] = "false"  # the watchdog never watches itself
     os.environ["STALLWATCH_INSTRUMENT_EXECUTOR"] = "false"
 

@@ -166,16 +166,22 @@ def _no_process_resource(original: Method) -> Iterator[None]:
 
 def _refresh_process_resource(provider: Any) -> None:
     """What the SDK's `_handle_fork` detects, without its thread pool."""
+    provider._update_resource(process_resource())
+
+
+def process_resource() -> Any:
+    """The process-dependent part of the resource, as this process's providers merge it after a
+    fork (SDK 1.45's `service.instance.id`, new in each fork child); empty on SDKs without it."""
     from opentelemetry.sdk import resources
 
     resource = resources.Resource.get_empty()
-    for detector in resources._build_resource_detectors():
+    for detector in getattr(resources, "_build_resource_detectors", list)():
         if detector.is_process_dependent():
             try:
                 resource = resource.merge(detector.detect())
             except Exception:  # a detector failing must not break the host's first span
                 _log.debug("stallwatch: resource detector %r failed after fork", detector, exc_info=True)
-    provider._update_resource(resource)
+    return resource
 
 
 def _first_measurement_patch(original: Method) -> Method:
