@@ -408,8 +408,6 @@ def _watch_fork_child(settings: Settings) -> tuple[Any, subprocess.Popen[bytes]]
 def _as_fork_child(settings: Settings) -> Settings:
     """The host's settings with the resource attributes its providers take on in this fork child (a
     `service.instance.id` of its own on SDKs that detect one per process), for its watchdog to carry."""
-    from .forksafe import otel_compat
-
     refreshed = {key: str(value) for key, value in otel_compat.process_resource().attributes.items()}
     return dataclasses.replace(settings, resource_attributes={**settings.resource_attributes, **refreshed})
 
