@@ -145,10 +145,16 @@ def test_the_report_leads_with_the_freeze_collapses_healthy_spawns_and_names_eve
     headline = report["headline"][0]
     assert headline["kind"] == "freeze" and "cause child_before_exec" in headline["summary"]
     assert first["trace_id"] in headline["links"]  # the freeze leads to the host's trace
-    (collapsed,) = [e for e in report["events"] if e["kind"] == "spawns"]
-    assert collapsed["attributes"]["count"] == 20 and collapsed["summary"].startswith("20 spawns, blocked p50 ")
-    assert len(collapsed["attributes"]["trace_ids"]) == 20
-    (frozen,) = [e for e in report["events"] if e["kind"] == "spawn"]  # the only spawn row left: the frozen one
+    # The 20 healthy spawns collapse into one line; on a loaded machine one of them may be blocked long
+    # enough to be notable itself, and then it stands on its own line between two collapsed runs.
+    runs = [e for e in report["events"] if e["kind"] == "spawns"]
+    *slowed, frozen = [e for e in report["events"] if e["kind"] == "spawn"]  # the frozen spawn comes last
+    assert sum(run["attributes"]["count"] for run in runs) + len(slowed) == 20
+    assert runs and all(s["attributes"]["stallwatch.spawn.blocked_seconds"] < 1.9 for s in slowed)
+    for run in runs:
+        count = run["attributes"]["count"]
+        assert run["summary"].startswith(f"{count} spawns, blocked p50 ")
+        assert len(run["attributes"]["trace_ids"]) == count
     assert frozen["trace_id"] == first["trace_id"] and frozen["attributes"]["stallwatch.spawn.blocked_seconds"] >= 1.9
     assert all(e["trace_id"] for e in report["events"] if e["span_id"] and e["kind"] != "spawns")
     tree = report["traces"][first["trace_id"]]  # the host's span tree, as a waterfall
