@@ -12,6 +12,7 @@ not hide them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import gc
 import io
@@ -112,9 +113,13 @@ def open_fds() -> int:
 
 
 def children() -> set[int]:
-    """This process's children, zombies included."""
-    tasks = os.listdir("/proc/self/task")
-    return {int(pid) for tid in tasks for pid in Path(f"/proc/self/task/{tid}/children").read_text().split()}
+    """This process's children, zombies included. A thread that ends between the listing and the read
+    is skipped: its children pass to another thread of the process, which is read too."""
+    found: set[int] = set()
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            found.update(int(pid) for pid in Path(f"/proc/self/task/{tid}/children").read_text().split())
+    return found
 
 
 # ---- the same behaviour on every loop -----------------------------------------------------------
