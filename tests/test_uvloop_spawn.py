@@ -12,7 +12,6 @@ not hide them.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import gc
 import io
@@ -113,13 +112,17 @@ def open_fds() -> int:
 
 
 def children() -> set[int]:
-    """This process's children, zombies included. A thread that ends between the listing and the read
-    is skipped: its children pass to another thread of the process, which is read too."""
-    found: set[int] = set()
-    for tid in os.listdir("/proc/self/task"):
-        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-            found.update(int(pid) for pid in Path(f"/proc/self/task/{tid}/children").read_text().split())
-    return found
+    """This process's children, zombies included. Read again when a thread ends between the listing
+    and the read (its children pass to another thread of the process, perhaps one already read)."""
+    while True:
+        try:
+            return {
+                int(pid)
+                for tid in os.listdir("/proc/self/task")
+                for pid in Path(f"/proc/self/task/{tid}/children").read_text().split()
+            }
+        except (FileNotFoundError, ProcessLookupError):
+            continue
 
 
 # ---- the same behaviour on every loop -----------------------------------------------------------
