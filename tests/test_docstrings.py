@@ -33,18 +33,9 @@ BEING_RESTRUCTURED = "being restructured"
 LONG_DOCSTRING_ALLOWED = {
     "detect/heartbeat.py",
     "detect/watchdog.py",
-    "detect/wedge.py",
-    "export/guarded.py",
-    "export/shedding.py",
-    "export/span_json.py",
-    "forksafe/otel_compat.py",
 }
 FIGURES_ALLOWED = {
     "detect/heartbeat.py",
-    "export/guarded.py",
-    "export/shedding.py",
-    "export/span_json.py",
-    "pipeline.py",
 }
 
 

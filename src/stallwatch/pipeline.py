@@ -9,9 +9,9 @@ Export timeouts stay the SDK's (10 s per OTLP request, `OTEL_EXPORTER_OTLP[_<SIG
 seconds): they only bound how long a background worker waits, never the host. What bounds the host
 is the shutdown: `Pipeline.shutdown()` runs the providers' shutdowns on stallwatch's worker thread,
 started while the host runs (`_Closer`, `background`), and waits for it `STALLWATCH_SHUTDOWN_TIMEOUT`
-seconds at most. The thread is started beforehand because Python 3.12+ refuses new threads at interpreter exit,
-which is when `atexit` calls us: measured on 3.12 with a collector that never answers, a host
-that made 100 spans took 20.3 s to exit when the flush ran inline instead.
+seconds at most. The thread is started beforehand because Python 3.12+ refuses new threads at
+interpreter exit, which is when `atexit` calls us; a flush run inline on the exiting thread would
+hold the exit for every export timeout against a collector that never answers.
 """
 
 from __future__ import annotations
@@ -261,8 +261,8 @@ class _LoggingHandler(LoggingHandler):
     """The SDK's handler, minus the work on a record that would be dropped, and minus `flush()`.
 
     While every log queue is full (the backend is down or slow), the record is counted as dropped
-    before the SDK translates it into an OpenTelemetry log record: 8 µs saved per record on the
-    host's thread (SDK 1.45 here).
+    before the SDK translates it into an OpenTelemetry log record: the host's thread does no work for
+    a record that is lost anyway.
 
     The SDK's `flush()` forces an export of every log record: on the calling thread up to SDK 1.38
     (up to 30 s against a collector that never answers), on a new thread since 1.39, which Python

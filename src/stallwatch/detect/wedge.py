@@ -1,21 +1,18 @@
-"""Wedge detection for executors: the request that awaits forever while every counter is healthy
-(incident 002 in docs/incidents.md).
+"""Wedge detection for executors: the request that awaits forever while every counter is healthy.
 
-A worker's death is recorded the moment `_worker` returns abnormally (see `instrument.executor`).
-A periodic check (a task on stallwatch's worker thread, added on first need, and again in a fork
+A worker's death is recorded the moment `_worker` returns abnormally (`instrument.executor`). A
+periodic check (a task on stallwatch's worker thread, added on first need, and again in a fork
 child that lives on) then finds what the death left behind:
 
-- `orphaned_item`: an item a dead worker had dequeued but never ran (mode 1: its future stays
-  PENDING; found by queue accounting) or was running (mode 2: RUNNING, owner thread dead);
-- `queue_stalled`: items waiting longer than `STALLWATCH_QUEUE_STALL_SECONDS` while no worker of
-  the executor is alive;
+- `orphaned_item`: an item a dead worker had dequeued but never ran (its future stays PENDING;
+  found by queue accounting) or was running (RUNNING, owner thread dead);
+- `queue_stalled`: items waiting longer than `STALLWATCH_QUEUE_STALL_SECONDS` with no live worker;
 - `execution_overdue`: guarded work past its deadline (`stallwatch.execution_timeout`).
 
-Each detection is counted (`stallwatch.wedge.detected`), logged at WARNING with the thread name in
-a record that carries the submitter's trace and span ids (as its own, not as attributes), added as
-an event to the item's span, and sent to Sentry when sentry-sdk is initialised. With
-`STALLWATCH_EXECUTOR_HEAL=true` an orphaned future is failed with `WorkerDied` (its awaiter wakes)
-and dead workers are replaced so the pool has capacity again.
+Each is counted (`stallwatch.wedge.detected`), logged at WARNING with the thread name in a record
+carrying the submitter's trace and span ids, added as an event to the item's span, and sent to
+Sentry when sentry-sdk is initialised. `STALLWATCH_EXECUTOR_HEAL=true` fails an orphaned future
+with `WorkerDied` and replaces dead workers (docs/executors.md).
 """
 
 from __future__ import annotations

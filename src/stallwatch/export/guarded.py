@@ -1,61 +1,18 @@
 """Exporters and batch processors that count every item that never reaches the backend.
 
-The stock SDK already keeps a dead or slow backend off the host's threads: `span.end()` and
-`logger.info()` only append to a bounded deque (2048 items by default, `OTEL_BSP_MAX_QUEUE_SIZE` /
-`OTEL_BLRP_MAX_QUEUE_SIZE`) and a daemon worker exports from it. Measured with a collector that
-accepts and never answers (tests/test_reliability.py), those calls stay in the microseconds, so we
-keep the stock queues, sizes and workers. What the SDK does not do is say what it lost, and its
-drop path is not free: on a full queue, SDK 1.34+ logs a warning for every item (deduplicated
-afterwards by a filter: 3.7 µs per call here) before it drops the *oldest* item. So:
+They keep the SDK's bounded queues and daemon workers, which hold a dead or slow backend off the
+host's threads, and count what is lost, by reason, in integers an observable counter reads:
 
-- `queue_full`: the processor subclasses check the queue first and, when it is full, drop the
-  item being added (what the Java and Go SDKs do), count it and return; the SDK's drop path never
-  runs. The SDK keeps the queue in a different place in 1.27-1.33 and 1.34+ (`_queue()`).
-- `export_failed`: `GuardedExporter` counts the items of every batch the exporter returns FAILURE
-  for (or raises on); a metric export that fails counts 1 (the next cumulative export carries it).
-- `shutdown_timeout`: what was queued or in flight when the shutdown budget ran out
-  (`leftovers()`, counted and logged by the pipeline).
+- `queue_full`: on a full queue the item being added is dropped and counted (as the Java and Go
+  SDKs do) before the SDK's own drop path, which logs per item and drops the oldest (`_queue()`).
+- `export_failed`: the items of a batch the exporter fails or raises on; a metric export counts 1.
+- `backend_down`, `backend_slow`: after a failed export, or one slower than
+  `STALLWATCH_SLOW_EXPORT_SECONDS`, a back-off (1 s, doubled per failed probe up to 30 s, reset by
+  a success) drops items before they are queued or encoded; then at most `PROBE_ITEMS` items are
+  queued until a probe of them answers (half-open). The SDK's retries within one export stay.
+- `shutdown_timeout`: what was queued or in flight when the shutdown budget ran out (`leftovers()`).
 
-Counts are plain integers read by an observable counter at collection time: a synchronous
-`counter.add()` costs 5 µs per call on SDK 1.45 here, paid on the host's thread for every
-dropped span while a backend is down. On the wire both are the same cumulative monotonic sum.
-
-- `backend_down`: once an export has failed, the backend is taken to be down for a back-off
-  (1 s, doubled after each failed probe up to 30 s, reset by a success). Until it ends, finished
-  spans and log records are dropped at once, before they are queued (log records before they are
-  even built), and batches already queued are dropped without being encoded. When it ends, the
-  next export is a probe of at most `PROBE_ITEMS` items, and until that probe has answered only
-  `PROBE_ITEMS` more items are queued (half-open, as circuit breakers say): the rest would be cut
-  from the probe anyway, and recording them until the batch processor's next export (up to 5 s
-  later, or once 512 are queued) made every back-off's end a burst of full-cost requests.
-  Without the back-off, every batch was encoded
-  (512 spans: 10-20 ms with the GIL held) and sent to a backend known to be dead, and a host
-  thread waiting for the GIL meanwhile waits up to the 5 ms switch interval: measured with
-  `tests/bench/bench_backend_faults.py`, a refused or failing collector put the host's request p99
-  at 1.3-1.5x that of the same host with exporters off. The SDK's exporters keep their own retries
-  within one export; the back-off only stops the attempts between exports.
-- `backend_slow`: an export that succeeds but took longer than `STALLWATCH_SLOW_EXPORT_SECONDS`
-  (default 1 s; 0 turns this off) backs off the same way, as circuit breakers treat slow calls:
-  a collector that takes seconds per request is overloaded, and the host paid to record every item
-  it did take (a 2 s collector takes a 512-item batch every 2 s; recording those cost the host's
-  requests 1.25x their p99 with exporters off). Its batch was delivered, so nothing of it counts
-  as lost; what is dropped during the back-off counts as `backend_slow`.
-
-- Shedding: a sampled span about to *start* while every span processor would drop it at its end
-  (the backend is taken to be down, or the queue is full) is not recorded at all, and is counted
-  as dropped for the reason each processor gives (`shedding()`). This is for the host's tracers
-  (`export.shedding`) and for stallwatch's hot-path spans (executor items, child processes:
-  `core.light_span`); spans the journal keeps in flight (Nebius calls, SSH tunnels) are
-  always recorded; `STALLWATCH_SHED_SPANS=false` turns it off (`CountingSpanProcessor.sheds`).
-  Recording a span costs 10-12 µs on the host's thread (SDK 1.45 here) whatever happens to it
-  after, and after the steps above it was most of what a failing backend still cost the host
-  (`tests/bench/bench_backend_faults.py`).
-
-The exporters also give the pipeline two hooks: `ExportGate.cut_off`, set when the shutdown budget
-runs out, makes every later export fail at once without touching the network (a shutdown thread
-left behind must not keep a socket busy for the exporter's 10 s timeout per batch), and the first
-export in a new process (a fork child that lives on) calls back into the pipeline, from the
-exporter's worker thread and never from a fork handler, so the child gets its own shutdown thread.
+`shedding()` says which processors would drop a span about to start; `ExportGate` is what they share.
 """
 
 from __future__ import annotations
@@ -90,7 +47,13 @@ PROBE_ITEMS = 16  # the first export after a back-off sends at most this many it
 
 
 class ExportGate:
-    """What every guarded exporter and processor of one pipeline shares."""
+    """What every guarded exporter and processor of one pipeline shares.
+
+    `cut_off`, set when the shutdown budget runs out, makes every later export fail at once without
+    touching the network: a shutdown thread left behind must not keep a socket busy for the
+    exporter's timeout per batch. The first export in a new process (a fork child that lives on)
+    calls `on_new_process`, from the exporter's worker thread and never from a fork handler, so the
+    child gets its own shutdown thread."""
 
     def __init__(self, on_new_process: Callable[[], object]) -> None:
         self.cut_off = False

@@ -1,26 +1,17 @@
 """The tracer provider stallwatch installs: the SDK's, whose tracers do not record spans nobody would export.
 
-While every span processor would drop a span at its end (the backend is taken to be down, or the
-queues are full: `export.guarded`), a sampled span that starts is not recorded: the tracer hands
-out a non-recording span with the ids and sampled flag the SDK would have given it, and counts it
-as dropped. Nothing else changes: the span is still current, its context still propagates (with
-the sampled flag, so downstream services and child processes decide as they would have), and
+While every span processor would drop a span at its end (`export.guarded`: the backend is taken to
+be down, or the queues are full), a sampled span that starts is not recorded: the tracer hands out
+a non-recording `light_span.ShedSpan` with the ids and sampled flag the SDK would have given it,
+and counts it as dropped. It is still current and its context propagates with the sampled flag;
 every span that would be exported is recorded as without stallwatch.
 
-The SDK offers no way to do this: a sampler that says DROP also clears the sampled flag, which
-would make every downstream service with a parent-based sampler drop its spans too, for a fault
-of our backend. So the provider's tracers override `start_span`. The SDK builds its tracers in
-`get_tracer` with arguments that change between versions (1.27-1.45), so the provider builds
-them as the SDK does and then sets their class to `SheddingTracer`, which only adds a check in
-front of the stock `start_span`. stallwatch's own tracer is left as it is: the spans it must
-keep in flight for the journal (Nebius calls, SSH tunnels) are always recorded, and its hot-path
-spans shed through `core.light_span`.
-
-A shed span is a `light_span.ShedSpan`. With the SDK's default exemplar filter (`trace_based`:
-a measurement made inside a sampled span may become an exemplar linking to it), the meter
-provider gets `exemplar_filter()`: the same filter, minus measurements made inside a shed span,
-whose exemplar would link to a trace the backend never got (and whose offering costs about 2 µs
-per measurement, measured in a warm loop on SDK 1.45).
+A sampler cannot do this: DROP also clears the sampled flag, and downstream services with a
+parent-based sampler would drop their spans too. The provider builds its tracers as the SDK does
+(`get_tracer`'s arguments change between versions) and sets their class to `SheddingTracer`, a
+check in front of the stock `start_span`. stallwatch's own tracer is left as it is: its journal
+spans are always recorded, its hot-path spans shed through `core.light_span`. `exemplar_filter()`
+is the SDK's `trace_based` filter minus shed spans, whose exemplar would link to a lost trace.
 """
 
 from __future__ import annotations

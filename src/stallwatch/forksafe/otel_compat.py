@@ -1,26 +1,15 @@
 """Fork-aware OpenTelemetry SDK: no thread starts in an after-fork handler, lazy restart on first use.
 
-This is the one place that knows how each opentelemetry-sdk version (1.27 → newest) handles fork.
-The SDK registers its handlers with `os.register_at_fork` when each object is built, through
-`WeakMethod(self._at_fork_reinit)` (or a bound method before 1.28/1.32), which binds the function
-found on the class *at construction time*; a wrapt wrapper would be bypassed (WeakMethod keeps
-`__func__`). So we replace the methods on the classes themselves, at `import stallwatch`, before
-the host or `setup()` builds anything. Objects built earlier keep the stock behaviour; `doctor`
-names them (`preexisting_objects()`).
+The one place that knows how each opentelemetry-sdk version (1.27 → newest) handles fork. The SDK
+registers `WeakMethod(self._at_fork_reinit)` (or a bound method before 1.28/1.32) with
+`os.register_at_fork` as each object is built, binding the function found on the class *then*; a
+wrapt wrapper would be bypassed. So the methods are replaced on the classes, at `import stallwatch`,
+before anything is built; objects built earlier keep the stock behaviour (`preexisting_objects()`).
 
 Inside an after-fork handler (the guard sets `STATE.in_child_handler`), a patched method only
 resets what the child inherited (locks, queues) and defers the thread start; outside one (the
 SDK's own pid check on the first span/log, or our check on the first metric measurement) it
-restarts every deferred worker, the sentry-sdk model. Version differences:
-
-- 1.34+: `_shared_internal.BatchProcessor` backs both batch processors (`_export_lock`,
-  `_worker_awaken`, `_queue`, per-object `_bsp_reset_once`).
-- up to 1.33: `BatchSpanProcessor` (`condition`, `queue`) and `BatchLogRecordProcessor`
-  (`_condition`, `_queue`) each with a module-level `_BSP_RESET_ONCE`.
-- every version: `PeriodicExportingMetricReader._at_fork_reinit` starts the ticker.
-- 1.44+: `TracerProvider`/`MeterProvider`/`LoggerProvider._handle_fork` reset locks and rerun
-  process-dependent resource detection on a thread pool; we reset the locks in the handler and
-  run the detectors later, in the calling thread.
+restarts every deferred worker, the sentry-sdk model. What each version patches: `_targets()`.
 
 It also knows how each opentelemetry-exporter-prometheus version (0.48b0 → newest) can put resource
 attributes on every series (`labelled_prometheus_reader`).
@@ -194,7 +183,17 @@ def _first_measurement_patch(original: Method) -> Method:
 
 
 def _targets() -> list[tuple[str, str, str, Callable[[Method], Method]]]:
-    """(module, class, method, patch maker) for the installed SDK version."""
+    """(module, class, method, patch maker) for the installed SDK version.
+
+    - 1.34+: `_shared_internal.BatchProcessor` backs both batch processors (`_export_lock`,
+      `_worker_awaken`, `_queue`, per-object `_bsp_reset_once`).
+    - up to 1.33: `BatchSpanProcessor` (`condition`, `queue`) and `BatchLogRecordProcessor`
+      (`_condition`, `_queue`) each with a module-level `_BSP_RESET_ONCE`.
+    - every version: `PeriodicExportingMetricReader._at_fork_reinit` starts the ticker.
+    - 1.44+: `TracerProvider`/`MeterProvider`/`LoggerProvider._handle_fork` reset locks and rerun
+      process-dependent resource detection on a thread pool; we reset the locks in the handler and
+      run the detectors later, in the calling thread.
+    """
     targets: list[tuple[str, str, str, Callable[[Method], Method]]] = []
     try:
         shared = hasattr(importlib.import_module("opentelemetry.sdk._shared_internal"), "BatchProcessor")
