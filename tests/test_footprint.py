@@ -57,6 +57,21 @@ def test_the_heartbeat_the_wedge_check_and_the_shutdown_share_one_stallwatch_thr
     assert stopped["shutdown"] is True  # run on that thread
 
 
+def test_the_watchdog_of_a_host_that_beats_on_time_runs_one_thread_and_loads_neither_the_sdk_nor_wrapt(tmp_path):
+    host = _idle_host(tmp_path, "otlp")
+    try:
+        watchdog = json.loads(host.stdout.readline())["watchdog"]
+        threads = os.listdir(f"/proc/{watchdog}/task")
+        maps = Path(f"/proc/{watchdog}/maps").read_text()
+    finally:
+        host.kill()
+        host.wait()
+
+    assert len(threads) == 1
+    # wrapt's extension is loaded by stallwatch's package, psutil's by the SDK's resource detection
+    assert "_wrappers" not in maps and "_psutil_linux" not in maps, maps
+
+
 @pytest.mark.parametrize(("first", "before"), [("", False), ("import opentelemetry.sdk.trace\n", True)])
 def test_import_stallwatch_says_the_sdk_was_loaded_before_it_only_when_it_was(first, before):
     # Taken after stallwatch's own modules had loaded the SDK, it was always true, and every import

@@ -21,7 +21,6 @@ watchdog left when both were killed (systemd stopping the whole unit), so /dev/s
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import faulthandler
 import fcntl
@@ -30,20 +29,18 @@ import mmap
 import os
 import struct
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from opentelemetry.trace import get_current_span
+from typing import TYPE_CHECKING, Any
 
 from .. import background
 from .._private import opener
-from ..instrument._common import first_record
-from ..instrument.scrub import scrub_value
+
+if TYPE_CHECKING:
+    import asyncio
 
 MAGIC = b"SWHB0002"
 # magic, host pid, flags, interpreter ns, loop ns, spawn-start ns, loop kind, watchdog pid, spawn
@@ -83,6 +80,8 @@ def area_directory() -> Path:
     for candidate in (os.environ.get("XDG_RUNTIME_DIR"), "/dev/shm"):
         if candidate and os.path.isdir(candidate) and os.access(candidate, os.W_OK):
             return Path(candidate)
+    import tempfile  # loaded when used: footprint
+
     return Path(tempfile.gettempdir())
 
 
@@ -209,6 +208,8 @@ class HeartbeatArea:
 
     def spawning(self, command: str, trace_id: int, span_id: int) -> None:
         """Before an exec-bound spawn: what is spawned (checked for secrets once more) and under which span."""
+        from ..instrument.scrub import scrub_value  # loaded when used: footprint
+
         command = scrub_value(command)
         self._write(OFFSET_COMMAND, command.encode(errors="replace")[:256].ljust(256, b"\0"))
         self._write(OFFSET_TRACE, trace_id.to_bytes(16, "big"))
@@ -537,6 +538,7 @@ def track_current_span() -> None:
     if _tracked is not None:
         return
     import opentelemetry.context as context_api
+    from opentelemetry.trace import get_current_span  # loaded when used: footprint
 
     attach, detach = context_api.attach, context_api.detach
     get_ident = threading.get_ident
@@ -716,5 +718,7 @@ def _beat(beats: _LoopBeats) -> None:
         faulthandler.dump_traceback_later(_threshold, file=_stacks_file)  # replaces the previous timer
         _armed_by = pid
     if _lag_histogram is not None:
+        from ..instrument._common import first_record  # loaded when used: footprint
+
         first_record()
         _lag_histogram.record(max(0.0, now - beats.sent), {"stallwatch.loop": beats.kind})

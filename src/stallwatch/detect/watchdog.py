@@ -2,14 +2,20 @@
 (incident 000 in docs/incidents.md).
 
 `setup()` starts it with the standard library's vfork/posix_spawn path (never `fork()` of the big
-host) as `python -m stallwatch.detect.watchdog --pid HOST --heartbeat FILE`. It reads the host's
+host) as `python -c BOOTSTRAP --pid HOST --heartbeat FILE`, which runs `main()` without the package's
+`__init__`. While the host beats on time the watchdog runs on the standard library and
+`detect.heartbeat` alone, on one thread, with no telemetry pipeline (`_Reporting`): a host's
+heartbeat late by `PREPARE_NS` starts loading it (imports on a thread, then the set-up on the main
+thread between polls), so it is ready by the time the lateness becomes a freeze; with a Prometheus
+exporter it is set up at once, to serve scrapes. It reads the host's
 heartbeats (`detect.heartbeat`) every 100 ms; when the interpreter heartbeat is older than the
 threshold the freeze is `gil_held` (no Python thread runs), when only the loop heartbeat is old it
 is `loop_blocked`. It then reads `/proc` to say what the host waits on, exports a WARNING log
 record and `stallwatch.freeze.active` at once through its own pipeline (same exporter settings),
 sends the freeze to Sentry when the host handed its Sentry options over (`stallwatch.sentry`),
 and at the thaw a `stallwatch.freeze` span covering the freeze plus `stallwatch.freeze.duration`.
-Once it has read the heartbeat file from its poll loop it writes its pid there
+It judges the heartbeats once the host has begun to beat (the file is made before the host's set-up,
+which may take longer than the threshold), and from then on writes its pid into the file
 (`heartbeat.mark_watched`), so the host can wait until it watches (`Session.wait_for_watchdog`).
 It sees the host's exit within a poll interval (a pidfd); a freeze still open then is recorded
 with outcome `host_killed`, and its last word, `stallwatch.freeze.host_killed` (how long the host had
@@ -29,17 +35,19 @@ import logging
 import os
 import select
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import Settings
-from ..instrument.scrub import scrub_value
+from .._private import never_execed
 from . import heartbeat
 
 POLL_SECONDS = 0.1
 FRESH_NS = int(3 * heartbeat.BEAT_SECONDS * 1e9)  # younger than this: the beating thread runs now
+PREPARE_NS = int(1.5 * heartbeat.BEAT_SECONDS * 1e9)  # a heartbeat older than this: load the pipeline
 REDIAGNOSE_SECONDS = 2.0
 STACKS_GRACE = 1.0  # the longest a freeze report waits for the stacks faulthandler writes at the same moment
 SYSCALLS_X86_64 = {0: "read", 7: "poll", 56: "clone", 58: "vfork", 61: "wait4", 202: "futex", 232: "epoll_wait",
@@ -157,8 +165,6 @@ def _execed(pid: int, exe: str | None, host_exe: str | None) -> bool:
     """Whether a child of the host has exec'd: the kernel's flag for it, else (its `/proc/PID/stat`
     unreadable) whether it runs another executable than the host's. A host waiting on its own
     interpreter, exec'd again (`sys.executable`), is waiting on an exec'd child."""
-    from ..instrument.child_fate import never_execed
-
     never = never_execed(pid)
     return not never if never is not None else exe is not None and exe != host_exe
 
@@ -225,12 +231,29 @@ def _spawn(freeze: Freeze) -> dict[str, Any]:
 class Watchdog:
     """Watches one host process; `run()` returns when the host is gone."""
 
-    def __init__(self, pid: int, heartbeat_path: Path, threshold: float, telemetry: Any) -> None:
+    def __init__(
+        self,
+        pid: int,
+        heartbeat_path: Path,
+        threshold: float,
+        telemetry: Callable[[], Any],
+        prepare: Callable[[], None],
+    ) -> None:
+        """`telemetry()` makes what reports the freezes (a `FreezeTelemetry`), on this thread.
+        `prepare()` does the slow part of that (imports) and runs on a thread of its own as soon as
+        a heartbeat is late by `PREPARE_NS` (or the threshold, if shorter); `telemetry()` is called
+        at the first poll after it has finished, freeze or not, or at a freeze that came first. Neither
+        runs while the host beats on time."""
         self.pid = pid
         self.heartbeat_path = heartbeat_path
         self.threshold_ns = int(threshold * 1e9)
-        self.telemetry = telemetry
+        self._make_telemetry = telemetry
+        self._prepare_telemetry = prepare
+        self._preparing: threading.Thread | None = None
+        self._telemetry: Any = None
         self.freeze: Freeze | None = None
+        self._first_beat_ns: int | None = None  # the interpreter heartbeat first read, until the host beats
+        self._beating = False  # the host has begun to beat: its set-up is over
         self.host_left = False  # the host exec'd another program: nothing of stallwatch's is left to watch
 
     def run(self) -> None:
@@ -250,10 +273,22 @@ class Watchdog:
         snapshot = heartbeat.read(self.heartbeat_path)
         if snapshot is None:
             return
-        if snapshot["watchdog_pid"] != os.getpid():  # first read, or a file the host made again
+        if not self._beating:  # the file is made before the host's set-up, the heartbeats start after it
+            if self._first_beat_ns is None:
+                self._first_beat_ns = snapshot["interpreter_ns"]
+            if snapshot["interpreter_ns"] == self._first_beat_ns:
+                self.host_left = not heartbeat.in_use(self.heartbeat_path)  # exec'd before its first beat
+                return
+            self._beating = True
+        if snapshot["watchdog_pid"] != os.getpid():  # it judges the heartbeats from now on, or the file is new
             heartbeat.mark_watched(self.heartbeat_path)
         now = time.monotonic_ns()
         interpreter_age = now - snapshot["interpreter_ns"]
+        loop_age = now - snapshot["loop_ns"] if snapshot["loop_tracked"] else 0
+        if max(interpreter_age, loop_age) > min(PREPARE_NS, self.threshold_ns):
+            self._prepare()  # a freeze may be coming: be ready to report it at the threshold
+        if self._telemetry is None and self._preparing is not None and not self._preparing.is_alive():
+            self._telemetry = self._make_telemetry()  # the imports are done: set up between two polls
         kind = None
         if interpreter_age > self.threshold_ns:
             kind = "gil_held"
@@ -283,6 +318,21 @@ class Watchdog:
             self.freeze.diagnosis = diagnose(self.pid)
             self.freeze.diagnosed_at = time.monotonic()
             self.telemetry.still_frozen(self.freeze, now)
+
+    def _prepare(self) -> None:
+        if self._preparing is None:
+            self._preparing = threading.Thread(target=self._prepare_telemetry, name="stallwatch-prepare", daemon=True)
+            self._preparing.start()
+
+    @property
+    def telemetry(self) -> Any:
+        """The freeze telemetry, made now (after the imports) if it is not ready yet."""
+        if self._telemetry is None:
+            self._prepare()
+            assert self._preparing is not None
+            self._preparing.join()
+            self._telemetry = self._make_telemetry()
+        return self._telemetry
 
     def thaw(self, outcome: str) -> None:
         freeze, self.freeze = self.freeze, None
@@ -432,6 +482,8 @@ class FreezeTelemetry:
         handed = heartbeat.read_sentry_handover(self._sentry_handover)
         if handed is None:
             return
+        from ..instrument.scrub import scrub_value  # loaded when used: footprint
+
         record = self._record_attributes(freeze)
         found = freeze.diagnosis
         trace_id, span_id = heartbeat.frozen_span(freeze.snapshot)
@@ -528,6 +580,64 @@ def _serve_last_word(session: Any, host_pid: int) -> None:
                      "STALLWATCH_WATCHDOG_LAST_SCRAPE_TIMEOUT sets how long to wait", host_pid, timeout)  # fmt: skip
 
 
+class _Reporting:
+    """The watchdog's telemetry pipeline, its side of the host's journal and the freeze telemetry,
+    set up on first need: when a heartbeat is late (`Watchdog`), or at once when a scraper pulls
+    the metrics (the watchdog then serves its scrape endpoint from the start). The package's
+    `__init__` never runs here (`BOOTSTRAP`): it would load every instrumentation, and the watchdog
+    instruments nothing; `prepare()` loads only the set-up and the pipeline."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self._args = args
+        self.session: Any = None
+        self._journal: Any = None
+        self.telemetry: FreezeTelemetry | None = None
+
+    def prepare(self) -> None:
+        """The imports `make()` needs, on any thread: most of its time."""
+        from .. import forksafe, pipeline, session  # noqa: F401  # loaded when used: footprint
+
+        if self._args.journal_dir is not None:
+            from .. import journal  # noqa: F401  # loaded when used: footprint
+
+    def make(self) -> FreezeTelemetry:
+        """Set up on the main thread (`setup()` installs its SIGTERM flush only there)."""
+        if self.telemetry is None:
+            from .. import forksafe, session  # loaded when used: footprint
+            from .. import telemetry as names  # loaded when used: footprint
+            from ..config import Settings  # loaded when used: footprint
+
+            # The host's resource attributes (its service.instance.id among them) and the watchdog's own.
+            inherited = Settings.load().resource_attributes
+            own = {names.RESOURCE_PROCESS_ROLE.name: "watchdog", "stallwatch.watched.pid": str(self._args.pid)}
+            self.session = session.setup(forksafe.install(), resource_attributes={**inherited, **own})
+            if self._args.journal_dir is not None:
+                from ..journal import Journal  # loaded when used: footprint
+
+                self._journal = Journal(self._args.journal_dir, role="watchdog", host_pid=self._args.pid)
+            self.telemetry = FreezeTelemetry(self._args.pid, self._args.heartbeat, self._journal)
+        return self.telemetry
+
+    def close(self) -> None:
+        if self._journal is not None:
+            self._journal.close()
+        if self.session is not None:
+            from .. import session  # loaded when used: footprint
+
+            session.shutdown()
+
+
+# How `setup()` starts the watchdog: `python -c BOOTSTRAP --pid ...`. It imports this module without
+# running the package's `__init__` (`_Reporting`).
+BOOTSTRAP = (
+    "import importlib.util, sys; "
+    "package = importlib.util.module_from_spec(importlib.util.find_spec('stallwatch')); "
+    "sys.modules['stallwatch'] = package; "
+    "from stallwatch.detect.watchdog import main; "
+    "sys.exit(main())"
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="stallwatch watchdog", description=__doc__.splitlines()[0])
     parser.add_argument("--pid", type=int, required=True, help="the host process to watch")
@@ -539,31 +649,19 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--threshold must be positive (STALLWATCH_FREEZE_THRESHOLD)")
     _name_the_source(args.pid)
     os.environ["STALLWATCH_WATCHDOG"] = "false"  # the watchdog never watches itself
-    os.environ["STALLWATCH_INSTRUMENT_EXECUTOR"] = "false"
-    import stallwatch
-
-    from .. import telemetry as names
-
-    # The host's resource attributes (its service.instance.id among them) and the watchdog's own.
-    inherited = Settings.load().resource_attributes
-    session = stallwatch.setup(resource_attributes={**inherited, names.RESOURCE_PROCESS_ROLE.name: "watchdog",
-                                                    "stallwatch.watched.pid": str(args.pid)})  # fmt: skip
-    journal = None
-    if args.journal_dir is not None:
-        from ..journal import Journal
-
-        journal = Journal(args.journal_dir, role="watchdog", host_pid=args.pid)
+    for part in ("EXECUTOR", "SUBPROCESS", "SSH", "NEBIUS"):  # it runs none of these
+        os.environ[f"STALLWATCH_INSTRUMENT_{part}"] = "false"
+    reporting = _Reporting(args)
     try:
-        telemetry = FreezeTelemetry(args.pid, args.heartbeat, journal)
-        Watchdog(args.pid, args.heartbeat, args.threshold, telemetry).run()
-        if telemetry.host_died_frozen:
-            _serve_last_word(session, args.pid)
+        if "prometheus" in os.environ.get("OTEL_METRICS_EXPORTER", "").split(","):
+            reporting.make()
+        Watchdog(args.pid, args.heartbeat, args.threshold, reporting.make, reporting.prepare).run()
+        if reporting.telemetry is not None and reporting.telemetry.host_died_frozen:
+            _serve_last_word(reporting.session, args.pid)
     except ProcessLookupError:
         pass
     finally:
-        if journal is not None:
-            journal.close()
-        stallwatch.shutdown()
+        reporting.close()
     heartbeat.remove_files(args.heartbeat)  # the host is gone: a killed host could not remove them
     return 0
 
