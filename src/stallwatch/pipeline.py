@@ -46,7 +46,6 @@ from . import background, telemetry
 from ._version import __version__
 from .config import ConfigError, Settings
 from .export import log_bridge
-from .export.file import FileLogExporter, FileMetricExporter, FileSpanExporter
 from .export.guarded import (
     SHUTDOWN_TIMEOUT,
     CountingLogProcessor,
@@ -318,6 +317,8 @@ def _sampler(settings: Settings) -> sampling.Sampler:
 def _exporter(settings: Settings, signal: str, name: str, pipeline: Pipeline) -> Any:
     """One `file`, `console` or `otlp` exporter for a signal."""
     if name == "file":
+        from .export.file import FileLogExporter, FileMetricExporter, FileSpanExporter  # loaded when used: footprint
+
         exporters: dict[str, type[FileSpanExporter | FileMetricExporter | FileLogExporter]] = {
             "traces": FileSpanExporter,
             "metrics": FileMetricExporter,
