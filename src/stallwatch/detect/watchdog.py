@@ -34,6 +34,7 @@ import contextlib
 import logging
 import os
 import select
+import signal
 import sys
 import threading
 import time
@@ -238,31 +239,48 @@ class Watchdog:
         threshold: float,
         telemetry: Callable[[], Any],
         prepare: Callable[[], None],
+        telemetry_ready: Any = None,
     ) -> None:
         """`telemetry()` makes what reports the freezes (a `FreezeTelemetry`), on this thread.
         `prepare()` does the slow part of that (imports) and runs on a thread of its own as soon as
         a heartbeat is late by `PREPARE_NS` (or the threshold, if shorter); `telemetry()` is called
         at the first poll after it has finished, freeze or not, or at a freeze that came first. Neither
-        runs while the host beats on time."""
+        runs while the host beats on time. `telemetry_ready`: what `telemetry()` made before (with a
+        Prometheus exporter, at start)."""
         self.pid = pid
         self.heartbeat_path = heartbeat_path
         self.threshold_ns = int(threshold * 1e9)
         self._make_telemetry = telemetry
         self._prepare_telemetry = prepare
         self._preparing: threading.Thread | None = None
-        self._telemetry: Any = None
+        self._telemetry: Any = telemetry_ready
         self.freeze: Freeze | None = None
         self._first_beat_ns: int | None = None  # the interpreter heartbeat first read, until the host beats
         self._beating = False  # the host has begun to beat: its set-up is over
         self.host_left = False  # the host exec'd another program: nothing of stallwatch's is left to watch
+        self._stopping = False  # a SIGTERM came while a freeze was being reported
+        if telemetry_ready is None:
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        """SIGTERM before the pipeline is set up (`setup()` then installs its own flush): with no
+        freeze to report, the default action now; during a freeze, once its report is made (the
+        shutdown of a host, or of a forked worker, signals its watchdog and does not wait)."""
+        if self.freeze is None:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.raise_signal(signal.SIGTERM)
+        self._stopping = True
 
     def run(self) -> None:
         pidfd = os.pidfd_open(self.pid)
         try:
-            while not self.host_left and not select.select([pidfd], [], [], POLL_SECONDS)[0]:
+            while not self.host_left and not self._stopping and not select.select([pidfd], [], [], POLL_SECONDS)[0]:
                 self.check()
         finally:
             os.close(pidfd)
+        if self._stopping:  # the freeze is reported: now as the SIGTERM would have done (setup()'s flush)
+            signal.raise_signal(signal.SIGTERM)
+            return
         if self.host_left:
             _log.info("stallwatch: host %d exec'd another program; its freeze watchdog leaves", self.pid)
         if self.freeze is not None:
@@ -288,7 +306,7 @@ class Watchdog:
         if max(interpreter_age, loop_age) > min(PREPARE_NS, self.threshold_ns):
             self._prepare()  # a freeze may be coming: be ready to report it at the threshold
         if self._telemetry is None and self._preparing is not None and not self._preparing.is_alive():
-            self._telemetry = self._make_telemetry()  # the imports are done: set up between two polls
+            self._set_up()  # the imports are done: set up between two polls
         kind = None
         if interpreter_age > self.threshold_ns:
             kind = "gil_held"
@@ -331,8 +349,13 @@ class Watchdog:
             self._prepare()
             assert self._preparing is not None
             self._preparing.join()
-            self._telemetry = self._make_telemetry()
+            self._set_up()
         return self._telemetry
+
+    def _set_up(self) -> None:
+        if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # so that setup() installs its flush
+        self._telemetry = self._make_telemetry()
 
     def thaw(self, outcome: str) -> None:
         freeze, self.freeze = self.freeze, None
@@ -655,7 +678,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if "prometheus" in os.environ.get("OTEL_METRICS_EXPORTER", "").split(","):
             reporting.make()
-        Watchdog(args.pid, args.heartbeat, args.threshold, reporting.make, reporting.prepare).run()
+        Watchdog(args.pid, args.heartbeat, args.threshold, reporting.make, reporting.prepare, reporting.telemetry).run()
         if reporting.telemetry is not None and reporting.telemetry.host_died_frozen:
             _serve_last_word(reporting.session, args.pid)
     except ProcessLookupError:
