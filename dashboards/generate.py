@@ -27,7 +27,7 @@ from grafana_foundation_sdk.models import dashboard as gm
 from grafana_foundation_sdk.models import tempo as tempo_models
 
 from stallwatch import telemetry as t
-from stallwatch.ledger import LOGGER_NAME as LEDGER_LOGGER
+from stallwatch.journal.ledger import LOGGER_NAME as LEDGER_LOGGER
 
 
 def label(attribute: t.Attribute) -> str:

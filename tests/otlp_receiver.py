@@ -5,8 +5,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 import pytest
+from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
@@ -51,23 +53,61 @@ def receiver() -> Iterator[Receiver]:
     server.server_close()
 
 
+_SIGNALS = {  # path: the request, and the attributes that lead from it to the items
+    "/v1/traces": (ExportTraceServiceRequest, "resource_spans", "scope_spans", "spans"),
+    "/v1/metrics": (ExportMetricsServiceRequest, "resource_metrics", "scope_metrics", "metrics"),
+    "/v1/logs": (ExportLogsServiceRequest, "resource_logs", "scope_logs", "log_records"),
+}
+
+
+def otlp_received(receiver: Receiver, path: str) -> list:
+    """Every item the receiver got on `path` (/v1/traces, /v1/metrics or /v1/logs), in the order received:
+    protobuf Span, Metric or LogRecord objects."""
+    return [item for _, _, item in otlp_received_from(receiver, path)]
+
+
+def otlp_received_from(receiver: Receiver, path: str) -> list[tuple[dict[str, str], str, Any]]:
+    """Every item the receiver got on `path`, each with its resource's string attributes and its
+    instrumentation scope's name: which process and which provider sent it."""
+    request, resources, scopes, items = _SIGNALS[path]
+    received = []
+    for body in receiver.bodies(path):
+        for resource in getattr(request.FromString(body), resources):
+            attributes = {a.key: a.value.string_value for a in resource.resource.attributes}
+            for scope in getattr(resource, scopes):
+                received.extend((attributes, scope.scope.name, item) for item in getattr(scope, items))
+    return received
+
+
 def otlp_spans(receiver: Receiver) -> list:
     """Every span the receiver got on /v1/traces (protobuf Span objects)."""
-    return [
-        span
-        for body in receiver.bodies("/v1/traces")
-        for rs in ExportTraceServiceRequest.FromString(body).resource_spans
-        for ss in rs.scope_spans
-        for span in ss.spans
-    ]
+    return otlp_received(receiver, "/v1/traces")
+
+
+def otlp_logs(receiver: Receiver) -> list:
+    """Every log record the receiver got on /v1/logs (protobuf LogRecord objects)."""
+    return otlp_received(receiver, "/v1/logs")
 
 
 def otlp_metric_names(receiver: Receiver) -> set[str]:
     """Names of every metric the receiver got on /v1/metrics."""
-    return {
-        metric.name
-        for body in receiver.bodies("/v1/metrics")
-        for rm in ExportMetricsServiceRequest.FromString(body).resource_metrics
-        for sm in rm.scope_metrics
-        for metric in sm.metrics
-    }
+    return {metric.name for metric in otlp_received(receiver, "/v1/metrics")}
+
+
+def otlp_gauge_points(receiver: Receiver, name: str) -> list:
+    """Every data point of the gauge `name` the receiver got, in the order received."""
+    return [
+        point
+        for metric in otlp_received(receiver, "/v1/metrics")
+        if metric.name == name
+        for point in metric.gauge.data_points
+    ]
+
+
+def otlp_attributes(item: object) -> dict[str, object]:
+    """The attributes of a protobuf span, log record or data point as a dict (None for an empty value)."""
+    values = {}
+    for attribute in item.attributes:  # type: ignore[attr-defined]
+        kind = attribute.value.WhichOneof("value")
+        values[attribute.key] = getattr(attribute.value, kind) if kind else None
+    return values

@@ -28,14 +28,15 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from conftest import otlp_items, run_python
-from stallwatch import config, ledger, telemetry
+from stallwatch import config, telemetry
 from stallwatch.config import Settings
+from stallwatch.core.faults import Counts, Deferred, instrument
+from stallwatch.core.scrub import MAX_ARG_CHARS, MAX_ARGS, MAX_NAME_CHARS, TRUNCATED, clip_text, scrub_text
 from stallwatch.instrument import executor as executor_module
 from stallwatch.instrument import nebius, ssh
 from stallwatch.instrument import subprocess as spawns
-from stallwatch.instrument._common import Counts, Deferred, instrument
-from stallwatch.instrument.scrub import MAX_ARG_CHARS, MAX_ARGS, MAX_NAME_CHARS, TRUNCATED, clip_text, scrub_text
-from stallwatch.journal import Journal, JournalRecorder, read_segment
+from stallwatch.instrument.work_item import ExecutorState, WorkerDied
+from stallwatch.journal import Journal, JournalRecorder, ledger, read_segment
 
 EXAMPLES = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -173,9 +174,9 @@ def test_spawn_attributes_from_any_command_line(argv, seeds, shell, record_args)
     command = ["/usr/bin/tool", *argv[:3], *(word for words, _ in seeds for word in words), *argv[3:]]
     if shell:  # Popen("...", shell=True): one command string
         text = " ".join(str(word) if isinstance(word, str) else "x" for word in command)
-        program, recorded = spawns._popen_command((text,), {"shell": True})
+        program, recorded = spawns.popen_command((text,), {"shell": True})
     else:
-        program, recorded = spawns._popen_command((command,), {"executable": argv[0]})
+        program, recorded = spawns.popen_command((command,), {"executable": argv[0]})
     attributes = _spawn_attributes(record_args, program, recorded)
     method = spawns.popen_method((command,), {"preexec_fn": argv[0], "user": argv[-1]})
 
@@ -418,7 +419,7 @@ class _Executor:
 def test_executor_attributes_from_any_thread_name_prefix(prefix):
     # ThreadPoolExecutor takes any thread_name_prefix it can `%s`-format into thread names.
     executor = _Executor(prefix)
-    state = executor_module.ExecutorState(executor_module.executor_name(executor), weakref.ref(executor))
+    state = ExecutorState(executor_module.executor_name(executor), weakref.ref(executor))
     check_attributes(state.attributes, MAX_NAME_CHARS)
     assert isinstance(state.name, str) and f"{state.name} work item"
 
@@ -435,7 +436,7 @@ class _LoudError(Exception):
     dequeued_only=st.booleans(),
 )
 def test_the_error_of_a_healed_future_is_built_from_any_dead_worker(thread_name, cause, dequeued_only):
-    error = executor_module.WorkerDied(thread_name, cause, dequeued_only)
+    error = WorkerDied(thread_name, cause, dequeued_only)
     message = str(error)
     assert len(message) <= 2 * MAX_ARG_CHARS
     message.encode("utf-8")
@@ -531,6 +532,7 @@ _SEED = (["--password", "ZQseeded"], "ZQseeded")
 @given(variable=st.sampled_from(VARIABLES), value=VALUES, seed=seeded(), where=st.sampled_from(["alone", "in"]))
 @example("STALLWATCH_LOG_LEVEL", "²", _SEED, "alone")  # a digit `int()` refuses
 @example("STALLWATCH_LOG_LEVEL", "9" * 5000, _SEED, "alone")  # more digits than `int()` converts
+@example("STALLWATCH_JOURNAL_DIR", "9" * 5000, _SEED, "alone")  # a path too long to make: its reason names it
 @example("STALLWATCH_FILE_DIR", "~nosuchuser-zz/x", _SEED, "alone")  # `expanduser()` raises
 @example("OTEL_EXPORTER_OTLP_ENDPOINT", "http://[::1", _SEED, "alone")  # `urlsplit()` raises
 @example("STALLWATCH_SCRUB_PATTERNS", "a{99999999999}", _SEED, "alone")  # `re.compile()` overflows

@@ -18,7 +18,7 @@ def test_the_incident_semantics_wedge_the_pool():
     assert counts["worker_died"] == counts["wedged"]
 
 
-@pytest.mark.parametrize("run", ["replicated", "stock"])  # see executor._STOCK_RUN
+@pytest.mark.parametrize("run", ["replicated", "stock"])  # see worker._STOCK_RUN
 @pytest.mark.parametrize("mode", ["guard", "api"])
 def test_no_wedge_in_200_randomised_trials(mode, run):
     env = clean_env(STOCK_RUN="1" if run == "stock" else "0")

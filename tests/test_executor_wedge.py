@@ -119,9 +119,9 @@ def test_interrupt_thread_is_scoped_to_the_running_item():
     }
 
 
-# `ItemRecord.run` replicates the stock `_WorkItem.run` of CPython 3.10-3.13 and ends an item's
+# `WorkItem.run` replicates the stock `_WorkItem.run` of CPython 3.10-3.13 and ends an item's
 # scope before its future completes; on another `run` it wraps the stock one and ends the scope after
-# (`executor._STOCK_RUN`). Both are tested here, whichever this interpreter uses.
+# (`worker._STOCK_RUN`). Both are tested here, whichever this interpreter uses.
 _PATHS = {"replicated": True, "stock": False}
 _HELD_BACK = """
 import json, sys, threading, time
@@ -129,8 +129,8 @@ import stallwatch
 stallwatch.setup(traces_exporter="none", metrics_exporter="none", logs_exporter="none")
 from concurrent.futures import ThreadPoolExecutor
 from stallwatch import interrupt
-from stallwatch.instrument import executor
-executor._STOCK_RUN = {replicated}
+from stallwatch.instrument import worker
+worker._STOCK_RUN = {replicated}
 pool = ThreadPoolExecutor(max_workers=1)
 ident = pool.submit(threading.get_ident).result(timeout=5)
 ran = threading.Event()
@@ -139,7 +139,7 @@ with interrupt.LOCK:  # as interrupt_thread() holds it, between its look-up and 
     first = pool.submit(lambda: ran.set() or "first")
     second = pool.submit(lambda: "second")
     deadline = time.monotonic() + 30
-    while getattr(sys._current_frames().get(ident), "f_code", None) is not executor.ItemRecord._end_scope.__code__:
+    while getattr(sys._current_frames().get(ident), "f_code", None) is not worker.WorkItem._end_scope.__code__:
         assert time.monotonic() < deadline, "the item never reached its end"
         time.sleep(0.01)  # until the worker waits for this lock, at the end of the first item
     seen = {{"ran": ran.is_set(), "first_done": first.done(), "second_done": second.done()}}
@@ -204,7 +204,8 @@ def test_pools_built_before_instrument_run_untouched_and_uninstrument_restores_t
         from concurrent.futures import ThreadPoolExecutor, thread
         original = thread._WorkItem
         before = ThreadPoolExecutor(max_workers=1, thread_name_prefix="before")
-        from stallwatch.instrument.executor import ExecutorInstrumentor, current_item
+        from stallwatch.instrument.executor import ExecutorInstrumentor
+        from stallwatch.instrument.worker import current_item
         import threading
 
         def probe(tag):
@@ -311,12 +312,12 @@ def test_submission_span_only_inside_a_trace_and_context_reaches_the_worker(tele
         import stallwatch
         stallwatch.setup(file_dir={str(telemetry_dir)!r})
         from opentelemetry import trace
-        from stallwatch.instrument import executor
+        from stallwatch.instrument import worker
         if os.environ.get("OTEL_PYTHON_CONTEXT"):
             import other_context
-            assert executor._context_var is executor._ContextApi, executor._context_var
+            assert worker._context_var is worker._ContextApi, worker._context_var
         else:
-            assert executor._context_var is not executor._ContextApi
+            assert worker._context_var is not worker._ContextApi
         tracer = trace.get_tracer("app")
 
         from opentelemetry import baggage, context
@@ -453,9 +454,10 @@ def test_a_worker_death_is_reported_without_the_secrets_its_exception_carries(ca
     from secrets_corpus import leaked
     from stallwatch.detect import wedge
     from stallwatch.instrument import executor as executor_module
+    from stallwatch.instrument.work_item import ExecutorState
 
     with ThreadPoolExecutor(thread_name_prefix="pool") as pool:
-        state = executor_module.ExecutorState(executor_module.executor_name(pool), weakref.ref(pool))
+        state = ExecutorState(executor_module.executor_name(pool), weakref.ref(pool))
         thread = threading.Thread(name="https://deploy:UrlUserinfoPw-8101@host/x", target=lambda: None)
         with caplog.at_level("WARNING", logger="stallwatch"):
             wedge.worker_died(state, thread, SystemExit("kill --password=ExecutorKwPw-8602 now"), None)

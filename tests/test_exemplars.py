@@ -13,7 +13,8 @@ import time
 import pytest
 
 from conftest import SCENARIOS, clean_env, metric_points
-from support.prometheus import HAVE_PROMETHEUS, Prometheus, free_port
+from support.loopback import free_port, prometheus_env
+from support.prometheus import HAVE_PROMETHEUS, Prometheus
 
 pytestmark = [
     pytest.mark.skipif(not HAVE_PROMETHEUS, reason="needs prometheus: apt-get install prometheus"),
@@ -28,12 +29,7 @@ def test_prometheus_stores_the_freeze_duration_exemplar_with_the_frozen_spans_tr
     prometheus = Prometheus.scraping(tmp_path, jobs, interval="1s", features=("exemplar-storage",))
     try:
         started = time.time()
-        env = clean_env(
-            OTEL_METRICS_EXPORTER="prometheus",
-            OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
-            OTEL_EXPORTER_PROMETHEUS_PORT=str(host_port),
-            STALLWATCH_WATCHDOG_PROMETHEUS_PORT=str(watchdog_port),
-        )
+        env = clean_env(**prometheus_env(host_port, watchdog_port))
         probe = [sys.executable, str(SCENARIOS / "freeze_probe.py"), str(telemetry_dir), "2", "--block-loop",
                  "--linger=5"]  # fmt: skip
         proc = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=120)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from conftest import attrs, clean_env, otlp_items, run_python
 from secrets_corpus import CORPUS, ENVIRONMENT, ENVIRONMENT_SECRETS, URLS
 from secrets_corpus import TOKENS as CORPUS_TOKENS
-from stallwatch.instrument.scrub import REDACTED, scrub_attributes, scrub_value
+from stallwatch.core.scrub import REDACTED, scrub_attributes, scrub_value
 from support.tokens import command_lines
 
 TESTS = Path(__file__).parent
@@ -157,7 +157,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import Status, StatusCode
-from stallwatch.instrument import light_span
+from stallwatch.core import light_span
 
 MemoryLogs = getattr(log_export, "InMemoryLogRecordExporter", None) or log_export.InMemoryLogExporter
 spans_now, spans_later = InMemorySpanExporter(), InMemorySpanExporter()

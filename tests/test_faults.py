@@ -181,30 +181,18 @@ def host_calls():
 DSTACK_TUNNEL = """
 from pathlib import Path
 from dstack._internal.core.services.ssh import tunnel as tunnel_module
-from dstack._internal.utils.path import FilePath
+from support.ssh_tunnels import get_through, loopback_tunnel
 
 USER, HOST, PORT, IDENTITY, HTTP_PORT, SOCK_DIR = sys.argv[1:]
 runs = iter(range(100))
 
 def make(sock):
-    return tunnel_module.SSHTunnel(
-        destination=f"{USER}@{HOST}", port=int(PORT), identity=FilePath(IDENTITY), batch_mode=True,
-        forwarded_sockets=[tunnel_module.SocketPair(
-            local=tunnel_module.UnixSocket(sock), remote=tunnel_module.IPSocket("localhost", int(HTTP_PORT)))],
-    )
-
-async def get(path):
-    reader, writer = await asyncio.open_unix_connection(str(path))
-    writer.write(b"GET / HTTP/1.1\\r\\nHost: localhost\\r\\nConnection: close\\r\\n\\r\\n")
-    await writer.drain()
-    response = await asyncio.wait_for(reader.read(), 10)
-    writer.close()
-    return response.partition(b"\\r\\n\\r\\n")[2].decode()
+    return loopback_tunnel(USER, HOST, PORT, IDENTITY, HTTP_PORT, sock)
 
 async def session(sock):
     tunnel = make(sock)
     await tunnel.aopen()
-    body = await get(sock)
+    body = await get_through(sock)
     checked = await tunnel.acheck()
     said = await tunnel.aexec("echo hi")
     await tunnel.aclose()
@@ -368,7 +356,7 @@ def host_calls():
 # ---- the faults -----------------------------------------------------------------------------------
 
 # The tracer stallwatch got from the global provider raises on every span start: in start_span, and
-# in the sampler, which stallwatch's light spans (instrument/light_span.py) consult without it.
+# in the sampler, which stallwatch's light spans (core/light_span.py) consult without it.
 TRACER = """
 from opentelemetry.sdk import trace as sdk_trace
 from opentelemetry.sdk.trace import id_generator, sampling
@@ -400,7 +388,7 @@ for cls, method in [(sdk_instruments.Counter, "add"), (sdk_instruments.UpDownCou
     setattr(cls, method, broken(getattr(cls, method)))
 
 # stallwatch's own duration histograms, which the pipeline aggregates instead of the SDK's
-from stallwatch.instrument import histograms
+from stallwatch.core import histograms
 
 def own_record(self, *args, **kwargs):
     raise RuntimeError("injected: meter")
@@ -418,7 +406,7 @@ import {module} as module
 module.{function} = broken
 """
 
-SUBPROCESS = ("subprocess", "STALLWATCH_INSTRUMENT_SUBPROCESS", ("stallwatch.instrument.scrub", "executable_name"))
+SUBPROCESS = ("subprocess", "STALLWATCH_INSTRUMENT_SUBPROCESS", ("stallwatch.core.scrub", "executable_name"))
 SSH = ("ssh", "STALLWATCH_INSTRUMENT_SSH", ("stallwatch.instrument.ssh", "describe_generic"))
 NEBIUS_CALLS = ("nebius", "STALLWATCH_INSTRUMENT_NEBIUS", ("stallwatch.instrument.nebius", "_operation_ids"))
 EXECUTOR = ("executor", "STALLWATCH_INSTRUMENT_EXECUTOR", ("stallwatch.instrument.executor", "executor_name"))

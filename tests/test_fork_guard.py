@@ -146,7 +146,7 @@ def _kill_children_stuck_before_exec(parent: subprocess.Popen, stop: threading.E
             if exe != os.readlink(f"/proc/{parent.pid}/exe"):
                 continue  # it exec'd: a stuck copy still runs the scenario's interpreter
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            if b"stallwatch.detect.watchdog" in cmdline:
+            if b"stallwatch._watchdog" in cmdline:
                 continue
             if time.monotonic() - seen.setdefault(pid, time.monotonic()) > 5:
                 with contextlib.suppress(ProcessLookupError):

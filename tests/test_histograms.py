@@ -25,8 +25,8 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from conftest import latest_total, run_python
 from stallwatch import telemetry
-from stallwatch.instrument import histograms
-from stallwatch.instrument._common import Deferred
+from stallwatch.core import histograms
+from stallwatch.core.faults import Deferred
 
 pytestmark = pytest.mark.matrix  # the SDK's metric data types changed across versions
 
@@ -203,7 +203,7 @@ def test_the_file_exporter_gets_the_executor_histograms_once_per_export_with_the
             for _ in range(250):
                 pool.submit(pow, 2, 8).result()
         stallwatch.shutdown(10)
-        from stallwatch.instrument import histograms
+        from stallwatch.core import histograms
         print(histograms.active())
         """
     )
@@ -249,7 +249,7 @@ def test_values_dropped_past_the_limit_are_reported_as_dropped_metrics(tmp_path)
         import stallwatch
         from opentelemetry import metrics
         from stallwatch import telemetry
-        from stallwatch.instrument._common import Deferred
+        from stallwatch.core.faults import Deferred
         stallwatch.setup(file_dir={str(out)!r}, watchdog=False, metric_export_interval_ms=3_600_000)
         deferred = Deferred(metrics.get_meter("test"), telemetry.EXECUTOR_QUEUE_DURATION, limit=3)
         for value in range(5):  # `record`: 2 past the limit
@@ -275,7 +275,7 @@ def test_values_dropped_past_the_limit_are_reported_as_dropped_metrics(tmp_path)
 
 
 def test_the_dropped_total_never_goes_down_when_a_deferred_is_collected():
-    from stallwatch.instrument._common import dropped_values
+    from stallwatch.core.faults import dropped_values
 
     before = dropped_values()
     deferred = Deferred(MeterProvider().get_meter("t"), METRIC, limit=1)

@@ -31,8 +31,7 @@ from opentelemetry.trace import StatusCode
 
 from conftest import SCENARIOS, clean_env
 from stallwatch import journal as journal_api
-from stallwatch import ledger
-from stallwatch.journal import Journal, frames, read_segment, replay, scan
+from stallwatch.journal import Journal, frames, ledger, read_segment, replay, scan
 from stallwatch.journal.leaks import record as record_leaks
 from stallwatch.journal.writer import start_ticks
 

@@ -65,7 +65,7 @@ def _kill_during_create(tmp_path, freeze: str) -> str:
             logs = first / "logs.jsonl"
             wait_until(lambda: logs.exists() and "freeze detected" in logs.read_text(), "the freeze is reported")
         held = _children(host.pid)  # the forked copy held before exec, and the watchdog
-        watchdogs = [pid for pid in held if "stallwatch.detect.watchdog" in command_line(pid)]
+        watchdogs = [pid for pid in held if "stallwatch._watchdog" in command_line(pid)]
         host.send_signal(signal.SIGKILL)
         host.wait(30)
         for pid in watchdogs:  # it sees its host die, writes host_killed, then leaves

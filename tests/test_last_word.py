@@ -13,16 +13,16 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
-from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 
 from conftest import SCENARIOS, attrs, clean_env, otlp_items
-from otlp_receiver import Receiver, otlp_spans
+from otlp_receiver import otlp_attributes, otlp_gauge_points, otlp_logs, otlp_spans
+from support.loopback import free_port, prometheus_env, scrape
+from support.processes import is_gone
+from support.waiting import wait_until
 
 pytestmark = [
     pytest.mark.matrix,
@@ -30,30 +30,6 @@ pytestmark = [
 ]
 KILLED = "stallwatch.freeze.host_killed"
 FROZEN_AT = {"stallwatch.freeze.kind": "gil_held", "stallwatch.freeze.cause": "child_before_exec"}
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (the orphaned watchdog is reaped by init, which may take its time)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _wait_until(condition: object, timeout: float, what: str) -> float:
-    """Poll `condition()` every 50 ms until true; the seconds it took. Fails naming `what` after `timeout`."""
-    started = time.monotonic()
-    while not condition():  # type: ignore[operator]
-        assert time.monotonic() - started < timeout, what
-        time.sleep(0.05)
-    return time.monotonic() - started
 
 
 def _frozen_host(telemetry_dir: Path, stderr: Path, **env: str) -> tuple[subprocess.Popen[str], int]:
@@ -79,61 +55,31 @@ def _detected(logs: Path) -> list[dict]:
     return [record for record in records if "freeze detected" in record["body"]["stringValue"]]
 
 
-def _otlp_logs(receiver: Receiver) -> list:
-    return [
-        record
-        for body in receiver.bodies("/v1/logs")
-        for resource in ExportLogsServiceRequest.FromString(body).resource_logs
-        for scope in resource.scope_logs
-        for record in scope.log_records
-    ]
-
-
-def _otlp_attributes(item: object) -> dict[str, object]:
-    values = {}
-    for attribute in item.attributes:  # type: ignore[attr-defined]
-        kind = attribute.value.WhichOneof("value")
-        values[attribute.key] = getattr(attribute.value, kind) if kind else None
-    return values
-
-
-def _otlp_gauge_points(receiver: Receiver, name: str) -> list:
-    return [
-        point
-        for body in receiver.bodies("/v1/metrics")
-        for resource in ExportMetricsServiceRequest.FromString(body).resource_metrics
-        for scope in resource.scope_metrics
-        for metric in scope.metrics
-        if metric.name == name
-        for point in metric.gauge.data_points
-    ]
-
-
 def test_a_host_killed_while_frozen_reaches_the_otlp_backend_with_how_long_and_why_before_its_watchdog_exits(
     receiver, telemetry_dir, tmp_path
 ):
     host, watchdog_pid = _frozen_host(telemetry_dir, tmp_path / "stderr", OTEL_EXPORTER_OTLP_ENDPOINT=receiver.url)
-    detected = lambda: [r for r in _otlp_logs(receiver) if "freeze detected" in r.body.string_value]  # noqa: E731
-    _wait_until(detected, 30, "the watchdog reported no freeze")
-    child_pid = int(_otlp_attributes(detected()[0])["stallwatch.freeze.child.pid"])  # type: ignore[arg-type]
+    detected = lambda: [r for r in otlp_logs(receiver) if "freeze detected" in r.body.string_value]  # noqa: E731
+    wait_until(detected, "the watchdog reported the freeze")
+    child_pid = int(otlp_attributes(detected()[0])["stallwatch.freeze.child.pid"])  # type: ignore[arg-type]
     try:
         host.send_signal(signal.SIGKILL)
         host.wait(10)
-        _wait_until(lambda: not _running(watchdog_pid), 60, "the watchdog did not exit")
+        wait_until(lambda: is_gone(watchdog_pid), "the watchdog exited", timeout=60)
     finally:
         _kill_frozen_child(child_pid)
 
     (span,) = [s for s in otlp_spans(receiver) if s.name == "stallwatch.freeze"]
-    assert _otlp_attributes(span)["stallwatch.freeze.outcome"] == "host_killed"
-    assert _otlp_attributes(span)["stallwatch.freeze.cause"] == "child_before_exec"
+    assert otlp_attributes(span)["stallwatch.freeze.outcome"] == "host_killed"
+    assert otlp_attributes(span)["stallwatch.freeze.cause"] == "child_before_exec"
     frozen_for = (span.end_time_unix_nano - span.start_time_unix_nano) / 1e9
-    last_words = [p for p in _otlp_gauge_points(receiver, KILLED) if p.as_double > 0]
+    last_words = [p for p in otlp_gauge_points(receiver, KILLED) if p.as_double > 0]
     assert last_words, "no stallwatch.freeze.host_killed above 0 reached the backend"
-    assert {(k, v) for k, v in _otlp_attributes(last_words[-1]).items()} >= set(FROZEN_AT.items())
+    assert {(k, v) for k, v in otlp_attributes(last_words[-1]).items()} >= set(FROZEN_AT.items())
     assert last_words[-1].as_double == pytest.approx(frozen_for, abs=0.5)
     assert frozen_for >= 1.0  # the freeze threshold
-    over = [r for r in _otlp_logs(receiver) if "freeze over after" in r.body.string_value]
-    assert [_otlp_attributes(r)["stallwatch.freeze.outcome"] for r in over] == ["host_killed"]
+    over = [r for r in otlp_logs(receiver) if "freeze over after" in r.body.string_value]
+    assert [otlp_attributes(r)["stallwatch.freeze.outcome"] for r in over] == ["host_killed"]
 
 
 def test_a_host_killed_while_frozen_leaves_a_critical_alert_firing_on_prometheus_at_the_shipped_scrape_interval(
@@ -144,7 +90,7 @@ def test_a_host_killed_while_frozen_leaves_a_critical_alert_firing_on_prometheus
 
     if not HAVE_PROMETHEUS:
         pytest.skip("needs prometheus: apt-get install prometheus")
-    host_port, watchdog_port = _free_port(), _free_port()
+    host_port, watchdog_port = free_port(), free_port()
     prometheus = Prometheus.shipped(
         tmp_path, {HOST_JOB: [f"127.0.0.1:{host_port}"], WATCHDOG_JOB: [f"127.0.0.1:{watchdog_port}"]}
     )
@@ -155,19 +101,17 @@ def test_a_host_killed_while_frozen_leaves_a_critical_alert_firing_on_prometheus
         host, watchdog_pid = _frozen_host(
             telemetry_dir,
             tmp_path / "stderr",
-            OTEL_METRICS_EXPORTER="prometheus",
-            OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
-            OTEL_EXPORTER_PROMETHEUS_PORT=str(host_port),
-            STALLWATCH_WATCHDOG_PROMETHEUS_PORT=str(watchdog_port),
+            **prometheus_env(host_port, watchdog_port),
         )
         logs = telemetry_dir / "logs.jsonl"
-        _wait_until(lambda: _detected(logs), 30, "the watchdog reported no freeze")
+        wait_until(lambda: _detected(logs), "the watchdog reported the freeze")
         child_pid = int(attrs(_detected(logs)[0])["stallwatch.freeze.child.pid"])
         prometheus.wait_for_alert("FreezeActive", timeout=90, **{k.replace(".", "_"): v for k, v in FROZEN_AT.items()})
         host.send_signal(signal.SIGKILL)
         host.wait(10)
         killed_at = time.time()
-        lingered = _wait_until(lambda: not _running(watchdog_pid), 60, "the watchdog did not exit")
+        wait_until(lambda: is_gone(watchdog_pid), "the watchdog exited", timeout=60)
+        lingered = time.time() - killed_at
         fired = prometheus.wait_for_alert(
             "FrozenHostKilled", timeout=60, **{k.replace(".", "_"): v for k, v in FROZEN_AT.items()}
         )
@@ -193,47 +137,34 @@ def test_a_host_killed_while_frozen_leaves_a_critical_alert_firing_on_prometheus
     assert down["labels"]["instance"] == f"127.0.0.1:{host_port}"
 
 
-def _scrape(port: int) -> str:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-            return response.read().decode()
-    except OSError as exc:  # refused, reset, timed out
-        return f"no answer: {exc}"
-
-
 def test_a_restarted_hosts_watchdog_serves_the_port_once_the_watchdog_of_the_host_that_died_frozen_has_left(
     telemetry_dir, tmp_path
 ):
-    watchdog_port = _free_port()
-    shared = {
-        "OTEL_METRICS_EXPORTER": "prometheus",
-        "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1",
-        "STALLWATCH_WATCHDOG_PROMETHEUS_PORT": str(watchdog_port),
-        "STALLWATCH_WATCHDOG_LAST_SCRAPE_TIMEOUT": "60",  # nobody scrapes until the new host is watched
-    }
+    watchdog_port = free_port()
+    patient = {"STALLWATCH_WATCHDOG_LAST_SCRAPE_TIMEOUT": "60"}  # nobody scrapes until the new host is watched
     killed, old_watchdog = _frozen_host(
-        telemetry_dir, tmp_path / "killed.stderr", OTEL_EXPORTER_PROMETHEUS_PORT=str(_free_port()), **shared
+        telemetry_dir, tmp_path / "killed.stderr", **prometheus_env(free_port(), watchdog_port, **patient)
     )
     child_pid = 0
     restarted = None
     try:
         logs = telemetry_dir / "logs.jsonl"
-        _wait_until(lambda: _detected(logs), 30, "the watchdog reported no freeze")
+        wait_until(lambda: _detected(logs), "the watchdog reported the freeze")
         child_pid = int(attrs(_detected(logs)[0])["stallwatch.freeze.child.pid"])
         killed.send_signal(signal.SIGKILL)
         killed.wait(10)
         restarted = subprocess.Popen(  # as a supervisor restarts it: same settings, its watchdog the same port
-            [sys.executable, "-c", RESTARTED_HOST], env=clean_env(OTEL_EXPORTER_PROMETHEUS_PORT=str(_free_port()),
-            **shared), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=(tmp_path / "restarted.stderr").open("w"),
-            text=True,
+            [sys.executable, "-c", RESTARTED_HOST],
+            env=clean_env(**prometheus_env(free_port(), watchdog_port, **patient)),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=(tmp_path / "restarted.stderr").open("w"), text=True,
         )  # fmt: skip
         assert restarted.stdout is not None
         assert json.loads(restarted.stdout.readline())["watchdog_pid"]  # its new watchdog watches it already
-        assert _running(old_watchdog)  # still waiting for the scrape that carries the death
-        last_word = _scrape(watchdog_port)
-        _wait_until(lambda: not _running(old_watchdog), 30, "the old watchdog did not leave after its scrape")
-        _wait_until(lambda: f'stallwatch_watched_pid="{restarted.pid}"' in _scrape(watchdog_port), 30,
-                    "the new watchdog never served the port")  # fmt: skip
+        assert not is_gone(old_watchdog)  # still waiting for the scrape that carries the death
+        last_word = scrape(watchdog_port)
+        wait_until(lambda: is_gone(old_watchdog), "the old watchdog left after its scrape")
+        wait_until(lambda: f'stallwatch_watched_pid="{restarted.pid}"' in scrape(watchdog_port),
+                   "the new watchdog served the port")  # fmt: skip
     finally:
         if restarted is not None:
             restarted.kill()
@@ -259,17 +190,15 @@ def test_a_watchdog_whose_port_stays_busy_says_so_once_and_serves_it_when_it_fre
     stderr = tmp_path / "stderr"
     host = subprocess.Popen(
         [sys.executable, "-c", RESTARTED_HOST],
-        env=clean_env(OTEL_METRICS_EXPORTER="prometheus", OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
-                      OTEL_EXPORTER_PROMETHEUS_PORT=str(_free_port()), STALLWATCH_WATCHDOG_PROMETHEUS_PORT=str(port),
-                      STALLWATCH_WATCHDOG_LAST_SCRAPE_TIMEOUT="1"),
+        env=clean_env(**prometheus_env(free_port(), port, STALLWATCH_WATCHDOG_LAST_SCRAPE_TIMEOUT="1")),
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr.open("w"), text=True,
     )  # fmt: skip
     try:
         assert host.stdout is not None
         assert json.loads(host.stdout.readline())["watchdog_pid"]  # it watches its host with its port busy
-        _wait_until(lambda: f"port {port} is busy" in stderr.read_text(), 30, "the watchdog did not say so")
+        wait_until(lambda: f"port {port} is busy" in stderr.read_text(), "the watchdog said its port is busy")
         holder.close()
-        _wait_until(lambda: f'stallwatch_watched_pid="{host.pid}"' in _scrape(port), 30, "it never served the port")
+        wait_until(lambda: f'stallwatch_watched_pid="{host.pid}"' in scrape(port), "it served the port")
     finally:
         holder.close()
         host.kill()
@@ -315,7 +244,7 @@ def test_a_scrape_already_in_flight_when_the_wait_begins_is_not_the_one_that_car
     port = server.server_address[1]
     try:
         before_any = scrapes.mark()
-        in_flight = threading.Thread(target=_scrape, args=(port,))
+        in_flight = threading.Thread(target=scrape, args=(port,))
         in_flight.start()
         assert collecting.wait(30)
         during = scrapes.mark()  # the death, while that scrape collects
@@ -323,7 +252,7 @@ def test_a_scrape_already_in_flight_when_the_wait_begins_is_not_the_one_that_car
         in_flight.join(30)
         assert scrapes.wait(before_any, 30)  # that scrape has been answered and counted
         assert not scrapes.wait(during, 0)  # but it began before the death
-        assert "no answer" not in _scrape(port)
+        assert "no answer" not in scrape(port)
         assert scrapes.wait(during, 30)
     finally:
         server.shutdown()

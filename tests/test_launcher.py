@@ -4,6 +4,7 @@ is otherwise the command (argv, exit status, signals). Real processes throughout
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -12,12 +13,18 @@ import textwrap
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from conftest import attrs, clean_env, latest_total, otlp_items, read_jsonl
+from otlp_receiver import Receiver, otlp_received_from
+from stallwatch.session import HOST_PROVIDERS_GRACE
 from support.served import Served
+from support.waiting import wait_until
 
 BIN = Path(sys.executable).parent
 STALLWATCH = str(BIN / "stallwatch")
@@ -180,7 +187,7 @@ def _resources(path: Path) -> list[dict]:
 WARNING = "STALLWATCH_PROVIDERS=host, but the host has installed no OpenTelemetry tracer or meter provider"
 
 
-def test_host_providers_that_never_appear_get_one_line_at_stallwatchs_first_record_and_installed_ones_none(tmp_path):
+def test_host_providers_that_never_appear_get_one_line_and_ones_installed_even_after_the_first_record_none(tmp_path):
     spawn_twice = "import subprocess\nsubprocess.run(['true'])\nsubprocess.run(['true'])\n"
     install = textwrap.dedent("""\
         from opentelemetry import metrics, trace
@@ -190,8 +197,124 @@ def test_host_providers_that_never_appear_get_one_line_at_stallwatchs_first_reco
         metrics.set_meter_provider(MeterProvider())
     """)
     env = launcher_env(tmp_path, STALLWATCH_PROVIDERS="host")
-    for host, lines in ((spawn_twice, 1), (install + spawn_twice, 0)):
+    for host, lines in ((spawn_twice, 1), (install + spawn_twice, 0), (spawn_twice + install + spawn_twice, 0)):
         run = subprocess.run(
             [STALLWATCH, "run", "--", "python", "-c", host], env=env, capture_output=True, text=True, timeout=60
         )
         assert run.returncode == 0 and run.stderr.count(WARNING) == lines, run.stderr
+
+
+def test_a_host_that_runs_on_without_providers_gets_the_one_line_while_it_runs(tmp_path):
+    spawn_on = "import subprocess, time\nwhile True:\n    subprocess.run(['true'])\n    time.sleep(0.5)\n"
+    served = Served(
+        [STALLWATCH, "run", "--", "python", "-c", spawn_on], env=launcher_env(tmp_path, STALLWATCH_PROVIDERS="host")
+    )
+    try:
+        served.wait_for(WARNING, timeout=HOST_PROVIDERS_GRACE + 60)
+        served.process.send_signal(signal.SIGTERM)
+        assert served.finish() == -signal.SIGTERM
+    finally:
+        served.kill()
+    assert served.stderr().count(WARNING) == 1, served.stderr()
+
+
+def _dstack_otel_env(tmp_path: Path, receiver: Receiver, **extra: str) -> dict[str, str]:
+    """`dstack server` with every signal of its own OpenTelemetry set-up on, exporting to `receiver`, and
+    batches held for ten minutes (longer than the test): what reaches the receiver was flushed at the stop
+    unless `extra` shortens a delay. gpuhunt's catalogs come from a closed loopback port, never downloaded."""
+    settings = {
+        "HOME": str(tmp_path / "home"), "DSTACK_SERVER_DIR": str(tmp_path / "server"),
+        "GPUHUNT_CATALOG_URL": f"http://127.0.0.1:{_free_port()}", "STALLWATCH_WATCHDOG": "true",
+        "DSTACK_OTEL_TRACES_ENABLED": "1", "DSTACK_OTEL_METRICS_ENABLED": "1", "DSTACK_OTEL_LOGS_ENABLED": "1",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_SERVICE_NAME": "dstack-server",
+        "OTEL_BSP_SCHEDULE_DELAY": "600000", "OTEL_BLRP_SCHEDULE_DELAY": "600000",
+        "OTEL_METRIC_EXPORT_INTERVAL": "600000",
+    }  # fmt: skip
+    return launcher_env(tmp_path, **{**settings, **extra})
+
+
+def _serve_dstack_then_sigterm(tmp_path: Path, env: dict[str, str], before_stop: Callable[[], None]) -> str:
+    """Start `stallwatch run -- dstack server`, make one API request once it answers, run `before_stop`,
+    stop it with SIGTERM as systemd does; its stderr."""
+    port = _free_port()
+    served = Served(
+        [STALLWATCH, "run", "--", "dstack", "server", "--host", "127.0.0.1", "--port", str(port), "-y"],
+        env=env, cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        _wait_until_served(f"http://127.0.0.1:{port}/api/server/get_info", served, timeout=180)
+        before_stop()
+        served.process.send_signal(signal.SIGTERM)
+        assert served.finish(timeout=60) in (0, -signal.SIGTERM), served.stderr()
+    finally:
+        served.kill()
+    return served.stderr()
+
+
+def _once_each(received: list[tuple[dict[str, str], str, Any]], key: Callable[[Any], object]) -> None:
+    counts = Counter(key(item) for _, _, item in received)
+    assert all(count == 1 for count in counts.values()), [k for k, count in counts.items() if count > 1]
+
+
+def _log_bodies(receiver: Receiver) -> Counter[str]:
+    return Counter(record.body.string_value for _, _, record in otlp_received_from(receiver, "/v1/logs"))
+
+
+RUNNING = "The dstack server .* is running at"
+
+
+def test_dstack_with_host_providers_exports_stallwatchs_records_through_its_own_once_each_and_flushes_at_sigterm(
+    tmp_path, receiver
+):
+    pytest.importorskip("dstack._internal.server.utils.otel.utils", reason="needs dstack[otel]")
+    env = _dstack_otel_env(tmp_path, receiver, STALLWATCH_PROVIDERS="host")
+    stderr = _serve_dstack_then_sigterm(tmp_path, env, before_stop=lambda: None)
+    assert WARNING not in stderr  # dstack installs its providers after its first spawns: not "nothing exported"
+    spans = otlp_received_from(receiver, "/v1/traces")
+    _once_each(spans, lambda span: span.span_id)
+    # The watchdog's spans (a freeze while dstack imports, on a loaded machine) come with a resource of its own.
+    host = [resource for resource, _, _ in spans if resource.get("stallwatch.process.role") != "watchdog"]
+    assert host and all(resource == host[0] for resource in host), host  # one provider: dstack's
+    assert host[0]["service.name"] == "dstack-server", host[0]
+    scopes = {scope for _, scope, _ in spans}
+    assert {"stallwatch", "dstack.server"} <= scopes, scopes
+    assert "ssh" in {span.name for resource, scope, span in spans if scope == "stallwatch" and resource == host[0]}
+    senders = {frozenset(resource.items()) for resource, scope, _ in otlp_received_from(receiver, "/v1/metrics")
+               if scope == "stallwatch"}  # fmt: skip
+    roles = Counter(dict(sender).get("stallwatch.process.role", "host") for sender in senders)
+    assert roles == {"host": 1, "watchdog": 1}, senders  # the watchdog exports with providers of its own
+    assert frozenset(host[0].items()) in senders  # the host's records: through dstack's provider, and only there
+    running = [body for body in _log_bodies(receiver).elements() if re.search(RUNNING, body)]
+    assert len(running) == 1, _log_bodies(receiver)
+
+
+@pytest.mark.parametrize("log_delay", ["500", "600000"], ids=["lines-leave-while-serving", "lines-leave-at-the-stop"])
+def test_dstack_beside_stallwatchs_own_providers_exports_every_record_once_and_flushes_at_sigterm(
+    tmp_path, receiver, log_delay
+):
+    pytest.importorskip("dstack._internal.server.utils.otel.utils", reason="needs dstack[otel]")
+    # Host log lines at INFO are stallwatch's to export too. With a short delay they leave while the server
+    # runs: one exported by both stallwatch and dstack's own log handler arrives twice before the stop. With a
+    # long one only the flush at the stop sends them.
+    env = _dstack_otel_env(tmp_path, receiver, STALLWATCH_LOG_LEVEL="INFO", OTEL_BLRP_SCHEDULE_DELAY=log_delay)
+
+    def exported_at_start() -> None:
+        lines = lambda: any(re.search(RUNNING, body) for body in _log_bodies(receiver))  # noqa: E731
+        if log_delay == "500":
+            wait_until(lines, "the server's start-up log lines are exported", timeout=60, interval=0.5)
+
+    stderr = _serve_dstack_then_sigterm(tmp_path, env, before_stop=exported_at_start)
+    assert WARNING not in stderr
+    spans = otlp_received_from(receiver, "/v1/traces")
+    _once_each(spans, lambda span: span.span_id)
+    scopes = {scope for _, scope, _ in spans}
+    assert {"stallwatch", "dstack.server", "opentelemetry.instrumentation.fastapi"} <= scopes, scopes
+    assert "ssh" in {span.name for _, scope, span in spans if scope == "stallwatch"}
+    metric_scopes = {scope for _, scope, _ in otlp_received_from(receiver, "/v1/metrics")}
+    assert {"stallwatch", "dstack.server"} <= metric_scopes, metric_scopes
+    logs = otlp_received_from(receiver, "/v1/logs")
+    running = [resource for resource, _, record in logs if re.search(RUNNING, record.body.string_value)]
+    assert len(running) == 1, _log_bodies(receiver)
+    assert "service.version" in running[0], running  # dstack's resource: its own handler exported the line
+    bodies = _log_bodies(receiver)
+    assert all(count == 1 for body, count in bodies.items() if body.startswith("Failed to load")), bodies

@@ -1,4 +1,4 @@
-"""`instrument.light_span`: what the processors receive is what the SDK's own span would have given
+"""`core.light_span`: what the processors receive is what the SDK's own span would have given
 them, decision for decision (real SDK TracerProvider, samplers and processors)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 
-from stallwatch.instrument import light_span
+from stallwatch.core import light_span
 
 pytestmark = pytest.mark.matrix
 
@@ -305,7 +305,7 @@ def test_a_provider_without_processors_gets_light_spans_from_the_first_call():
     test has filled the cache)."""
     script = (
         "from opentelemetry.sdk.trace import TracerProvider\n"
-        "from stallwatch.instrument import light_span\n"
+        "from stallwatch.core import light_span\n"
         "tracer = TracerProvider().get_tracer('test')\n"
         "span = light_span.start(tracer, 'item', None, {'k': 'v'})\n"
         "span.end()\n"

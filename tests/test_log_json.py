@@ -13,8 +13,8 @@ from opentelemetry.exporter.otlp.proto.common._log_encoder import encode_logs
 from opentelemetry.sdk.resources import Resource
 
 from stallwatch.export import log_json
-from stallwatch.export.file import to_otlp_json
 from stallwatch.export.log_json import encode_logs_json
+from stallwatch.export.otlp_json import to_otlp_json
 from support.sample_logs import SCHEMA, Bridge, log_batch
 
 pytestmark = pytest.mark.matrix  # the protobuf route and the batch items differ across SDK versions

@@ -182,7 +182,7 @@ def test_an_instrumentation_fault_never_reaches_the_sdk_caller(tmp_path):
         f"""
         import asyncio
         import stallwatch
-        from stallwatch import ledger
+        from stallwatch.journal import ledger
         stallwatch.setup(file_dir={str(tmp_path)!r}, watchdog=False)
 
         class Broken:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 
 import pytest
 
 from conftest import clean_env, run_python
+from support.loopback import free_port, prometheus_env
 
 pytestmark = pytest.mark.matrix  # how the labels get there depends on the exporter's version
 
@@ -29,28 +29,22 @@ stallwatch.shutdown()
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _opentelemetry_samples(scrape: str) -> list[str]:
     """The sample lines the OpenTelemetry reader serves (prometheus_client's own python_/process_ aside)."""
     return [line for line in scrape.splitlines() if line and not line.startswith(("#", "python_", "process_"))]
 
 
 def test_every_series_of_a_host_and_its_watchdog_carries_the_hosts_service_name_and_instance_id():
-    host_port, watchdog_port = _free_port(), _free_port()
+    host_port, watchdog_port = free_port(), free_port()
     env = clean_env(
-        OTEL_SERVICE_NAME="checkout",
-        OTEL_RESOURCE_ATTRIBUTES="service.instance.id=checkout-7",
-        OTEL_METRICS_EXPORTER="prometheus",
-        OTEL_TRACES_EXPORTER="none",
-        OTEL_LOGS_EXPORTER="none",
-        OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
-        OTEL_EXPORTER_PROMETHEUS_PORT=str(host_port),
-        STALLWATCH_WATCHDOG_PROMETHEUS_PORT=str(watchdog_port),
+        **prometheus_env(
+            host_port,
+            watchdog_port,
+            OTEL_SERVICE_NAME="checkout",
+            OTEL_RESOURCE_ATTRIBUTES="service.instance.id=checkout-7",
+            OTEL_TRACES_EXPORTER="none",
+            OTEL_LOGS_EXPORTER="none",
+        )
     )
     result = run_python(f"import sys; sys.argv[1:] = ['{host_port}', '{watchdog_port}']\n{SCRAPING_HOST}", env=env)
     assert result.returncode == 0, result.stderr[-3000:]

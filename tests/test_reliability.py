@@ -201,16 +201,19 @@ def metric_exports_after(count, file_dir):
 """
 
 _FLOOD_HOST = """
-import json, logging, os, time
+import json, logging, os, sys, time
 import stallwatch
 from opentelemetry import metrics, trace
 
 session = stallwatch.setup(file_dir={file_dir!r})
 logging.getLogger().setLevel(logging.INFO)
 tracer, log = trace.get_tracer("host"), logging.getLogger("host")
+switch_interval = sys.getswitchinterval()
+sys.setswitchinterval(60)  # a burst: the export threads get the GIL only once the queues overflowed, whatever the load
 for i in range({items}):
     tracer.start_span("op").end()
     log.info("op %d", i)
+sys.setswitchinterval(switch_interval)
 metrics.get_meter("host").create_counter("host.orders").add(1)
 from stallwatch.export.guarded import queued
 

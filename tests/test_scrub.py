@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from secrets_corpus import CORPUS, HARMLESS, RULE_SET_TOKENS, fingerprint
-from stallwatch.instrument.scrub import (
+from stallwatch.core.scrub import (
     _PROGRAMS,
     _SHORT_OPTIONS,
     MAX_ARG_CHARS,
@@ -49,7 +49,7 @@ def test_harmless_command_lines_are_recorded_unchanged(argv):
 
 
 def test_a_scrubber_failure_records_a_marker_instead_of_raising(monkeypatch):
-    from stallwatch.instrument import scrub
+    from stallwatch.core import scrub
 
     def broken(*args: object) -> str:
         raise RuntimeError("injected")

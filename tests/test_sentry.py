@@ -198,7 +198,7 @@ def test_a_leak_candidate_found_at_the_next_start_is_sent_with_the_trace_of_its_
         f"""
         import json, os, signal, stallwatch
         from opentelemetry import trace
-        from stallwatch import ledger
+        from stallwatch.journal import ledger
         stallwatch.setup(journal_dir={str(journal_dir)!r}, file_dir={str(tmp_path / "first")!r}, watchdog=False)
         with trace.get_tracer("control-plane").start_as_current_span("provision") as span:
             ids = span.get_span_context()

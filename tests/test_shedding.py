@@ -23,6 +23,7 @@ from opentelemetry.trace import SpanContext, TraceFlags
 
 from conftest import SCENARIOS, clean_env, run_python
 from stallwatch import telemetry
+from stallwatch.core import light_span
 from stallwatch.export.guarded import (
     BACKEND_DOWN,
     BACKOFF_FIRST,
@@ -34,7 +35,6 @@ from stallwatch.export.guarded import (
     queued,
 )
 from stallwatch.export.shedding import SheddingTracer, SheddingTracerProvider, exemplar_filter
-from stallwatch.instrument import light_span
 from support.waiting import wait_until
 
 sys.path.insert(0, str(SCENARIOS))

@@ -12,7 +12,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import Link, SpanContext, TraceFlags
 
-from stallwatch.export.file import to_otlp_json
+from stallwatch.export.otlp_json import to_otlp_json
 from stallwatch.export.span_json import encode_spans_json
 from support.sample_spans import light_spans, sdk_spans
 

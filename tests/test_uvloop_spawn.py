@@ -34,7 +34,7 @@ import uvloop
 import wrapt
 
 from conftest import clean_env, run_python
-from stallwatch.forksafe import uvloop_spawn
+from stallwatch.forksafe import uvloop_layers, uvloop_spawn
 from support.waiting import until
 
 pytestmark = pytest.mark.matrix  # Popen/asyncio internals differ across CPython versions
@@ -47,18 +47,14 @@ NativeLoop: type[uvloop.Loop]
 
 
 def without_routing(name: str) -> Any:
-    """uvloop's `Loop.<name>` with every wrapper stallwatch put on it but the routing one."""
-    method = vars(uvloop.Loop)[name]
-    outer = []
-    while getattr(method, "_self_wrapper", None) is not None:  # a wrapt wrapper: unwrap down to ours
-        wrapper = method._self_wrapper
-        method = method.__wrapped__
-        if wrapper.__module__ == uvloop_spawn.__name__:
-            for kept in reversed(outer):
-                method = wrapt.FunctionWrapper(method, kept)
-            return method
-        outer.append(wrapper)
-    raise AssertionError(f"uvloop.Loop.{name} is not routed")
+    """uvloop's `Loop.<name>` with every layer stallwatch put on it but the routing one, in their order."""
+    layers = dict(uvloop_layers.layers(name))
+    assert "route" in layers, f"uvloop.Loop.{name} is not routed"
+    method = vars(uvloop.Loop)[name].__wrapped__  # uvloop's own, under the one composing wrapper
+    for layer_name in reversed(uvloop_layers.ORDER):
+        if layer_name in layers and layer_name != "route":
+            method = wrapt.FunctionWrapper(method, layers[layer_name])
+    return method
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 
 from conftest import SCENARIOS, attrs, clean_env, metric_points, otlp_items, run_python, run_scenario
+from support.loopback import free_port, prometheus_env, scrape
+from support.processes import is_gone
 from support.waiting import wait_until
 
 pytestmark = [
@@ -160,7 +162,7 @@ def test_host_killed_during_a_freeze_is_recorded_and_the_watchdog_leaves(telemet
     assert [p.suffix for p in runtime.iterdir()] == [".hb"]
     host.send_signal(signal.SIGKILL)
     # The host stays a zombie until we reap it: the watchdog reads its wait status from /proc meanwhile.
-    wait_until(lambda: not _running(watchdog_pid), "the watchdog left after the host was killed")
+    wait_until(lambda: is_gone(watchdog_pid), "the watchdog left after the host was killed")
     host.wait(30)
 
     (span,) = freeze_spans(telemetry_dir / "traces.jsonl")
@@ -168,15 +170,6 @@ def test_host_killed_during_a_freeze_is_recorded_and_the_watchdog_leaves(telemet
     assert attrs(span)["stallwatch.freeze.kind"] == "gil_held"
     assert attrs(span)["stallwatch.freeze.host.exit_signal"] == "SIGKILL"
     assert list(runtime.iterdir()) == []  # the watchdog removed what the killed host could not
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (the orphaned watchdog is reaped by init, which may take its time)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_the_watchdogs_freeze_lines_on_the_hosts_stderr_say_they_are_the_watchdogs(telemetry_dir, tmp_path):
@@ -296,9 +289,9 @@ def test_a_host_that_execs_another_program_is_not_reported_frozen(telemetry_dir,
     host = subprocess.Popen([sys.executable, "-c", code], env=env, text=True, **pipes)
     watchdog_pid = int(host.stdout.readline())
     deadline = time.monotonic() + 10
-    while _running(watchdog_pid) and time.monotonic() < deadline:
+    while not is_gone(watchdog_pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    watchdog_left = not _running(watchdog_pid)  # so nothing can report the new program as a freeze any more
+    watchdog_left = is_gone(watchdog_pid)  # so nothing can report the new program as a freeze any more
     host_alive = host.poll() is None
     _, stderr = host.communicate("\n", timeout=10)
 
@@ -380,8 +373,7 @@ def test_a_forked_worker_that_runs_an_event_loop_is_watched_as_a_host_of_its_own
     env = clean_env(XDG_RUNTIME_DIR=str(runtime), OTEL_METRICS_EXPORTER=metrics,
                     STALLWATCH_WATCHDOG_FORKED_WORKERS=watched)  # fmt: skip
     if metrics == "prometheus":  # the host's watchdog holds its port: the worker's must take another
-        env.update(OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1", OTEL_EXPORTER_PROMETHEUS_PORT=str(_free_port()),
-                   STALLWATCH_WATCHDOG_PROMETHEUS_PORT=str(_free_port()))  # fmt: skip
+        env.update(prometheus_env(free_port(), free_port()))
     proc = subprocess.run([sys.executable, "-c", _FORKED_WORKER, str(telemetry_dir)],
                           env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
 
@@ -408,7 +400,7 @@ def test_a_forked_worker_that_runs_an_event_loop_is_watched_as_a_host_of_its_own
     assert [name.split("-")[1] for name in host["after_worker"]] == [str(host["host"])]
     assert host["shutdown"] is True
     # Shutdown signals the worker's watchdog and does not wait for it (the host is never held up).
-    wait_until(lambda: not _running(worker["serving"]), "the worker's watchdog left after the worker exited")
+    wait_until(lambda: is_gone(worker["serving"]), "the worker's watchdog left after the worker exited")
     assert list(runtime.iterdir()) == []
 
 
@@ -613,39 +605,17 @@ def test_stacks_from_faulthandler_are_attached_to_the_freeze_report(telemetry_di
     assert "freeze_probe.py" in stacks and "in main" in stacks  # the frozen coroutine, by name
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _scrape(port: int, timeout: float) -> str:
-    import urllib.request
-
-    try:
-        return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout).read().decode()
-    except OSError as exc:  # URLError and socket timeouts
-        return f"no answer: {exc}"
-
-
 def test_the_watchdog_answers_a_prometheus_scrape_while_the_frozen_host_cannot(telemetry_dir):
-    host_port, watchdog_port = _free_port(), _free_port()
-    env = clean_env(
-        OTEL_METRICS_EXPORTER="prometheus",
-        OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
-        OTEL_EXPORTER_PROMETHEUS_PORT=str(host_port),
-        STALLWATCH_WATCHDOG_PROMETHEUS_PORT=str(watchdog_port),
-    )
+    host_port, watchdog_port = free_port(), free_port()
+    env = clean_env(**prometheus_env(host_port, watchdog_port))
     host = subprocess.Popen(
         [sys.executable, str(SCENARIOS / "freeze_probe.py"), str(telemetry_dir), "4"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )  # fmt: skip
     json.loads(host.stdout.readline())  # watching; the 4 s freeze starts 0.5 s later
     wait_for_freeze_detected(telemetry_dir / "logs.jsonl")
-    from_host = _scrape(host_port, timeout=1.0)
-    from_watchdog = _scrape(watchdog_port, timeout=2.0)
+    from_host = scrape(host_port, timeout=1.0)
+    from_watchdog = scrape(watchdog_port, timeout=2.0)
     host.communicate(timeout=60)
 
     assert from_host.startswith("no answer")  # up == 0 for the host while it is frozen
@@ -699,22 +669,16 @@ def _labels_of(scrape: str, prefix: str, label_name: str) -> set[str]:
 
 
 def test_the_watchdogs_freeze_series_carry_the_service_name_and_instance_id_of_the_host_it_watches(telemetry_dir):
-    host_port, watchdog_port = _free_port(), _free_port()
-    env = clean_env(
-        OTEL_SERVICE_NAME="checkout",
-        OTEL_METRICS_EXPORTER="prometheus",
-        OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
-        OTEL_EXPORTER_PROMETHEUS_PORT=str(host_port),
-        STALLWATCH_WATCHDOG_PROMETHEUS_PORT=str(watchdog_port),
-    )
+    host_port, watchdog_port = free_port(), free_port()
+    env = clean_env(**prometheus_env(host_port, watchdog_port, OTEL_SERVICE_NAME="checkout"))
     host = subprocess.Popen(
         [sys.executable, "-c", IDENTIFIED_HOST, str(telemetry_dir)],
         env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )  # fmt: skip
     try:
         json.loads(host.stdout.readline())
-        from_host = _scrape(host_port, timeout=10.0)
-        from_watchdog = _scrape(watchdog_port, timeout=10.0)
+        from_host = scrape(host_port, timeout=10.0)
+        from_watchdog = scrape(watchdog_port, timeout=10.0)
     finally:
         host.communicate(input="", timeout=60)
 

@@ -6,16 +6,10 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 
 from conftest import clean_env, run_python
 from stallwatch import telemetry
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+from support.loopback import free_port, prometheus_env
 
 
 def _series(scrape: str, name: str, **labels: str) -> dict[str, float]:
@@ -29,14 +23,8 @@ def _series(scrape: str, name: str, **labels: str) -> dict[str, float]:
 
 
 def test_a_new_pool_and_a_new_execution_timeout_have_their_event_series_at_zero_before_any_event():
-    port = _free_port()
-    env = clean_env(
-        OTEL_METRICS_EXPORTER="prometheus",
-        OTEL_TRACES_EXPORTER="none",
-        OTEL_LOGS_EXPORTER="none",
-        OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
-        OTEL_EXPORTER_PROMETHEUS_PORT=str(port),
-    )
+    port = free_port()
+    env = clean_env(**prometheus_env(port, OTEL_TRACES_EXPORTER="none", OTEL_LOGS_EXPORTER="none"))
     proc = run_python(
         f"""
         import asyncio, json, urllib.request

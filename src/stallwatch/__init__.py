@@ -1,24 +1,18 @@
 """stallwatch: an async server never freezes silently and never wedges unseen.
 
-Import it first thing at startup (or ``import stallwatch.auto``). The import alone makes forks
-safe: at-fork handlers are skipped in children created only to exec, the OpenTelemetry SDK starts
-no thread in a fork child's handlers (workers restart on first use in a child that lives on), and
-``GRPC_ENABLE_FORK_SUPPORT=false`` is set before gRPC loads. Then:
+Import it first thing at startup (or ``import stallwatch.auto``). The import alone makes forks safe
+(docs/usage.md says how): at-fork handlers are skipped in children that only exec, the
+OpenTelemetry SDK starts no thread in a fork child's handlers, and gRPC's fork support is off
+before gRPC loads. The public surface:
 
-- ``setup(**overrides)`` builds and installs the telemetry pipeline from ``OTEL_*``/``STALLWATCH_*``
-  variables (keyword overrides win) and returns the running ``Session``;
-- ``shutdown(timeout=None)`` flushes and stops it within a bounded time;
-- ``doctor()`` reports the fork hazards that remain in this process;
-- ``uvicorn_loop()`` is the ``loop=`` value that makes uvicorn spawn without fork;
-- ``interrupt_thread()`` interrupts the work item an executor worker runs now, and only that item
-  (``Interrupted``); ``WorkerDied`` is what a healed orphaned item's future raises;
-- ``execution_timeout(seconds, name=...)`` times a request out from its first line, and keeps
-  watching the thread work it could not stop;
-- ``instrument_tunnel(cls, ...)`` records SSH tunnel open/close spans for a tunnel class of your own
-  (dstack's ``SSHTunnel`` is instrumented by ``setup()`` without it).
-
-Sentry users: ``stallwatch.sentry.StallwatchIntegration`` sends freezes, wedges, stale async
-exceptions and leak candidates as Sentry events; it is enabled automatically once sentry-sdk is.
+- ``setup(**overrides)`` / ``shutdown(timeout=None)``: start the pipeline from ``OTEL_*`` and
+  ``STALLWATCH_*`` (keywords win) and return the ``Session``; stop it within a bounded time;
+- ``doctor()``: the fork hazards that remain in this process; ``uvicorn_loop()``: the ``loop=``
+  value that makes uvicorn spawn without fork;
+- ``interrupt_thread()``, ``execution_timeout(seconds, name=...)``: stop one executor item or one
+  request, and keep watching the thread work a timeout could not stop;
+- ``instrument_tunnel(cls, ...)``: SSH tunnel spans for a tunnel class of your own (``setup()``
+  instruments dstack's).
 """
 
 from __future__ import annotations
@@ -31,8 +25,8 @@ from ._version import __version__
 from .config import ConfigError, Settings
 from .doctor import Report, doctor
 from .forksafe.loop import uvicorn_loop
-from .instrument.executor import WorkerDied
 from .instrument.ssh import instrument_tunnel
+from .instrument.work_item import WorkerDied
 from .interrupt import Interrupted, Work, current_work, interrupt_thread
 from .session import Session, shutdown
 from .timeout import execution_timeout

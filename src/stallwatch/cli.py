@@ -13,6 +13,10 @@ from pathlib import Path
 
 import stallwatch
 
+from . import journal
+from .config import ConfigError, Settings
+from .doctor import Sandbox
+
 OVERVIEW = """\
 Keep an async Python server from freezing silently or wedging unseen: start stallwatch in it,
 check it for fork hazards, replay both incidents stallwatch is built around, and read what it
@@ -145,8 +149,6 @@ def _run(arguments: list[str]) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from .doctor import Sandbox
-
     with Sandbox() as sandbox:  # the doctor's setup() and the imported modules' leave the host's files alone
         if args.imports and not {"", ".", os.getcwd()} & set(sys.path):
             sys.path.insert(0, os.getcwd())  # as `python -m` and uvicorn (`--app-dir .`) find the app
@@ -166,6 +168,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    # footprint: loaded only by the command that runs it
     from . import demo
 
     try:
@@ -184,6 +187,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _postmortem(args: argparse.Namespace) -> int:
+    # footprint: loaded only by the command that runs it
     from . import postmortem
 
     try:
@@ -213,8 +217,6 @@ def _postmortem(args: argparse.Namespace) -> int:
 
 
 def _leaks(args: argparse.Namespace) -> int:
-    from . import journal
-    from .config import ConfigError, Settings
 
     try:
         directory = Path(args.journal_dir) if args.journal_dir else Settings.load().journal_dir
@@ -312,8 +314,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--json", action="store_true", help="print the summary as JSON instead of text")
     demo.set_defaults(run=_demo)
-
-    from .config import Settings
 
     post = commands.add_parser(
         "postmortem",

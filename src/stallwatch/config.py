@@ -26,6 +26,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ._private import make_directories
+from .core.scrub import compile_patterns, scrub_text
 
 # Whether an OpenTelemetry SDK module was loaded before stallwatch's first module (this one, which
 # loads none): SDK objects built before `import stallwatch` keep the stock fork handlers (`forksafe`).
@@ -238,7 +239,8 @@ OPTIONS: tuple[Option, ...] = (
         "`stallwatch`",
         "`stallwatch` builds and installs the tracer/meter/logger providers; `host` leaves that to "
         "the host (stallwatch reports through whatever the host installs; the host's providers "
-        "are still made fork-aware).",
+        "are still made fork-aware, and flushed at a SIGTERM stop). The freeze watchdog, a process of its "
+        "own, keeps stallwatch's.",
     ),
     Option(
         "STALLWATCH_FILE_DIR",
@@ -640,20 +642,20 @@ def _unusable(directory: Path, create: bool) -> str | None:
         try:
             make_directories(directory)
         except OSError as exc:
-            return f"cannot create {exc.filename or directory} ({exc.strerror or exc})"
+            return f"cannot create {scrub_text(str(exc.filename or directory))} ({exc.strerror or exc})"
     for candidate in (directory, *directory.parents):
         try:
             mode = candidate.stat().st_mode
         except (FileNotFoundError, NotADirectoryError):
             continue
         except OSError as exc:
-            return f"cannot read {candidate} ({exc.strerror or exc})"
+            return f"cannot read {scrub_text(str(candidate))} ({exc.strerror or exc})"
         if not stat.S_ISDIR(mode):
-            return f"{candidate} is not a directory"
+            return f"{scrub_text(str(candidate))} is not a directory"
         if not os.access(candidate, os.W_OK | os.X_OK):
-            return f"{candidate} is not writable by this process"
+            return f"{scrub_text(str(candidate))} is not writable by this process"
         return None
-    return f"no parent of {directory} exists"
+    return f"no parent of {scrub_text(str(directory))} exists"
 
 
 def _raise_if_strict(settings: Settings, problems: Collection[Problem]) -> None:
@@ -789,8 +791,6 @@ def _accepted_at_import(variable: str) -> str:
 
 
 def _scrubbed(exc: Exception) -> str:
-    from .instrument.scrub import scrub_text
-
     return str(scrub_text(str(exc)))
 
 
@@ -908,8 +908,6 @@ def _shown(value: object) -> str:
     """A bad value as its error shows it: its repr, with secrets (a password in an endpoint URL, a token in
     the resource attributes) redacted and a long value cut, since the error goes to the host's log.
     Never raises, whatever the object's `__repr__` does."""
-    from .instrument.scrub import scrub_text
-
     if isinstance(value, str):
         return repr(scrub_text(value))
     try:
@@ -944,8 +942,6 @@ def _parse_keyword(value: Any, name: str, parse: Callable[[str, str], Any]) -> A
 
 
 def _patterns(text: str, name: str) -> tuple[re.Pattern[str], ...]:
-    from .instrument.scrub import compile_patterns
-
     try:
         return compile_patterns(text, name)
     except ValueError as exc:

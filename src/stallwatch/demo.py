@@ -1,20 +1,18 @@
 """`stallwatch demo`: both incidents, replayed safely on this machine, then the postmortem.
 
-1. Spawns (incident 000, prevented): a small asyncio server, on uvloop when installed as uvicorn's
-   `loop="auto"` would pick, answers health probes. Each probe spawns a child the way dstack opens
-   and closes an SSH tunnel. The host builds its own stock-style OpenTelemetry providers after
-   `import stallwatch` (as dstack does). A worker forked with `os.fork()` lives on and reports a
-   span.
-2. A freeze (incident 000's mechanism), caught live: a child host whose uvloop spawn is held
-   before exec by a library's fork handler. The watchdog reports it while it lasts.
-3. A Nebius create in flight when the host is killed (incident 000's leaked instances): against
-   a local stand-in that never answers; the ledger's intent record makes it a leak candidate.
-4. The executor wedge (incident 002): a stale async SystemExit refused by the guard, then, with
-   the guard off, the worker's death detected and the stranded request healed.
+The stages (docs/postmortem.md):
+
+1. spawns on a small asyncio server (on uvloop when installed, as uvicorn's `loop="auto"` picks)
+   whose host builds stock-style OpenTelemetry providers after `import stallwatch`, as dstack does;
+   a worker forked with `os.fork()` lives on and reports a span;
+2. a freeze, caught live: a child host's uvloop spawn held before exec by a library's fork handler;
+3. a Nebius create in flight when its host is killed: the ledger's intent makes it a leak candidate;
+4. the executor wedge: a stale async SystemExit refused by the guard, then, with the guard off, the
+   worker's death detected and the stranded request healed;
 5. `stallwatch postmortem` over everything, with an HTML report.
 
-Stages 2-4 run in child processes (`demo_incidents`) writing to the same directory. Everything is
-local files; no collector needed.
+Stages 2-4 run in child processes (`demo_incidents`) writing to the same directory; everything is
+local files.
 """
 
 from __future__ import annotations
@@ -37,10 +35,13 @@ from typing import Any
 
 from opentelemetry import _logs, metrics, trace
 
+from . import postmortem, setup, shutdown
+from .demo_incidents import UnansweredCloud, command
 from .doctor import probe_fork_handlers
 from .export.file import FileLogExporter, FileMetricExporter, FileSpanExporter
 from .forksafe import guard
 from .forksafe.loop import loop_kind
+from .instrument.subprocess import SubprocessInstrumentor
 
 
 @dataclass
@@ -119,6 +120,7 @@ class _BusyGrpc:
             return self
         from concurrent.futures import ThreadPoolExecutor
 
+        # optional: the grpc extra
         import grpc
 
         handler = grpc.method_handlers_generic_handler(
@@ -199,6 +201,7 @@ def _forked_worker() -> int:
 
 def _new_loop() -> asyncio.AbstractEventLoop:
     try:
+        # optional: the uvloop extra
         import uvloop
     except ImportError:
         return asyncio.new_event_loop()
@@ -211,8 +214,6 @@ def _environment(out: Path) -> dict[str, str]:
 
 
 def _role(out: Path, *args: str, timeout: float = 60) -> dict[str, Any]:
-    from .demo_incidents import command
-
     proc = subprocess.run(
         command(args[0], str(out), *args[1:]), capture_output=True, text=True, timeout=timeout, env=_environment(out)
     )
@@ -225,7 +226,6 @@ def _role(out: Path, *args: str, timeout: float = 60) -> dict[str, Any]:
 def _freeze_stage(out: Path, result: DemoResult) -> None:
     freeze = _role(out, "freeze", "2.5")
     result.freeze_seconds = round((int(freeze["frozen_until_ns"]) - int(freeze["frozen_from_ns"])) / 1e9, 2)
-    from . import postmortem
 
     _, logs, _, _, _ = postmortem.load(None, [out / "logs.jsonl"])
     for record in logs:
@@ -238,8 +238,6 @@ def _freeze_stage(out: Path, result: DemoResult) -> None:
 
 
 def _create_stage(out: Path) -> None:
-    from .demo_incidents import UnansweredCloud, command
-
     with UnansweredCloud() as cloud:  # the cloud takes its time
         host = subprocess.Popen(
             command("create", str(out), cloud.address),
@@ -262,8 +260,6 @@ def run(out: Path, probes: int = 20, progress: Callable[[str], None] | None = No
     for name in ("traces.jsonl", "metrics.jsonl", "logs.jsonl"):  # this run's files only
         (out / name).unlink(missing_ok=True)
     shutil.rmtree(out / "journal", ignore_errors=True)
-    from . import setup, shutdown
-    from .instrument.subprocess import SubprocessInstrumentor
 
     say(f"[1/5] health probes spawning children on a uvloop-style server ({probes} probes) ...")
 
@@ -328,7 +324,6 @@ def _incident_stages(out: Path, result: DemoResult, say: Callable[[str], None]) 
     result.wedge_unguarded_healed = str(unguarded["B"]).partition(":")[0]
     result.wedge_heal_seconds = float(unguarded["B_seconds"])
     say("[5/5] stallwatch postmortem over all of it ...")
-    from . import postmortem
 
     timeline = postmortem.timeline(out, every_process=True)  # every stage is a host of its own
     result.postmortem_events = len(timeline.events)

@@ -2,21 +2,16 @@
 
 `python -c BOOTSTRAP ROLE OUT ...` (see `command()`) with ROLE:
 
-- `freeze OUT SECONDS`: a library registered an after-fork handler before stallwatch was imported,
-  so the exec-bound guard cannot skip it. In the child of one uvloop spawn it sleeps SECONDS
-  before exec, and the host's loop thread waits holding the GIL (incident 000's freeze, without
-  the crash). The watchdog reports it while it lasts.
-- `create OUT ADDRESS`: a Nebius instance create against the stand-in at ADDRESS (`UnansweredCloud`),
-  which never answers; the demo kills this host with SIGKILL while the create is in flight, as the
-  health check did in incident 000.
-- `restart OUT`: the next start after the kill: `setup()` replays the dead host's journal (its
-  create becomes an interrupted span and a leak candidate), then shuts down.
-- `wedge OUT guard|noguard heal|noheal`: incident 002 in its smallest form (`executor_wedge()`, which
-  the tests run too). A stale `PyThreadState_SetAsyncExc(SystemExit)` aimed at an idle executor
-  worker, then the next request's item.
+- `freeze OUT SECONDS`: a fork handler registered before stallwatch was imported, which the
+  exec-bound guard cannot skip, sleeps SECONDS in the child of one uvloop spawn before exec, while
+  the host's loop thread waits holding the GIL. The watchdog reports it while it lasts.
+- `create OUT ADDRESS`: a Nebius instance create against `UnansweredCloud` at ADDRESS, which never
+  answers; the demo SIGKILLs this host while the create is in flight.
+- `restart OUT`: the next start: `setup()` replays the dead host's journal, then shuts down.
+- `wedge OUT guard|noguard heal|noheal`: `executor_wedge()`, the wedge in its smallest form.
 
-Each prints one JSON line. The runtime never imports this module: it imports uvloop, grpc and
-nebius. `sdk_for()` and `executor_wedge()` are shared with the tests, which import them.
+Each prints one JSON line. The runtime never imports this module (it imports uvloop, grpc and
+nebius); the tests import `sdk_for()` and `executor_wedge()` from it.
 """
 
 from __future__ import annotations
@@ -57,6 +52,7 @@ def sdk_for(address: str, **overrides: Any) -> Any:
     (or `async with sdk:`) in a loop. The SDK starts its own daemon loop thread `nebius-sdk-loop` and
     lazily `nebius-sdk-worker_N` executor threads; close stops them.
     """
+    # optional: the demo extra
     from nebius.aio.channel import NoCredentials
     from nebius.base.options import INSECURE
     from nebius.base.resolver import Constant
@@ -90,6 +86,7 @@ class UnansweredCloud:
     def __init__(self) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
+        # optional: the grpc extra
         import grpc
 
         self._released = threading.Event()
@@ -103,11 +100,13 @@ class UnansweredCloud:
 
     def service(self, details: Any) -> Any:
         """`grpc.GenericRpcHandler`: the handler for Create; None (UNIMPLEMENTED) for any other method."""
+        # optional: the grpc extra
         import grpc
 
         return grpc.unary_unary_rpc_method_handler(self._create) if details.method == INSTANCE_CREATE else None
 
     def _create(self, request: bytes, context: Any) -> bytes:
+        # optional: the grpc extra
         import grpc
 
         self._released.wait()
@@ -128,8 +127,10 @@ class UnansweredCloud:
 def freeze(out: str, seconds: float) -> dict[str, object]:
     import asyncio
 
+    # optional: the demo extra
     import uvloop
 
+    # fork safety: each stage's host loads stallwatch itself, `freeze` after its fork handler
     import stallwatch
 
     session = stallwatch.setup(
@@ -160,9 +161,11 @@ def freeze(out: str, seconds: float) -> dict[str, object]:
 def create(out: str, address: str) -> None:
     import asyncio
 
+    # fork safety: each stage's host loads stallwatch itself, `freeze` after its fork handler
     import stallwatch
 
     stallwatch.setup(file_dir=out, watchdog=False)
+    # optional: the demo extra
     from nebius.api.nebius.common.v1 import ResourceMetadata
     from nebius.api.nebius.compute.v1 import CreateInstanceRequest, InstanceServiceClient
     from opentelemetry import trace
@@ -178,6 +181,7 @@ def create(out: str, address: str) -> None:
 
 
 def restart(out: str) -> dict[str, object]:
+    # fork safety: each stage's host loads stallwatch itself, `freeze` after its fork handler
     import stallwatch
 
     stallwatch.setup(file_dir=out, watchdog=False)
@@ -204,6 +208,7 @@ def executor_wedge(out: str, guard: bool, heal: bool, metric_export_interval_ms:
 
     from opentelemetry import trace
 
+    # fork safety: each stage's host loads stallwatch itself, `freeze` after its fork handler
     import stallwatch
 
     stallwatch.setup(

@@ -31,7 +31,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from . import session
+from . import forksafe, session
 from .config import Settings
 from .forksafe import grpc_guard, guard, uvloop_spawn
 from .forksafe.loop import loop_report, package_version
@@ -131,8 +131,8 @@ def doctor(probe: bool = True, journal: dict[str, Any] | None = None) -> Report:
     `journal` is a `check_journal()` result made beforehand (the command's, made for the host's
     settings rather than its sandbox's); by default the journal directory checked is this process's.
     """
-    from . import FORK_SAFETY
-
+    fork_safety = forksafe.INSTALLED
+    assert fork_safety is not None  # installed by `import stallwatch`, which importing this module ran
     hazards: list[str] = []
     advice: list[str] = []
     versions = {
@@ -152,13 +152,13 @@ def doctor(probe: bool = True, journal: dict[str, Any] | None = None) -> Report:
         "threads": sorted(set(grpc_guard.grpc_threads())),
         "env": grpc_env,
     }
-    if FORK_SAFETY.grpc.hazard:
-        hazards.append(FORK_SAFETY.grpc.hazard)
+    if fork_safety.grpc.hazard:
+        hazards.append(fork_safety.grpc.hazard)
 
-    if not FORK_SAFETY.guard_enabled:
+    if not fork_safety.guard_enabled:
         hazards.append("the fork guard is off (STALLWATCH_FORK_GUARD=false); unset it")
-    if FORK_SAFETY.preexisting:
-        built = ", ".join(f"{n} {cls}" for cls, n in sorted(FORK_SAFETY.preexisting.items()))
+    if fork_safety.preexisting:
+        built = ", ".join(f"{n} {cls}" for cls, n in sorted(fork_safety.preexisting.items()))
         hazards.append(
             f"OpenTelemetry objects built before `import stallwatch` ({built}) still start threads in "
             f"fork children; {_import_first_fix()}"
@@ -200,6 +200,7 @@ def doctor(probe: bool = True, journal: dict[str, Any] | None = None) -> Report:
             "set STALLWATCH_JOURNAL_DIR to a directory the host can write, or STALLWATCH_JOURNAL=false"
         )
 
+    # footprint: the Nebius instrumentation loads when the report runs
     from .instrument import nebius
 
     nebius_status = nebius.status()
@@ -213,10 +214,10 @@ def doctor(probe: bool = True, journal: dict[str, Any] | None = None) -> Report:
         loop=asdict(loops),
         grpc=grpc_info,
         fork_guard={
-            "enabled": FORK_SAFETY.guard_enabled,
-            "patched": list(FORK_SAFETY.patched),
-            "preexisting_objects": FORK_SAFETY.preexisting,
-            "sdk_loaded_before_stallwatch": FORK_SAFETY.sdk_loaded_before,
+            "enabled": fork_safety.guard_enabled,
+            "patched": list(fork_safety.patched),
+            "preexisting_objects": fork_safety.preexisting,
+            "sdk_loaded_before_stallwatch": fork_safety.sdk_loaded_before,
         },
         handlers=handlers,
         unattributed_thread_starts=unattributed_starts,
@@ -331,6 +332,7 @@ class Sandbox:
         self._setup = session.setup
 
     def __enter__(self) -> Sandbox:
+        # footprint: the heartbeat loads when the report runs
         from .detect import heartbeat
 
         self.directory = Path(tempfile.mkdtemp(prefix="stallwatch-doctor-"))
@@ -364,6 +366,7 @@ class Sandbox:
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
     ) -> None:
+        # footprint: the heartbeat loads when the report runs
         from .detect import heartbeat
 
         try:

@@ -21,9 +21,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import telemetry
+from .core.faults import instrument, to_sentry
+from .core.scrub import MAX_NAME_CHARS, scrub_text
 
 if TYPE_CHECKING:
-    from .instrument.executor import ItemRecord
+    from .instrument.work_item import ItemRecord
 
 _log = logging.getLogger("stallwatch")
 _real_set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
@@ -97,7 +99,7 @@ def item_raised(record: ItemRecord, exc: BaseException) -> bool:
 
 
 def settle_finished(record: ItemRecord, outcome: BaseException | None) -> None:
-    """Under LOCK, as the item's scope ends (`ItemRecord.run`), `outcome` being the exception the
+    """Under LOCK, as the item's scope ends (`worker.WorkItem.run`), `outcome` being the exception the
     item ended with: an interruption still pending is revoked; one that landed is recorded as delivered."""
     pending = record.interrupt
     if pending is not None:  # `_settle` decides only once
@@ -210,9 +212,6 @@ def _refused(ident: int, exc_type: Any) -> None:
     """Report a refused raw call (outside LOCK: Sentry's client runs the host's `before_send`)."""
     from opentelemetry import trace
 
-    from .instrument._common import to_sentry
-    from .instrument.scrub import MAX_NAME_CHARS, scrub_text
-
     name = getattr(exc_type, "__name__", None) or scrub_text(exc_type, MAX_NAME_CHARS)
     message = (
         f"refused PyThreadState_SetAsyncExc({name}) on idle executor worker {ident}: it would kill the worker and "
@@ -235,8 +234,6 @@ def _refused(ident: int, exc_type: Any) -> None:
 
 def install(meter_: Any, guard_raw_calls: bool) -> None:
     """Create the counters; with `guard_raw_calls`, scope raw ctypes calls aimed at workers."""
-    from .instrument._common import instrument
-
     for metric in (
         telemetry.ASYNC_EXC_INJECTED,
         telemetry.ASYNC_EXC_DELIVERED,

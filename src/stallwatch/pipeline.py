@@ -42,9 +42,12 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider, sampling
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SpanExportResult
 
-from . import background, telemetry
+from . import telemetry
 from ._version import __version__
 from .config import ConfigError, Settings
+from .core import background, histograms
+from .core.faults import FAULTS, instrument, meter
+from .core.scrub import scrub_text
 from .export import log_bridge
 from .export.guarded import (
     SHUTDOWN_TIMEOUT,
@@ -60,10 +63,7 @@ from .export.scrapes import ScrapeCounter
 from .export.shedding import SheddingTracerProvider, exemplar_filter
 from .forksafe import grpc_guard, guard, otel_compat
 from .forksafe.loop import package_version
-from .instrument import histograms
-from .instrument._common import FAULTS, instrument, meter
-from .instrument.scrub import scrub_text
-from .ledger import LOGGER_NAME as LEDGER_LOGGER
+from .journal.ledger import LOGGER_NAME as LEDGER_LOGGER
 
 _log = logging.getLogger("stallwatch")
 _HTTP_PATHS = {"traces": "v1/traces", "metrics": "v1/metrics", "logs": "v1/logs"}
@@ -317,7 +317,8 @@ def _sampler(settings: Settings) -> sampling.Sampler:
 def _exporter(settings: Settings, signal: str, name: str, pipeline: Pipeline) -> Any:
     """One `file`, `console` or `otlp` exporter for a signal."""
     if name == "file":
-        from .export.file import FileLogExporter, FileMetricExporter, FileSpanExporter  # loaded when used: footprint
+        # footprint: the file exporters (and protobuf's json_format) only where a signal uses them
+        from .export.file import FileLogExporter, FileMetricExporter, FileSpanExporter
 
         exporters: dict[str, type[FileSpanExporter | FileMetricExporter | FileLogExporter]] = {
             "traces": FileSpanExporter,
@@ -401,6 +402,7 @@ def _build_logs(settings: Settings, resource: Resource, pipeline: Pipeline) -> L
 
 def _prometheus_reader(settings: Settings, pipeline: Pipeline) -> MetricReader:
     try:
+        # optional: the prometheus extra
         from opentelemetry.exporter.prometheus import PrometheusMetricReader
         from prometheus_client import start_http_server
     except ImportError as exc:
@@ -514,14 +516,17 @@ def _new_otlp_exporter(settings: Settings, signal: str) -> Any:
         GrpcExporter: type[Any]  # the signal's OTLP/gRPC exporter class
         try:
             if signal == "traces":
+                # optional: the grpc extra
                 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
                     OTLPSpanExporter as GrpcExporter,
                 )
             elif signal == "metrics":
+                # optional: the grpc extra
                 from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
                     OTLPMetricExporter as GrpcExporter,
                 )
             else:
+                # optional: the grpc extra
                 from opentelemetry.exporter.otlp.proto.grpc._log_exporter import (
                     OTLPLogExporter as GrpcExporter,
                 )
@@ -529,12 +534,14 @@ def _new_otlp_exporter(settings: Settings, signal: str) -> Any:
             raise ConfigError(
                 "OTEL_EXPORTER_OTLP_PROTOCOL=grpc needs the grpc extra: pip install 'stallwatch[grpc]'"
             ) from exc
+        # footprint: loaded only for the exporters the settings name
         from .export.encode_once import encode_once
 
         return encode_once(GrpcExporter)(endpoint=_otlp_endpoint(settings, signal, http=False))
     if signal == "traces":
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
+        # footprint: loaded only for the exporters the settings name
         from .export.span_protobuf import with_fast_encoding
 
         return with_fast_encoding(OTLPSpanExporter)(endpoint=_otlp_endpoint(settings, signal, http=True))
@@ -544,6 +551,7 @@ def _new_otlp_exporter(settings: Settings, signal: str) -> Any:
         return OTLPMetricExporter(endpoint=_otlp_endpoint(settings, signal, http=True))
     from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
 
+    # footprint: loaded only for the exporters the settings name
     from .export.log_protobuf import with_fast_encoding as with_fast_log_encoding
 
     return with_fast_log_encoding(OTLPLogExporter)(endpoint=_otlp_endpoint(settings, signal, http=True))

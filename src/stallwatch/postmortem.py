@@ -1,20 +1,15 @@
 """`stallwatch postmortem`: an incident timeline from the telemetry stallwatch left behind.
 
-Inputs are OTLP/JSON, either the `file` exporter's JSON-lines files (`traces.jsonl`, `logs.jsonl`,
-`metrics.jsonl` in `--dir`) or OTLP/JSON documents exported from a trace backend (`--file`: one
-`{"resourceSpans": ...}` / `{"resourceLogs": ...}` document, JSON lines of them, or Tempo's
-`{"batches": [...]}`), and the crash-safe journal (`--journal`, read without replaying it: what
-dead processes left open, their unconfirmed creates and the watchdog's freeze records). Spans
-replayed from a journal (`stallwatch.interrupted`) arrive through the exported files once a
-`setup()` has replayed it.
+Inputs (docs/postmortem.md): the `file` exporter's OTLP/JSON-lines files (`--dir`), OTLP/JSON
+documents exported from a trace backend (`--file`: one document, JSON lines of them, or Tempo's
+`{"batches": [...]}`), and the crash-safe journal (`--journal`, read without replaying it: what dead
+processes left open, their unconfirmed creates and the watchdog's freeze records).
 
-The timeline orders what an on-call engineer looks for: freezes (kind, cause, the child, the
-frozen spawn, outcome), spawns around them (blocked time, loop, method, exit signals), SSH tunnel
+The timeline orders what an on-call engineer looks for: freezes, the spawns around them, SSH tunnel
 failures, Nebius calls and the resource ledger (creates with no recorded outcome are leak
 candidates), executor wedges, timeouts and async-exception interventions. `--format text|json|html`;
-the HTML report is one self-contained file with an SVG timeline (a lane per component, freezes and
-wedges as bands), viewable offline. Plain SVG is written here instead of a plotting library, so
-the report needs nothing beyond the standard library.
+the HTML report is one self-contained file with an SVG timeline, written with the standard library
+alone, and viewable offline.
 """
 
 from __future__ import annotations
@@ -26,6 +21,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from . import journal
+from ._private import opener
 
 NOTABLE_BLOCKED_SECONDS = 0.05
 HEADLINE_KINDS = ("freeze", "freeze_detected", "wedge")
@@ -531,8 +529,6 @@ def _in_window(event: Event, since_ns: int | None, until_ns: int | None) -> bool
 
 def journal_events(journal_dir: Path) -> tuple[list[Event], list[dict[str, Any]]]:
     """What the journals in `journal_dir` hold that never ended, without replaying them."""
-    from . import journal
-
     if not journal_dir.is_dir():
         raise InputError(f"{journal_dir} is not a directory; pass the journal directory (STALLWATCH_JOURNAL_DIR)")
     events: list[Event] = []
@@ -850,8 +846,6 @@ background:#f4f4f4}} svg{{display:block;max-width:100%}}</style>
 
 def write_report(path: Path, text: str) -> None:
     """Write a report 0600, like every file stallwatch writes: it names hosts, pids, trace and resource ids."""
-    from ._private import opener
-
     with open(path, "w", encoding="utf-8", opener=opener) as out:
         out.write(text)
 

@@ -1,29 +1,18 @@
 """stallwatch for Sentry users: freezes, wedges, orphaned items, stale async exceptions and leak
-candidates as Sentry events, grouped the way Sentry groups (`StallwatchIntegration`).
+candidates as Sentry events, grouped the way Sentry groups (`StallwatchIntegration`; docs/sentry.md).
 
-Enabling. sentry-sdk enables by itself only the integrations on its own list, so stallwatch adds
-this one to the running client when both are in use: within a heartbeat (0.1 s) of whichever of
-`setup()` and `sentry_sdk.init` comes second (with the watchdog off, at the first incident). It
-honours the switches sentry-sdk applies to its own auto-enabling integrations:
-`disabled_integrations=[StallwatchIntegration]`, `auto_enabling_integrations=False` or
-`default_integrations=False` keep it off, unless it is listed in `integrations=[...]`, which is also
-where its options are chosen.
+Enabling: stallwatch adds the integration to the running client within a heartbeat of whichever of
+`setup()` and `sentry_sdk.init` comes second (with the watchdog off, at the first incident), unless
+sentry-sdk's own switches for auto-enabling integrations keep it off; `integrations=[...]` wins.
 
-Events. One kind per `telemetry.SENTRY_EVENTS` entry, with its level, a fingerprint of its kind and
-natural grouping (executor, cause, resource type), a title naming only those, the other facts as
-tags and a `stallwatch` context, and the OpenTelemetry trace and span ids of the affected request
-as the event's `trace` context (and tag `otel.trace_id`). The facts are those of the log record
-stallwatch writes for the same incident, scrubbed the same way; the client's `before_send` and
-scrubber apply as to any event. Events carry the global scope only: the thread that notices an
-incident (a pool worker, a detector) carries the scope of whichever request started it.
+Events: one kind per `telemetry.SENTRY_EVENTS` entry. The fingerprint and title name only the kind
+and its natural grouping; the other facts, those of the log record stallwatch writes for the same
+incident and scrubbed the same way, go to tags and a `stallwatch` context, and the affected request's
+OpenTelemetry ids to the `trace` context. Events carry the global scope only.
 
-Freezes. A frozen host runs no Python thread, and a host killed frozen never will, so the watchdog
-sends them with a client of its own: the host hands over its DSN, environment, release and server
-name (`handover()`, in a 0600 file next to its heartbeat file) and the watchdog sends each freeze
-once, while the host is still frozen (`capture_for_host`).
-
-This module imports sentry_sdk: the rest of stallwatch imports it only once the host has imported
-sentry_sdk itself (`instrument._common.to_sentry`).
+Freezes are sent by the watchdog, once each and while the host is still frozen, with a client of its
+own made from what the host hands over (`handover()`, a 0600 file) (`capture_for_host`). This module
+imports sentry_sdk; the rest of stallwatch does only once the host has (`core.faults.to_sentry`).
 """
 
 from __future__ import annotations

@@ -22,10 +22,11 @@ from typing import Any
 from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Observation
 
-from . import config, telemetry
+from . import config, journal, telemetry
 from ._version import __version__
 from .config import ConfigError, Problem, Settings
-from .forksafe import ForkSafety, guard, uvloop_spawn
+from .core.faults import FAULTS, instrument, meter, on_first_record
+from .forksafe import ForkSafety, guard, otel_compat, uvloop_spawn
 
 _log = logging.getLogger("stallwatch")
 
@@ -63,6 +64,7 @@ class Session:
         forked worker whose first event loop has not started its own watchdog yet. Blocks the
         calling thread (polls every 10 ms): call it off the event loop, or with `timeout=0` to ask.
         """
+        # footprint: with the watchdog only
         from .detect import heartbeat
 
         deadline = time.monotonic() + timeout
@@ -167,6 +169,7 @@ def _start(fork_safety: ForkSafety, overrides: dict[str, Any]) -> Session:
     watchdog = _start_watchdog(settings) if settings.watchdog else None  # before any thread of ours
     pipeline = None
     if settings.providers == "stallwatch":
+        # footprint: the pipeline loads at setup(), not at import
         from . import pipeline as pipeline_module
 
         try:
@@ -188,8 +191,8 @@ def _start(fork_safety: ForkSafety, overrides: dict[str, Any]) -> Session:
             return Session(settings, fork_safety, error=str(exc) if isinstance(exc, ConfigError) else repr(exc))
     config.report(settings.problems)
     if settings.providers == "host":
+        # footprint: export/ loads at setup(), not at import
         from .export import exit_check
-        from .instrument._common import on_first_record
 
         exit_check.check_host_providers()  # before any instrumentor asks for a tracer
         on_first_record(_warn_when_the_host_exports_nothing)
@@ -197,8 +200,8 @@ def _start(fork_safety: ForkSafety, overrides: dict[str, Any]) -> Session:
     _instrument(settings)
     journal = _start_journal(settings) if settings.journal else None
     if watchdog is not None:
+        # footprint: with the watchdog only
         from .detect import heartbeat
-        from .instrument._common import instrument, meter
 
         heartbeat.start(
             watchdog[0],
@@ -213,27 +216,57 @@ def _start(fork_safety: ForkSafety, overrides: dict[str, Any]) -> Session:
     return Session(settings, fork_safety, dict(pipeline.files) if pipeline else {}, None, pipeline, watchdog, journal)
 
 
-def _warn_when_the_host_exports_nothing() -> None:
-    """With STALLWATCH_PROVIDERS=host, at stallwatch's first record: one line if the host has not
-    installed a tracer or a meter provider, since everything stallwatch records is then dropped."""
+# Seconds from stallwatch's first record for a host to install its providers: dstack does it in its own
+# start-up, after its first spawns were recorded (and dropped).
+HOST_PROVIDERS_GRACE = 30.0
+
+
+@dataclass
+class _HostProviders:
+    """With STALLWATCH_PROVIDERS=host: whether the host's providers were looked for, and until when."""
+
+    deadline: float | None = None  # set at stallwatch's first record
+    decided: bool = False
+
+
+_host_providers = _HostProviders()
+
+
+def _host_has_no_providers() -> bool:
     from opentelemetry import trace
 
-    if isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider) and isinstance(
+    return isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider) and isinstance(
         metrics.get_meter_provider(), metrics._internal._ProxyMeterProvider
-    ):
-        _log.warning(
-            "stallwatch: STALLWATCH_PROVIDERS=host, but the host has installed no OpenTelemetry tracer or meter "
-            "provider: nothing stallwatch records will be exported. Unset STALLWATCH_PROVIDERS so that stallwatch "
-            "installs its own, or turn the host's OpenTelemetry on (dstack: DSTACK_OTEL_TRACES_ENABLED=1 and "
-            "DSTACK_OTEL_METRICS_ENABLED=1; or run it under opentelemetry-instrument)."
-        )
+    )
+
+
+def _warn_when_the_host_exports_nothing(at_exit: bool = False) -> bool:
+    """With STALLWATCH_PROVIDERS=host, from stallwatch's first record on: one line if the host has not
+    installed a tracer or a meter provider within `HOST_PROVIDERS_GRACE` seconds (or by its exit, if
+    sooner), since everything stallwatch records is then dropped. True once decided."""
+    state = _host_providers
+    if state.decided or not _host_has_no_providers():
+        state.decided = True
+        return True
+    if state.deadline is None:  # the first record; at exit, none: nothing was dropped
+        if not at_exit:
+            state.deadline = time.monotonic() + HOST_PROVIDERS_GRACE
+        return at_exit
+    if not at_exit and time.monotonic() < state.deadline:
+        return False
+    state.decided = True
+    _log.warning(
+        "stallwatch: STALLWATCH_PROVIDERS=host, but the host has installed no OpenTelemetry tracer or meter "
+        "provider: nothing stallwatch records will be exported. Unset STALLWATCH_PROVIDERS so that stallwatch "
+        "installs its own, or turn the host's OpenTelemetry on (dstack: DSTACK_OTEL_TRACES_ENABLED=1 and "
+        "DSTACK_OTEL_METRICS_ENABLED=1; or run it under opentelemetry-instrument)."
+    )
+    return True
 
 
 def _register_instruments() -> None:
     """Fork metrics, read from plain counters at collection time (never inside a fork), and the
     count of stallwatch's own faults (the journal's and the watchdog's, whatever is instrumented)."""
-    from .instrument._common import FAULTS
-
     meter = metrics.get_meter(telemetry.INSTRUMENTATION_SCOPE, __version__)
     FAULTS.bind()
     # Every kind, gRPC state and loop at 0 until its first fork: Prometheus then sees that fork as an increase.
@@ -276,9 +309,6 @@ def _start_journal(settings: Settings) -> Any:
 
     from opentelemetry import trace
     from opentelemetry.sdk.trace import TracerProvider
-
-    from . import journal
-    from .instrument._common import FAULTS, instrument, meter
 
     problem = (
         f"cannot use the journal in {settings.journal_dir}; the host goes on without the records it could not "
@@ -325,6 +355,7 @@ def _watchdog_environment(settings: Settings, forked: bool) -> dict[str, str]:
         env["OTEL_EXPORTER_OTLP_ENDPOINT"] = settings.otlp_endpoint
     env["OTEL_EXPORTER_OTLP_PROTOCOL"] = settings.otlp_protocol
     env["STALLWATCH_JOURNAL"] = "false"  # the watchdog writes the host's freeze records itself, and never replays
+    env["STALLWATCH_PROVIDERS"] = "stallwatch"  # the host's providers, if any, are in the host's process only
     if settings.service_name:
         env["OTEL_SERVICE_NAME"] = settings.service_name
     if settings.resource_attributes:
@@ -334,6 +365,7 @@ def _watchdog_environment(settings: Settings, forked: bool) -> dict[str, str]:
 
 def _start_watchdog(settings: Settings, forked: bool = False) -> tuple[Any, subprocess.Popen[bytes]] | None:
     """Spawn the freeze watchdog (vfork/posix_spawn: never a fork of the host) and its heartbeat file."""
+    # footprint: with the watchdog only
     from .detect import heartbeat
     from .detect.watchdog import BOOTSTRAP
 
@@ -384,24 +416,28 @@ def _stop_unused_watchdog(watchdog: tuple[Any, subprocess.Popen[bytes]] | None) 
 def _instrument(settings: Settings) -> None:
     """Install the instrumentors the settings ask for (they report through the global providers)."""
     if settings.instrument_subprocess:
+        # footprint: loaded only when its instrumentation is on
         from .instrument.subprocess import SubprocessInstrumentor
 
         spawns = SubprocessInstrumentor()
         if not spawns.is_instrumented_by_opentelemetry:
             spawns.instrument(settings=settings)
     if settings.instrument_ssh:
+        # footprint: loaded only when its instrumentation is on
         from .instrument.ssh import SSHTunnelInstrumentor
 
         tunnels = SSHTunnelInstrumentor()
         if not tunnels.is_instrumented_by_opentelemetry:
             tunnels.instrument(skip_dep_check=True)  # a host without dstack: nothing to wrap, nothing to log
         if importlib.util.find_spec("paramiko") is not None:  # else the dependency check would log an error
+            # footprint: loaded only when its instrumentation is on
             from .instrument.paramiko import ParamikoInstrumentor
 
             connections = ParamikoInstrumentor()
             if not connections.is_instrumented_by_opentelemetry:
                 connections.instrument(settings=settings)
     if settings.instrument_nebius:
+        # footprint: loaded only when its instrumentation is on
         from .instrument.nebius import NebiusInstrumentor
 
         calls = NebiusInstrumentor()
@@ -410,11 +446,18 @@ def _instrument(settings: Settings) -> None:
             # methods at import decides, and its warning names the setting.
             calls.instrument(skip_dep_check=True)
     if settings.instrument_executor:
+        # footprint: with the executor instrumentation only
+        from .detect import wedge
+
+        # footprint: loaded only when its instrumentation is on
         from .instrument.executor import ExecutorInstrumentor
 
         instrumentor = ExecutorInstrumentor()
         if not instrumentor.is_instrumented_by_opentelemetry:
             instrumentor.instrument(settings=settings)
+            wedge.install(
+                wedge.WedgeSettings(settings.wedge_check_interval, settings.queue_stall_seconds, settings.executor_heal)
+            )
 
 
 def shutdown(timeout: float | None = None) -> bool:
@@ -433,6 +476,7 @@ def shutdown(timeout: float | None = None) -> bool:
         timeout = session.settings.shutdown_timeout if session.settings else 1.0
     deadline = time.monotonic() + timeout  # one budget for everything below
     if session._watchdog is not None:
+        # footprint: with the watchdog only
         from .detect import heartbeat
 
         area, watchdog = session._watchdog
@@ -440,15 +484,16 @@ def shutdown(timeout: float | None = None) -> bool:
         if area.writable:  # not in a fork child that lives on: the watchdog is its parent's
             watchdog.terminate()
     if session.settings is not None and session.settings.instrument_subprocess:
+        # footprint: loaded only when its instrumentation is on
         from .instrument import subprocess as subprocess_instrumentation
 
         subprocess_instrumentation.end_open_spans()  # and builds the spans still waiting
     nebius_instrumentation = sys.modules.get("stallwatch.instrument.nebius")
     if nebius_instrumentation is not None:
         nebius_instrumentation.complete_waiting()  # calls that ended and were not completed yet
+    if session.settings is not None and session.settings.providers == "host":
+        _warn_when_the_host_exports_nothing(at_exit=True)
     if session._journal is not None:
-        from . import journal
-
         journal.activate(None)
         session._journal.close(max(deadline - time.monotonic(), 0.0))
     if session._pipeline is None:
@@ -477,9 +522,11 @@ def _keep_the_tail_on_sigterm(timeout: float) -> None:
     (uvicorn, after its graceful shutdown, restores the handler it found and raises SIGTERM again).
     Installed only from the main thread and only while SIGTERM has its default action: a handler
     the host installed before, or SIG_IGN, is never replaced, and one it installs later replaces
-    this one. The handler flushes within `timeout` seconds (STALLWATCH_SHUTDOWN_TIMEOUT), restores
-    the default action and raises SIGTERM again, so the process still dies by SIGTERM (exit status
-    -15) without running `atexit` handlers, as it would without stallwatch.
+    this one. The handler shuts stallwatch down and flushes the host's own providers (`atexit` would
+    have shut them down: with STALLWATCH_PROVIDERS=host they hold stallwatch's records too) within
+    `timeout` seconds (STALLWATCH_SHUTDOWN_TIMEOUT), restores the default action and raises SIGTERM
+    again, so the process still dies by SIGTERM (exit status -15) without running `atexit`
+    handlers, as it would without stallwatch.
     """
     if threading.current_thread() is not threading.main_thread():
         return
@@ -493,8 +540,39 @@ def _flush_then_die(signum: int, timeout: float) -> None:
     try:
         # On a thread of its own: the handler runs between two bytecodes of the main thread, which
         # may hold a lock the shutdown needs; the wait is bounded either way.
-        flusher = threading.Thread(target=_shutdown_at_exit, name="stallwatch-sigterm", daemon=True)
+        flusher = threading.Thread(target=_flush_at_sigterm, args=(timeout,), name="stallwatch-sigterm", daemon=True)
         flusher.start()
         flusher.join(timeout + 0.5)
     finally:
         signal.raise_signal(signum)
+
+
+def _flush_at_sigterm(timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    session = _session
+    pipeline = session._pipeline if session is not None else None
+    ours = [pipeline.tracer_provider, pipeline.meter_provider, pipeline.logger_provider] if pipeline else []
+    _shutdown_at_exit()
+    _flush_host_providers({id(provider) for provider in ours if provider is not None}, deadline)
+
+
+def _flush_host_providers(ours: set[int], deadline: float) -> None:
+    """Flush, until `deadline`, every OpenTelemetry SDK provider the host made that is not one of `ours`:
+    the global ones and those of OpenTelemetry logging handlers on the root logger (dstack's handler keeps
+    a logger provider of its own when stallwatch's is the global one). Each failure is logged and skipped."""
+    from opentelemetry import _logs, trace
+
+    found: list[Any] = [trace.get_tracer_provider(), metrics.get_meter_provider(), _logs.get_logger_provider()]
+    found += [otel_compat.logging_handler_provider(handler) for handler in logging.getLogger().handlers]
+    seen = set(ours)
+    for provider in found:
+        flush = getattr(provider, "force_flush", None)  # the API's proxies and no-op providers have none
+        left = deadline - time.monotonic()
+        if id(provider) in seen or flush is None or left <= 0:
+            continue
+        seen.add(id(provider))
+        try:
+            flush(timeout_millis=left * 1000)
+        except Exception as exc:
+            _log.warning("stallwatch: flushing the host's %s at SIGTERM failed (%s: %s); what it held is lost.",
+                         type(provider).__name__, type(exc).__name__, exc)  # fmt: skip

@@ -26,7 +26,7 @@ class Attribute:
     type: Literal["string", "int", "double", "boolean", "string[]"] = "string"
 
 
-# Explicit second-scale boundaries for every duration histogram: 1 ms to 600 s.
+# Explicit boundaries in seconds for every duration histogram (the SDK's default ones are for milliseconds).
 DURATION_BUCKETS: tuple[float, ...] = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
 )  # fmt: skip
@@ -574,7 +574,7 @@ IDENTIFIERS = frozenset(
     attribute.name for attribute in (NEBIUS_REQUEST_ID, NEBIUS_TRACE_ID, CLOUD_OPERATION_ID, CLOUD_RESOURCE_ID)
 )
 """Attributes holding ids a server handed out: random-looking, never secret, and what a postmortem joins on, so the
-last check before telemetry leaves the process (`instrument.scrub.scrub_attributes`) keeps them as they are."""
+last check before telemetry leaves the process (`core.scrub.scrub_attributes`) keeps them as they are."""
 
 
 @dataclass(frozen=True)

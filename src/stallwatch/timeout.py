@@ -26,9 +26,10 @@ from opentelemetry import trace
 from opentelemetry.metrics import CallbackOptions, Observation
 
 from . import telemetry
+from .core.faults import FAULTS, Deferred, instrument
 
 if TYPE_CHECKING:
-    from .instrument.executor import ItemRecord
+    from .instrument.work_item import ItemRecord
 
 T = TypeVar("T")
 # The innermost execution_timeout around the running code; the executor's `put` adds each item
@@ -44,8 +45,6 @@ COMPONENT, SETTING = "executor", "STALLWATCH_INSTRUMENT_EXECUTOR"  # what counts
 
 def _fault() -> None:
     """Call from an `except Exception` block: the host's timeout or wait goes ahead unchanged."""
-    from .instrument._common import FAULTS  # the common helpers import this module's users
-
     FAULTS.record(COMPONENT, SETTING)
 
 
@@ -246,8 +245,6 @@ async def _timeout_exit(wrapped: Any, instance: Any, args: tuple[Any, ...], kwar
 
 def install(meter_: Any) -> None:
     """Create the execution-timeout instruments and count asyncio timeouts by call site."""
-    from .instrument._common import Deferred, instrument  # the common helpers import this module's users
-
     for metric in (telemetry.EXECUTION_TIMEOUTS, telemetry.ASYNCIO_TIMEOUTS):
         _instruments[metric.name] = instrument(meter_, metric)
     overrun = Deferred(meter_, telemetry.EXECUTION_OVERRUN_DURATION, owner=(COMPONENT, SETTING))

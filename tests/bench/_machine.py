@@ -1,17 +1,25 @@
-"""What the benchmarks share: the machine description written next to every result, and a clean
-environment for the fresh interpreters they start."""
+"""What the benchmarks share: the machine description written next to every result, a clean environment
+for the fresh interpreters they start, the interleaved order they run them in and how they read their
+results, the loopback receiver their exporters send to and the stock OpenTelemetry set-up they compare
+with."""
 
 from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+T = TypeVar("T")
 HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent
 if str(TESTS) not in sys.path:  # the benchmarks share the tests' `support` package (the fake Nebius server)
@@ -32,6 +40,28 @@ def clean_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "STALLWATCH_", "GRPC_"))}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
     return env
+
+
+def rotated(items: Sequence[T], rounds: int) -> Iterator[tuple[int, T]]:
+    """(round, item) in run order: every round runs all `items`, in an order rotated by one per round, so
+    that background noise on a shared machine hits each of them alike."""
+    for number in range(rounds):
+        shift = number % len(items)
+        for item in [*items[shift:], *items[:shift]]:
+            yield number, item
+
+
+def worker_result(proc: subprocess.CompletedProcess[str], what: str) -> dict[str, Any]:
+    """The JSON object a finished worker (a fresh interpreter) printed last; RuntimeError naming `what`, with
+    the end of its stderr, if it failed."""
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def p99(samples: list[float]) -> float:
+    """The 99th percentile of `samples` (the inclusive method: it stays within their range)."""
+    return statistics.quantiles(samples, n=100, method="inclusive")[98]
 
 
 def machine_info(versioned: tuple[str, ...]) -> dict[str, Any]:
@@ -68,3 +98,66 @@ def machine_info(versioned: tuple[str, ...]) -> dict[str, Any]:
         ),
         "versions": versions,
     }
+
+
+class _Answer200(BaseHTTPRequestHandler):
+    """Reads any POST or PUT (OTLP/HTTP exports, Sentry envelopes, ddtrace payloads) and answers 200, empty."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_PUT = do_POST
+
+    def log_message(self, format: str, *args: object) -> None:
+        return
+
+
+class LoopbackReceiver(ThreadingHTTPServer):
+    """A receiver on 127.0.0.1 that answers 200 to everything sent to it, served by a thread of this process
+    from construction until `close()`."""
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _Answer200)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        """Where to send (OTEL_EXPORTER_OTLP_ENDPOINT, a Sentry DSN's host, DD_TRACE_AGENT_URL)."""
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def close(self) -> None:
+        self.shutdown()
+        self.server_close()
+
+
+def install_stock_otlp(logging_handler: bool = False) -> None:
+    """The set-up a user writes without stallwatch, installed globally: TracerProvider + BatchSpanProcessor,
+    MeterProvider + PeriodicExportingMetricReader and LoggerProvider + BatchLogRecordProcessor, each with the
+    OTLP/HTTP exporter (configured by the OTEL_EXPORTER_OTLP_* environment); with `logging_handler`, an
+    OpenTelemetry LoggingHandler on the root logger too. Imports OpenTelemetry when called."""
+    import logging
+
+    from opentelemetry import _logs, metrics, trace
+    from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk._logs import LoggerProvider, LoggingHandler
+    from opentelemetry.sdk._logs.export import BatchLogRecordProcessor
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    trace.set_tracer_provider(tracer_provider)
+    metrics.set_meter_provider(MeterProvider(metric_readers=[PeriodicExportingMetricReader(OTLPMetricExporter())]))
+    logger_provider = LoggerProvider()
+    logger_provider.add_log_record_processor(BatchLogRecordProcessor(OTLPLogExporter()))
+    _logs.set_logger_provider(logger_provider)
+    if logging_handler:
+        logging.getLogger().addHandler(LoggingHandler(logger_provider=logger_provider))

@@ -77,7 +77,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _machine import clean_env, machine_info, raw_path
+from _machine import clean_env, machine_info, p99, raw_path, rotated, worker_result
 from _paired import ratio_interval, verdict
 
 HERE = Path(__file__).resolve().parent
@@ -253,15 +253,9 @@ def run_config(config: str, seconds: float, rate: int) -> dict[str, Any]:
             collector.kill()
             collector.wait()
         shutil.rmtree(file_dir, ignore_errors=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"worker {config} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    run = json.loads(proc.stdout.strip().splitlines()[-1])
+    run = worker_result(proc, f"worker {config}")
     run["config"] = config
     return run
-
-
-def p99(samples: list[float]) -> float:
-    return statistics.quantiles(samples, n=100, method="inclusive")[98]
 
 
 @dataclass
@@ -364,13 +358,11 @@ def _ratio(value: float) -> str:
 def benchmark(seconds: float, rate: int, rounds: int, names: list[str], out: Path) -> str:
     info = machine_info(VERSIONED)
     runs = []
-    for number in range(rounds):
-        shift = number % len(names)
-        for config in names[shift:] + names[:shift]:
-            run = run_config(config, seconds, rate)
-            run["round"] = number
-            runs.append(run)
-            print(f"round {number} {config:<14} p99 {p99(run['latency_ms']):7.3f} ms", file=sys.stderr)
+    for number, config in rotated(names, rounds):
+        run = run_config(config, seconds, rate)
+        run["round"] = number
+        runs.append(run)
+        print(f"round {number} {config:<14} p99 {p99(run['latency_ms']):7.3f} ms", file=sys.stderr)
     rows = summarize(runs, names)
     settings = {"seconds": seconds, "rate": rate, "rounds": rounds, "warmup": WARMUP_SECONDS,
                 "spawn_every": SPAWN_EVERY, "configs": names}  # fmt: skip

@@ -94,7 +94,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from _machine import clean_env, machine_info, raw_path
+from _machine import clean_env, machine_info, raw_path, rotated, worker_result
 from _paired import run_blocks, run_processes, switch_for, table
 
 CONFIGS = ("bare", "stallwatch", "bare_traced", "stallwatch_traced")
@@ -330,9 +330,7 @@ def run_worker(config: str, workload: str, items: int, repeats: int, cpu: int) -
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", config, workload]
     command += [str(items), str(repeats), str(cpu)]
     proc = subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=900, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"worker {config} {workload} failed ({proc.returncode}):\n{proc.stderr}")
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = worker_result(proc, f"worker {config} {workload}")
     result["stderr"] = proc.stderr.strip()
     return result
 
@@ -340,10 +338,8 @@ def run_worker(config: str, workload: str, items: int, repeats: int, cpu: int) -
 def schedule(rounds: int) -> Iterator[tuple[int, str, str]]:
     """(round, config, workload) in run order: every round runs all pairs, rotated by one per round."""
     pairs = [(config, workload) for workload in WORKLOADS for config in CONFIGS]
-    for number in range(rounds):
-        shift = number % len(pairs)
-        for config, workload in pairs[shift:] + pairs[:shift]:
-            yield number, config, workload
+    for number, (config, workload) in rotated(pairs, rounds):
+        yield number, config, workload
 
 
 @dataclass

@@ -22,7 +22,7 @@ median ratio with its 95 % bootstrap interval (``_paired.summarize``).
 - ``log_protobuf``: 512 log records from a ``LoggingHandler``, ``encode_logs_protobuf`` against
   ``encode_logs(...).SerializeToString()`` (bytes checked equal).
 - ``histogram``: 4,096 durations with one attribute set handed over at a collection, as
-  ``_common.Deferred`` does: ``OwnHistogram.record_values`` against a ``Histogram.record`` call per
+  ``core.faults.Deferred`` does: ``OwnHistogram.record_values`` against a ``Histogram.record`` call per
   value on a ``MeterProvider`` with one cumulative reader.
 
 End to end, fresh interpreters, each pinned to one CPU (the sink to another): the traced executor
@@ -102,7 +102,7 @@ def _tracing() -> tuple[Any, Any]:
 
 
 def micro_span(pairs: int, seed: int) -> Any:
-    from stallwatch.instrument import light_span
+    from stallwatch.core import light_span
 
     provider, trace = _tracing()
     tracer = provider.get_tracer("bench")
@@ -190,8 +190,8 @@ def micro_histogram(pairs: int, seed: int) -> Any:
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
     from stallwatch import telemetry
-    from stallwatch.instrument._common import instrument
-    from stallwatch.instrument.histograms import OwnHistogram
+    from stallwatch.core.faults import instrument
+    from stallwatch.core.histograms import OwnHistogram
 
     metric = telemetry.EXECUTOR_RUN_DURATION
     provider = MeterProvider(metric_readers=[InMemoryMetricReader()])
@@ -217,7 +217,7 @@ config, items, repeats, cpu = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), i
 os.sched_setaffinity(0, {cpu})  # before any thread starts: they all inherit it
 import stallwatch
 if config == "light_span_off":
-    from stallwatch.instrument import light_span
+    from stallwatch.core import light_span
 
     def start(tracer, name, context, attributes, kind=None, start_time=None, parent=None, shed=False):
         kind = light_span.SpanKind.INTERNAL if kind is None else kind
@@ -229,7 +229,7 @@ elif config == "protobuf_off":
 
     span_protobuf.with_fast_encoding = log_protobuf.with_fast_encoding = lambda exporter_class: exporter_class
 elif config == "histograms_off":
-    from stallwatch.instrument import histograms
+    from stallwatch.core import histograms
 
     histograms.activate = lambda resource: None
 stallwatch.setup(
@@ -257,7 +257,7 @@ run(min(items, 500))
 if config == "paired":  # pairs of blocks, each fast path switched off and on in this interpreter
     import random
     from stallwatch.export import span_protobuf
-    from stallwatch.instrument import light_span
+    from stallwatch.core import light_span
 
     def sdk_start(tracer, name, context, attributes, kind=light_span.SpanKind.INTERNAL, start_time=None, **_):
         return tracer.start_span(name, context=context, kind=kind, attributes=attributes, start_time=start_time)

@@ -36,11 +36,10 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from _machine import clean_env, machine_info
+from _machine import LoopbackReceiver, clean_env, install_stock_otlp, machine_info, rotated, worker_result
 
 CONFIGS = ("bare", "stock", "stallwatch")
 BASELINE = "stock"
@@ -56,31 +55,6 @@ GOALS = {  # figure: (stallwatch / stock at most, or an absolute limit)
 
 
 # ---- worker: one configuration in a fresh interpreter ----------------------------------------
-
-
-def build_stock() -> None:
-    """Three signals with the OTLP/HTTP exporters and batch processors, as a user sets them up."""
-    import logging
-
-    from opentelemetry import _logs, metrics, trace
-    from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
-    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    from opentelemetry.sdk._logs import LoggerProvider, LoggingHandler
-    from opentelemetry.sdk._logs.export import BatchLogRecordProcessor
-    from opentelemetry.sdk.metrics import MeterProvider
-    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
-    tracer_provider = TracerProvider()
-    tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-    trace.set_tracer_provider(tracer_provider)
-    metrics.set_meter_provider(MeterProvider(metric_readers=[PeriodicExportingMetricReader(OTLPMetricExporter())]))
-    logger_provider = LoggerProvider()
-    logger_provider.add_log_record_processor(BatchLogRecordProcessor(OTLPLogExporter()))
-    _logs.set_logger_provider(logger_provider)
-    logging.getLogger().addHandler(LoggingHandler(logger_provider=logger_provider))
 
 
 def memory(pid: int | str) -> dict[str, float]:
@@ -102,7 +76,7 @@ def children() -> list[int]:
 def worker(config: str) -> dict[str, Any]:
     start = time.perf_counter()
     if config == "stock":
-        build_stock()
+        install_stock_otlp(logging_handler=True)
     elif config == "stallwatch":
         import stallwatch.auto  # noqa: F401
     setup_ms = (time.perf_counter() - start) * 1000
@@ -126,18 +100,6 @@ def worker(config: str) -> dict[str, Any]:
 # ---- runner -----------------------------------------------------------------------------------
 
 
-class _Receiver(BaseHTTPRequestHandler):
-    def do_POST(self) -> None:
-        self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-protobuf")
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def log_message(self, format: str, *args: object) -> None:
-        return
-
-
 def run_worker(config: str, endpoint: str) -> dict[str, Any]:
     env = clean_env() | {
         "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
@@ -148,9 +110,7 @@ def run_worker(config: str, endpoint: str) -> dict[str, Any]:
     }
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", config]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"worker {config} failed ({proc.returncode}):\n{proc.stderr}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return worker_result(proc, f"worker {config}")
 
 
 FIGURES = ("setup_ms", "host_rss_mib", "host_pss_mib", "host_threads", "total_pss_mib", "total_rss_mib")
@@ -217,20 +177,17 @@ def render(summary: dict[str, dict[str, float]], runs: list[dict[str, Any]], inf
 
 def benchmark(rounds: int, out: Path) -> str:
     info = machine_info(VERSIONED)
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Receiver)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    receiver = LoopbackReceiver()
+    endpoint = receiver.url
     runs = []
     try:
-        for number in range(rounds):
-            shift = number % len(CONFIGS)
-            for config in CONFIGS[shift:] + CONFIGS[:shift]:
-                run = run_worker(config, endpoint) | {"round": number}
-                runs.append(run)
-                print(f"round {number} {config:<10} setup {run['setup_ms']:6.0f} ms, total PSS "
-                      f"{run['total_pss_mib']:5.1f} MiB, {run['host_threads']} threads", file=sys.stderr)  # fmt: skip
+        for number, config in rotated(CONFIGS, rounds):
+            run = run_worker(config, endpoint) | {"round": number}
+            runs.append(run)
+            print(f"round {number} {config:<10} setup {run['setup_ms']:6.0f} ms, total PSS "
+                  f"{run['total_pss_mib']:5.1f} MiB, {run['host_threads']} threads", file=sys.stderr)  # fmt: skip
     finally:
-        server.shutdown()
+        receiver.close()
     info["loadavg_after"] = Path("/proc/loadavg").read_text().split()[:3]
     summary = summarize(runs)
     markdown = render(summary, runs, info, rounds)

@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from _machine import clean_env, machine_info, raw_path
+from _machine import clean_env, machine_info, p99, raw_path, rotated, worker_result
 
 CONFIGS = ("no_journal", "buffered", "durable", "append_fdatasync", "sqlite_wal_full", "sqlite_wal_normal")
 DURABLE = ("durable", "append_fdatasync", "sqlite_wal_full", "sqlite_wal_normal")
@@ -61,7 +61,7 @@ VERSIONED = ("opentelemetry-api", "opentelemetry-sdk", "stallwatch")
 
 
 def intent_record() -> Any:
-    from stallwatch import ledger
+    from stallwatch.journal import ledger
 
     return ledger.Intent("create", "compute.instance", "nebius.compute.v1.InstanceService/Create",
                          "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331")  # fmt: skip
@@ -159,17 +159,12 @@ def worker(config: str, ops: int, base: Path) -> dict[str, Any]:
 def run_worker(config: str, ops: int, base: Path) -> dict[str, Any]:
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", config, str(ops), str(base)]
     proc = subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=600, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"worker {config} failed ({proc.returncode}):\n{proc.stderr}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return worker_result(proc, f"worker {config}")
 
 
 def schedule(rounds: int) -> Iterator[tuple[int, str]]:
     """(round, config) in run order: every round runs all configurations, rotated by one per round."""
-    for number in range(rounds):
-        shift = number % len(CONFIGS)
-        for config in CONFIGS[shift:] + CONFIGS[:shift]:
-            yield number, config
+    yield from rotated(CONFIGS, rounds)
 
 
 @dataclass
@@ -184,10 +179,6 @@ class Row:
     round_p50_us: list[float]
     journal_p50_us: float
     journal_p99_us: float
-
-
-def p99(samples: list[float]) -> float:
-    return statistics.quantiles(samples, n=100, method="inclusive")[98]
 
 
 def summarize(runs: list[dict[str, Any]]) -> list[Row]:

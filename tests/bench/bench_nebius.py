@@ -55,7 +55,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from _machine import clean_env, machine_info, raw_path
+from _machine import clean_env, machine_info, p99, raw_path, rotated, worker_result
 from _paired import run_blocks, run_processes, switch_for, verdict
 
 CONFIGS = ("uninstrumented", "instrumented", "no_journal", "no_export")
@@ -70,10 +70,6 @@ BLOCK = 25
 TARGET = 1.05
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 VERSIONED = ("nebius", "grpcio", "opentelemetry-sdk", "stallwatch", "sentry-sdk", "ddtrace")
-
-
-def p99(samples: list[float]) -> float:
-    return statistics.quantiles(samples, n=100, method="inclusive")[98]
 
 
 async def drive(address: str, measure: Callable[[Callable[[], Awaitable[Any]]], Awaitable[Any]]) -> dict[str, Any]:
@@ -310,9 +306,7 @@ def run_worker(config: str, address: str, calls: int) -> dict[str, Any]:
     env = {**clean_env(), **ENV.get(config, {})}
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", config, address, str(calls)]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"worker {config} failed ({proc.returncode}):\n{proc.stderr}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return worker_result(proc, f"worker {config}")
 
 
 def summarize_runs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -392,13 +386,11 @@ def benchmark(calls: int, rounds: int, pairs: int, processes: int, block: int, o
     info = machine_info(VERSIONED)
     runs = []
     with FakeNebius() as fake:
-        for number in range(rounds):
-            order = CONFIGS[number % len(CONFIGS) :] + CONFIGS[: number % len(CONFIGS)]
-            for config in order:
-                run = run_worker(config, fake.address, calls)
-                run["round"] = number
-                runs.append(run)
-                print(f"round {number} {config:<15} get p50 {statistics.median(run['get_ms']):.3f} ms", file=sys.stderr)
+        for number, config in rotated(CONFIGS, rounds):
+            run = run_worker(config, fake.address, calls)
+            run["round"] = number
+            runs.append(run)
+            print(f"round {number} {config:<15} get p50 {statistics.median(run['get_ms']):.3f} ms", file=sys.stderr)
         paired = run_paired(fake.address, pairs, block, processes)
     rows = summarize_runs(runs)
     settings = {"calls": calls, "rounds": rounds, "warmups": WARMUPS, "pairs": pairs, "processes": processes,

@@ -52,8 +52,9 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope  # noqa:
 from opentelemetry.trace import SpanContext, SpanKind  # noqa: E402
 
 from secrets_corpus import CORPUS, HARMLESS  # noqa: E402
+from stallwatch.core import scrub  # noqa: E402
 from stallwatch.export import exit_check  # noqa: E402
-from stallwatch.instrument import scrub, subprocess  # noqa: E402
+from stallwatch.instrument import subprocess  # noqa: E402
 
 SCOPE = InstrumentationScope("stallwatch", "bench")
 RESOURCE = Resource({"service.name": "bench"})
@@ -96,9 +97,15 @@ def _name_and_args(module: Any, argv: list[object], record_args: bool) -> Callab
 
 
 def _old_scrubber(revision: str) -> ModuleType:
-    """`instrument/scrub.py` as it was at `revision` (it imports only the standard library)."""
-    source = processes.run(["git", "show", f"{revision}:src/stallwatch/instrument/scrub.py"], cwd=HERE,
-                           capture_output=True, text=True, check=True).stdout  # fmt: skip
+    """`core/scrub.py` (`instrument/scrub.py` before it moved) as it was at `revision` (it imports
+    only the standard library)."""
+    for place in ("core", "instrument"):
+        shown = processes.run(["git", "show", f"{revision}:src/stallwatch/{place}/scrub.py"], cwd=HERE,
+                              capture_output=True, text=True)  # fmt: skip
+        if shown.returncode == 0:
+            break
+    shown.check_returncode()
+    source = shown.stdout
     path = Path(tempfile.mkdtemp()) / "scrub_before.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("scrub_before", path)

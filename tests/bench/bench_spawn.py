@@ -73,11 +73,19 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from _machine import clean_env, machine_info, raw_path
+from _machine import (
+    LoopbackReceiver,
+    clean_env,
+    install_stock_otlp,
+    machine_info,
+    p99,
+    raw_path,
+    rotated,
+    worker_result,
+)
 
 CONFIGS = ("no_otel", "otel_no_fork_hooks", "stock_otel", "stallwatch", "asyncio")
 RSS_BYTES = {"rss0": 0, "rss1g": 1 << 30}
@@ -208,18 +216,14 @@ def worker(config: str, rss: str, spawns: int) -> dict[str, Any]:
 def run_worker(config: str, rss: str, spawns: int) -> dict[str, Any]:
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", config, rss, str(spawns)]
     proc = subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=900, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"worker {config} {rss} failed ({proc.returncode}):\n{proc.stderr}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return worker_result(proc, f"worker {config} {rss}")
 
 
 def schedule(rss_variants: list[str], rounds: int) -> Iterator[tuple[int, str, str]]:
     """(round, config, rss) in run order: every round runs all pairs, rotated by one per round."""
     pairs = [(config, rss) for rss in rss_variants for config in CONFIGS]
-    for number in range(rounds):
-        shift = number % len(pairs)
-        for config, rss in pairs[shift:] + pairs[:shift]:
-            yield number, config, rss
+    for number, (config, rss) in rotated(pairs, rounds):
+        yield number, config, rss
 
 
 @dataclass
@@ -234,10 +238,6 @@ class Row:
     p50_ratio: float = float("nan")
     p99_ratio: float = float("nan")
     p50_floor_ratio: float = float("nan")
-
-
-def p99(samples: list[float]) -> float:
-    return statistics.quantiles(samples, n=100, method="inclusive")[98]
 
 
 def summarize(runs: list[dict[str, Any]], rss_variants: list[str]) -> list[Row]:
@@ -325,17 +325,9 @@ ECHO = "/bench.Echo/Echo"
 
 def echo_server() -> None:
     """The gRPC server the callers call (its own process): echoes every request; prints its port."""
-    from concurrent import futures
+    from support.grpc_echo import start_echo_server
 
-    import grpc
-
-    handler = grpc.method_handlers_generic_handler(
-        "bench.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(lambda request, context: request)}
-    )
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+    server, port = start_echo_server("bench.Echo")
     print(port, flush=True)
     server.wait_for_termination()
 
@@ -348,25 +340,10 @@ def incident_setup(config: str, receiver: str) -> Any:
 
         return None
     if config == "stock_otel":
-        from opentelemetry import _logs, metrics, trace
-        from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
-        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry import trace
         from opentelemetry.instrumentation.grpc import GrpcAioInstrumentorClient
-        from opentelemetry.sdk._logs import LoggerProvider
-        from opentelemetry.sdk._logs.export import BatchLogRecordProcessor
-        from opentelemetry.sdk.metrics import MeterProvider
-        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-        tracer_provider = TracerProvider()
-        tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-        trace.set_tracer_provider(tracer_provider)
-        metrics.set_meter_provider(MeterProvider(metric_readers=[PeriodicExportingMetricReader(OTLPMetricExporter())]))
-        logger_provider = LoggerProvider()
-        logger_provider.add_log_record_processor(BatchLogRecordProcessor(OTLPLogExporter()))
-        _logs.set_logger_provider(logger_provider)
+        install_stock_otlp()
         GrpcAioInstrumentorClient().instrument()
         tracer = trace.get_tracer("bench_spawn")
         return lambda: tracer.start_as_current_span("spawn")
@@ -430,57 +407,37 @@ def incident_worker(config: str, port: int, seconds: float, receiver: str) -> di
     return {"config": config, "uvloop_spawn": spawn_mode, "vm_rss_mb": vm_rss_mb(), **result}
 
 
-class _Answer200(BaseHTTPRequestHandler):
-    """The loopback receiver: takes OTLP/HTTP exports, Sentry envelopes and ddtrace payloads."""
-
-    def do_POST(self) -> None:
-        self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        self.send_response(200)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    do_PUT = do_POST
-
-    def log_message(self, format: str, *args: object) -> None:
-        return
-
-
 def run_incident(rounds: int, seconds: float, out: Path) -> str:
     info = machine_info((*VERSIONED, "sentry-sdk", "ddtrace", "opentelemetry-instrumentation-grpc"))
-    receiver = ThreadingHTTPServer(("127.0.0.1", 0), _Answer200)
-    threading.Thread(target=receiver.serve_forever, daemon=True).start()
-    endpoint = f"http://127.0.0.1:{receiver.server_address[1]}"
+    receiver = LoopbackReceiver()
+    endpoint = receiver.url
     server = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--echo-server"],
                               stdout=subprocess.PIPE, text=True, env=clean_env())  # fmt: skip
     runs = []
     try:
         port = int(server.stdout.readline())
-        for number in range(rounds):
-            shift = number % len(INCIDENT_CONFIGS)
-            for config in INCIDENT_CONFIGS[shift:] + INCIDENT_CONFIGS[:shift]:
-                env = clean_env() | {
-                    "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
-                    "OTEL_TRACES_EXPORTER": "otlp",
-                    "OTEL_METRICS_EXPORTER": "otlp",
-                    "OTEL_LOGS_EXPORTER": "otlp",
-                    "STALLWATCH_UVLOOP_SPAWN": "vfork",
-                    "DD_TRACE_AGENT_URL": endpoint,
-                    "DD_INSTRUMENTATION_TELEMETRY_ENABLED": "false",
-                    "DD_REMOTE_CONFIGURATION_ENABLED": "false",
-                }
-                command = [sys.executable, str(Path(__file__).resolve()), "--incident-worker", config, str(port),
-                           str(seconds), endpoint]  # fmt: skip
-                proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=seconds + 300)
-                if proc.returncode != 0:
-                    raise RuntimeError(f"worker {config} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-                run = json.loads(proc.stdout.strip().splitlines()[-1]) | {"round": number}
-                runs.append(run)
-                print(f"round {number} {config:<10} p50 {statistics.median(run['spawn_ms']):6.2f} ms, "
-                      f"{len(run['spawn_ms'])} spawns, {run['rpc_calls']} calls", file=sys.stderr)  # fmt: skip
+        for number, config in rotated(INCIDENT_CONFIGS, rounds):
+            env = clean_env() | {
+                "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+                "OTEL_TRACES_EXPORTER": "otlp",
+                "OTEL_METRICS_EXPORTER": "otlp",
+                "OTEL_LOGS_EXPORTER": "otlp",
+                "STALLWATCH_UVLOOP_SPAWN": "vfork",
+                "DD_TRACE_AGENT_URL": endpoint,
+                "DD_INSTRUMENTATION_TELEMETRY_ENABLED": "false",
+                "DD_REMOTE_CONFIGURATION_ENABLED": "false",
+            }
+            command = [sys.executable, str(Path(__file__).resolve()), "--incident-worker", config, str(port),
+                       str(seconds), endpoint]  # fmt: skip
+            proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=seconds + 300)
+            run = worker_result(proc, f"worker {config}") | {"round": number}
+            runs.append(run)
+            print(f"round {number} {config:<10} p50 {statistics.median(run['spawn_ms']):6.2f} ms, "
+                  f"{len(run['spawn_ms'])} spawns, {run['rpc_calls']} calls", file=sys.stderr)  # fmt: skip
     finally:
         server.kill()
         server.wait()
-        receiver.shutdown()
+        receiver.close()
     info["loadavg_after"] = Path("/proc/loadavg").read_text().split()[:3]
     rows = {}
     for config in INCIDENT_CONFIGS:

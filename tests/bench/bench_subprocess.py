@@ -93,9 +93,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _machine import clean_env, machine_info, raw_path
+from _machine import clean_env, machine_info, p99, raw_path, rotated, worker_result
 from _paired import run_blocks, run_processes, switch_for, table, verdict
-from bench_spawn import Ticker, p99, touch_memory, vm_rss_mb
+from bench_spawn import Ticker, touch_memory, vm_rss_mb
 
 BLOCKED_CONFIGS = ("uvloop_native", "uvloop_vfork", "asyncio")
 OVERHEAD_CONFIGS = ("uninstrumented", "instrumented")
@@ -545,19 +545,15 @@ def run_worker(config: str, rss: str, count: int) -> dict[str, Any]:
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", config, rss, str(count)]
     env = clean_env() | CONFIG_ENV.get(config, {})
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"worker {config} {rss} failed ({proc.returncode}):\n{proc.stderr}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return worker_result(proc, f"worker {config} {rss}")
 
 
 def schedule(rss_variants: list[str], rounds: int) -> Iterator[tuple[int, str, str]]:
     """(round, config, rss) in run order: every round runs all pairs, rotated by one per round."""
     pairs = [(config, rss) for rss in rss_variants for config in BLOCKED_CONFIGS]
     pairs += [(config, "rss0") for config in OVERHEAD_CONFIGS]
-    for number in range(rounds):
-        shift = number % len(pairs)
-        for config, rss in pairs[shift:] + pairs[:shift]:
-            yield number, config, rss
+    for number, (config, rss) in rotated(pairs, rounds):
+        yield number, config, rss
 
 
 @dataclass

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 
 def ready(**info: object) -> None:
@@ -33,6 +34,34 @@ def hold(name: str, timeout: float = 240.0) -> None:
     deadline = time.monotonic() + timeout
     while not os.path.exists(release) and time.monotonic() < deadline:
         time.sleep(0.1)
+
+
+class ForkHold:
+    """A library's after-fork handler: while `on`, each forked child waits in `hold(name)` before it execs, and
+    a host spawning with uvloop's own fork waits for that exec holding the GIL, frozen meanwhile."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.on = False
+        os.register_at_fork(after_in_child=self._in_child)
+
+    def _in_child(self) -> None:
+        if self.on:
+            hold(self.name)  # in the forked copy, before exec
+
+
+def setup_with_fork_hold(name: str) -> tuple[ForkHold, Any]:
+    """A `ForkHold(name)` registered before stallwatch is imported (the fork guard then cannot skip it, as a
+    library imported first), then stallwatch set up with uvloop's own fork (the opt-out of the default vfork
+    spawn, so that the handler runs in its child) and a 0.5 s freeze threshold; returns the hold and the
+    session once its freeze watchdog watches. Call it before anything imports stallwatch."""
+    assert "stallwatch" not in sys.modules, "the hold must be registered before stallwatch is imported"
+    fork_hold = ForkHold(name)
+    import stallwatch
+
+    session = stallwatch.setup(freeze_threshold=0.5, uvloop_spawn="fork")
+    assert session.wait_for_watchdog(30), "the freeze watchdog is not watching"
+    return fork_hold, session
 
 
 def wedge(pool: ThreadPoolExecutor) -> list[Future]:

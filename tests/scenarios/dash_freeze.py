@@ -11,27 +11,16 @@ spawns.
 import os
 import time
 
+from dash_common import done, ready, setup_with_fork_hold
+
 SHORT_FREEZE_SECONDS = 3.0
-HANG = {"on": False}
-
-
-def slow_library_child_handler() -> None:
-    if HANG["on"]:
-        hold("freeze")  # in the forked copy, before exec: the host is frozen meanwhile
-
-
-os.register_at_fork(after_in_child=slow_library_child_handler)
-
-import stallwatch
-
-# uvloop's own fork (the opt-out of the default vfork spawn): the library's handler runs in its child.
-session = stallwatch.setup(freeze_threshold=0.5, uvloop_spawn="fork")
-assert session.wait_for_watchdog(30), "the freeze watchdog is not watching"
+FORK_HOLD, session = setup_with_fork_hold("freeze")
 
 import asyncio
 
 import uvloop
-from dash_common import done, hold, ready
+
+import stallwatch
 
 
 async def spawn_true(count: int) -> None:
@@ -53,9 +42,9 @@ async def main() -> None:
     await spawn_true(3)
     time.sleep(SHORT_FREEZE_SECONDS)  # blocks the event loop, not the GIL: a loop_blocked freeze
     await asyncio.sleep(1.5)
-    HANG["on"] = True
+    FORK_HOLD.on = True
     child = await asyncio.create_subprocess_exec("/bin/true")
-    HANG["on"] = False
+    FORK_HOLD.on = False
     await child.wait()
     await spawn_true(5)
     await asyncio.sleep(2.0)  # the watchdog sees the thaw and records the freeze's duration

@@ -7,28 +7,13 @@ the host; the test then releases the child, which execs and exits. The watchdog 
 last scrape and exits.
 """
 
-import os
+from dash_common import ready, setup_with_fork_hold
 
-HANG = {"on": False}
-
-
-def slow_library_child_handler() -> None:
-    if HANG["on"]:
-        hold("freeze")  # in the forked copy, before exec: the host is frozen meanwhile
-
-
-os.register_at_fork(after_in_child=slow_library_child_handler)
-
-import stallwatch
-
-# uvloop's own fork (the opt-out of the default vfork spawn): the library's handler runs in its child.
-session = stallwatch.setup(freeze_threshold=0.5, uvloop_spawn="fork")
-assert session.wait_for_watchdog(30), "the freeze watchdog is not watching"
+FORK_HOLD, session = setup_with_fork_hold("freeze")
 
 import asyncio
 
 import uvloop
-from dash_common import hold, ready
 
 
 async def spawn_true() -> None:
@@ -39,7 +24,7 @@ async def spawn_true() -> None:
 async def run() -> None:
     await spawn_true()  # a server that has spawned before: its spawn series are there at the first scrape
     await asyncio.to_thread(ready, watchdog_pid=session.watchdog_pid)
-    HANG["on"] = True
+    FORK_HOLD.on = True
     await spawn_true()  # never returns: the test kills the host while it is frozen in here
 
 

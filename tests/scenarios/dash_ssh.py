@@ -19,40 +19,20 @@ os.environ["OTEL_EXPORTER_OTLP_TIMEOUT"] = "1"  # the failed export ends within 
 stallwatch.setup(watchdog=False, traces_exporter="otlp", otlp_endpoint=refused)
 
 import asyncio
-import re
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 from dash_common import done, hold, ready
-from dstack._internal.core.services.ssh import tunnel as tunnel_module
-from dstack._internal.utils.path import FilePath
+from dstack._internal.core.services.ssh import tunnel as tunnel_module  # loaded at start, as in a dstack server
 from opentelemetry import trace
+
+from support.ssh_tunnels import kill_master, loopback_tunnel
 
 user, host, port, identity, http_port, sock_dir = sys.argv[1:]
 
 
 def make(index: int):
-    return tunnel_module.SSHTunnel(
-        destination=f"{user}@{host}",
-        port=int(port),
-        identity=FilePath(identity),
-        forwarded_sockets=[
-            tunnel_module.SocketPair(
-                local=tunnel_module.UnixSocket(Path(sock_dir) / f"http{index}.sock"),
-                remote=tunnel_module.IPSocket("localhost", int(http_port)),
-            )
-        ],
-        batch_mode=True,
-    )
-
-
-def kill_master(tunnel) -> None:
-    proc = subprocess.run(tunnel.check_command(), capture_output=True, text=True, timeout=10)
-    os.kill(int(re.search(r"Master running \(pid=(\d+)\)", proc.stderr).group(1)), signal.SIGKILL)
-    time.sleep(0.3)
+    return loopback_tunnel(user, host, port, identity, http_port, Path(sock_dir) / f"http{index}.sock")
 
 
 async def main() -> None:

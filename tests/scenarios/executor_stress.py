@@ -24,9 +24,9 @@ if mode != "naive":
 
     stallwatch.setup(traces_exporter="none", metrics_exporter="none", logs_exporter="none")
     if os.environ.get("STOCK_RUN") == "1":  # the path for a `_WorkItem.run` stallwatch does not replicate
-        from stallwatch.instrument import executor
+        from stallwatch.instrument import worker
 
-        executor._STOCK_RUN = False
+        worker._STOCK_RUN = False
 
 from concurrent.futures import ThreadPoolExecutor, wait
 

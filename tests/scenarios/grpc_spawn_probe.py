@@ -34,23 +34,12 @@ if mode == "stallwatch":
 
 import grpc
 
+from support.grpc_echo import start_echo_server
+
 METHOD = "/probe.Echo/Echo"
 
 
-def start_server() -> tuple[grpc.Server, int]:
-    from concurrent import futures
-
-    handler = grpc.method_handlers_generic_handler(
-        "probe.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(lambda request, context: request)}
-    )
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    return server, port
-
-
-server, port = start_server()
+server, port = start_echo_server("probe.Echo")
 stop = threading.Event()
 calls = [0]
 ready = threading.Event()

@@ -33,8 +33,7 @@ import time
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from stallwatch import ledger
-from stallwatch.journal import Journal, install_recorder
+from stallwatch.journal import Journal, install_recorder, ledger
 
 mode, journal_dir, *args = sys.argv[1:]
 tracer = TracerProvider().get_tracer("journal-child")

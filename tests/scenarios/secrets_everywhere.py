@@ -38,7 +38,6 @@ assert session.error is None, session.error
 
 import uvloop
 from dstack._internal.core.services.ssh import tunnel as tunnel_module
-from dstack._internal.utils.path import FilePath
 from nebius.aio.service_error import RequestError
 from nebius.api.nebius.common.v1 import ResourceMetadata
 from nebius.api.nebius.compute.v1 import (
@@ -63,6 +62,7 @@ from secrets_corpus import (
 )
 from stallwatch.detect import heartbeat
 from support.fake_nebius import FakeNebius, sdk_for
+from support.ssh_tunnels import get_through, loopback_tunnel
 
 tracer = trace.get_tracer("secrets-everywhere")
 secret_env = {**os.environ, **ENVIRONMENT}
@@ -117,25 +117,11 @@ async def spawn_on_the_loop() -> None:
 
 
 async def tunnel() -> None:
-    tunnel = tunnel_module.SSHTunnel(
-        destination=f"{user}@{host}",
-        port=int(port),
-        identity=FilePath(identity),
-        forwarded_sockets=[
-            tunnel_module.SocketPair(
-                local=tunnel_module.UnixSocket(Path(sock_dir) / "http.sock"),
-                remote=tunnel_module.IPSocket("localhost", int(http_port)),
-            )
-        ],
-        options={**tunnel_module.SSH_DEFAULT_OPTIONS, **SSH_OPTIONS},
-        batch_mode=True,
-    )
+    sock = Path(sock_dir) / "http.sock"
+    options = {**tunnel_module.SSH_DEFAULT_OPTIONS, **SSH_OPTIONS}
+    tunnel = loopback_tunnel(user, host, port, identity, http_port, sock, options=options)
     await tunnel.aopen()
-    reader, writer = await asyncio.open_unix_connection(str(Path(sock_dir) / "http.sock"))
-    writer.write(b"GET / HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
-    await writer.drain()
-    result["tunnel_body"] = (await asyncio.wait_for(reader.read(), 10)).partition(b"\r\n\r\n")[2].decode()
-    writer.close()
+    result["tunnel_body"] = await get_through(sock)
     await tunnel.aclose()
 
 

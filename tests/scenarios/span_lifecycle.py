@@ -229,21 +229,9 @@ async def executor_calls():
 
 
 async def ssh_calls(user, host, port, identity, http_port, sock_dir):
-    from dstack._internal.core.services.ssh import tunnel as tunnel_module
-    from dstack._internal.utils.path import FilePath
+    from support.ssh_tunnels import loopback_tunnel
 
-    tunnel = tunnel_module.SSHTunnel(
-        destination=f"{user}@{host}",
-        port=int(port),
-        identity=FilePath(identity),
-        forwarded_sockets=[
-            tunnel_module.SocketPair(
-                local=tunnel_module.UnixSocket(Path(sock_dir) / "http.sock"),
-                remote=tunnel_module.IPSocket("localhost", int(http_port)),
-            )
-        ],
-        batch_mode=True,
-    )
+    tunnel = loopback_tunnel(user, host, port, identity, http_port, Path(sock_dir) / "http.sock")
     with Case("aopen") as case:
         await tunnel.aopen()
         case.read()

@@ -17,33 +17,20 @@ file_dir, loop_name, user, host, port, identity, http_port, sock_dir = sys.argv[
 stallwatch.setup(file_dir=file_dir, metric_export_interval_ms=3600000, watchdog=False)
 
 import uvloop
-from dstack._internal.core.services.ssh import tunnel as tunnel_module
-from dstack._internal.utils.path import FilePath
+from dstack._internal.core.services.ssh import tunnel as tunnel_module  # loaded at start, as in a dstack server
+
+from support.ssh_tunnels import get_through, loopback_tunnel
 
 sock = Path(sock_dir) / "http.sock"
 
 
 async def main() -> dict:
-    tunnel = tunnel_module.SSHTunnel(
-        destination=f"{user}@{host}",
-        port=int(port),
-        identity=FilePath(identity),
-        forwarded_sockets=[
-            tunnel_module.SocketPair(
-                local=tunnel_module.UnixSocket(sock), remote=tunnel_module.IPSocket("localhost", int(http_port))
-            )
-        ],
-        control_sock_path=Path(sock_dir) / "control.sock",
-        batch_mode=True,
-        background=False,
+    tunnel = loopback_tunnel(
+        user, host, port, identity, http_port, sock, control_sock_path=Path(sock_dir) / "control.sock", background=False
     )
     await tunnel.aopen()
     process = tunnel._process  # the foreground ssh the tunnel owns
-    reader, writer = await asyncio.open_unix_connection(str(sock))
-    writer.write(b"GET / HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
-    await writer.drain()
-    body = (await asyncio.wait_for(reader.read(), 10)).partition(b"\r\n\r\n")[2].decode()
-    writer.close()
+    body = await get_through(sock)
     await tunnel.aclose()
     return {"body": body, "ssh_pid": process.pid, "returncode": process.returncode}
 

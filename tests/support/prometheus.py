@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ from typing import Any
 import yaml
 
 from conftest import SCENARIOS, clean_env
+from support.loopback import free_port, prometheus_env
 
 DASHBOARDS = Path(__file__).resolve().parent.parent.parent / "dashboards"
 SHIPPED_CONFIG = DASHBOARDS / "provisioning" / "prometheus" / "prometheus.yml"
@@ -36,13 +36,6 @@ SHIPPED_RULES = DASHBOARDS / "alerts.yaml"
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 HAVE_PROMETHEUS = os.access(PROMETHEUS, os.X_OK)
 HOST_JOB, WATCHDOG_JOB = "stallwatch", "stallwatch-watchdog"
-
-
-def free_port() -> int:
-    """A loopback TCP port nothing listens on now (the caller binds it soon after)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def rate_interval(scrape_interval: float) -> str:
@@ -94,12 +87,9 @@ class Scenario:
         env = clean_env(
             OTEL_SERVICE_NAME=self.service,
             OTEL_RESOURCE_ATTRIBUTES=f"service.instance.id={self.identity}",
-            OTEL_METRICS_EXPORTER="prometheus",
+            **prometheus_env(self.port, self.watchdog_port or free_port()),
             OTEL_TRACES_EXPORTER="none",
             OTEL_LOGS_EXPORTER="none",
-            OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
-            OTEL_EXPORTER_PROMETHEUS_PORT=str(self.port),
-            STALLWATCH_WATCHDOG_PROMETHEUS_PORT=str(self.watchdog_port or free_port()),
             DASH_RELEASE_DIR=str(self.release_dir),
             **self.extra_env,
         )

@@ -30,7 +30,7 @@ def _restore_pythonpath() -> None:
 
 def _start_stallwatch() -> None:
     try:
-        import stallwatch.auto  # noqa: F401
+        import stallwatch.auto  # noqa: F401  # optional: the command's interpreter may not have stallwatch
     except ImportError as error:
         print(
             f"stallwatch run: cannot import stallwatch in {sys.executable} ({error}); the command runs without it. "

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import background
 from .._private import opener
+from ..core import background
 
 if TYPE_CHECKING:
     import asyncio
@@ -80,7 +80,7 @@ def area_directory() -> Path:
     for candidate in (os.environ.get("XDG_RUNTIME_DIR"), "/dev/shm"):
         if candidate and os.path.isdir(candidate) and os.access(candidate, os.W_OK):
             return Path(candidate)
-    import tempfile  # loaded when used: footprint
+    import tempfile  # footprint: seldom needed
 
     return Path(tempfile.gettempdir())
 
@@ -208,7 +208,7 @@ class HeartbeatArea:
 
     def spawning(self, command: str, trace_id: int, span_id: int) -> None:
         """Before an exec-bound spawn: what is spawned (checked for secrets once more) and under which span."""
-        from ..instrument.scrub import scrub_value  # loaded when used: footprint
+        from ..core.scrub import scrub_value  # footprint: host side only
 
         command = scrub_value(command)
         self._write(OFFSET_COMMAND, command.encode(errors="replace")[:256].ljust(256, b"\0"))
@@ -365,11 +365,13 @@ def start(
     _threshold = threshold
     _watchdog = watchdog
     _start_for_child = start_for_child
-    from ..forksafe import guard
+    from ..forksafe import guard  # footprint: host side only (the guard loads wrapt)
 
+    if guard.installed():
+        guard.listen(guard.ForkListener(disarm_for_fork, rearm_after_fork, forked_child, _spawn_notes))
     if stacks:
         _stacks_file = open(stacks_path(area.path), "w", opener=opener)  # noqa: SIM115 - lives as long as the heartbeats
-        if not guard.installed():  # STALLWATCH_FORK_GUARD=false: the guard's handlers do not call them
+        if not guard.installed():  # STALLWATCH_FORK_GUARD=false: no guard handler to call them
             os.register_at_fork(before=disarm_for_fork, after_in_parent=rearm_after_fork)
     if not guard.installed() and not _child_handler_registered:  # as above, for `forked_child`
         os.register_at_fork(after_in_child=forked_child)
@@ -378,6 +380,11 @@ def start(
     _watch_loops()
     _span_writer = area
     track_current_span()
+
+
+def _spawn_notes() -> HeartbeatArea | None:
+    """Where the fork guard notes a uvloop spawn for the watchdog: this process's heartbeat file."""
+    return AREA
 
 
 def ensure_beating() -> None:
@@ -409,7 +416,7 @@ class _InterpreterBeats:
                 self.handed = _hand_over_sentry(area, self.handed)
                 _check_watchdog(area)
         except Exception:
-            from ..instrument._common import FAULTS
+            from ..core.faults import FAULTS  # footprint: host side only (loads wrapt and the SDK)
 
             FAULTS.record(COMPONENT, SETTING)
 
@@ -435,7 +442,7 @@ def _lost_watchdog(area: HeartbeatArea, process: Any) -> None:
         if AREA is not area:  # stop() came first: the shutdown ended the watchdog
             return
         _watchdog = None
-    from ..instrument._common import FAULTS, signal_name
+    from ..core.faults import FAULTS, signal_name  # footprint: host side only (loads wrapt and the SDK)
 
     code = process.returncode
     how = f"was killed by {signal_name(-code)}" if code < 0 else f"exited with status {code}"
@@ -454,7 +461,7 @@ def _lost_file(area: HeartbeatArea, inode: int | None) -> None:
             problem = (
                 f"the heartbeat file {area.path} was removed and cannot be made again ({error}); freezes go unreported"
             )
-    from ..instrument._common import FAULTS
+    from ..core.faults import FAULTS  # footprint: host side only (loads wrapt and the SDK)
 
     FAULTS.record(COMPONENT, SETTING, problem)
 
@@ -466,11 +473,13 @@ def _hand_over_sentry(area: HeartbeatArea, handed: dict[str, Any] | None) -> dic
     if "sentry_sdk" not in sys.modules:
         return handed
     try:
+        # optional: sentry-sdk, once the host has imported it
         from .. import sentry
 
         current = sentry.handover()
     except Exception:  # an odd sentry-sdk version: freezes still reach OpenTelemetry
-        from ..instrument._common import FAULTS, SENTRY_COMPONENT, SENTRY_OFF, SENTRY_SETTING
+        # footprint: host side only (loads wrapt and the SDK)
+        from ..core.faults import FAULTS, SENTRY_COMPONENT, SENTRY_OFF, SENTRY_SETTING
 
         FAULTS.record(SENTRY_COMPONENT, SENTRY_SETTING, off=SENTRY_OFF)
         return handed
@@ -538,7 +547,7 @@ def track_current_span() -> None:
     if _tracked is not None:
         return
     import opentelemetry.context as context_api
-    from opentelemetry.trace import get_current_span  # loaded when used: footprint
+    from opentelemetry.trace import get_current_span  # footprint: host side only
 
     attach, detach = context_api.attach, context_api.detach
     get_ident = threading.get_ident
@@ -589,7 +598,7 @@ def _write_current_span(span: Any) -> None:
     except ValueError:  # closed by stop() meanwhile
         pass
     except Exception:
-        from ..instrument._common import FAULTS
+        from ..core.faults import FAULTS  # footprint: host side only (loads wrapt and the SDK)
 
         FAULTS.record(COMPONENT, SETTING)
 
@@ -621,7 +630,7 @@ def _run_forever(wrapped: Any, loop: asyncio.AbstractEventLoop, args: tuple[Any,
         area = _watch_this_child()
         if area is None:
             return wrapped(*args, **kwargs)
-    from ..forksafe.loop import loop_kind
+    from ..forksafe.loop import loop_kind  # footprint: host side only
 
     beats = _LoopBeats(loop, area, loop_kind(loop), time.monotonic(), waiting=True)
     _loops[id(loop)] = beats
@@ -669,7 +678,7 @@ def _watch_this_child() -> HeartbeatArea | None:
     try:
         started = _start_for_child()
     except Exception:
-        from ..instrument._common import FAULTS
+        from ..core.faults import FAULTS  # footprint: host side only (loads wrapt and the SDK)
 
         FAULTS.record(COMPONENT, SETTING)
         return None
@@ -718,7 +727,7 @@ def _beat(beats: _LoopBeats) -> None:
         faulthandler.dump_traceback_later(_threshold, file=_stacks_file)  # replaces the previous timer
         _armed_by = pid
     if _lag_histogram is not None:
-        from ..instrument._common import first_record  # loaded when used: footprint
+        from ..core.faults import first_record  # footprint: host side only (loads wrapt and the SDK)
 
         first_record()
         _lag_histogram.record(max(0.0, now - beats.sent), {"stallwatch.loop": beats.kind})

@@ -2,12 +2,12 @@
 (incident 000 in docs/incidents.md).
 
 `setup()` starts it with the standard library's vfork/posix_spawn path (never `fork()` of the big
-host) as `python -c BOOTSTRAP --pid HOST --heartbeat FILE`, which runs `main()` without the package's
-`__init__`. While the host beats on time the watchdog runs on the standard library and
-`detect.heartbeat` alone, on one thread, with no telemetry pipeline (`_Reporting`): a host's
-heartbeat late by `PREPARE_NS` starts loading it (imports on a thread, then the set-up on the main
-thread between polls), so it is ready by the time the lateness becomes a freeze; with a Prometheus
-exporter it is set up at once, to serve scrapes. It reads the host's
+host) as `python -c BOOTSTRAP --pid HOST --heartbeat FILE`, which runs `stallwatch._watchdog` (and
+through it `main()`) without the package's `__init__`. While the host beats on time the watchdog
+runs on the standard library and `detect.heartbeat` alone, on one thread, with no telemetry pipeline
+(`_Reporting`): a host's heartbeat late by `PREPARE_NS` starts loading it (imports on a thread, then
+the set-up on the main thread between polls), so it is ready by the time the lateness becomes a
+freeze; with a Prometheus exporter it is set up at once, to serve scrapes. It reads the host's
 heartbeats (`detect.heartbeat`) every 100 ms; when the interpreter heartbeat is older than the
 threshold the freeze is `gil_held` (no Python thread runs), when only the loop heartbeat is old it
 is `loop_blocked`. It then reads `/proc` to say what the host waits on, exports a WARNING log
@@ -214,7 +214,7 @@ def host_exit_status(pid: int) -> dict[str, Any]:
         return {}
     status = int(fields[49])
     if os.WIFSIGNALED(status):
-        from ..instrument._common import signal_name
+        from ..core.faults import signal_name  # footprint: not in the idle watchdog (loads wrapt and the SDK)
 
         return {"stallwatch.freeze.host.exit_signal": signal_name(os.WTERMSIG(status))}
     if os.WIFEXITED(status):
@@ -369,8 +369,8 @@ class FreezeTelemetry:
     def __init__(self, pid: int, heartbeat_path: Path, journal: Any = None) -> None:
         from opentelemetry import metrics, trace
 
-        from .. import telemetry
-        from ..instrument._common import Deferred, instrument
+        from .. import telemetry  # footprint: not in the idle watchdog
+        from ..core.faults import Deferred, instrument  # footprint: not in the idle watchdog
 
         self._pid = pid
         self._journal = journal  # the host's journal, watchdog side: freeze records survive the host
@@ -505,7 +505,7 @@ class FreezeTelemetry:
         handed = heartbeat.read_sentry_handover(self._sentry_handover)
         if handed is None:
             return
-        from ..instrument.scrub import scrub_value  # loaded when used: footprint
+        from ..core.scrub import scrub_value  # footprint: not in the idle watchdog
 
         record = self._record_attributes(freeze)
         found = freeze.diagnosis
@@ -523,6 +523,7 @@ class FreezeTelemetry:
             "stacks": record.get("stallwatch.freeze.stacks"),
         }
         try:
+            # optional: sentry-sdk, when the host handed its options over
             from .. import sentry
 
             sentry.capture_for_host(
@@ -534,7 +535,7 @@ class FreezeTelemetry:
                 f"{span_id:016x}" if trace_id else "",
             )
         except Exception:  # sentry-sdk missing or odd here: the freeze still went to OpenTelemetry
-            from ..instrument._common import FAULTS, SENTRY_COMPONENT, SENTRY_OFF, SENTRY_SETTING
+            from ..core.faults import FAULTS, SENTRY_COMPONENT, SENTRY_OFF, SENTRY_SETTING  # footprint: as above
 
             FAULTS.record(SENTRY_COMPONENT, SENTRY_SETTING, off=SENTRY_OFF)
 
@@ -608,34 +609,42 @@ class _Reporting:
     set up on first need: when a heartbeat is late (`Watchdog`), or at once when a scraper pulls
     the metrics (the watchdog then serves its scrape endpoint from the start). The package's
     `__init__` never runs here (`BOOTSTRAP`): it would load every instrumentation, and the watchdog
-    instruments nothing; `prepare()` loads only the set-up and the pipeline."""
+    instruments nothing. `setup`, `shutdown` and `prepare` come from the caller (`stallwatch._watchdog`):
+    they build, stop and load the pipeline of a layer above this one."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        setup: Callable[..., Any],
+        shutdown: Callable[[], object],
+        prepare: Callable[[], None],
+    ) -> None:
         self._args = args
+        self._setup = setup
+        self._shutdown = shutdown
+        self._prepare = prepare
         self.session: Any = None
         self._journal: Any = None
         self.telemetry: FreezeTelemetry | None = None
 
     def prepare(self) -> None:
         """The imports `make()` needs, on any thread: most of its time."""
-        from .. import forksafe, pipeline, session  # noqa: F401  # loaded when used: footprint
-
+        self._prepare()
         if self._args.journal_dir is not None:
-            from .. import journal  # noqa: F401  # loaded when used: footprint
+            from .. import journal  # noqa: F401  # footprint: loaded at the first late heartbeat
 
     def make(self) -> FreezeTelemetry:
         """Set up on the main thread (`setup()` installs its SIGTERM flush only there)."""
         if self.telemetry is None:
-            from .. import forksafe, session  # loaded when used: footprint
-            from .. import telemetry as names  # loaded when used: footprint
-            from ..config import Settings  # loaded when used: footprint
+            from .. import telemetry  # footprint: loaded at the first late heartbeat
+            from ..config import Settings  # footprint: loaded at the first late heartbeat
 
             # The host's resource attributes (its service.instance.id among them) and the watchdog's own.
             inherited = Settings.load().resource_attributes
-            own = {names.RESOURCE_PROCESS_ROLE.name: "watchdog", "stallwatch.watched.pid": str(self._args.pid)}
-            self.session = session.setup(forksafe.install(), resource_attributes={**inherited, **own})
+            own = {telemetry.RESOURCE_PROCESS_ROLE.name: "watchdog", "stallwatch.watched.pid": str(self._args.pid)}
+            self.session = self._setup(resource_attributes={**inherited, **own})
             if self._args.journal_dir is not None:
-                from ..journal import Journal  # loaded when used: footprint
+                from ..journal import Journal  # footprint: loaded at the first late heartbeat
 
                 self._journal = Journal(self._args.journal_dir, role="watchdog", host_pid=self._args.pid)
             self.telemetry = FreezeTelemetry(self._args.pid, self._args.heartbeat, self._journal)
@@ -645,23 +654,28 @@ class _Reporting:
         if self._journal is not None:
             self._journal.close()
         if self.session is not None:
-            from .. import session  # loaded when used: footprint
-
-            session.shutdown()
+            self._shutdown()
 
 
-# How `setup()` starts the watchdog: `python -c BOOTSTRAP --pid ...`. It imports this module without
-# running the package's `__init__` (`_Reporting`).
+# How `setup()` starts the watchdog: `python -c BOOTSTRAP --pid ...`. It puts an empty `stallwatch` package
+# in `sys.modules` (its `__init__` not run, its submodules found as usual) and runs `stallwatch._watchdog`.
 BOOTSTRAP = (
     "import importlib.util, sys; "
-    "package = importlib.util.module_from_spec(importlib.util.find_spec('stallwatch')); "
-    "sys.modules['stallwatch'] = package; "
-    "from stallwatch.detect.watchdog import main; "
+    "sys.modules['stallwatch'] = importlib.util.module_from_spec(importlib.util.find_spec('stallwatch')); "
+    "from stallwatch._watchdog import main; "
     "sys.exit(main())"
 )
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(
+    setup: Callable[..., Any],
+    shutdown: Callable[[], object],
+    prepare: Callable[[], None],
+    argv: list[str] | None = None,
+) -> int:
+    """Run the watchdog process (`stallwatch._watchdog`, started as `python -c BOOTSTRAP`). `setup` and
+    `shutdown` build and stop its own telemetry pipeline, `prepare` imports what `setup` needs; all three
+    are handed down by the caller and run only when the pipeline is needed (`_Reporting`)."""
     parser = argparse.ArgumentParser(prog="stallwatch watchdog", description=__doc__.splitlines()[0])
     parser.add_argument("--pid", type=int, required=True, help="the host process to watch")
     parser.add_argument("--heartbeat", type=Path, required=True, help="the host's heartbeat file")
@@ -674,7 +688,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["STALLWATCH_WATCHDOG"] = "false"  # the watchdog never watches itself
     for part in ("EXECUTOR", "SUBPROCESS", "SSH", "NEBIUS"):  # it runs none of these
         os.environ[f"STALLWATCH_INSTRUMENT_{part}"] = "false"
-    reporting = _Reporting(args)
+    reporting = _Reporting(args, setup, shutdown, prepare)
     try:
         if "prometheus" in os.environ.get("OTEL_METRICS_EXPORTER", "").split(","):
             reporting.make()
@@ -687,7 +701,3 @@ def main(argv: list[str] | None = None) -> int:
         reporting.close()
     heartbeat.remove_files(args.heartbeat)  # the host is gone: a killed host could not remove them
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

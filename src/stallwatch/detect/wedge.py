@@ -29,11 +29,13 @@ from typing import Any
 
 from opentelemetry import trace
 
-from .. import background, telemetry
+from .. import telemetry
 from .. import timeout as execution_timeouts
+from ..core import background
+from ..core.faults import FAULTS, to_sentry
+from ..core.scrub import MAX_NAME_CHARS, scrub_text
 from ..instrument import executor as ex
-from ..instrument._common import FAULTS, to_sentry
-from ..instrument.scrub import MAX_NAME_CHARS, scrub_text
+from ..instrument.work_item import ExecutorState, ItemRecord, WorkerDied
 
 _log = logging.getLogger("stallwatch")
 
@@ -57,6 +59,14 @@ _overdue_reported: set[int] = set()  # id() of item records already reported ove
 def configure(settings: WedgeSettings) -> None:
     global SETTINGS
     SETTINGS = settings
+
+
+def install(settings: WedgeSettings) -> None:
+    """Watch every accounted executor: be told of each worker's death (`executor.on_worker_death`)
+    and check for wedges every `settings.interval` seconds on stallwatch's worker."""
+    configure(settings)
+    ex.on_worker_death(worker_died)
+    ensure_running()
 
 
 def ensure_running() -> None:
@@ -108,13 +118,13 @@ def _check_overdue(now: float) -> None:
         )
 
 
-def _check_executor(executor: Any, state: ex.ExecutorState, now: float) -> None:
+def _check_executor(executor: Any, state: ExecutorState, now: float) -> None:
     work_queue = executor._work_queue
     if isinstance(work_queue, ex._AccountingQueue):
         for record in work_queue.take_handed_out():
             record.dequeued_seen = now
             state.in_flight.append(record)
-    still: list[ex.ItemRecord] = []
+    still: list[ItemRecord] = []
     for record in state.in_flight:
         if record.finished or record.orphaned or record.future.done():
             continue
@@ -133,7 +143,7 @@ def _check_executor(executor: Any, state: ex.ExecutorState, now: float) -> None:
     _check_stall(executor, state, now)
 
 
-def _check_stall(executor: Any, state: ex.ExecutorState, now: float) -> None:
+def _check_stall(executor: Any, state: ExecutorState, now: float) -> None:
     work_queue = executor._work_queue
     alive = any(t.is_alive() for t in list(executor._threads))
     if alive or work_queue.qsize() == 0:
@@ -161,7 +171,7 @@ def _check_stall(executor: Any, state: ex.ExecutorState, now: float) -> None:
 
 
 def worker_died(
-    state: ex.ExecutorState, thread: threading.Thread, cause: BaseException | None, held: ex.ItemRecord | None
+    state: ExecutorState, thread: threading.Thread, cause: BaseException | None, held: ItemRecord | None
 ) -> None:
     """Called in the dying worker itself, the moment `_worker` returns abnormally."""
     ensure_running()
@@ -184,8 +194,8 @@ def worker_died(
 
 def _orphan(
     executor: Any,
-    state: ex.ExecutorState,
-    record: ex.ItemRecord,
+    state: ExecutorState,
+    record: ItemRecord,
     thread: threading.Thread | None,
     cause: BaseException | None,
     *,
@@ -213,7 +223,7 @@ def _orphan(
     ex.end_span_orphaned(record, f"worker {name} {what}")
     if SETTINGS.heal:
         if not record.future.done():
-            record.future.set_exception(ex.WorkerDied(name, cause, dequeued_only))
+            record.future.set_exception(WorkerDied(name, cause, dequeued_only))
             ex._add(telemetry.EXECUTOR_HEALED, 1, state.attributes)
         _respawn(executor)
 
@@ -235,8 +245,8 @@ def _respawn(executor: Any) -> None:
 
 def _report(
     kind: str,
-    state: ex.ExecutorState,
-    record: ex.ItemRecord | None,
+    state: ExecutorState,
+    record: ItemRecord | None,
     message: str,
     tags: dict[str, Any],
     context: dict[str, Any],

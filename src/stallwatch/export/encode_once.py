@@ -1,19 +1,14 @@
 """OTLP/gRPC exporters that encode a batch once per export, not once per retry.
 
 The SDK's gRPC exporters (opentelemetry-exporter-otlp-proto-grpc 1.27 to 1.45) call
-`_translate_data(batch)` inside their retry loop, so every retry of an export the collector
-answered with a retryable code (`UNAVAILABLE`, `RESOURCE_EXHAUSTED`, ...) encodes the whole batch
-again: in Python, on the export thread, under the GIL the host's threads need. Measured in the
-backend-faults benchmark's host against a collector answering `UNAVAILABLE` (1,000 requests/s,
-each handing one item to an executor and waiting for it): at each retry, 1 s and 3 s after the
-first failure, about 0.2 s of requests took 7 to 16 ms instead of 0.6 ms, while a 512-span and a
-512-record batch were encoded again. The OTLP/HTTP exporters encode once, before their loop.
+`_translate_data(batch)` inside their retry loop, so every retry of a retryable answer
+(`UNAVAILABLE`, `RESOURCE_EXHAUSTED`, ...) encodes the whole batch again, in Python, under the GIL
+the host's threads need (docs/guarantees.md). No setting of the SDK changes this.
 
-No setting of the SDK changes this, hence this module: `encode_once(cls)` is `cls` with
-`_translate_data` returning the request it already built for the same batch object during the
-same `_export` call. The request is dropped when the call returns, so no batch is kept between
-exports. Two threads exporting at once (the shutdown's flush beside the batch worker) stay
-correct: a batch that is not the one kept is encoded as before.
+`encode_once(cls)` is `cls` with `_translate_data` returning the request it already built for the
+same batch object during the same `_export` call. The request is dropped when the call returns, so
+no batch is kept between exports. Two threads exporting at once (the shutdown's flush beside the
+batch worker) stay correct: a batch that is not the one kept is encoded as usual.
 """
 
 from __future__ import annotations

@@ -1,23 +1,17 @@
 """The last check before spans and log records leave the process: every string stallwatch recorded from the host
 passes the scrubber's detector once more, whichever wrapper recorded it and whether or not it scrubbed it.
 
-With stallwatch's providers the door is `GuardedExporter.export`, which every span and log exporter of
-stallwatch's pipeline sits behind (file, console, OTLP over HTTP or gRPC): one place, on the batch worker's
-thread, after the host's call has returned. With the host's (`STALLWATCH_PROVIDERS=host`) stallwatch's items
-leave through the host's processors and exporters, so the door is in front of those processors instead
-(`check_host_providers`): every tracer or logger an SDK provider makes for a `stallwatch` scope ends its spans
-and emits its records through a `CheckedSpans` / `CheckedLogs` wrapper around the provider's processors, on the
-thread that ends the span or logs the record, before any of the host's processors sees the item. The host's
-processors, exporters and tracers are not touched, nor are its own spans. Only stallwatch's own items are
-checked: spans of the `stallwatch` instrumentation scope and log
-records of the `stallwatch` loggers. The host's own spans and records are the host's to scrub, as without
-stallwatch. What is checked: span names, attribute values (event and link attributes included), status
-descriptions, log bodies; never the ids `telemetry.IDENTIFIERS` names, nor numbers.
+Where (docs/scrubbing.md): with stallwatch's providers, in `GuardedExporter.export`, which every span and log
+exporter of stallwatch's pipeline sits behind, on the batch worker's thread. With the host's
+(`STALLWATCH_PROVIDERS=host`), in front of the host's processors instead (`check_host_providers`): every tracer
+or logger an SDK provider makes for a `stallwatch` scope hands its items to a `CheckedSpans` / `CheckedLogs`
+wrapper around the provider's processors, before any of them sees the item. The host's processors, exporters,
+tracers, spans and records are not touched.
 
-A finished span or record is shared by every exporter and may be read by another thread at the same time, so it
-is never changed: an item with something to redact is exported as a shallow copy with the redacted fields, the
-SDK's private fields set as the SDK's own constructors set them. `scrub.scrub_value` remembers clean values, so
-the usual item (short names and statuses that repeat) costs a few dictionary lookups.
+What: span names, attribute values (event and link attributes included), status descriptions and log bodies
+of stallwatch's own scope and loggers; never the ids `telemetry.IDENTIFIERS` names, nor numbers. A finished
+item is shared by every exporter and other threads, so it is never changed: one with something to redact is
+exported as a shallow copy, its SDK private fields set as the SDK's own constructors set them.
 """
 
 from __future__ import annotations
@@ -33,8 +27,8 @@ from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.trace import Link, Status
 
 from .. import telemetry
-from ..instrument._common import FAULTS
-from ..instrument.scrub import scrub_attributes, scrub_value
+from ..core.faults import FAULTS
+from ..core.scrub import scrub_attributes, scrub_value
 from .span_json import FIELD_READABLE, plain_attributes
 
 if TYPE_CHECKING:

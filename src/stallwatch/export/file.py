@@ -4,10 +4,10 @@ Each export call appends one line holding one OTLP `Export*ServiceRequest` in th
 encoding (lowerCamelCase fields, hex trace/span ids), the same shape the OpenTelemetry
 Collector's file exporter writes, so `jq`, the Collector's `otlpjsonfile` receiver and
 `stallwatch postmortem` can all read it. The SDK has no file exporter. Spans and log records,
-the numerous ones, are written by `span_json` and `log_json` straight from the SDK's objects (about
-5x cheaper than the protobuf route, and checked field by field against it). Metrics (a batch a
+the numerous ones, are written by `span_json` and `log_json` straight from the SDK's objects (cheaper
+than the protobuf route, and checked field by field against it). Metrics (a batch a
 minute by default), and the rare log batch holding something `log_json` does not write itself, take
-that protobuf route: the SDK's OTLP encoder and protobuf's JSON printer (`to_otlp_json`), fixing
+that protobuf route: the SDK's OTLP encoder and protobuf's JSON printer (`otlp_json.to_otlp_json`), fixing
 only the id encoding (protobuf prints bytes as base64, OTLP/JSON wants hex). Each line is a single
 `writev()` (the line and its newline) on an `O_APPEND` descriptor, so a forked child that lives on
 appends whole lines to the same file as its parent.
@@ -15,22 +15,15 @@ appends whole lines to the same file as its parent.
 
 from __future__ import annotations
 
-import base64
-import json
 import logging
 import os
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-with warnings.catch_warnings():
-    # protobuf 4 (what SDK 1.27-1.32 allow) on CPython 3.13 warns about its own C types when first imported
-    # (here, before any other stallwatch module); under the host's `-W error` that would fail setup() and
-    # the demo, and it is not the host's to act on
-    warnings.filterwarnings("ignore", r"Type google\._upb\._message\.", DeprecationWarning)
-    from google.protobuf.json_format import MessageToDict
-    from google.protobuf.message import Message
+from .otlp_json import to_otlp_json  # first: protobuf loads there, under its warnings filter
+
+# isort: split
 from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
 from opentelemetry.sdk._logs import export as _log_export
 from opentelemetry.sdk._logs.export import LogExportResult
@@ -42,25 +35,8 @@ from .log_json import encode_logs_json
 from .span_json import encode_spans_json
 
 _log = logging.getLogger("stallwatch.export")
-_ID_FIELDS = frozenset({"traceId", "spanId", "parentSpanId"})
 
 FILE_NAMES = {"traces": "traces.jsonl", "metrics": "metrics.jsonl", "logs": "logs.jsonl"}
-
-
-def _hex_ids(node: Any) -> Any:
-    if isinstance(node, dict):
-        return {
-            key: base64.b64decode(value).hex() if key in _ID_FIELDS else _hex_ids(value) for key, value in node.items()
-        }
-    if isinstance(node, list):
-        return [_hex_ids(item) for item in node]
-    return node
-
-
-def to_otlp_json(message: Message) -> str:
-    """One OTLP/JSON line for an export request message."""
-    as_dict = MessageToDict(message, use_integers_for_enums=True)
-    return json.dumps(_hex_ids(as_dict), separators=(",", ":"))
 
 
 class _AppendFile:

@@ -45,7 +45,7 @@ dropped span while a backend is down. On the wire both are the same cumulative m
   (the backend is taken to be down, or the queue is full) is not recorded at all, and is counted
   as dropped for the reason each processor gives (`shedding()`). This is for the host's tracers
   (`export.shedding`) and for stallwatch's hot-path spans (executor items, child processes:
-  `instrument.light_span`); spans the journal keeps in flight (Nebius calls, SSH tunnels) are
+  `core.light_span`); spans the journal keeps in flight (Nebius calls, SSH tunnels) are
   always recorded; `STALLWATCH_SHED_SPANS=false` turns it off (`CountingSpanProcessor.sheds`).
   Recording a span costs 10-12 µs on the host's thread (SDK 1.45 here) whatever happens to it
   after, and after the steps above it was most of what a failing backend still cost the host
@@ -74,8 +74,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import TraceFlags
 
 from .. import telemetry
-from ..instrument import histograms
-from ..instrument._common import dropped_values
+from ..core import histograms, light_span
+from ..core.faults import dropped_values
 from . import exit_check
 from .span_json import FIELD_READABLE
 
@@ -317,6 +317,8 @@ class CountingSpanProcessor(BatchSpanProcessor):
         super().__init__(cast("SpanExporter", exporter))  # queue size, batch size and delay from OTEL_BSP_*
         self.guard = exporter
         self.sheds = shed  # STALLWATCH_SHED_SPANS: whether `shed()` may count on this processor dropping
+        if shed:
+            _light_spans_ask_shed()
         # The SDK keeps one deque for the processor's life (a fork child clears it): the usual case,
         # backend up and room in the queue, is told from two reads, before any call.
         self._bounded = _queue(self)
@@ -416,6 +418,11 @@ def shed(processors: Sequence[Any]) -> bool:
         return False
     count_shed(processors, reasons)
     return True
+
+
+def _light_spans_ask_shed() -> None:
+    """Light spans started with `shed=True` ask `shed()` before they are built (`light_span.shed_with`)."""
+    light_span.shed_with(shed)
 
 
 def drop_early(processors: Sequence[CountingLogProcessor]) -> bool:

@@ -10,7 +10,9 @@ exactly the records a root handler would have received, after the host's handler
 
 Invariants: the host's handlers see the same records in the same order, `lastResort` still fires
 when the host has no handler, and a record is handed over at most once (a record logged while the
-bridge's handler runs, by the SDK or an exporter, goes to the host's handlers only).
+bridge's handler runs, by the SDK or an exporter, goes to the host's handlers only). A record that
+an OpenTelemetry logging handler of the host's took on its way to the root logger (dstack's, with
+`DSTACK_OTEL_LOGS_ENABLED`) is the host's to export, and is not handed over: one export per record.
 """
 
 from __future__ import annotations
@@ -23,15 +25,31 @@ from typing import Any
 import wrapt
 from opentelemetry.instrumentation.utils import unwrap
 
+from ..forksafe import otel_compat
+
 _handler: logging.Handler | None = None
 _installed = False
 _busy = threading.local()  # set while the bridge's handler runs in this thread
 
 
-def _reaches_root(logger: logging.Logger) -> bool:
-    """Whether a record handled by `logger` propagates up to the root logger's handlers."""
+_exports: dict[type, bool] = {}  # handler class -> whether it is an OpenTelemetry logging handler
+
+
+def _exported_by_host(handler: logging.Handler) -> bool:
+    kind = type(handler)
+    exports = _exports.get(kind)
+    if exports is None:
+        exports = _exports[kind] = otel_compat.logging_handler_provider(handler) is not None
+    return exports
+
+
+def _to_hand_over(logger: logging.Logger, level: int) -> bool:
+    """Whether a record of `level` handled by `logger` propagates up to the root logger's handlers
+    without an OpenTelemetry logging handler of the host's taking it on the way."""
     current: logging.Logger | None = logger
     while current is not None:
+        if any(level >= handler.level and _exported_by_host(handler) for handler in current.handlers):
+            return False
         if not current.propagate:
             return current.parent is None
         current = current.parent
@@ -46,7 +64,7 @@ def _call_handlers(
     if handler is None or getattr(_busy, "on", False):
         return
     record = args[0] if args else kwargs["record"]
-    if record.levelno < handler.level or not _reaches_root(instance):
+    if record.levelno < handler.level or not _to_hand_over(instance, record.levelno):
         return
     _busy.on = True
     try:

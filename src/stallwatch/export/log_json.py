@@ -1,21 +1,16 @@
 """OTLP/JSON for log records, written straight from the SDK's batch items.
 
-The protobuf route (the SDK's OTLP encoder, then protobuf's `MessageToDict`, then `json.dumps`)
-costs 40 to 80 µs per record of the `logging` bridge here, more with exception stack traces. Under
-a GIL, that CPU is taken from the host's threads by the batch processor's export thread, as it was
-for spans (see `span_json`). This encoder builds the same JSON document, byte for byte, from the
-records' own fields, in about a fifth of that: resources and scopes grouped as the SDK's encoder
-groups them (by equality, in order of first appearance), the fields protobuf's printer omits when
-empty or zero omitted, ids in hex, 64-bit integers and timestamps as strings, bodies and attributes
-as `AnyValue`s. A test checks it against the protobuf route on records with every kind of body and
-attribute, trace context, severities, exceptions, scopes and resources.
+The protobuf route (the SDK's OTLP encoder, `MessageToDict`, `json.dumps`) costs the batch worker CPU
+that, under a GIL, is taken from the host's threads, as for spans (see `span_json`). This encoder
+writes the same JSON document, byte for byte, from the records' own fields: resources and scopes
+grouped as the SDK's encoder groups them (by equality, in order of first appearance), the fields
+protobuf's printer omits when empty or zero omitted, ids in hex, 64-bit integers and timestamps as
+strings, bodies and attributes as `AnyValue`s; a test checks it against the protobuf route.
 
-It covers opentelemetry-sdk 1.27 to 1.45, whose batch items come in two shapes: `LogData(log_record,
-instrumentation_scope)`, the resource on the SDK's `LogRecord`, up to 1.38, and
-`ReadableLogRecord(log_record, resource, instrumentation_scope)` from 1.39. Whatever the encoders
-of those versions write differently, or protobuf refuses, sends the whole batch down the protobuf
-route, which then does exactly what it always did: None values (which SDKs 1.33 to 1.39 also make
-of attribute lists of mixed types), strings that are not UTF-8, integers out of range, unknown
+It reads both batch item shapes of opentelemetry-sdk 1.27 to 1.45 (`LogData` up to 1.38,
+`ReadableLogRecord` from 1.39). Whatever those versions' encoders write differently, or protobuf
+refuses, sends the whole batch down the protobuf route: None values (which SDKs 1.33 to 1.39 also
+make of attribute lists of mixed types), strings that are not UTF-8, integers out of range, unknown
 value or item types, and, before 1.39, scope attributes, scope schema URLs and event names.
 """
 
@@ -32,6 +27,7 @@ from opentelemetry.exporter.otlp.proto.common._log_encoder import encode_logs
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
+from .otlp_json import to_otlp_json
 from .span_json import plain_attributes
 
 try:  # opentelemetry-sdk 1.39 and later
@@ -234,8 +230,6 @@ def _encode(batch: Sequence[Any]) -> str:
 
 
 def _protobuf_route(batch: Sequence[Any]) -> str:
-    from .file import to_otlp_json  # here: file.py imports this module
-
     return to_otlp_json(encode_logs(batch))
 
 

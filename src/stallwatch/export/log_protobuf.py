@@ -1,14 +1,13 @@
 """OTLP protobuf for log records, written straight from the SDK's batch items, for the OTLP/HTTP
 log exporter.
 
-The SDK's encoder builds protobuf objects from Python: 25 µs per record of the `logging` bridge
-here (SDK 1.45, upb), on the batch processor's export thread but under the host's GIL. This module
-writes the same bytes the way `span_protobuf` does for spans, and is used under the same rule:
-`matches_sdk()` encodes a probe batch, made by the SDK's own `logging` handler, both ways and the
-SDK's encoder stays unless the bytes are identical; a batch holding a value this module does not
-write (None, mappings, text that is not UTF-8, integers past 64 bits, other types) goes to the
-SDK's encoder whole. The two batch item shapes (`LogData` up to SDK 1.38, `ReadableLogRecord`
-since 1.39) are read as `log_json` reads them.
+The SDK's encoder builds protobuf objects from Python, on the batch processor's export thread but
+under the host's GIL. This module writes the same bytes the way `span_protobuf` does for spans, and
+is used under the same rule: `matches_sdk()` encodes a probe batch, made by the SDK's own `logging`
+handler, both ways and the SDK's encoder stays unless the bytes are identical; a batch holding a
+value this module does not write (None, mappings, text that is not UTF-8, integers past 64 bits,
+other types) goes to the SDK's encoder whole. The two batch item shapes (`LogData` up to SDK 1.38,
+`ReadableLogRecord` since 1.39) are read as `log_json` reads them.
 """
 
 from __future__ import annotations

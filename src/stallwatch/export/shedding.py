@@ -14,7 +14,7 @@ of our backend. So the provider's tracers override `start_span`. The SDK builds 
 them as the SDK does and then sets their class to `SheddingTracer`, which only adds a check in
 front of the stock `start_span`. stallwatch's own tracer is left as it is: the spans it must
 keep in flight for the journal (Nebius calls, SSH tunnels) are always recorded, and its hot-path
-spans shed through `instrument.light_span`.
+spans shed through `core.light_span`.
 
 A shed span is a `light_span.ShedSpan`. With the SDK's default exemplar filter (`trace_based`:
 a measurement made inside a sampled span may become an exemplar linking to it), the meter
@@ -36,7 +36,7 @@ from opentelemetry.trace import Link, SpanKind, TraceFlags
 from opentelemetry.util import types
 
 from .. import telemetry
-from ..instrument import light_span
+from ..core import light_span
 from . import guarded
 
 _sdk_start_span = sdk_trace.Tracer.start_span

@@ -40,7 +40,7 @@ _KIND_BY_ID = {id(kind): number for kind, number in _KIND.items()}  # an enum me
 
 
 # Span types whose `ReadableSpan` fields the encoders read directly: the SDK's finished span, and
-# `instrument.light_span.LightSpan`, which adds itself (this file imports nothing of stallwatch).
+# `core.light_span.LightSpan`, added by this package (this file imports nothing of stallwatch).
 FIELD_READABLE: set[type] = {ReadableSpan}
 _NONE_DROPPED = (0, 0, 0)
 

@@ -1,19 +1,16 @@
 """OTLP protobuf for spans, written straight from `ReadableSpan`s, for the OTLP/HTTP span exporter.
 
-The SDK's encoder builds a protobuf object for every span, attribute, event and link from Python:
-10.7 µs for a plain request span and 16.6 µs for an executor item span with three attributes, here
-(SDK 1.45, upb). That runs on the batch processor's export thread but under the host's GIL: with a
-healthy collector at 1,000 requests/s it was half of what exporting added to the host's p99
-(`tests/bench/results/backend_faults.md`). This module writes the same bytes with `struct` and
-byte joins, field by field in the order protobuf writes them: 3.2 and 5.8 µs for those spans.
+The SDK's encoder builds a protobuf object for every span, attribute, event and link from Python, on
+the batch processor's export thread but under the host's GIL. This module writes the same bytes with
+`struct` and byte joins, field by field in the order protobuf writes them (what that saves:
+`tests/bench/results/fast_paths.md`).
 
 It is used only where it writes exactly what the installed SDK writes: `matches_sdk()` encodes a
 probe batch both ways (every attribute type, empty values, events, links, statuses, local and
 remote parents, a trace state, two resources and scopes) and compares the bytes; on any
 difference (another SDK version) the SDK's encoder stays. A batch holding a value this module does
-not write (None, mappings, text that is not UTF-8, integers past 64 bits, other types) goes to the
-SDK's encoder whole, which then does what it always did with it; so does one on which this module
-fails in any other way.
+not write (None, mappings, text that is not UTF-8, integers past 64 bits, other types), or on which
+it fails in any other way, goes to the SDK's encoder whole, which then does what it always does.
 """
 
 from __future__ import annotations

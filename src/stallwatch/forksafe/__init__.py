@@ -29,8 +29,18 @@ class ForkSafety:
     uvloop_spawn: str = "vfork"  # STALLWATCH_UVLOOP_SPAWN as read at import
 
 
+INSTALLED: ForkSafety | None = None  # what `install()` did (`import stallwatch` calls it)
+
+
 def install() -> ForkSafety:
-    """Install every fork protection that the environment allows; never raises."""
+    """Install every fork protection that the environment allows; never raises. The result is
+    also kept as `INSTALLED`, for the fork-hazard report (`doctor`)."""
+    global INSTALLED
+    INSTALLED = _install()
+    return INSTALLED
+
+
+def _install() -> ForkSafety:
     sdk_loaded_before = SDK_LOADED_BEFORE_STALLWATCH
     guard_enabled = env_flag("STALLWATCH_FORK_GUARD", True)
     grpc_enabled = env_flag("STALLWATCH_GRPC_FORK_GUARD", True)
@@ -39,8 +49,7 @@ def install() -> ForkSafety:
     error = "; ".join(flags) or None
     grpc_state = grpc_guard.install(grpc_enabled)
     spawn = uvloop_spawn_at_import()
-    # Before the guard, whose uvloop wrappers then sit outside: every uvloop spawn, routed or not, is
-    # marked for the watchdog. Installed either way, so that setup() can switch it with the same layering.
+    # Installed either way, so that setup() can switch it; `uvloop_layers` puts it inside the guard's layer.
     uvloop_spawn.install()
     if spawn == "fork":
         uvloop_spawn.disable()

@@ -4,8 +4,9 @@ A real `fork()` runs every Python `os.register_at_fork` handler in the child. uv
 every subprocess and runs them although the child only execs (incident 000 in docs/incidents.md; uvloop#749), and so
 does `Popen(preexec_fn=...)`. This module wraps `os.register_at_fork` at `import stallwatch`, so
 each handler registered afterwards is skipped when the fork is *exec-bound*: the fork happens
-inside a uvloop `subprocess_exec`/`subprocess_shell` call or a `Popen` with `preexec_fn`, which
-this module marks with a context variable. Children of a plain `os.fork()` keep every handler.
+inside a uvloop `subprocess_exec`/`subprocess_shell` call (this module's layer in `uvloop_layers`)
+or a `Popen` with `preexec_fn`, which this module marks with a context variable. Children of a plain
+`os.fork()` keep every handler.
 
 It also counts each fork (`stallwatch.fork.count`) with plain integers in the `before` handler:
 no lock and no SDK call happens inside the fork window, where the parent may hold the GIL.
@@ -22,11 +23,12 @@ import threading
 import weakref
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import wrapt
 
-from ..detect import heartbeat
+from ..core import scrub
+from . import uvloop_layers
 from .grpc_guard import GrpcActivity
 from .loop import running_loop_kind
 
@@ -171,6 +173,44 @@ def _register_at_fork(
     return result
 
 
+# ---- what a layer above does around forks and spawns (the heartbeat, as it starts) --------------
+
+
+class SpawnNotes(Protocol):
+    """Where an exec-bound uvloop spawn is noted for the watchdog while it lasts."""
+
+    def spawning(self, command: str, trace_id: int, span_id: int) -> None: ...
+
+    def spawned(self) -> None: ...
+
+
+def _nothing() -> None:
+    return None
+
+
+def _no_notes() -> SpawnNotes | None:
+    return None
+
+
+@dataclass(frozen=True)
+class ForkListener:
+    """What the guard's own handlers call besides their bookkeeping; no-ops until `listen()`."""
+
+    before_fork: Callable[[], None] = _nothing  # before a fork whose child may live on
+    after_fork_in_parent: Callable[[], None] = _nothing  # after that fork, in the parent
+    in_child: Callable[[], None] = _nothing  # first thing in every fork child
+    spawn_notes: Callable[[], SpawnNotes | None] = _no_notes  # where to note a uvloop spawn, if anywhere
+
+
+_listener = ForkListener()
+
+
+def listen(listener: ForkListener) -> None:
+    """Make the guard's handlers call `listener` from now on (one listener: a later call replaces it)."""
+    global _listener
+    _listener = listener
+
+
 # ---- our own handlers (registered unguarded, before anything else after import) ----------------
 
 
@@ -182,18 +222,18 @@ def _before_fork() -> None:
     if exec_bound:
         STATE.handlers_skipped += STATE.guarded_handlers
     else:  # a child that may live on and exit: faulthandler's timer must not be armed in it
-        heartbeat.disarm_for_fork()
+        _listener.before_fork()
 
 
 def _after_in_parent() -> None:
     if not STATE.forking_exec_bound:
-        heartbeat.rearm_after_fork()
+        _listener.after_fork_in_parent()
     STATE.forking_exec_bound = False
 
 
 def _after_in_child() -> None:
     STATE.child_exec_bound = STATE.forking_exec_bound
-    heartbeat.forked_child()  # one store: the parent's heartbeat is never the child's to write
+    _listener.in_child()  # one store: the parent's heartbeat is never the child's to write
     if STATE.child_exec_bound:
         return  # a child about to exec does no work at all
     STATE.restart_lock = threading.Lock()
@@ -274,7 +314,7 @@ def _mark_uvloop_spawn(shell: bool) -> Callable[..., Awaitable[Any]]:
         wrapped: Callable[..., Awaitable[Any]], instance: object, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         token = _exec_bound.set(True)
-        area = heartbeat.AREA
+        area = _listener.spawn_notes()
         if area is not None:  # tell the watchdog what is being spawned, in case the spawn freezes us
             _note_spawn(area, args, shell)
         try:
@@ -287,13 +327,11 @@ def _mark_uvloop_spawn(shell: bool) -> Callable[..., Awaitable[Any]]:
     return wrapper
 
 
-def _note_spawn(area: heartbeat.HeartbeatArea, args: tuple[Any, ...], shell: bool) -> None:
+def _note_spawn(area: SpawnNotes, args: tuple[Any, ...], shell: bool) -> None:
     """Executable name and argument count only, counted as on the spawn's span: no argument leaves the process."""
     from opentelemetry import trace
 
-    from ..instrument import scrub  # a shell command's `PGPASSWORD=... psql` gives "psql"
-
-    if len(args) > 1:
+    if len(args) > 1:  # a shell command's `PGPASSWORD=... psql` gives "psql"
         program, argv = scrub.loop_command(args, shell)
         command = f"{scrub.executable_name(program)} ({scrub.args_count(argv)} args)"
     else:
@@ -316,11 +354,6 @@ def _mark_preexec_popen(
         _exec_bound.reset(token)
 
 
-def _patch_uvloop(module: Any) -> None:
-    for name in ("subprocess_exec", "subprocess_shell"):
-        wrapt.wrap_function_wrapper(module, f"Loop.{name}", _mark_uvloop_spawn(name == "subprocess_shell"))
-
-
 _installed = False
 
 
@@ -338,7 +371,7 @@ def install() -> None:
         register_exit(_interpreter_exiting)
     wrapt.wrap_function_wrapper(os, "register_at_fork", _register_at_fork)
     wrapt.wrap_function_wrapper(subprocess.Popen, "_execute_child", _mark_preexec_popen)
-    wrapt.register_post_import_hook(_patch_uvloop, "uvloop")
+    uvloop_layers.add("guard", _mark_uvloop_spawn(shell=False), _mark_uvloop_spawn(shell=True))
 
 
 def installed() -> bool:

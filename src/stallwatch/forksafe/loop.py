@@ -51,6 +51,7 @@ def loop_report() -> LoopReport:
     libuv = None
     if uvloop_version is not None:
         try:
+            # optional: the uvloop extra
             import uvloop.loop
 
             major, minor, patch = uvloop.loop.libuv_get_version().to_bytes(3, "big")  # type: ignore[attr-defined]

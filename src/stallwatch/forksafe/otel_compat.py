@@ -297,6 +297,7 @@ def labelled_prometheus_reader(reader_class: type[Reader], resource_labels: Coll
     """
     if "resource_attribute_filter" in inspect.signature(reader_class.__init__).parameters:
         return reader_class(resource_attribute_filter=frozenset(resource_labels).__contains__)  # type: ignore[call-arg]
+    # optional: the prometheus extra
     from prometheus_client import REGISTRY
 
     reader = reader_class()
@@ -345,3 +346,15 @@ class _LabellingCollector:
         for family in self._stock.collect():
             family.samples = [sample._replace(labels={**self._labels, **sample.labels}) for sample in family.samples]
             yield family
+
+
+def logging_handler_provider(handler: logging.Handler) -> Any | None:
+    """The logger provider an OpenTelemetry logging handler exports through, or None for any other handler.
+
+    Both handler classes keep it as `_logger_provider`: the SDK's `opentelemetry.sdk._logs.LoggingHandler`
+    (every version) and `opentelemetry.instrumentation.logging.handler.LoggingHandler` (0.61b0+, where the
+    SDK's moved; dstack's `DSTACK_OTEL_LOGS_ENABLED` uses it). Their public `flush()` cannot be waited for.
+    """
+    if not type(handler).__module__.startswith("opentelemetry."):
+        return None
+    return getattr(handler, "_logger_provider", None)

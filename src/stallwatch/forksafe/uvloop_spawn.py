@@ -1,53 +1,15 @@
-"""``STALLWATCH_UVLOOP_SPAWN=vfork`` (the default from ``import stallwatch`` on; ``fork`` opts out):
-uvloop stays the event loop, but spawns like the stdlib.
+"""``STALLWATCH_UVLOOP_SPAWN=vfork`` (the default from ``import stallwatch`` on; ``fork`` opts out): uvloop
+stays the event loop, but its ``Loop.subprocess_exec``/``subprocess_shell`` spawn through ``Popen`` (vfork or
+posix_spawn, where no at-fork handler runs) instead of libuv's ``fork()``. docs/uvloop.md holds the user's view.
 
-uvloop's ``Loop.subprocess_exec``/``subprocess_shell`` start every child with libuv's ``uv_spawn``,
-a real ``fork()``: every ``pthread_atfork`` handler (gRPC's) and every ``os.register_at_fork``
-handler runs in the child, and the loop thread holds the GIL until the child execs
-(incident 000 in docs/incidents.md). ``subprocess.Popen`` uses ``vfork()`` (CPython 3.10+ on Linux) or
-``posix_spawn()``, where no fork handler runs and no page table is copied. `install()` wraps both
-uvloop methods (``wrapt``, on uvloop's ``Loop`` class, whether uvloop is imported before or after)
-so that they spawn through ``Popen`` instead.
-
-Design. The transport is the standard library's own ``asyncio.unix_events._UnixSubprocessTransport``
-(a ``base_subprocess.BaseSubprocessTransport``): it takes the loop, runs ``Popen`` and connects the
-pipes with ``loop.connect_read_pipe``/``connect_write_pipe``, which uvloop implements, so pipes,
-``StreamReader`` objects, ``communicate``, flow control and the ``connection_made``-before-waiter order
-that ``asyncio.subprocess.create_subprocess_exec`` relies on are the stdlib's, unchanged, except
-that each pipe reaches uvloop as a `_LibuvPipe`, so that its descriptor is closed once (uvloop closes
-the number of a file object it was given twice, the second time possibly another thread's). The
-argument checks copy ``BaseEventLoop.subprocess_exec``/``subprocess_shell`` (same exceptions, same
-messages; identical in CPython 3.10 to 3.13), and so does the await-or-kill around the waiter.
-
-Only the exit watch is hand-written: asyncio's child watchers belong to the stdlib loop and its
-policy (deprecated in 3.12, gone in 3.14), uvloop refuses asyncio's SIGCHLD watcher, and
-``PidfdChildWatcher`` calls the loop's private ``_add_reader``, which uvloop does not expose. So each
-child gets a pidfd (``os.pidfd_open``) watched with ``loop.add_reader``; when it turns readable the
-child is reaped with ``os.waitpid(pid, WNOHANG)`` and the transport hears ``_process_exited``. If
-someone else reaped the child first, the code ``Popen.poll()`` recorded is used (the stdlib
-transport's ``close()`` polls), else 255 with a warning, as asyncio does. Signals go through
-``signal.pidfd_send_signal``, so a recycled pid is never hit, and raise ``ProcessLookupError`` once
-the child is known to have exited, as uvloop's transport does (the stdlib's ``Popen.send_signal``
-would silently reap the child first on 3.10-3.12).
-
-Falls back to uvloop's own spawn, with `FALLBACK` set to the reason and one INFO log per reason:
-``preexec_fn``, ``user``, ``group`` and ``extra_groups`` (each makes ``Popen`` ``fork()``: uvloop's
-own spawn then does what it always did, including its ``ValueError`` for the last three), keywords
-``Popen`` does not take on this Python (``process_group`` on 3.10, uvloop's own test keywords), a
-kernel without pidfds (``pidfd``) and a stdlib whose private transport API changed
-(``stdlib-internals``: names and signatures are checked at import).
-
-Differences from uvloop's native spawn that remain, all of them the stdlib asyncio loop's
-behaviour: ``executable=`` is the program run with ``argv[0]`` left as given (uvloop puts the
-executable in ``argv[0]``); ``close_fds`` defaults to True and is honoured (uvloop ignores it);
-``pipesize``, ``umask`` and (3.11+) ``process_group`` work (uvloop raises ``ValueError``); an
-argument or variable with a NUL byte raises ``ValueError`` (uvloop silently truncates it); a spawn
-error leaks no pipe (uvloop leaks three on a bad ``pass_fds``) and carries the stdlib's message,
-with the file name (``[Errno 2] No such file or directory: 'name'``), but the same exception type
-as uvloop's (FileNotFoundError, PermissionError, NotADirectoryError, OSError). Per CPython version,
-``Process.wait()`` returns at exit on 3.10 and once the pipes are closed too on 3.11+, as the
-stdlib loop of that version does. The ``Popen`` in the transport's ``subprocess`` extra has the pipe
-ends handed to the loop (``fileno()``, ``close()``) as ``stdin``/``stdout``/``stderr``, not file objects.
+Contract: the transport is the standard library's ``_UnixSubprocessTransport``, so pipes, streams,
+``communicate``, flow control and the callback order are the stdlib loop's; the argument checks and their
+exceptions copy ``BaseEventLoop``'s. Each pipe reaches uvloop as a `_LibuvPipe`, so every descriptor is closed
+exactly once. The exit is watched with a pidfd on the loop (no child watcher: uvloop refuses asyncio's), and
+signals go through the pidfd, so a recycled pid is never hit. A call the route cannot honour (`unsupported_reason`:
+``preexec_fn``/``user``/``group``/``extra_groups``, a keyword ``Popen`` lacks, no pidfds, changed stdlib
+internals) goes to uvloop's own spawn unchanged, with `FALLBACK` set and one INFO line per reason.
+`install()` puts this module's layer on uvloop's methods through `uvloop_layers` (innermost, see there).
 """
 
 from __future__ import annotations
@@ -63,10 +25,9 @@ import subprocess
 import weakref
 from asyncio import base_subprocess, unix_events
 from collections.abc import Awaitable, Callable, Mapping
-from types import ModuleType
 from typing import Any
 
-import wrapt
+from . import uvloop_layers
 
 SETTING = "STALLWATCH_UVLOOP_SPAWN"
 
@@ -367,11 +328,7 @@ def _route(
     return wrapper
 
 
-def _patch_uvloop(module: ModuleType) -> None:
-    wrapt.wrap_function_wrapper(module, "Loop.subprocess_exec", _route(_subprocess_exec))
-    wrapt.wrap_function_wrapper(module, "Loop.subprocess_shell", _route(_subprocess_shell))
-
-
+_ROUTE_EXEC, _ROUTE_SHELL = _route(_subprocess_exec), _route(_subprocess_shell)
 _installed = False
 _routing = False
 
@@ -379,11 +336,8 @@ _routing = False
 def install() -> None:
     """Route uvloop's subprocess_exec/subprocess_shell through Popen from now on (idempotent)."""
     global _installed, _routing
-    _routing = True
-    if _installed:
-        return
-    _installed = True
-    wrapt.register_post_import_hook(_patch_uvloop, "uvloop")
+    _routing = _installed = True
+    uvloop_layers.add("route", _ROUTE_EXEC, _ROUTE_SHELL)  # puts the layer back if it was removed
 
 
 def disable() -> None:

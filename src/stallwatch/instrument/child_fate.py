@@ -1,50 +1,18 @@
 """What became of a child process beyond its return code: did it exec, and did the host signal it.
 
-A child killed by a signal right after its spawn is incident 000's signature only when it died
-before exec, as a copy of the host. Two other children die the same way and are not the incident:
-one that ran its program and crashed there, and one the host killed itself (dstack closes a
-foreground tunnel by SIGKILLing its `ssh` process group). This module tells them apart by facts
+A child killed by a signal right after its spawn is incident 000's signature only when it died before
+exec, as a copy of the host; one that crashed in its own program, or that the host killed itself
+(dstack SIGKILLs a foreground tunnel's `ssh` group), is not. This module tells them apart by facts
 the kernel keeps, not by timing.
 
-**Exec.** Every spawn call returns only once its child has exec'd or is dying: `_posixsubprocess`
-and libuv (uvloop) wait for end-of-file on a close-on-exec pipe, which exec gives, and so does a
-dying child as it closes its files (libuv reads both as success), and vfork and `posix_spawn`
-suspend the caller until the child execs or exits. A child dying before exec is not a zombie yet
-when it closes that pipe, so the spawn call often returns while it still looks alive. The kernel
-knows which: it sets `PF_FORKNOEXEC` in every new process and clears it at exec, and
-`/proc/PID/stat` (field 9) shows the flags until the child is reaped. Reading a file is dearer
-than the rest of a spawn's instrumentation, so `exec_seen()` reads it where a child can die before
-exec:
+Exec (`stallwatch.subprocess.exec`, see `exec_seen`): `done` (the child ran its program), `not_done`
+(it died before exec), `unknown` (something else reaped it first, or `/proc` was unreadable).
 
-- a real fork (uvloop's own spawn, `Popen` with `preexec_fn`, `user`, `group`) runs the host's code
-  in the child before exec (at-fork handlers, `preexec_fn`), as in incident 000: its flags are read
-  right after the spawn call, which itself costs milliseconds;
-- a vfork or `posix_spawn` child runs none: still running when its spawn returned (`waitid` with
-  `WNOWAIT`, which leaves it for whoever reaps it), it is taken as exec'd, since only a signal from
-  another process within those microseconds could have stopped it before; already a zombie, its
-  flags are read.
-
-uvloop's pid becomes known only after its loop has run, which may have reaped the child, so the look
-(`new_children()`) happens right after the spawn's first step, where uvloop forks and waits: the
-spawning thread's children that are not watched yet, from `/proc/thread-self/children`. Without it
-(a kernel without CONFIG_PROC_CHILDREN) the look waits for the pid. The verdict,
-`stallwatch.subprocess.exec`:
-
-- `done`: the child ran its program (the flag clear, or a vfork child running when its spawn returned);
-- `not_done`: it died before exec (the flag set);
-- `unknown`: something else reaped it before stallwatch looked, or `/proc` was unreadable.
-
-**Signals.** Signals the host sends from Python are recorded on the child they reach, with the time
-they were sent: `os.kill` (a pid, 0 for the caller's process group, -1 for every child, -PGID),
-`os.killpg` (each child in the group) and `signal.pidfd_send_signal`, which carry
-`Popen.send_signal`/`terminate`/`kill`, the standard loop's subprocess transport (through `Popen`)
-and the `STALLWATCH_UVLOOP_SPAWN=vfork` transport (a pidfd); and
-`asyncio.subprocess.Process.send_signal`/`terminate`/`kill` where its transport is not the standard
-library's (uvloop's own signals from C). Not observable: uvloop's transport methods called on the
-transport itself, including `close()`, which kills a running child, signals sent from other C code,
-and signals from other processes. A child killed that way after exec still reads `done`. Signal 0
-(an existence check) is no signal. A signal is recorded just before it is sent and dropped again
-when sending it raised, and only while the child is not reaped.
+Signals the host sends from Python are recorded on the child they reach, with the time they were
+sent, while it is not reaped: `os.kill`, `os.killpg`, `signal.pidfd_send_signal` (which carry
+`Popen`'s methods, the standard loop's transport and the `STALLWATCH_UVLOOP_SPAWN=vfork` one) and
+`asyncio.subprocess.Process.send_signal`/`terminate`/`kill` on uvloop. Not seen: uvloop's transport
+methods (its `close()` included), signals from other C code or other processes; signal 0 is no signal.
 """
 
 from __future__ import annotations
@@ -62,7 +30,7 @@ from opentelemetry.instrumentation.utils import unwrap
 
 from .. import telemetry
 from .._private import never_execed
-from ._common import FAULTS, signal_name
+from ..core.faults import FAULTS, signal_name
 from ._lifecycle import ForkReset
 
 COMPONENT = "subprocess"
@@ -104,10 +72,18 @@ def _not_forked() -> bool:
 
 
 def exec_seen(pid: int, forked: Callable[[], bool] = _not_forked) -> Fate:
-    """Right after the spawn call that returned `pid`: did the child exec (see the module docstring).
+    """Right after the spawn call that returned `pid`: did the child exec.
 
-    `forked()` says whether the spawn was a real fork (host code ran in the child before exec); it
-    is called only when the child is still alive.
+    Every spawn call returns once its child has exec'd or is dying (a close-on-exec pipe's end of
+    file, or vfork/`posix_spawn` suspending the caller), but a child dying before exec is not a
+    zombie yet, so it can still look alive. The kernel knows: `PF_FORKNOEXEC` is set in every new
+    process and cleared at exec, shown in `/proc/PID/stat` until the child is reaped. Reading it is
+    dearer than the rest of a spawn's instrumentation, so it is read only where a child can die
+    before exec: after a real fork (host code ran in the child: at-fork handlers, `preexec_fn`), and
+    for a vfork/`posix_spawn` child already dead when its spawn returned; one still running (seen
+    with `WNOWAIT`, which leaves it for whoever reaps it) ran no host code and is taken as exec'd.
+
+    `forked()` says whether the spawn was a real fork; it is called only when the child is alive.
     """
     try:
         dead = os.waitid(os.P_PID, pid, _PEEK)
@@ -119,7 +95,11 @@ def exec_seen(pid: int, forked: Callable[[], bool] = _not_forked) -> Fate:
 def new_children() -> dict[int, Fate]:
     """Right after a spawn whose pid is not known yet, on the thread that forked: the verdicts of
     that thread's children not watched yet (normally only the new one), from
-    `/proc/thread-self/children`; empty without it (a kernel without CONFIG_PROC_CHILDREN)."""
+    `/proc/thread-self/children`; empty without it (a kernel without CONFIG_PROC_CHILDREN).
+
+    uvloop's pid is known only after its loop has run, which may have reaped the child, so the look
+    happens right after the spawn's first step, where uvloop forks and waits.
+    """
     try:
         with open("/proc/thread-self/children", "rb") as children:
             pids = [int(pid) for pid in children.read().split()]

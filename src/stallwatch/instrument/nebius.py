@@ -1,50 +1,18 @@
 """Nebius API instrumentation: one CLIENT span per logical call, with status, attempts and ids.
 
-The Nebius SDK (`nebius` 0.6.x) builds a `nebius.aio.request.Request` for every call. The first
-await (or `.wait()`) creates `Request._request_with_authorization_loop()` in the caller's thread
-and runs it on the SDK's own loop thread. That coroutine covers authentication, every retry
-(`_retry_loop` → `_send` per attempt → `_await_native_call`) and result wrapping. The
-OpenTelemetry gRPC instrumentation misses the SDK's channels, so the instrumentation wraps those
-three private methods instead:
+The OpenTelemetry gRPC instrumentation misses the SDK's (`nebius` 0.6.x) channels, so three private
+methods of `nebius.aio.request.Request` are wrapped: `_request_with_authorization_loop` is the span
+(authentication, retries, result; parent and start taken in the caller's thread, none for a coroutine
+never started, ended on the SDK loop before the caller has the result), `_send` counts attempts and
+backoffs, and `_await_native_call` adds a `stallwatch.nebius.attempt` event per attempt. An SDK
+without them (`supported()`) gets one WARNING and is left untouched. Payloads are never read but a
+delete's `id`; creates and deletes go through the resource ledger (`stallwatch.journal.ledger`).
 
-- `_request_with_authorization_loop`: the span. The parent context and start time are taken in
-  the caller's thread when the coroutine is created; the span starts and ends on the SDK loop,
-  and ends before the coroutine returns, so it is ended by the time the caller has the result. A
-  coroutine that never starts (the SDK rejected the submission) leaves no span.
-- `_send`: counts attempts and measures the backoff before each one.
-- `_await_native_call`: one `stallwatch.nebius.attempt` event per attempt, with its gRPC status.
-
-Create and delete calls go through the resource ledger (`stallwatch.ledger`): the intent is
-recorded before the request leaves, the outcome (operation and resource ids, or the failure) when
-known. Payloads are never read, except for the `id` of a delete request. The names are private,
-so `supported()` checks them. An SDK without them gets one WARNING naming its version and is
-left untouched; `doctor` reports it too.
-
-What a call pays, and where. The SDK loop thread and the caller's thread share one GIL, so any
-CPU spent in this process while a call is in flight lengthens it. Only what the ledger's contract
-needs stays between the caller's await and its result:
-
-1. before the request leaves: the span is started (its ids name the journal records and the
-   ledger's records), its journal start record is queued (and never written if the call ends
-   first, see `stallwatch.journal.writer`), and a create/delete's intent is made durable (one
-   `fdatasync`, the single disk wait the ledger requires; see `stallwatch.ledger`);
-2. when the answer is in, before the SDK hands it to the caller: the status and ids are read, a
-   create/delete's outcome is written to the journal (a `pwrite`, synced by the journal within
-   its flush period, see `stallwatch.journal.writer`), and the span gets its attributes, attempt
-   events and status and ends (with its journal end record), so that a host reading its spans, or
-   flushing its tracer provider, right after the call finds it;
-3. the rest (the metrics and the ledger's log records) runs on the SDK loop later, off the
-   caller's path. The caller's thread wakes up when the SDK publishes the result, and it needs the
-   GIL the SDK loop would hold meanwhile, so this completion waits in `_waiting` until the next
-   call's request is on the network (the intent's log record goes out then too), or
-   `COMPLETE_WITHIN` seconds on the loop's timer when no call follows, or a metric collection
-   (a meter provider's `force_flush()` included), or `stallwatch.shutdown()` (`complete_waiting`),
-   whichever comes first.
-
-Per-method facts (span name, attributes, ledger action, resource type) are computed once per
-method. What each part costs a call against the fake server is measured by
-`tests/bench/bench_nebius.py` (`tests/bench/results/nebius.md`: the wrapper alone, with the
-exporters, and with the journal's durable intent).
+The SDK loop and the caller share one GIL, so only what the ledger's contract needs runs between the
+caller's await and its result: the span's start, a create/delete's durable intent before the request
+leaves, its written outcome and the span's end once the answer is in. Metrics and the ledger's log
+records complete later on the SDK loop (`_waiting`: at the next call's send, after `COMPLETE_WITHIN`,
+at a metric collection or at `stallwatch.shutdown()`, whichever is first).
 """
 
 from __future__ import annotations
@@ -68,12 +36,13 @@ from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type:
 from opentelemetry.instrumentation.utils import unwrap
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from .. import journal, ledger, telemetry
+from .. import journal, telemetry
 from .._version import __version__
-from . import light_span
-from ._common import FAULTS, Counts, Deferred, instrument, meter
+from ..core import light_span
+from ..core.faults import FAULTS, Counts, Deferred, instrument, meter
+from ..core.scrub import MAX_NAME_CHARS, clip_text, scrub_text
+from ..journal import ledger
 from ._lifecycle import ForkReset, ImportHooks
-from .scrub import MAX_NAME_CHARS, clip_text, scrub_text
 
 _log = logging.getLogger("stallwatch")
 COMPONENT = "nebius"
@@ -98,6 +67,8 @@ class _Instruments:
     deleted: Any
 
 
+# The instrumentor's instruments while it is on (it holds them too): a module global because the wrappers are
+# module functions that wrapt puts on the SDK's `Request` class, shared by every call.
 _instruments: _Instruments | None = None
 _status = "off (setup() not run, or STALLWATCH_INSTRUMENT_NEBIUS=false)"
 _current: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("stallwatch_nebius_call", default=None)
@@ -322,6 +293,7 @@ def _code_number(code: str) -> int:
     if number is not None:
         return number
     try:
+        # optional: grpc comes with nebius, and is never loaded by setup()
         import grpc
 
         number = int(grpc.StatusCode[code].value[0])
@@ -547,6 +519,8 @@ class NebiusInstrumentor(BaseInstrumentor):
     Keyword arguments of `instrument()`: `tracer_provider`, `meter_provider` (default: the global ones).
     """
 
+    _instruments: _Instruments | None = None
+
     def instrumentation_dependencies(self) -> Collection[str]:
         return (SUPPORTED_SDK,)
 
@@ -560,7 +534,7 @@ class NebiusInstrumentor(BaseInstrumentor):
             complete_waiting()
             duration.drain()
 
-        _instruments = _Instruments(
+        self._instruments = _instruments = _Instruments(
             tracer=trace.get_tracer(telemetry.INSTRUMENTATION_SCOPE, __version__, kwargs.get("tracer_provider")),
             duration=duration,
             active=Counts(meter_, telemetry.NEBIUS_CALLS_ACTIVE, before=before_collection),
@@ -573,7 +547,7 @@ class NebiusInstrumentor(BaseInstrumentor):
 
     def _uninstrument(self, **kwargs: Any) -> None:
         global _instruments, _status
-        _instruments = None
+        self._instruments = _instruments = None
         ImportHooks.of(self).clear()
         _status = "off (uninstrumented)"
         module = sys.modules.get(REQUEST_MODULE)

@@ -1,26 +1,18 @@
 """paramiko instrumentation: `ssh.connection`, `ssh.command` and `ssh.sftp` spans, with the SSH metrics.
 
-`ParamikoInstrumentor` installs the wrappers when `paramiko` is imported (now, if it already is),
-through a wrapt post-import hook; `setup()` runs it unless `STALLWATCH_INSTRUMENT_SSH=false`.
+`ParamikoInstrumentor` wraps `paramiko` once imported (`setup()` runs it unless `STALLWATCH_INSTRUMENT_SSH=false`);
+a paramiko without the private names it wraps is left untouched, with one WARNING naming the setting.
 
-- `SSHClient.connect`/`close`: the `ssh.connection` span runs from connect to close. A connect that
-  raises ends it at once, in ERROR; `stallwatch.ssh.auth` says whether the server accepted the
-  credentials (absent when the connection failed before: refused, unknown host key, timeout).
-- `Channel.exec_command`: the `ssh.command` span starts before the exec request is sent (so it covers
-  `SSHClient.exec_command` and channels the host opened itself). It ends as soon as the channel knows
-  how the command ended: the server's `exit-status` or `exit-signal` request (seen on paramiko's
-  transport thread, which dispatches it through `Transport._channel_handler_table` to
-  `Channel._handle_request`: the table's entry is wrapped), or else the channel's close
-  (`Channel._set_closed`, through which every close passes: the host's, the server's, the
-  transport's death). `recv_exit_status` would only see the commands whose status the host reads,
-  and paramiko drops `exit-signal`, so a command killed by a signal would read as status -1.
-- `SSHClient.open_sftp`: the `ssh.sftp` span runs until the SFTP channel closes (`SFTPClient.close`
-  closes it).
+- `ssh.connection` runs from `SSHClient.connect` to `close` (a connect that raises ends it in ERROR);
+  `stallwatch.ssh.auth` says whether the server accepted the credentials.
+- `ssh.command` starts before `Channel.exec_command` sends its request and ends as soon as the channel
+  knows how the command ended: the server's `exit-status` or `exit-signal` (its handler-table entry,
+  run on paramiko's transport thread, is wrapped: paramiko drops `exit-signal`, and `recv_exit_status`
+  sees only statuses the host reads), else the channel's close (`Channel._set_closed`, every close).
+- `ssh.sftp` runs from `SSHClient.open_sftp` until the SFTP channel closes.
 
-The private names are checked when paramiko is imported; a paramiko without them is left
-untouched, with one WARNING naming the setting. The destination
-host is scrubbed like a command-line argument; the user name is never recorded, the command line only
-with `STALLWATCH_RECORD_ARGS=true`, scrubbed.
+Recorded: the destination host, scrubbed; the command line only with `STALLWATCH_RECORD_ARGS=true`,
+scrubbed; never the user name.
 """
 
 from __future__ import annotations
@@ -45,8 +37,9 @@ from opentelemetry.util.types import AttributeValue
 
 from .. import journal, telemetry
 from .._version import __version__
-from . import scrub
-from ._common import FAULTS, Deferred, instrument, meter, unwrap_method
+from ..config import ConfigError, Settings
+from ..core import scrub
+from ..core.faults import FAULTS, Deferred, instrument, meter, unwrap_method
 from ._lifecycle import ImportHooks, is_wrapper
 from .ssh import MAX_HOST_CHARS
 
@@ -71,6 +64,8 @@ class _State:
     patterns: Sequence[re.Pattern[str]]
 
 
+# The instrumentor's state while it is on (it holds it too): a module global because the wrappers are module
+# functions that wrapt puts on paramiko's classes, shared by every instance.
 _state: _State | None = None
 _lock = threading.Lock()  # guards the maps below: channels end on paramiko's transport thread
 _connections: weakref.WeakKeyDictionary[Any, _Connection] = weakref.WeakKeyDictionary()  # by SSHClient
@@ -387,12 +382,13 @@ class ParamikoInstrumentor(BaseInstrumentor):
     the environment).
     """
 
+    _state: _State | None = None
+
     def instrumentation_dependencies(self) -> Collection[str]:
         return ("paramiko >= 2.7",)
 
     def _instrument(self, **kwargs: Any) -> None:
         global _state
-        from ..config import ConfigError, Settings
 
         try:
             settings = kwargs.get("settings") or Settings.load()
@@ -401,7 +397,7 @@ class ParamikoInstrumentor(BaseInstrumentor):
             return
         meter_ = meter(kwargs.get("meter_provider"))
         FAULTS.bind(kwargs.get("meter_provider"))
-        _state = _State(
+        self._state = _state = _State(
             tracer=trace.get_tracer(telemetry.INSTRUMENTATION_SCOPE, __version__, kwargs.get("tracer_provider")),
             connect_duration=Deferred(meter_, telemetry.SSH_CONNECT_DURATION),
             command_duration=Deferred(meter_, telemetry.SSH_COMMAND_DURATION),
@@ -416,7 +412,7 @@ class ParamikoInstrumentor(BaseInstrumentor):
 
     def _uninstrument(self, **kwargs: Any) -> None:
         global _state
-        _state = None
+        self._state = _state = None
         ImportHooks.of(self).clear()
         module = sys.modules.get(MODULE)
         if module is None:

@@ -8,7 +8,7 @@ imports does not matter.
 A tunnel class often reports a failed close only in its log. dstack logs
 `Failed to close SSH tunnel, exit status: -11` and returns. So each operation also takes the return
 code of the last ssh child it spawned: the subprocess instrumentation reports every reaped child to
-the operation that was current when the child was spawned (`_common.SPAWN_OBSERVER`). A close
+the operation that was current when the child was spawned (`core.faults.SPAWN_OBSERVER`). A close
 whose ssh child failed is a failure (span status ERROR, `stallwatch.ssh.tunnel.failures`), even if
 nothing was raised. That part needs `STALLWATCH_INSTRUMENT_SUBPROCESS` (on by default).
 """
@@ -34,8 +34,8 @@ from opentelemetry.util.types import AttributeValue
 
 from .. import journal, telemetry
 from .._version import __version__
-from . import scrub
-from ._common import FAULTS, SPAWN_OBSERVER, Deferred, first_record, instrument, meter, signal_name, unwrap_method
+from ..core import scrub
+from ..core.faults import FAULTS, SPAWN_OBSERVER, Deferred, first_record, instrument, meter, signal_name, unwrap_method
 from ._lifecycle import ImportHooks
 
 _log = logging.getLogger("stallwatch")
@@ -56,6 +56,7 @@ class _Instruments:
     failures: Any
 
 
+# Module globals, not the instrumentor's: `instrument_tunnel()` works on a tunnel class without the instrumentor.
 _instruments: _Instruments | None = None
 _instruments_meter_provider: Any = None
 _open_tunnels: weakref.WeakSet[Any] = weakref.WeakSet()

@@ -1,33 +1,17 @@
 """The crash-safe journal: a local, append-only, per-process record of operations in flight.
 
-OpenTelemetry exports a span only when it ends, so the operations a killed process had in flight
-(incident 000 in docs/incidents.md: a frozen server killed by its health check while it created Nebius instances)
-leave no trace at all. The journal writes them to a local file as they start and end, with the
-cloud ledger's create/delete intents and outcomes and the watchdog's freeze records, and the next
-start (`replay()`) turns what never ended into spans with the original ids and reports the cloud
-resources whose creation was asked for but never confirmed (leak candidates, kept in `leaks` until
-someone confirms them).
-
-Storage: a framed append-only file per process (length + CRC32 per record, JSON payload,
-preallocated with zeros), not SQLite. Measured here in one interleaved run (`tests/bench/
-bench_journal.py`, `tests/bench/results/journal.md`: ext4 on a virtio disk, 2 cores, 1,500
-records each): a durable record through `Journal.cloud_intent` (encoding, `pwrite` into
-preallocated blocks, `fdatasync`) takes 101 µs at the median and 194 µs at p99; the bare frame
-`write` to a growing `O_APPEND` file + `fdatasync` takes 159 µs / 3.98 ms (the size change is
-committed too); an SQLite WAL insert with `synchronous=FULL` takes 247 / 390 µs. SQLite would
-also need a connection per fork child and `sqlite3` in every host; the framed file needs `os` and
-`zlib`, and its reader tolerates a torn tail by construction (a frame whose CRC fails is skipped
-and reported). A buffered record costs the calling thread a dict and a deque append: 2.5 µs at
-the median (4.8 µs p99) for a span's two records, against 10.6 µs for the span itself; the
-flusher spends about 8 µs of CPU per record off that thread (JSON, CRC, `pwrite`).
+A killed process exports nothing it held, so operations, the cloud ledger's intents and outcomes and
+the watchdog's freeze records go to a local file as they happen. The next start (`replay()`) turns
+what never ended into spans with their original ids and keeps unconfirmed creates as leak candidates
+(`leaks`). Records are framed (length + CRC32, JSON payload), so a torn tail costs only its bytes;
+docs/journal.md says why not SQLite, and what a record costs.
 
 Wiring (see `writer` and `replay` for details)::
 
     result = replay(journal_dir, tracer_provider=provider, on_error=report)   # at setup, first
     journal = Journal(journal_dir, on_error=report)
     activate(journal)                      # span_started()/span_ended() now write to it
-    install_recorder(journal)              # ledger intents/outcomes: durable, then logged as before
-    ...
+    install_recorder(journal)              # ledger intents/outcomes: journaled, then logged
     journal.close()                        # at shutdown
 """
 

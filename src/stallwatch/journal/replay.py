@@ -1,27 +1,18 @@
 """Replay: what the journals of dead processes say was still in flight when they died.
 
-`replay()` runs at start-up, before this process journals anything. For every process in the
-journal directory it checks the pid: still running with the same start time (and the same boot)
-means alive and untouched; gone, reused by another process (other start time) or from an earlier
-boot means dead. A dead process's host and watchdog segments are read together, then:
+`replay()` runs at start-up, before this process journals anything. For each dead process (its pid
+gone, reused or from an earlier boot), its host and watchdog segments are read together, then:
 
-- every operation that started and never ended becomes a span with its original trace id, span
-  id, parent, name, kind, attributes and start time; it ends at the last evidence of life (the
-  host-killed record, else the latest of the heartbeat slots and record times), status ERROR,
-  `stallwatch.interrupted=true` and `stallwatch.interrupted.reason` (`host_killed`: the watchdog
-  saw the host die frozen; `frozen`: a freeze was open; `shutdown`: still open at a clean close;
-  `process_died`: anything else). Spans go to the tracer provider's span processors (the SDK's
-  `ReadableSpan` and `SpanProcessor.on_end`, the same on opentelemetry-sdk 1.27 to 1.45) or to a
-  span exporter; only sampled ones, as the host's sampler decided.
-- every cloud create/delete whose intent is durable and whose outcome is in neither file is an
-  unconfirmed resource: a WARNING `cloud resource create unconfirmed` on the `stallwatch.cloud`
-  logger, inside the intent's trace and span, with every id known as attributes, and a Sentry
-  `leak_candidate` event when the host uses Sentry. Each create is also kept as a leak candidate
-  (`leaks`) until someone confirms it.
+- every operation that started and never ended becomes a span with its original ids, parent, name,
+  kind, attributes and start time, ended at the last evidence of life with status ERROR and
+  `stallwatch.interrupted.reason` (`telemetry.INTERRUPTED_REASON`), for the tracer provider's span
+  processors (if the host's sampler samples it) or a span exporter;
+- every create/delete whose intent is durable and whose outcome is in neither file is logged as
+  unconfirmed in the intent's span context (and sent to Sentry when the host uses it); each create
+  stays a leak candidate (`leaks`) until someone confirms it.
 
-Then the segments move to `archive/` (the newest `archive_keep` processes are kept there); replay
-never deletes a journal it has not archived. A lock file makes concurrent starts replay each
-journal once. Nothing raises into the caller: failures go to `on_error`.
+Then the segments move to `archive/` (a journal is never deleted unarchived); a lock file makes
+concurrent starts replay each journal once; nothing raises into the caller (`on_error`).
 """
 
 from __future__ import annotations
@@ -37,9 +28,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .. import ledger, telemetry
+from .. import telemetry
 from .._version import __version__
-from . import frames, leaks
+from ..core.faults import to_sentry
+from . import frames, leaks, ledger
 from .writer import boot_id, start_ticks
 
 INTERRUPTED = telemetry.INTERRUPTED.name
@@ -381,8 +373,6 @@ def _warn_unconfirmed(resource: UnconfirmedResource) -> None:
 
 
 def _leak_to_sentry(resource: UnconfirmedResource, attributes: dict[str, Any]) -> None:
-    from ..instrument._common import to_sentry
-
     described = f" {resource.resource_id}" if resource.resource_id else ""
     to_sentry(
         "leak_candidate",

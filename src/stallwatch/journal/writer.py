@@ -1,47 +1,18 @@
 """The journal writer: one process's append-only record of the operations it has in flight.
 
-One `Journal` per role and process. The host writes `<pid>-<start>.host.<n>.journal`; the freeze
-watchdog, a second process, writes `<host pid>-<host start>.watchdog.<n>.journal` next to it, so
-the two never share a file and a reader joins them by name. `<start>` is the process start time
-in clock ticks (`/proc/<pid>/stat` field 22), which tells a dead process from a new one that got
-its pid. A fork child that lives on and records anything gets its own file and flusher on first
-use (never in a fork handler); what the parent had buffered stays the parent's.
+One `Journal` per role and process, each in its own file (`<pid>-<start>.host.<n>.journal`, the
+watchdog's `<host pid>-<host start>.watchdog.<n>.journal`); `<start>`, the process start time in
+clock ticks, tells a dead process from a new one with its pid. A fork child that records anything
+gets its own file and flusher on first use, never in a fork handler. Nothing here raises: an
+`OSError` goes to `on_error` and loses that record. Three kinds of record:
 
-Three kinds of record:
-
-- **durable** (cloud intent, tunnel open, freeze, host killed): written in the caller's thread
-  together with everything buffered before it (so the file keeps the order of events), then
-  `os.fdatasync`; the call returns once the record is on disk.
-- **written** (cloud outcome): written the same way but without the `fdatasync`. Once `pwrite`
-  returns, the record survives the process whatever kills it (it is in the page cache); it reaches
-  the disk with the next durable record or at the flusher's next pass (`flush_seconds`), which
-  `fdatasync`s whenever a written record is pending, and before a segment is left. A create's
-  outcome needs no more (see `stallwatch.ledger`), and one `fdatasync` per create instead of two
-  halves what a create pays for the journal.
-- **buffered** (operation start/end): appended to a bounded in-memory deque (records beyond
-  `buffer_records` are dropped and counted; the count is journaled) and written by a daemon
-  flusher every `flush_seconds` (0.1 s), or at once when the deque is half full, which also stamps
-  the heartbeat slot in the file's header with the time: the last evidence of life. A buffered
-  record survives a SIGKILL once flushed (it is in the page cache); the flusher's period bounds
-  what a kill can lose. An operation that ends before its start record was written (most calls
-  last less than a flush period) is never written at all, when its instrumentation passes the
-  start's token to `span_ended`: the journal is for what is in flight, replay has nothing to do
-  with an operation that ended, and the flusher's encoding is most of what a journaled call costs
-  (JSON and CRC of two records). Whichever comes first, the flusher or the end, takes the start
-  record's `pending` key (one `dict.pop` each, atomic under the GIL), so exactly one of them
-  decides: written (and the end is written after it) or elided (neither is).
-
-The hot path never touches the disk for a buffered record: it builds a dict and appends it. The
-file is preallocated with zeros 1 MiB at a time, so a durable record is a `pwrite` into allocated
-blocks plus `fdatasync` (no size change to commit; see `stallwatch.journal` for the numbers) and a
-full disk shows up when a chunk is reserved, not in the middle of a record. Segments rotate at
-`segment_bytes` (16 MiB); the new segment starts with a copy of every operation and intent still
-open, so dropping the oldest of `keep_segments` (2) loses nothing in flight.
-
-Nothing here raises into the host: an `OSError` (directory missing or read-only, disk full, file
-size limit) is passed to `on_error` from inside the `except` block (the lead passes
-`FAULTS.record`, which logs the first and counts each) and the record is lost; the next write
-tries again.
+- **durable** (cloud intent, tunnel open, freeze, host killed): written in the caller's thread after
+  everything buffered before it, then `fdatasync`; the call returns once the record is on disk.
+- **written** (cloud outcome): the same without the `fdatasync`: it survives the process (page
+  cache) and reaches the disk with the next durable record or the flusher's next pass.
+- **buffered** (operation start/end): a dict appended to a bounded deque (overflow dropped and
+  counted), written by a daemon flusher every `flush_seconds`, which also stamps the header's
+  heartbeat slot. A start not yet written when its end comes is elided with it (one `dict.pop` decides).
 """
 
 from __future__ import annotations
@@ -59,11 +30,10 @@ from typing import Any
 
 from opentelemetry.sdk.trace import ReadableSpan
 
-from .. import ledger
 from .._private import make_directories
-from ..instrument.light_span import LightSpan
-from ..instrument.scrub import scrub_attributes, scrub_value
-from . import frames
+from ..core.light_span import LightSpan
+from ..core.scrub import scrub_attributes, scrub_value
+from . import frames, ledger
 
 _RECORDING = (ReadableSpan, LightSpan)
 # Fields that hold ids (what replay and the postmortem join on): random-looking, never secret, never scrubbed.
@@ -76,6 +46,8 @@ SEGMENT_BYTES = 16 << 20
 KEEP_SEGMENTS = 2
 BUFFER_RECORDS = 10_000
 FLUSH_SECONDS = 0.1
+# Segments grow by zero-filled chunks: a durable record is a `pwrite` into allocated blocks plus `fdatasync`
+# (no size change to commit), and a full disk shows when a chunk is reserved, not in the middle of a record.
 PREALLOCATE_BYTES = 1 << 20
 ROLES = ("host", "watchdog")
 
@@ -139,6 +111,12 @@ class Journal:
         host_pid: the watched host, for the `watchdog` role.
         on_error: called inside the `except` block of every failed write; the default logs the
             first failure at WARNING.
+        segment_bytes: past this size the next record starts a new segment, which opens with a copy
+            of every operation and intent still open, so dropping the oldest of `keep_segments`
+            loses nothing in flight.
+        buffer_records: buffered records beyond this are dropped and counted (the count is journaled).
+        flush_seconds: the flusher's period: what a kill can lose of the buffered records, and when a
+            written record reaches the disk at the latest.
     """
 
     def __init__(

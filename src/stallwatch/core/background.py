@@ -1,16 +1,14 @@
 """The one background thread stallwatch runs in a process (`stallwatch-worker`).
 
-It runs the periodic tasks of the freeze heartbeat (`detect.heartbeat`, every 100 ms) and of the
-wedge detector (`detect.wedge`), and the telemetry pipeline's shutdown when it is asked to
-(`pipeline`): one thread, where each part had its own, since a host counts stallwatch's threads
-among its own. The OpenTelemetry SDK's batch processors and metric reader keep theirs: an export
-may wait 10 s for a collector, which a heartbeat cannot.
+It runs the periodic tasks of the freeze heartbeat (`detect.heartbeat`) and of the wedge detector
+(`detect.wedge`), and the telemetry pipeline's shutdown when asked (`pipeline`). The SDK's batch
+processors and metric reader keep their own threads: an export may wait for a collector, which a
+heartbeat cannot.
 
-Fork-aware like the SDK's workers: a task belongs to the process that added it, and the thread
-starts on first need in each process, never in an after-fork handler (a fork child that lives on
-starts its own when a part adds a task or asks for it). Tasks must be short and must not block:
-they share the thread with the heartbeat, whose lateness is a freeze to the watchdog. A job (the
-shutdown) may take its time: the heartbeat has stopped before the shutdown asks for one.
+Contract: fork-aware like the SDK's workers: a task belongs to the process that added it, and the
+thread starts on first need in each process, never in an after-fork handler. Tasks must be short
+and never block: they share the thread with the heartbeat, whose lateness is a freeze to the
+watchdog. A job (the shutdown) may take its time: the heartbeat has stopped before it is asked for.
 """
 
 from __future__ import annotations

@@ -110,23 +110,27 @@ class Faults:
 
 FAULTS = Faults()
 
-_first_record_checks: list[Callable[[], None]] = []
+_first_record_checks: list[Callable[[], bool]] = []
 
 
-def on_first_record(check: Callable[[], None]) -> None:
-    """Run `check` once, at the first span or measurement stallwatch records through a provider that
-    is not an SDK's (so far only the host's, with STALLWATCH_PROVIDERS=host)."""
+def on_first_record(check: Callable[[], bool]) -> None:
+    """Run `check` at the first span or measurement stallwatch records through a provider that is not
+    an SDK's (so far only the host's, with STALLWATCH_PROVIDERS=host), and at each later one until it
+    returns True (decided)."""
     _first_record_checks.append(check)
 
 
 def first_record() -> None:
-    """Where stallwatch records through a provider that may not be an SDK's: the checks, once."""
+    """Where stallwatch records through a provider that may not be an SDK's: the undecided checks."""
+    undecided = []
     while _first_record_checks:
         try:
             check = _first_record_checks.pop()  # atomic: two threads never run the same check
         except IndexError:
-            return
-        check()
+            break
+        if not check():
+            undecided.append(check)
+    _first_record_checks.extend(undecided)
 
 
 # How a Sentry user turns stallwatch's events off, as `Faults.record`'s `setting` and `off`.
@@ -139,6 +143,7 @@ def to_sentry(kind: str, tags: dict[str, Any], context: dict[str, Any], trace_id
     if "sentry_sdk" not in sys.modules:
         return
     try:
+        # optional: sentry-sdk, once the host has imported it
         from .. import sentry
 
         sentry.capture(kind, tags, context, trace_id, span_id)
@@ -183,10 +188,10 @@ def signal_name(number: int) -> str:
 class Counts:
     """Counter or up-down counter values kept as plain integers, read by an observable instrument.
 
-    An SDK `Counter.add` costs 5-10 µs (attribute hashing, locks, every reader's storage); a dict
-    update under a lock costs well under 1 µs. Hot paths (one per child process, one per executor
-    item) add here, and the SDK reads the totals at collection time, as cumulative sums. `before`
-    runs first in each collection (e.g. `Deferred.drain`).
+    A dict update under a lock instead of an SDK `Counter.add` (attribute hashing, locks, every
+    reader's storage) on each hot path (one per child process, one per executor item): they add
+    here, and the SDK reads the totals at collection time, as cumulative sums. `before` runs first
+    in each collection (e.g. `Deferred.drain`).
     """
 
     def __init__(self, meter_: Meter, metric: telemetry.Metric, before: Callable[[], None] | None = None) -> None:

@@ -1,31 +1,18 @@
 """Scrub secrets out of what stallwatch records from the host: child command lines, free text, and every
 string once more as it leaves the process.
 
-With `STALLWATCH_RECORD_ARGS=true` a child's argv (or a shell's command string) becomes the span
-attribute `process.command_args`. Command lines routinely carry credentials: `--password=...`,
-`PGPASSWORD=... psql`, `curl -H "Authorization: Bearer ..."`, `git clone https://user:token@...`,
-`mysql -pS3cret`, webhook URLs, bare tokens nobody named. This module replaces them with `[REDACTED]`
-(identity files with a short fingerprint of their file name) and bounds what is recorded.
+A child's argv (or a shell's command string) becomes the span attribute `process.command_args` only
+with `STALLWATCH_RECORD_ARGS=true`; what is recorded has credentials replaced with `[REDACTED]`
+(identity files with a short fingerprint of their file name) and is bounded in size.
 
-It is hand-written because no maintained library scrubs argv for secrets: log-scrubbing and
-secret-scanning tools work on free text or files, know nothing of option/value pairs split across
-arguments, and are far too heavy to import into every instrumented process. It uses only the
-standard library and never raises: a scrubber failure must not take down the host's spawn.
-
-Layers, each meant to catch what another misses (the policy is to leak nothing, at the price of
-sometimes hiding a harmless value; docs/scrubbing.md lists every rule and what is kept):
-
-1. Shapes anywhere in an argument: key material, URL user-info, `Bearer`/`Basic` credentials, SQL
-   `PASSWORD '...'` literals, the token layouts of public secret-scanning rule sets, secret-bearing URL
-   paths (webhooks), long hex, random-looking runs (`_looks_random`), and `name=value` / `name: value`
-   pairs whose name is secret.
-2. Structure, word by word (shell quoting understood, so a shell command string is scrubbed like an
-   argv): `--name=value`, `--name value`, `KEY=VALUE`, `Header: value`, ssh identity files, and the
-   short options and plain words of the tools that take credentials that way (`mysql -p...`,
-   `smbclient -Uuser%...`, `sqlplus user/...@db`, ...).
-
-`scrub_value` / `scrub_attributes` apply the same rules to strings leaving the process (the exit check),
-leaving scrubbed text as it is.
+Contract: uses only the standard library and never raises. The policy is to leak nothing, at the
+price of sometimes hiding a harmless value; docs/scrubbing.md lists every rule and what is kept.
+Two layers, each catching what the other misses: shapes anywhere in an argument (key material, URL
+user-info, `Bearer`/`Basic` credentials, known token layouts, random-looking runs, secret-named
+`name=value` pairs), and structure word by word with shell quoting understood (`--name=value`,
+`--name value`, `KEY=VALUE`, headers, identity files, the credential options of known tools).
+`scrub_value` / `scrub_attributes` apply the same rules to strings leaving the process (the exit
+check), leaving scrubbed text as it is.
 """
 
 from __future__ import annotations

@@ -1,25 +1,16 @@
 """Duration histograms that stallwatch aggregates itself, handed to the readers as the SDK's data.
 
-Why not the SDK's `Histogram.record`: on opentelemetry-sdk 1.45 one call costs 6 µs here with a
-metric reader (2.7 µs with none): a `Measurement` object, attribute cleaning, the exemplar filter
-and a storage lookup per reader. stallwatch records a duration per executor queue wait and run
-(two per work item), per child process and per Nebius call; under a GIL that CPU is the host's
-(`tests/bench/bench_executor.py`). Here a value costs a bisect and four additions under a lock.
+Values arrive through `faults.Deferred` (an append on the hot path). `collect()` drains them and
+returns one `Metric` per histogram, in the SDK's own data types, cumulative, with the contract's
+explicit buckets (`telemetry.DURATION_BUCKETS`, on every SDK version). `inject()` appends them to
+what a reader collected; stallwatch's metric exporters and its Prometheus reader call it.
 
-The values still arrive through `_common.Deferred` (a list or deque append on the hot path). `collect()`
-drains them and returns one `Metric` per histogram, in the SDK's own data types, cumulative, with
-the contract's explicit buckets (`telemetry.DURATION_BUCKETS`, on every SDK version, including
-those whose API has no bucket advisory). `inject()` appends them to what a reader collected:
-stallwatch's metric exporters and its Prometheus reader call it, so every reader stallwatch builds
-sees them. Only a pipeline whose readers all take cumulative histograms turns this on
-(`activate()`); otherwise, and when the host brings its own MeterProvider, the SDK's histograms
-are used as before. Views the host configures do not apply to these histograms.
-
-Exemplars: a rare value recorded inside a sampled span (`record_exemplar`, through
-`Deferred.record_now`: a freeze, a tunnel, an overrun) is kept as its bucket's exemplar, the last
-one per bucket and series. OTLP carries them (SDK 1.28+, whose data points have exemplars); the
-OpenTelemetry Prometheus exporter drops every exemplar, so stallwatch's Prometheus reader puts
-them back on the bucket samples (`with_exemplars`), which its OpenMetrics answer carries.
+Contract: only a pipeline whose readers all take cumulative histograms turns this on (`activate()`);
+otherwise, and when the host brings its own MeterProvider, the SDK's histograms are used. Views the
+host configures do not apply to these histograms. Exemplars: a rare value recorded inside a sampled
+span (`record_exemplar`) is kept as its bucket's exemplar, the last one per bucket and series; OTLP
+carries them, and stallwatch's Prometheus reader puts them back on the bucket samples
+(`with_exemplars`), which the OpenTelemetry Prometheus exporter would drop.
 """
 
 from __future__ import annotations
@@ -123,8 +114,8 @@ class OwnHistogram:
 
     def record_values(self, values: list[float], attributes: dict[str, Any]) -> None:
         """Add every value of `values`, all with `attributes`: what `record_many` does, with the
-        per-value work in C: the values sorted once, then one bisect per bucket bound; 80 ns a
-        value instead of 190 ns (4,096 values). The executor hands over its durations this way."""
+        per-value work in C: the values sorted once, then one bisect per bucket bound. The executor
+        hands over its durations this way."""
         if not values:
             return
         ordered = sorted(values)
@@ -309,6 +300,7 @@ def with_exemplars(families: Iterable[Any]) -> list[Any]:
     """Prometheus metric families (`prometheus_client`) as the OpenTelemetry exporter made them, with
     each own histogram's exemplars put on the `_bucket` sample of their series and bucket (matched
     by name, `le` and the series' labels, which the exporter writes with `_` for any other character)."""
+    # optional: the prometheus extra
     from prometheus_client.samples import Exemplar
 
     wanted: dict[tuple[str, float], list[tuple[dict[str, str], BucketExemplar]]] = {}

@@ -1,35 +1,17 @@
 """The cloud resource ledger: every create/delete call announces its intent before it is sent, and
-its outcome once known.
+its outcome once known, so that a host killed mid-call leaves evidence of what it asked for.
 
-A host killed during a freeze exports nothing it held in memory. Incident 000 left 5 instances
-running for days because nothing recorded that they had been asked for. Instrumentations (Nebius
-today) call `intent()` before the request leaves and `outcome()` when the answer (or the failure)
-is known. The recorder behind this interface is replaceable with `set_recorder()`, so a durable
-one (the journal) can plug in. The default recorder writes one log record per event to the
-`stallwatch.cloud` logger at INFO:
-`cloud resource create requested`, `cloud resource created`, `cloud resource create failed` (WARNING),
-and the same for `delete`.
-Each record carries every id known in its attributes (`stallwatch.cloud.*`) and is emitted inside
-the call's span, so it carries that span's trace and span ids.
-The OpenTelemetry log handler that `setup()` installs exports these records whatever
-`STALLWATCH_LOG_LEVEL` says.
+Instrumentations (Nebius) call `intent()` before the request leaves and `outcome()` when the answer
+or the failure is known. The recorder is replaceable (`set_recorder()`): the journal plugs in a
+durable one. The default writes one record per event to the `stallwatch.cloud` logger (INFO; a
+failure at WARNING), with every known id as `stallwatch.cloud.*` attributes, inside the call's span;
+`setup()`'s log handler exports them whatever `STALLWATCH_LOG_LEVEL` says.
 
-What each call must have done before it returns, for a crash to leave the right evidence:
-
-- `intent()`: the record is on disk (the journal's recorder `fdatasync`s it) before the request
-  leaves, so that a host killed mid-call leaves an unconfirmed create for the postmortem. This is
-  the one disk wait a create/delete pays (about 90 µs at the median here).
-- `outcome()`: the record is written (the journal's recorder `pwrite`s it: the page cache keeps it
-  whatever happens to the process) before the caller has the result, and reaches the disk within
-  the journal's flush period (0.1 s) or with the next durable record, whichever comes first. A
-  host that dies after the answer therefore never leaves a false leak candidate; only the
-  machine itself failing within that period can lose an outcome, and the create then shows as
-  unconfirmed (asked for, answer unknown), which is all the disk can tell. The outcome's own
-  `fdatasync` on the critical path doubled a create's overhead (`tests/bench/results/nebius.md`).
-- The log records are telemetry, not evidence: an instrumentation may set `EMIT_LATER` around its
-  `intent()`/`outcome()` calls to have `LogRecorder` hand them over, to be emitted off the call's
-  critical path (the Nebius one emits the intent's record while the request is on the network and
-  the outcome's once the caller has its result). Each keeps the span context it was recorded in.
+Contract for a durable recorder: `intent()` returns once its record is on disk (a killed host leaves
+an unconfirmed create); `outcome()` returns once its record is written to the page cache, and it
+reaches the disk within the journal's flush period, so a host that dies after the answer never
+leaves a false leak candidate. `EMIT_LATER` lets an instrumentation have the log records emitted
+off the call's critical path, each in the span context it was recorded in.
 """
 
 from __future__ import annotations
@@ -44,8 +26,8 @@ from typing import Any, Protocol
 
 from opentelemetry import context as context_api
 
-from . import telemetry
-from .instrument.scrub import clip_text
+from .. import telemetry
+from ..core.scrub import clip_text
 
 LOGGER_NAME = "stallwatch.cloud"
 _log = logging.getLogger(LOGGER_NAME)

@@ -1,30 +1,23 @@
 """Spans for hot paths (executor work items, child processes, Nebius calls), built as the SDK would, cheaper.
 
-An SDK span costs about 12 µs to start and end (measured, SDK 1.45: the sampler, a locked
-`BoundedAttributes`, `Status` and event lists made up front, the processors' `on_start` and
-`on_end`), as much as an executor work item it describes. A `LightSpan` takes the same decisions
-from the same parts of the tracer (its sampler, id generator, resource, scope, limits and span
-processor), keeps only what is set on it, and is itself the `ReadableSpan` the SDK would hand the
-processors at `end()` (the SDK's span copies itself into a new one there): about 3 µs. Its
-`SpanContext` is the tuple the API's constructor builds, without the call (`_span_context`).
-It is used only where that is exactly equivalent: an SDK `Tracer` that records no self-metrics,
-whose processors all have the stock no-op `on_start` (the SDK's batch and simple processors, and
-subclasses that keep it); anywhere else `start()` returns the tracer's own span. The SDK offers no
-cheaper span, hence this module. With the SDK's default sampler (parent-based, sampling whatever
-has a sampled parent) and a sampled parent, the sampler is not called: its answer is known (record
-and sample, the given attributes, the parent's trace state); likewise for a root span when its root
-sampler is `ALWAYS_ON` (the default).
+A `LightSpan` takes the same decisions as the SDK's span from the same parts of the tracer (its
+sampler, id generator, resource, scope, limits and span processor), keeps only what is set on it,
+and is itself the `ReadableSpan` the SDK would hand the processors at `end()`.
 
-Differences a user can see: none in what is exported; `on_start` is never called (it does nothing
-on the processors this path accepts); attribute values set by other code are cleaned and bounded
-at `end()` (by the SDK's `BoundedAttributes`) rather than when set.
+Contract: used only where that is exactly equivalent, an SDK `Tracer` that records no self-metrics
+and whose processors all have the stock no-op `on_start`; anywhere else `start()` returns the
+tracer's own span. With the default parent-based sampler and a sampled local parent the sampler's
+answer is known and it is not called. What is exported is the same; `on_start` is never called (it
+does nothing on the processors accepted); attribute values set by other code are cleaned and bounded
+at `end()` rather than when set. Uses SDK internals: `ReadableSpan`'s fields (the same from SDK 1.27
+to 1.45) and the `SpanContext` tuple's layout.
 """
 
 from __future__ import annotations
 
 import threading
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from time import time_ns
 from typing import Any
 
@@ -38,8 +31,7 @@ from opentelemetry.sdk.util import BoundedList
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 from opentelemetry.util import types
 
-from ..export import guarded, span_json
-from ._common import first_record
+from .faults import first_record
 
 _LOCK = threading.Lock()  # guards every LightSpan's rare mutations (events, status, foreign attributes)
 _STOCK = (sdk_trace.SpanProcessor, sdk_export.BatchSpanProcessor, sdk_export.SimpleSpanProcessor)
@@ -177,6 +169,20 @@ def decide(
     return trace_id, flags, parent, result.trace_state, dict(result.attributes or {}), recording
 
 
+def _never_shed(processors: Sequence[Any]) -> bool:
+    return False
+
+
+_shed: Callable[[Sequence[Any]], bool] = _never_shed
+
+
+def shed_with(check: Callable[[Sequence[Any]], bool]) -> None:
+    """Make `start(..., shed=True)` ask `check(span_processors)` whether every span processor would
+    drop a sampled span now (and count it when so). Set by the export layer, which owns those processors."""
+    global _shed
+    _shed = check
+
+
 def start(
     tracer: trace.Tracer,
     name: str,
@@ -191,7 +197,7 @@ def start(
     `parent`: the span context current in `context`, when the caller has looked it up already.
     `attributes` is copied, never kept nor changed: a caller may pass the same dict every time.
     `shed`: a sampled span that every span processor would drop now is not recorded
-    (`export.guarded.shed`); not for spans the journal must see in flight."""
+    (`shed_with`); not for spans the journal must see in flight."""
     sdk = _sdk_tracer(tracer)
     if sdk is None:
         first_record()
@@ -215,7 +221,7 @@ def start(
         trace_id, flags, parent, trace_state, span_attributes, recording = decision
         if not recording:
             return non_recording(sdk, decision)
-    if shed and flags & _SAMPLED and guarded.shed(sdk.span_processor._span_processors):
+    if shed and flags & _SAMPLED and _shed(sdk.span_processor._span_processors):
         return non_recording(sdk, (trace_id, flags, parent, trace_state, span_attributes, True), shed=True)
     span_context = _span_context(trace_id, sdk.id_generator.generate_span_id(), flags, trace_state)
     return LightSpan(sdk, name, kind, span_context, parent, span_attributes, start_time or time_ns())
@@ -367,6 +373,3 @@ class LightSpan(trace.Span, ReadableSpan):
                 each.on_end(self)
         else:
             processor.on_end(self)
-
-
-span_json.FIELD_READABLE.add(LightSpan)  # the encoders read its fields as a finished SDK span's

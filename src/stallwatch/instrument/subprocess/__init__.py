@@ -1,0 +1,27 @@
+"""Subprocess instrumentation: one CLIENT span and three metrics per child process.
+
+Every path a server spawns through is covered once: `subprocess.Popen` (`popen`), a loop's
+`subprocess_exec`/`subprocess_shell` on the standard loop and on uvloop (`loops`), and `os.posix_spawn*`
+called directly (`posix_spawn`); `children` keeps each child's record from its spawn to its reaping,
+and `instrumentor` switches it all on and off. Every wrapper hands the host the same result,
+exception, pid and pipes as the bare call, and the span is ended before the host hears of the exit.
+A failure inside stallwatch is counted
+(`stallwatch.instrumentation.errors{stallwatch.component=subprocess}`) and logged once, naming
+`STALLWATCH_INSTRUMENT_SUBPROCESS`.
+"""
+
+from .arguments import popen_command, popen_method
+from .children import COMPONENT, EARLY_SIGNAL_SECONDS, SETTING, describe, end_open_spans, unrecorded
+from .instrumentor import SubprocessInstrumentor
+
+__all__ = [
+    "COMPONENT",
+    "EARLY_SIGNAL_SECONDS",
+    "SETTING",
+    "SubprocessInstrumentor",
+    "describe",
+    "end_open_spans",
+    "popen_command",
+    "popen_method",
+    "unrecorded",
+]
