@@ -282,7 +282,10 @@ def test_dstack_with_host_providers_exports_stallwatchs_records_through_its_own_
     senders = {frozenset(resource.items()) for resource, scope, _ in otlp_received_from(receiver, "/v1/metrics")
                if scope == "stallwatch"}  # fmt: skip
     roles = Counter(dict(sender).get("stallwatch.process.role", "host") for sender in senders)
-    assert roles == {"host": 1, "watchdog": 1}, senders  # the watchdog exports with providers of its own
+    # The watchdog exports with providers of its own once it has set them up, at a late heartbeat (a freeze
+    # while dstack imports, on a loaded machine); an idle one exports nothing. tests/test_watchdog.py checks
+    # its freeze under STALLWATCH_PROVIDERS=host.
+    assert roles["host"] == 1 and roles.keys() <= {"host", "watchdog"} and roles["watchdog"] <= 1, senders
     assert frozenset(host[0].items()) in senders  # the host's records: through dstack's provider, and only there
     running = [body for body in _log_bodies(receiver).elements() if re.search(RUNNING, body)]
     assert len(running) == 1, _log_bodies(receiver)

@@ -219,6 +219,35 @@ def test_the_watchdogs_shutdown_timeout_line_says_it_is_the_watchdogs(tmp_path):
     assert all(line.startswith(f"stallwatch watchdog (host pid {host.pid}): ") for line in lines), stderr
 
 
+def test_a_host_exporting_through_its_own_providers_still_has_its_freeze_exported_by_the_watchdog(telemetry_dir):
+    # STALLWATCH_PROVIDERS=host names the host's providers, which live in the host's process only: the
+    # watchdog, which sets its pipeline up at the first late heartbeat, exports through providers of its own.
+    code = f"""
+        import asyncio, time
+        import stallwatch
+        session = stallwatch.setup(file_dir={str(telemetry_dir)!r}, freeze_threshold=1.0)
+        async def main():
+            assert await asyncio.to_thread(session.wait_for_watchdog, 30)
+            time.sleep(2.5)  # the loop blocked
+        asyncio.run(main())
+        stallwatch.shutdown(timeout=5)
+        """
+    proc = run_python(code, env=clean_env(STALLWATCH_PROVIDERS="host"))  # returns once the watchdog has left
+
+    assert proc.returncode == 0, proc.stderr
+    logs = telemetry_dir / "logs.jsonl"
+    requests = [json.loads(line) for line in (logs.read_text() if logs.exists() else "").splitlines()]
+    detected = [
+        attrs(resource["resource"])
+        for request in requests
+        for resource in request["resourceLogs"]
+        for scope in resource["scopeLogs"]
+        for record in scope["logRecords"]
+        if "freeze detected" in record["body"]["stringValue"]
+    ]
+    assert [resource.get("stallwatch.process.role") for resource in detected] == ["watchdog"], proc.stderr
+
+
 _HOST = """
 import json, os, stallwatch, sys
 session = stallwatch.setup(traces_exporter="none", metrics_exporter="none", logs_exporter="none")
