@@ -81,3 +81,18 @@ def test_import_stallwatch_says_the_sdk_was_loaded_before_it_only_when_it_was(fi
 
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) is before
+
+
+def test_a_set_up_exporting_over_otlp_loads_neither_the_file_exporters_nor_protobufs_json_printer():
+    code = (
+        "import json, sys, stallwatch\n"
+        "stallwatch.setup()\n"
+        "print(json.dumps(sorted(m for m in ('stallwatch.export.file', 'google.protobuf.json_format') "
+        "if m in sys.modules)), flush=True)\n"
+        "stallwatch.shutdown(timeout=0.5)\n"
+    )
+    signals = {f"OTEL_{signal}_EXPORTER": "otlp" for signal in ("TRACES", "METRICS", "LOGS")}
+    env = clean_env(OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:9", STALLWATCH_WATCHDOG="false", **signals)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+
+    assert json.loads(proc.stdout.splitlines()[0]) == [], proc.stderr
