@@ -57,6 +57,21 @@ def test_the_heartbeat_the_wedge_check_and_the_shutdown_share_one_stallwatch_thr
     assert stopped["shutdown"] is True  # run on that thread
 
 
+def test_the_watchdog_of_a_host_that_beats_on_time_runs_one_thread_and_loads_neither_the_sdk_nor_wrapt(tmp_path):
+    host = _idle_host(tmp_path, "otlp")
+    try:
+        watchdog = json.loads(host.stdout.readline())["watchdog"]
+        threads = os.listdir(f"/proc/{watchdog}/task")
+        maps = Path(f"/proc/{watchdog}/maps").read_text()
+    finally:
+        host.kill()
+        host.wait()
+
+    assert len(threads) == 1
+    # wrapt's extension is loaded by stallwatch's package, psutil's by the SDK's resource detection
+    assert "_wrappers" not in maps and "_psutil_linux" not in maps, maps
+
+
 @pytest.mark.parametrize(("first", "before"), [("", False), ("import opentelemetry.sdk.trace\n", True)])
 def test_import_stallwatch_says_the_sdk_was_loaded_before_it_only_when_it_was(first, before):
     # Taken after stallwatch's own modules had loaded the SDK, it was always true, and every import
@@ -66,3 +81,18 @@ def test_import_stallwatch_says_the_sdk_was_loaded_before_it_only_when_it_was(fi
 
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) is before
+
+
+def test_a_set_up_exporting_over_otlp_loads_neither_the_file_exporters_nor_protobufs_json_printer():
+    code = (
+        "import json, sys, stallwatch\n"
+        "stallwatch.setup()\n"
+        "print(json.dumps(sorted(m for m in ('stallwatch.export.file', 'google.protobuf.json_format') "
+        "if m in sys.modules)), flush=True)\n"
+        "stallwatch.shutdown(timeout=0.5)\n"
+    )
+    signals = {f"OTEL_{signal}_EXPORTER": "otlp" for signal in ("TRACES", "METRICS", "LOGS")}
+    env = clean_env(OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:9", STALLWATCH_WATCHDOG="false", **signals)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+
+    assert json.loads(proc.stdout.splitlines()[0]) == [], proc.stderr

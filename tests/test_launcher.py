@@ -172,7 +172,9 @@ def test_dstack_server_started_by_stallwatch_run_records_its_forks_and_spawns_an
     resources = [attrs(resource["resource"]) for resource in _resources(metrics)]
     host = [r for r in resources if r.get("stallwatch.process.role") != "watchdog"]
     assert host and all(r["service.name"] == "dstack-server" for r in host), resources
-    assert any(r.get("stallwatch.process.role") == "watchdog" for r in resources), "no freeze watchdog ran"
+    # A watchdog whose host beats on time exports nothing (it sets its pipeline up at the first late
+    # heartbeat): it ran if it started and did not die.
+    assert "freeze watchdog" not in served.stderr(), served.stderr()
     assert latest_total(metrics, "stallwatch.loop.lag") >= 0  # the heartbeat of dstack's event loop
     spawned = [span for span in otlp_items(traces, "spans") if attrs(span).get("process.executable.name")]
     assert spawned, "dstack spawns git and ssh at start: their spans are missing"
@@ -280,7 +282,10 @@ def test_dstack_with_host_providers_exports_stallwatchs_records_through_its_own_
     senders = {frozenset(resource.items()) for resource, scope, _ in otlp_received_from(receiver, "/v1/metrics")
                if scope == "stallwatch"}  # fmt: skip
     roles = Counter(dict(sender).get("stallwatch.process.role", "host") for sender in senders)
-    assert roles == {"host": 1, "watchdog": 1}, senders  # the watchdog exports with providers of its own
+    # The watchdog exports with providers of its own once it has set them up, at a late heartbeat (a freeze
+    # while dstack imports, on a loaded machine); an idle one exports nothing. tests/test_watchdog.py checks
+    # its freeze under STALLWATCH_PROVIDERS=host.
+    assert roles["host"] == 1 and roles.keys() <= {"host", "watchdog"} and roles["watchdog"] <= 1, senders
     assert frozenset(host[0].items()) in senders  # the host's records: through dstack's provider, and only there
     running = [body for body in _log_bodies(receiver).elements() if re.search(RUNNING, body)]
     assert len(running) == 1, _log_bodies(receiver)

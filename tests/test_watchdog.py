@@ -190,11 +190,20 @@ def test_the_watchdogs_freeze_lines_on_the_hosts_stderr_say_they_are_the_watchdo
 
 def test_the_watchdogs_shutdown_timeout_line_says_it_is_the_watchdogs(tmp_path):
     # A host gone without stallwatch's shutdown (a killed worker) leaves its watchdog to flush on its own,
-    # here to a collector that takes connections and never answers.
+    # here to a collector that takes connections and never answers. The watchdog has something to flush
+    # once it has reported a freeze (an idle one has set no pipeline up): the host blocks its loop first.
     collector = socket.socket()
     collector.bind(("127.0.0.1", 0))
     collector.listen(64)
-    code = "import os, stallwatch\nstallwatch.setup()\nos._exit(0)\n"
+    code = (
+        "import asyncio, os, time, stallwatch\n"
+        "session = stallwatch.setup(logs_exporter='none')\n"
+        "async def main():\n"
+        "    assert await asyncio.to_thread(session.wait_for_watchdog, 30)\n"
+        "    time.sleep(2.5)\n"
+        "asyncio.run(main())\n"
+        "os._exit(0)\n"
+    )
     env = clean_env(
         XDG_RUNTIME_DIR=str(tmp_path), OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{collector.getsockname()[1]}"
     )
@@ -203,11 +212,41 @@ def test_the_watchdogs_shutdown_timeout_line_says_it_is_the_watchdogs(tmp_path):
         _, stderr = host.communicate(timeout=120)  # the watchdog holds the pipe until it has exited
 
     assert host.returncode == 0
-    assert stderr.startswith(
+    lines = stderr.splitlines()
+    assert lines[-1].startswith(
         f"stallwatch watchdog (host pid {host.pid}): telemetry shutdown did not finish within 1.0s "
         "(STALLWATCH_SHUTDOWN_TIMEOUT); dropped "
-    )
-    assert len(stderr.splitlines()) == 1, stderr
+    ), stderr
+    assert all(line.startswith(f"stallwatch watchdog (host pid {host.pid}): ") for line in lines), stderr
+
+
+def test_a_host_exporting_through_its_own_providers_still_has_its_freeze_exported_by_the_watchdog(telemetry_dir):
+    # STALLWATCH_PROVIDERS=host names the host's providers, which live in the host's process only: the
+    # watchdog, which sets its pipeline up at the first late heartbeat, exports through providers of its own.
+    code = f"""
+        import asyncio, time
+        import stallwatch
+        session = stallwatch.setup(file_dir={str(telemetry_dir)!r}, freeze_threshold=1.0)
+        async def main():
+            assert await asyncio.to_thread(session.wait_for_watchdog, 30)
+            time.sleep(2.5)  # the loop blocked
+        asyncio.run(main())
+        stallwatch.shutdown(timeout=5)
+        """
+    proc = run_python(code, env=clean_env(STALLWATCH_PROVIDERS="host"))  # returns once the watchdog has left
+
+    assert proc.returncode == 0, proc.stderr
+    logs = telemetry_dir / "logs.jsonl"
+    requests = [json.loads(line) for line in (logs.read_text() if logs.exists() else "").splitlines()]
+    detected = [
+        attrs(resource["resource"])
+        for request in requests
+        for resource in request["resourceLogs"]
+        for scope in resource["scopeLogs"]
+        for record in scope["logRecords"]
+        if "freeze detected" in record["body"]["stringValue"]
+    ]
+    assert [resource.get("stallwatch.process.role") for resource in detected] == ["watchdog"], proc.stderr
 
 
 _HOST = """

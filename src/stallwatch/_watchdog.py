@@ -1,12 +1,39 @@
-"""`python -m stallwatch._watchdog --pid HOST --heartbeat FILE`: the freeze watchdog's process
-(`detect.watchdog`), whose own telemetry pipeline is a `stallwatch.setup()`. `setup()` starts it."""
+"""The freeze watchdog's process (`detect.watchdog`), whose own telemetry pipeline is a `session.setup()`.
+
+`setup()` starts it as `python -c BOOTSTRAP --pid HOST --heartbeat FILE` (`detect.watchdog.BOOTSTRAP`),
+which imports this module without running the package's `__init__`: while the host beats on time the
+watchdog loads nothing but the standard library and `detect.heartbeat`. The pipeline's modules are
+imported only when `detect.watchdog` asks for them (`_prepare`), at the first late heartbeat.
+"""
 
 from __future__ import annotations
 
 import sys
+from typing import Any
 
-import stallwatch
 from stallwatch.detect import watchdog
 
+
+def _prepare() -> None:
+    # footprint: the pipeline is loaded at the first late heartbeat, never by an idle watchdog
+    from stallwatch import forksafe, pipeline, session  # noqa: F401
+
+
+def _setup(**overrides: Any) -> Any:
+    from stallwatch import forksafe, session  # footprint: as in _prepare
+
+    return session.setup(forksafe.install(), **overrides)
+
+
+def _shutdown() -> None:
+    from stallwatch import session  # footprint: as in _prepare
+
+    session.shutdown()
+
+
+def main() -> int:
+    return watchdog.main(_setup, _shutdown, _prepare)
+
+
 if __name__ == "__main__":
-    sys.exit(watchdog.main(stallwatch.setup, stallwatch.shutdown))
+    sys.exit(main())

@@ -51,7 +51,6 @@ from .core.faults import FAULTS, instrument, meter
 from .core.scrub import scrub_text
 from .detect import heartbeat
 from .export import log_bridge
-from .export.file import FileLogExporter, FileMetricExporter, FileSpanExporter
 from .export.guarded import (
     SHUTDOWN_TIMEOUT,
     CountingLogProcessor,
@@ -321,6 +320,9 @@ def _sampler(settings: Settings) -> sampling.Sampler:
 def _exporter(settings: Settings, signal: str, name: str, pipeline: Pipeline) -> Any:
     """One `file`, `console` or `otlp` exporter for a signal."""
     if name == "file":
+        # footprint: the file exporters (and protobuf's json_format) only where a signal uses them
+        from .export.file import FileLogExporter, FileMetricExporter, FileSpanExporter
+
         exporters: dict[str, type[FileSpanExporter | FileMetricExporter | FileLogExporter]] = {
             "traces": FileSpanExporter,
             "metrics": FileMetricExporter,

@@ -21,7 +21,6 @@ watchdog left when both were killed (systemd stopping the whole unit), so /dev/s
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import faulthandler
 import fcntl
@@ -30,23 +29,18 @@ import mmap
 import os
 import struct
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from opentelemetry.trace import INVALID_SPAN_CONTEXT, NonRecordingSpan, get_current_span
-
-from .. import sdk_compat
 from .._private import opener
 from ..core import background
-from ..core.faults import FAULTS, SENTRY_COMPONENT, SENTRY_OFF, SENTRY_SETTING, first_record, signal_name
-from ..core.scrub import scrub_value
-from ..forksafe import guard
-from ..forksafe.loop import loop_kind
+
+if TYPE_CHECKING:
+    import asyncio
 
 MAGIC = b"SWHB0002"
 # magic, host pid, flags, interpreter ns, loop ns, spawn-start ns, loop kind, watchdog pid, spawn
@@ -86,6 +80,8 @@ def area_directory() -> Path:
     for candidate in (os.environ.get("XDG_RUNTIME_DIR"), "/dev/shm"):
         if candidate and os.path.isdir(candidate) and os.access(candidate, os.W_OK):
             return Path(candidate)
+    import tempfile  # footprint: seldom needed
+
     return Path(tempfile.gettempdir())
 
 
@@ -212,6 +208,8 @@ class HeartbeatArea:
 
     def spawning(self, command: str, trace_id: int, span_id: int) -> None:
         """Before an exec-bound spawn: what is spawned (checked for secrets once more) and under which span."""
+        from ..core.scrub import scrub_value  # footprint: host side only
+
         command = scrub_value(command)
         self._write(OFFSET_COMMAND, command.encode(errors="replace")[:256].ljust(256, b"\0"))
         self._write(OFFSET_TRACE, trace_id.to_bytes(16, "big"))
@@ -367,6 +365,8 @@ def start(
     _threshold = threshold
     _watchdog = watchdog
     _start_for_child = start_for_child
+    from ..forksafe import guard  # footprint: host side only (the guard loads wrapt)
+
     if guard.installed():
         guard.listen(guard.ForkListener(disarm_for_fork, rearm_after_fork, forked_child, _spawn_notes))
     if stacks:
@@ -416,6 +416,8 @@ class _InterpreterBeats:
                 self.handed = _hand_over_sentry(area, self.handed)
                 _check_watchdog(area)
         except Exception:
+            from ..core.faults import FAULTS  # footprint: host side only (loads wrapt and the SDK)
+
             FAULTS.record(COMPONENT, SETTING)
 
 
@@ -440,6 +442,8 @@ def _lost_watchdog(area: HeartbeatArea, process: Any) -> None:
         if AREA is not area:  # stop() came first: the shutdown ended the watchdog
             return
         _watchdog = None
+    from ..core.faults import FAULTS, signal_name  # footprint: host side only (loads wrapt and the SDK)
+
     code = process.returncode
     how = f"was killed by {signal_name(-code)}" if code < 0 else f"exited with status {code}"
     FAULTS.record(COMPONENT, SETTING, f"the freeze watchdog (pid {process.pid}) {how}; freezes go unreported")
@@ -457,6 +461,8 @@ def _lost_file(area: HeartbeatArea, inode: int | None) -> None:
             problem = (
                 f"the heartbeat file {area.path} was removed and cannot be made again ({error}); freezes go unreported"
             )
+    from ..core.faults import FAULTS  # footprint: host side only (loads wrapt and the SDK)
+
     FAULTS.record(COMPONENT, SETTING, problem)
 
 
@@ -472,6 +478,9 @@ def _hand_over_sentry(area: HeartbeatArea, handed: dict[str, Any] | None) -> dic
 
         current = sentry.handover()
     except Exception:  # an odd sentry-sdk version: freezes still reach OpenTelemetry
+        # footprint: host side only (loads wrapt and the SDK)
+        from ..core.faults import FAULTS, SENTRY_COMPONENT, SENTRY_OFF, SENTRY_SETTING
+
         FAULTS.record(SENTRY_COMPONENT, SENTRY_SETTING, off=SENTRY_OFF)
         return handed
     if current == handed:
@@ -532,6 +541,10 @@ def track_current_span() -> None:
     `opentelemetry.context.attach`/`detach` are noted through `sdk_compat.note_context_changes`, a
     fast path; with `STALLWATCH_FAST_PATHS=false`, the spans of stallwatch's tracer provider are
     noted as they start and end instead (`current_span_processor`). `untrack_current_span()` stops it."""
+    from opentelemetry.trace import get_current_span  # footprint: host side only
+
+    from .. import sdk_compat  # footprint: host side only (the watchdog imports this module too)
+
     get_ident = threading.get_ident
 
     def noted(context: Any) -> None:
@@ -547,7 +560,8 @@ def current_span_processor() -> Any:
     span as `start_as_current_span` and `use_span` nest them, for the fast paths off, where
     `attach`/`detach` are not noted. A span started there without being made current (an executor
     item's, ended by its worker) is taken as current until it ends."""
-    from opentelemetry.sdk.trace import SpanProcessor
+    from opentelemetry.sdk.trace import SpanProcessor  # footprint: host side only
+    from opentelemetry.trace import INVALID_SPAN_CONTEXT, NonRecordingSpan  # footprint: host side only
 
     get_ident = threading.get_ident
 
@@ -573,6 +587,8 @@ def current_span_processor() -> Any:
 
 def untrack_current_span() -> None:
     """Stop writing the current span into the heartbeat (see `track_current_span`)."""
+    from .. import sdk_compat  # footprint: host side only
+
     sdk_compat.stop_noting_context_changes()
 
 
@@ -594,6 +610,8 @@ def _write_current_span(span: Any) -> None:
     except ValueError:  # closed by stop() meanwhile
         pass
     except Exception:
+        from ..core.faults import FAULTS  # footprint: host side only (loads wrapt and the SDK)
+
         FAULTS.record(COMPONENT, SETTING)
 
 
@@ -624,6 +642,8 @@ def _run_forever(wrapped: Any, loop: asyncio.AbstractEventLoop, args: tuple[Any,
         area = _watch_this_child()
         if area is None:
             return wrapped(*args, **kwargs)
+    from ..forksafe.loop import loop_kind  # footprint: host side only
+
     beats = _LoopBeats(loop, area, loop_kind(loop), time.monotonic(), waiting=True)
     _loops[id(loop)] = beats
     loop.call_soon(_beat, beats)
@@ -670,6 +690,8 @@ def _watch_this_child() -> HeartbeatArea | None:
     try:
         started = _start_for_child()
     except Exception:
+        from ..core.faults import FAULTS  # footprint: host side only (loads wrapt and the SDK)
+
         FAULTS.record(COMPONENT, SETTING)
         return None
     if started is None:
@@ -717,5 +739,7 @@ def _beat(beats: _LoopBeats) -> None:
         faulthandler.dump_traceback_later(_threshold, file=_stacks_file)  # replaces the previous timer
         _armed_by = pid
     if _lag_histogram is not None:
+        from ..core.faults import first_record  # footprint: host side only (loads wrapt and the SDK)
+
         first_record()
         _lag_histogram.record(max(0.0, now - beats.sent), {"stallwatch.loop": beats.kind})

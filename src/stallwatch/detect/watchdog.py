@@ -2,14 +2,20 @@
 (incident 000 in docs/incidents.md).
 
 `setup()` starts it with the standard library's vfork/posix_spawn path (never `fork()` of the big
-host) as `python -m stallwatch._watchdog --pid HOST --heartbeat FILE`. It reads the host's
+host) as `python -c BOOTSTRAP --pid HOST --heartbeat FILE`, which runs `stallwatch._watchdog` (and
+through it `main()`) without the package's `__init__`. While the host beats on time the watchdog
+runs on the standard library and `detect.heartbeat` alone, on one thread, with no telemetry pipeline
+(`_Reporting`): a host's heartbeat late by `PREPARE_NS` starts loading it (imports on a thread, then
+the set-up on the main thread between polls), so it is ready by the time the lateness becomes a
+freeze; with a Prometheus exporter it is set up at once, to serve scrapes. It reads the host's
 heartbeats (`detect.heartbeat`) every 100 ms; when the interpreter heartbeat is older than the
 threshold the freeze is `gil_held` (no Python thread runs), when only the loop heartbeat is old it
 is `loop_blocked`. It then reads `/proc` to say what the host waits on, exports a WARNING log
 record and `stallwatch.freeze.active` at once through its own pipeline (same exporter settings),
 sends the freeze to Sentry when the host handed its Sentry options over (`stallwatch.sentry`),
 and at the thaw a `stallwatch.freeze` span covering the freeze plus `stallwatch.freeze.duration`.
-Once it has read the heartbeat file from its poll loop it writes its pid there
+It judges the heartbeats once the host has begun to beat (the file is made before the host's set-up,
+which may take longer than the threshold), and from then on writes its pid into the file
 (`heartbeat.mark_watched`), so the host can wait until it watches (`Session.wait_for_watchdog`).
 It sees the host's exit within a poll interval (a pidfd); a freeze still open then is recorded
 with outcome `host_killed`, and its last word, `stallwatch.freeze.host_killed` (how long the host had
@@ -33,22 +39,19 @@ import os
 import select
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import sdk_compat, telemetry
-from ..config import Settings
-from ..core.faults import FAULTS, SENTRY_COMPONENT, SENTRY_OFF, SENTRY_SETTING, Deferred, instrument, signal_name
-from ..core.scrub import scrub_value
-from ..instrument.child_fate import never_execed
-from ..journal import Journal
+from .._private import never_execed
 from . import heartbeat
 
 POLL_SECONDS = 0.1
 FRESH_NS = int(3 * heartbeat.BEAT_SECONDS * 1e9)  # younger than this: the beating thread runs now
+PREPARE_NS = int(1.5 * heartbeat.BEAT_SECONDS * 1e9)  # a heartbeat older than this: load the pipeline
 REDIAGNOSE_SECONDS = 2.0
 STACKS_GRACE = 1.0  # the longest a freeze report waits for the stacks faulthandler writes at the same moment
 SYSCALLS_X86_64 = {0: "read", 7: "poll", 56: "clone", 58: "vfork", 61: "wait4", 202: "futex", 232: "epoll_wait",
@@ -214,6 +217,8 @@ def host_exit_status(pid: int) -> dict[str, Any]:
         return {}
     status = int(fields[49])
     if os.WIFSIGNALED(status):
+        from ..core.faults import signal_name  # footprint: not in the idle watchdog (loads wrapt and the SDK)
+
         return {"stallwatch.freeze.host.exit_signal": signal_name(os.WTERMSIG(status))}
     if os.WIFEXITED(status):
         return {"stallwatch.freeze.host.exit_code": os.WEXITSTATUS(status)}
@@ -230,21 +235,55 @@ def _spawn(freeze: Freeze) -> dict[str, Any]:
 class Watchdog:
     """Watches one host process; `run()` returns when the host is gone."""
 
-    def __init__(self, pid: int, heartbeat_path: Path, threshold: float, telemetry: Any) -> None:
+    def __init__(
+        self,
+        pid: int,
+        heartbeat_path: Path,
+        threshold: float,
+        telemetry: Callable[[], Any],
+        prepare: Callable[[], None],
+        telemetry_ready: Any = None,
+    ) -> None:
+        """`telemetry()` makes what reports the freezes (a `FreezeTelemetry`), on this thread.
+        `prepare()` does the slow part of that (imports) and runs on a thread of its own as soon as
+        a heartbeat is late by `PREPARE_NS` (or the threshold, if shorter); `telemetry()` is called
+        at the first poll after it has finished, freeze or not, or at a freeze that came first. Neither
+        runs while the host beats on time. `telemetry_ready`: what `telemetry()` made before (with a
+        Prometheus exporter, at start)."""
         self.pid = pid
         self.heartbeat_path = heartbeat_path
         self.threshold_ns = int(threshold * 1e9)
-        self.telemetry = telemetry
+        self._make_telemetry = telemetry
+        self._prepare_telemetry = prepare
+        self._preparing: threading.Thread | None = None
+        self._telemetry: Any = telemetry_ready
         self.freeze: Freeze | None = None
+        self._first_beat_ns: int | None = None  # the interpreter heartbeat first read, until the host beats
+        self._beating = False  # the host has begun to beat: its set-up is over
         self.host_left = False  # the host exec'd another program: nothing of stallwatch's is left to watch
+        self._stopping = False  # a SIGTERM came while a freeze was being reported
+        signal.signal(signal.SIGTERM, self._on_sigterm)  # before any setup(): this one, not its flush-and-die
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        """The host's shutdown removes its heartbeat file, then sends SIGTERM and does not wait: leave
+        through `main`'s cleanup (which flushes a pipeline set up), at once or, during a freeze, once
+        its report is made. A SIGTERM while the file is still there went to every process of the
+        host's cgroup (systemd stopping a unit): keep watching, and leave when the host has gone."""
+        if self.heartbeat_path.exists():
+            return
+        if self.freeze is None:
+            raise SystemExit(0)
+        self._stopping = True
 
     def run(self) -> None:
         pidfd = os.pidfd_open(self.pid)
         try:
-            while not self.host_left and not select.select([pidfd], [], [], POLL_SECONDS)[0]:
+            while not self.host_left and not self._stopping and not select.select([pidfd], [], [], POLL_SECONDS)[0]:
                 self.check()
         finally:
             os.close(pidfd)
+        if self._stopping:  # the freeze is reported: now leave as the SIGTERM asked
+            raise SystemExit(0)
         if self.host_left:
             _log.info("stallwatch: host %d exec'd another program; its freeze watchdog leaves", self.pid)
         if self.freeze is not None:
@@ -255,10 +294,22 @@ class Watchdog:
         snapshot = heartbeat.read(self.heartbeat_path)
         if snapshot is None:
             return
-        if snapshot["watchdog_pid"] != os.getpid():  # first read, or a file the host made again
+        if not self._beating:  # the file is made before the host's set-up, the heartbeats start after it
+            if self._first_beat_ns is None:
+                self._first_beat_ns = snapshot["interpreter_ns"]
+            if snapshot["interpreter_ns"] == self._first_beat_ns:
+                self.host_left = not heartbeat.in_use(self.heartbeat_path)  # exec'd before its first beat
+                return
+            self._beating = True
+        if snapshot["watchdog_pid"] != os.getpid():  # it judges the heartbeats from now on, or the file is new
             heartbeat.mark_watched(self.heartbeat_path)
         now = time.monotonic_ns()
         interpreter_age = now - snapshot["interpreter_ns"]
+        loop_age = now - snapshot["loop_ns"] if snapshot["loop_tracked"] else 0
+        if max(interpreter_age, loop_age) > min(PREPARE_NS, self.threshold_ns):
+            self._prepare()  # a freeze may be coming: be ready to report it at the threshold
+        if self._telemetry is None and self._preparing is not None and not self._preparing.is_alive():
+            self._set_up()  # the imports are done: set up between two polls
         kind = None
         if interpreter_age > self.threshold_ns:
             kind = "gil_held"
@@ -289,6 +340,24 @@ class Watchdog:
             self.freeze.diagnosed_at = time.monotonic()
             self.telemetry.still_frozen(self.freeze, now)
 
+    def _prepare(self) -> None:
+        if self._preparing is None:
+            self._preparing = threading.Thread(target=self._prepare_telemetry, name="stallwatch-prepare", daemon=True)
+            self._preparing.start()
+
+    @property
+    def telemetry(self) -> Any:
+        """The freeze telemetry, made now (after the imports) if it is not ready yet."""
+        if self._telemetry is None:
+            self._prepare()
+            assert self._preparing is not None
+            self._preparing.join()
+            self._set_up()
+        return self._telemetry
+
+    def _set_up(self) -> None:
+        self._telemetry = self._make_telemetry()
+
     def thaw(self, outcome: str) -> None:
         freeze, self.freeze = self.freeze, None
         if freeze is not None:
@@ -300,6 +369,9 @@ class FreezeTelemetry:
 
     def __init__(self, pid: int, heartbeat_path: Path, journal: Any = None) -> None:
         from opentelemetry import metrics, trace
+
+        from .. import telemetry  # footprint: not in the idle watchdog
+        from ..core.faults import Deferred, instrument  # footprint: not in the idle watchdog
 
         self._pid = pid
         self._journal = journal  # the host's journal, watchdog side: freeze records survive the host
@@ -434,6 +506,8 @@ class FreezeTelemetry:
         handed = heartbeat.read_sentry_handover(self._sentry_handover)
         if handed is None:
             return
+        from ..core.scrub import scrub_value  # footprint: not in the idle watchdog
+
         record = self._record_attributes(freeze)
         found = freeze.diagnosis
         trace_id, span_id = heartbeat.frozen_span(freeze.snapshot)
@@ -462,6 +536,8 @@ class FreezeTelemetry:
                 f"{span_id:016x}" if trace_id else "",
             )
         except Exception:  # sentry-sdk missing or odd here: the freeze still went to OpenTelemetry
+            from ..core.faults import FAULTS, SENTRY_COMPONENT, SENTRY_OFF, SENTRY_SETTING  # footprint: as above
+
             FAULTS.record(SENTRY_COMPONENT, SENTRY_SETTING, off=SENTRY_OFF)
 
     def flush(self) -> None:
@@ -469,6 +545,8 @@ class FreezeTelemetry:
         second copy of every series for the next scrape."""
         from opentelemetry import _logs, metrics, trace
         from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+        from .. import sdk_compat  # footprint: the SDK loads with the pipeline, at the first late heartbeat
 
         for provider in (trace.get_tracer_provider(), _logs.get_logger_provider()):
             flush = getattr(provider, "force_flush", None)
@@ -528,17 +606,78 @@ def _serve_last_word(session: Any, host_pid: int) -> None:
                      "STALLWATCH_WATCHDOG_LAST_SCRAPE_TIMEOUT sets how long to wait", host_pid, timeout)  # fmt: skip
 
 
-def _on_sigterm(heartbeat_path: Path) -> None:
-    """The host's shutdown removes its heartbeat files, then sends SIGTERM: leave through `main`'s
-    cleanup. A SIGTERM while the file is still there went to every process of the host's cgroup
-    (systemd stopping a unit): keep watching, and leave when the host has gone."""
-    if not heartbeat_path.exists():
-        raise SystemExit(0)
+class _Reporting:
+    """The watchdog's telemetry pipeline, its side of the host's journal and the freeze telemetry,
+    set up on first need: when a heartbeat is late (`Watchdog`), or at once when a scraper pulls
+    the metrics (the watchdog then serves its scrape endpoint from the start). The package's
+    `__init__` never runs here (`BOOTSTRAP`): it would load every instrumentation, and the watchdog
+    instruments nothing. `setup`, `shutdown` and `prepare` come from the caller (`stallwatch._watchdog`):
+    they build, stop and load the pipeline of a layer above this one."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        setup: Callable[..., Any],
+        shutdown: Callable[[], object],
+        prepare: Callable[[], None],
+    ) -> None:
+        self._args = args
+        self._setup = setup
+        self._shutdown = shutdown
+        self._prepare = prepare
+        self.session: Any = None
+        self._journal: Any = None
+        self.telemetry: FreezeTelemetry | None = None
+
+    def prepare(self) -> None:
+        """The imports `make()` needs, on any thread: most of its time."""
+        self._prepare()
+        if self._args.journal_dir is not None:
+            from .. import journal  # noqa: F401  # footprint: loaded at the first late heartbeat
+
+    def make(self) -> FreezeTelemetry:
+        """Set up on the main thread (`setup()` installs its SIGTERM flush only there)."""
+        if self.telemetry is None:
+            from .. import telemetry  # footprint: loaded at the first late heartbeat
+            from ..config import Settings  # footprint: loaded at the first late heartbeat
+
+            # The host's resource attributes (its service.instance.id among them) and the watchdog's own.
+            inherited = Settings.load().resource_attributes
+            own = {telemetry.RESOURCE_PROCESS_ROLE.name: "watchdog", "stallwatch.watched.pid": str(self._args.pid)}
+            self.session = self._setup(resource_attributes={**inherited, **own})
+            if self._args.journal_dir is not None:
+                from ..journal import Journal  # footprint: loaded at the first late heartbeat
+
+                self._journal = Journal(self._args.journal_dir, role="watchdog", host_pid=self._args.pid)
+            self.telemetry = FreezeTelemetry(self._args.pid, self._args.heartbeat, self._journal)
+        return self.telemetry
+
+    def close(self) -> None:
+        if self._journal is not None:
+            self._journal.close()
+        if self.session is not None:
+            self._shutdown()
 
 
-def main(setup: Callable[..., Any], shutdown: Callable[[], object], argv: list[str] | None = None) -> int:
-    """Run the watchdog process (`python -m stallwatch._watchdog`); `setup` and `shutdown` build and stop
-    its own telemetry pipeline (`stallwatch.setup` and `stallwatch.shutdown`, handed down by the caller)."""
+# How `setup()` starts the watchdog: `python -c BOOTSTRAP --pid ...`. It puts an empty `stallwatch` package
+# in `sys.modules` (its `__init__` not run, its submodules found as usual) and runs `stallwatch._watchdog`.
+BOOTSTRAP = (
+    "import importlib.util, sys; "
+    "sys.modules['stallwatch'] = importlib.util.module_from_spec(importlib.util.find_spec('stallwatch')); "
+    "from stallwatch._watchdog import main; "
+    "sys.exit(main())"
+)
+
+
+def main(
+    setup: Callable[..., Any],
+    shutdown: Callable[[], object],
+    prepare: Callable[[], None],
+    argv: list[str] | None = None,
+) -> int:
+    """Run the watchdog process (`stallwatch._watchdog`, started as `python -c BOOTSTRAP`). `setup` and
+    `shutdown` build and stop its own telemetry pipeline, `prepare` imports what `setup` needs; all three
+    are handed down by the caller and run only when the pipeline is needed (`_Reporting`)."""
     parser = argparse.ArgumentParser(prog="stallwatch watchdog", description=__doc__.splitlines()[0])
     parser.add_argument("--pid", type=int, required=True, help="the host process to watch")
     parser.add_argument("--heartbeat", type=Path, required=True, help="the host's heartbeat file")
@@ -548,28 +687,19 @@ def main(setup: Callable[..., Any], shutdown: Callable[[], object], argv: list[s
     if args.threshold <= 0:
         parser.error("--threshold must be positive (STALLWATCH_FREEZE_THRESHOLD)")
     _name_the_source(args.pid)
-    # Before setup(), whose own SIGTERM handler would flush and die at any SIGTERM.
-    signal.signal(signal.SIGTERM, lambda signum, frame: _on_sigterm(args.heartbeat))
     os.environ["STALLWATCH_WATCHDOG"] = "false"  # the watchdog never watches itself
-    os.environ["STALLWATCH_INSTRUMENT_EXECUTOR"] = "false"
-
-    # The host's resource attributes (its service.instance.id among them) and the watchdog's own.
-    inherited = Settings.load().resource_attributes
-    session = setup(resource_attributes={**inherited, telemetry.RESOURCE_PROCESS_ROLE.name: "watchdog",
-                                                    "stallwatch.watched.pid": str(args.pid)})  # fmt: skip
-    journal = None
-    if args.journal_dir is not None:
-        journal = Journal(args.journal_dir, role="watchdog", host_pid=args.pid)
+    for part in ("EXECUTOR", "SUBPROCESS", "SSH", "NEBIUS"):  # it runs none of these
+        os.environ[f"STALLWATCH_INSTRUMENT_{part}"] = "false"
+    reporting = _Reporting(args, setup, shutdown, prepare)
     try:
-        freeze_telemetry = FreezeTelemetry(args.pid, args.heartbeat, journal)
-        Watchdog(args.pid, args.heartbeat, args.threshold, freeze_telemetry).run()
-        if freeze_telemetry.host_died_frozen:
-            _serve_last_word(session, args.pid)
+        if "prometheus" in os.environ.get("OTEL_METRICS_EXPORTER", "").split(","):
+            reporting.make()
+        Watchdog(args.pid, args.heartbeat, args.threshold, reporting.make, reporting.prepare, reporting.telemetry).run()
+        if reporting.telemetry is not None and reporting.telemetry.host_died_frozen:
+            _serve_last_word(reporting.session, args.pid)
     except ProcessLookupError:
         pass
     finally:
-        if journal is not None:
-            journal.close()
-        shutdown()
+        reporting.close()
     heartbeat.remove_files(args.heartbeat)  # the host is gone: a killed host could not remove them
     return 0

@@ -27,7 +27,6 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from ..sdk_compat import encode_logs
-from .otlp_json import to_otlp_json
 from .span_json import plain_attributes
 
 try:  # opentelemetry-sdk 1.39 and later
@@ -230,6 +229,8 @@ def _encode(batch: Sequence[Any]) -> str:
 
 
 def _protobuf_route(batch: Sequence[Any]) -> str:
+    from .otlp_json import to_otlp_json  # footprint: protobuf's JSON printer, for the records written this way
+
     return to_otlp_json(encode_logs(batch))
 
 

@@ -29,6 +29,7 @@ import wrapt
 from opentelemetry.instrumentation.utils import unwrap
 
 from .. import telemetry
+from .._private import never_execed
 from ..core.faults import FAULTS, signal_name
 from ._lifecycle import ForkReset
 
@@ -38,7 +39,6 @@ DONE, NOT_DONE, UNKNOWN = "done", "not_done", "unknown"
 MAX_SIGNALS = 8
 """Signals kept per child (a host that sends SIGWINCH on every resize would send many)."""
 
-_PF_FORKNOEXEC = 0x40  # include/linux/sched.h: set by fork, cleared by exec
 _PEEK = os.WEXITED | os.WNOHANG | os.WNOWAIT
 _MAX_NEW_CHILDREN = 8  # the newest children of a thread looked at after a uvloop spawn
 _PROCESS_METHODS = ("send_signal", "terminate", "kill")
@@ -112,17 +112,6 @@ def _flags(pid: int) -> str:
     """The verdict from the kernel's flags of a child not yet reaped whose spawn call has returned."""
     never = never_execed(pid)
     return UNKNOWN if never is None else NOT_DONE if never else DONE
-
-
-def never_execed(pid: int) -> bool | None:
-    """Whether process `pid` has not exec'd since it was forked (`PF_FORKNOEXEC`); None when its
-    `/proc/PID/stat` cannot be read (gone, or reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            fields = stat.read().rsplit(b")", 1)[1].split()
-        return bool(int(fields[6]) & _PF_FORKNOEXEC)
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 # ---- the registry the signal wrappers look children up in ----------------------------------------
