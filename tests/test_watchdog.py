@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -742,7 +743,7 @@ def test_each_worker_gunicorn_forks_after_preload_has_a_watchdog_carrying_its_ow
     telemetry, runtime = tmp_path / "telemetry", tmp_path / "run"
     runtime.mkdir()
     env = clean_env(STALLWATCH_FILE_DIR=str(telemetry), OTEL_METRIC_EXPORT_INTERVAL="3600000",
-                    XDG_RUNTIME_DIR=str(runtime))  # fmt: skip
+                    STALLWATCH_FREEZE_THRESHOLD="0.5", XDG_RUNTIME_DIR=str(runtime))  # fmt: skip
     command = [sys.executable, "-m", "gunicorn", "served_app:app", "-k", "uvicorn.workers.UvicornWorker",
                "-w", "2", "-b", "127.0.0.1:0", "--preload"]  # fmt: skip
     host = Served(command, env, cwd=SCENARIOS)
@@ -750,9 +751,22 @@ def test_each_worker_gunicorn_forks_after_preload_has_a_watchdog_carrying_its_ow
         port = int(host.wait_for(r"Listening at: http://127\.0\.0\.1:(\d+)").group(1))
         workers = {int(host.wait_for(r"Booting worker with pid: (\d+)", count=n).group(1)) for n in (1, 2)}
         host.wait_for(r"Application startup complete", count=2)
+        blocked: set[int] = set()  # an idle watchdog exports nothing: a freeze in each worker makes it report
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
             for number in range(20):
                 assert client.get(f"/spawn/{number}").status_code == 200
+
+            def block() -> None:
+                blocked.add(int(client.get("/block/1.5").text))
+
+            deadline = time.monotonic() + 60
+            while blocked != workers:  # two at once: a worker whose loop is blocked accepts nothing
+                assert time.monotonic() < deadline, f"blocked only {blocked} of {workers}"
+                pair = [threading.Thread(target=block) for _ in range(2)]
+                for thread in pair:
+                    thread.start()
+                for thread in pair:
+                    thread.join()
         host.process.send_signal(signal.SIGTERM)
         assert host.finish() == 0, host.stderr()
     finally:
@@ -761,12 +775,12 @@ def test_each_worker_gunicorn_forks_after_preload_has_a_watchdog_carrying_its_ow
     def watchdogs() -> dict[int, str]:
         return {
             int(r["stallwatch.watched.pid"]): r["service.instance.id"]
-            for r in _resources(telemetry / "metrics.jsonl", "resourceMetrics")
+            for r in _resources(telemetry / "traces.jsonl", "resourceSpans")
             if r.get("stallwatch.process.role") == "watchdog" and int(r["stallwatch.watched.pid"]) in workers
         }
 
-    wait_until(lambda: len(watchdogs()) == 2, "both workers' watchdogs exported at their exit")
-    hosts = {
+    wait_until(lambda: len(watchdogs()) == 2, "both workers' watchdogs exported their freezes")
+    hosts = {  # each worker exports its metrics at its exit
         r["service.instance.id"]
         for r in _resources(telemetry / "metrics.jsonl", "resourceMetrics")
         if r.get("stallwatch.process.role") != "watchdog"

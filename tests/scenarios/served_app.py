@@ -1,5 +1,6 @@
 """An ASGI app as a new user writes it: `import stallwatch.auto` first, one span per request, and a
 child process spawned and awaited in each request (as a control plane runs `ssh` or `docker`).
+`/block/SECONDS` instead blocks the worker's loop (sync code in a handler) and answers its pid.
 
 SERVED_APP_STALLWATCH=0 runs the same app without stallwatch (for byte-for-byte comparisons).
 """
@@ -11,6 +12,7 @@ if os.environ.get("SERVED_APP_STALLWATCH", "1") == "1":
 
 import asyncio
 import logging
+import time
 
 from opentelemetry import trace
 
@@ -29,6 +31,11 @@ async def app(scope, receive, send):
                 log.warning("served app stopping")
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+    if scope["path"].startswith("/block/"):
+        time.sleep(float(scope["path"].rsplit("/", 1)[1]))
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": str(os.getpid()).encode()})
+        return
     with tracer.start_as_current_span(f"GET {scope['path']}"):
         process = await asyncio.create_subprocess_exec("true")
         code = await process.wait()
