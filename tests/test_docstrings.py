@@ -27,29 +27,9 @@ MAX_MODULE_DOCSTRING_LINES = 15
 _UNIT = r"(?:[µμ]s|us|ns|ms|kB|KB|KiB|MB|MiB|GB|GiB)"
 FIGURE = re.compile(rf"(?<![\w.])(?<!every )\d+(?:[.,]\d+)*\s?(?:{_UNIT}\b|[x\u00d7](?!\w))")
 
-# Modules whose docstrings another branch is rewriting as it restructures them. Each entry fails
-# the check it names today; once its module passes, the strict xfail fails until the entry goes.
-BEING_RESTRUCTURED = "being restructured"
-LONG_DOCSTRING_ALLOWED = {
-    "detect/heartbeat.py",
-    "detect/watchdog.py",
-}
-FIGURES_ALLOWED = {
-    "detect/heartbeat.py",
-}
-
 
 def _name(path: Path) -> str:
     return path.relative_to(PACKAGE).as_posix()
-
-
-def _params(allowed: set[str]) -> list[object]:
-    return [
-        pytest.param(path, id=_name(path), marks=pytest.mark.xfail(strict=True, reason=BEING_RESTRUCTURED))
-        if _name(path) in allowed
-        else pytest.param(path, id=_name(path))
-        for path in SOURCES
-    ]
 
 
 def _texts(source: str) -> list[tuple[int, str]]:
@@ -69,12 +49,7 @@ def figures(source: str) -> list[str]:
     return [f"{line}: {match.group()}" for line, text in _texts(source) for match in FIGURE.finditer(text)]
 
 
-def test_every_allow_list_entry_names_a_module_that_exists():
-    names = {_name(path) for path in SOURCES}
-    assert sorted((LONG_DOCSTRING_ALLOWED | FIGURES_ALLOWED) - names) == []
-
-
-@pytest.mark.parametrize("path", _params(LONG_DOCSTRING_ALLOWED))
+@pytest.mark.parametrize("path", SOURCES, ids=_name)
 def test_the_module_docstring_states_the_contract_within_the_line_limit(path):
     docstring = ast.get_docstring(ast.parse(path.read_text())) or ""
     lines = len(inspect.cleandoc(docstring).splitlines())
@@ -84,7 +59,7 @@ def test_the_module_docstring_states_the_contract_within_the_line_limit(path):
     )
 
 
-@pytest.mark.parametrize("path", _params(FIGURES_ALLOWED))
+@pytest.mark.parametrize("path", SOURCES, ids=_name)
 def test_no_docstring_or_comment_of_the_module_quotes_a_measured_figure(path):
     assert figures(path.read_text()) == [], f"{_name(path)}: figures belong in tests/bench/results"
 

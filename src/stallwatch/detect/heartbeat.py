@@ -1,22 +1,17 @@
-"""Heartbeats in shared memory, read by the watchdog process (incident 000 in docs/incidents.md).
+"""Heartbeats in shared memory, read by the watchdog process (docs/freezes.md).
 
-While uvloop forks it holds the GIL until the child execs, so no Python thread of the host runs;
-the only witness is another process. The host writes two heartbeats into a small mmap'd file
-(mode 0600): an *interpreter* heartbeat from stallwatch's worker thread (stale when nothing Python runs:
-`gil_held`) and a *loop* heartbeat from a callback on the main thread's event loop (stale while
-the interpreter runs: `loop_blocked`). Before each exec-bound spawn the host also writes what it
-spawns and the current span, so the watchdog can name the frozen operation; and whenever a span
-is entered or left on the main thread, which span is current there, so that a freeze's records lead
-to the trace it froze in (`track_current_span`). Each field is an aligned 8-byte store or a fixed
-byte range, written without locks; the watchdog tolerates a torn read by re-reading. No library
-does this, hence the hand-written layout. The watchdog writes one field itself: its pid, once it
-reads the file from its poll loop (`mark_watched`), which the host reads to know that a freeze
-would be seen from now on (`HeartbeatArea.watched_by`).
+The host writes into a small mmap'd file (0600), with aligned 8-byte stores and no locks (the
+watchdog re-reads a torn value): an *interpreter* heartbeat from stallwatch's worker thread (stale
+when no Python thread runs: `gil_held`), a *loop* heartbeat from each running event loop (stale
+while that loop is blocked: `loop_blocked`), what an exec-bound spawn runs before it starts, and the
+span current on the main thread (`track_current_span`), so a freeze names its operation and trace.
+The watchdog writes its pid once it watches (`mark_watched`, read by `HeartbeatArea.watched_by`).
+No library does this, hence the hand-written layout.
 
-The host holds an exclusive `flock` on its heartbeat file while it lives; the kernel drops it when
-the host (and any forked child still holding the descriptor) is gone, even on SIGKILL. The watchdog
-removes the files when the host exits; `sweep()` at the next `setup()` removes what a host and its
-watchdog left when both were killed (systemd stopping the whole unit), so /dev/shm never fills up.
+The host holds an exclusive `flock` on the file while it lives (the kernel drops it even on
+SIGKILL); the watchdog removes the files when the host exits, and `sweep()` at the next `setup()`
+removes what a killed host and watchdog left. The watchdog process imports this module too: it
+loads nothing beyond the standard library until a host-side function runs.
 """
 
 from __future__ import annotations
@@ -657,8 +652,8 @@ def _run_forever(wrapped: Any, loop: asyncio.AbstractEventLoop, args: tuple[Any,
 
 def disarm_for_fork() -> None:
     """Before a fork that is not exec-bound (the fork guard's handler): cancel faulthandler's timer
-    if this process armed it, so that the child can exit (see `_armed_by`). About 40 µs with the
-    timer armed (`STALLWATCH_FAULTHANDLER`), a `getpid()` without."""
+    if this process armed it, so that the child can exit (see `_armed_by`); with the timer not armed
+    (`STALLWATCH_FAULTHANDLER`) it costs a `getpid()`."""
     global _armed_by, _rearm
     _rearm = _armed_by == os.getpid()
     if _rearm:
@@ -714,7 +709,7 @@ def _send_loop_beats() -> None:
 
     A `call_soon_threadsafe` rather than a `call_later` chain on the loop: a loop with a timer in
     its heap pays for it on every iteration (clock reads, and an epoll_wait with a timeout, which
-    arms a kernel timer), measured at 1-3 µs per `asyncio.to_thread` on this machine's VM.
+    arms a kernel timer).
     """
     for beats in list(_loops.values()):
         if beats.waiting:

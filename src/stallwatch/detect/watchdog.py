@@ -1,33 +1,17 @@
-"""The freeze watchdog: a second process that sees a frozen host while the freeze lasts
-(incident 000 in docs/incidents.md).
+"""The freeze watchdog: a second process that sees a frozen host while the freeze lasts (docs/freezes.md).
 
-`setup()` starts it with the standard library's vfork/posix_spawn path (never `fork()` of the big
-host) as `python -c BOOTSTRAP --pid HOST --heartbeat FILE`, which runs `stallwatch._watchdog` (and
-through it `main()`) without the package's `__init__`. While the host beats on time the watchdog
-runs on the standard library and `detect.heartbeat` alone, on one thread, with no telemetry pipeline
-(`_Reporting`): a host's heartbeat late by `PREPARE_NS` starts loading it (imports on a thread, then
-the set-up on the main thread between polls), so it is ready by the time the lateness becomes a
-freeze; with a Prometheus exporter it is set up at once, to serve scrapes. It reads the host's
-heartbeats (`detect.heartbeat`) every 100 ms; when the interpreter heartbeat is older than the
-threshold the freeze is `gil_held` (no Python thread runs), when only the loop heartbeat is old it
-is `loop_blocked`. It then reads `/proc` to say what the host waits on, exports a WARNING log
-record and `stallwatch.freeze.active` at once through its own pipeline (same exporter settings),
-sends the freeze to Sentry when the host handed its Sentry options over (`stallwatch.sentry`),
-and at the thaw a `stallwatch.freeze` span covering the freeze plus `stallwatch.freeze.duration`.
-It judges the heartbeats once the host has begun to beat (the file is made before the host's set-up,
-which may take longer than the threshold), and from then on writes its pid into the file
-(`heartbeat.mark_watched`), so the host can wait until it watches (`Session.wait_for_watchdog`).
-It sees the host's exit within a poll interval (a pidfd); a freeze still open then is recorded
-with outcome `host_killed`, and its last word, `stallwatch.freeze.host_killed` (how long the host had
-been frozen, by kind and cause), is exported over OTLP at once and, with the `prometheus` exporter,
-served until one scrape has carried it (`STALLWATCH_WATCHDOG_LAST_SCRAPE_TIMEOUT` at most). Then it
-exits and removes the host's heartbeat files. It also leaves, without
-reporting a freeze, when the heartbeats stop because the host exec'd another program: the host no
-longer holds its heartbeat file's lock (`heartbeat.in_use`), which it does for as long as it lives.
-It runs in a session of its own (no Ctrl-C from the host's terminal), and a SIGTERM while the host
-still has its heartbeat file (systemd signalling every process of a unit) leaves it watching until
-the host has gone; the host's own shutdown removes the file before it sends SIGTERM.
-It shares the host's stderr, so every line it writes there starts `stallwatch watchdog (host pid N):`.
+Started by `setup()` through vfork/posix_spawn as `python -c BOOTSTRAP`, which runs
+`stallwatch._watchdog` without the package's `__init__`. While the host beats on time it runs on the
+standard library alone, on one thread; a heartbeat late by `PREPARE_NS` starts loading its telemetry
+pipeline (`_Reporting`), ready before the lateness becomes a freeze (at once with a Prometheus
+exporter, to serve scrapes). Every `POLL_SECONDS` it reads the heartbeats: an interpreter heartbeat
+older than the threshold is `gil_held`, a loop heartbeat alone `loop_blocked`. A freeze is reported
+while it lasts (WARNING log record, `stallwatch.freeze.active`, Sentry) with what `/proc` says the
+host waits on, and at the thaw as a `stallwatch.freeze` span. A host that dies frozen leaves its last
+word (`stallwatch.freeze.host_killed`, outcome `host_killed`; docs/watchdog-last-word.md). It leaves
+when the host exits or execs another program, and at SIGTERM once the host's shutdown has removed the
+heartbeat file; it runs in a session of its own, and its stderr lines start
+`stallwatch watchdog (host pid N):`.
 """
 
 from __future__ import annotations
