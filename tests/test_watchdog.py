@@ -213,12 +213,19 @@ def test_the_watchdogs_shutdown_timeout_line_says_it_is_the_watchdogs(tmp_path):
         _, stderr = host.communicate(timeout=120)  # the watchdog holds the pipe until it has exited
 
     assert host.returncode == 0
-    lines = stderr.splitlines()
-    assert lines[-1].startswith(
-        f"stallwatch watchdog (host pid {host.pid}): telemetry shutdown did not finish within 1.0s "
-        "(STALLWATCH_SHUTDOWN_TIMEOUT); dropped "
+    lines = stderr.splitlines()  # SDK 1.27's reader also logs its export's read timeout, later, with a traceback
+    assert any(
+        line.startswith(
+            f"stallwatch watchdog (host pid {host.pid}): telemetry shutdown did not finish within 1.0s "
+            "(STALLWATCH_SHUTDOWN_TIMEOUT); dropped "
+        )
+        for line in lines
     ), stderr
     assert all(line.startswith(f"stallwatch watchdog (host pid {host.pid}): ") for line in lines), stderr
+    # The exports that hang (10 s each) never held the watchdog's look at the heartbeats: the 2.5 s freeze
+    # ended when the host left, not when an export gave up.
+    (over,) = [float(m.group(1)) for m in map(re.compile(r"freeze over after ([\d.]+)s").search, lines) if m]
+    assert over < 8, stderr
 
 
 def test_a_host_exporting_through_its_own_providers_still_has_its_freeze_exported_by_the_watchdog(telemetry_dir):

@@ -349,7 +349,8 @@ class Watchdog:
 
 
 class FreezeTelemetry:
-    """What the watchdog exports, immediately (each record is flushed as it is made)."""
+    """What the watchdog exports, immediately: each record is flushed as it is made, on a thread of its
+    own (`flush`), so a slow or silent collector never delays the next look at the heartbeats."""
 
     def __init__(self, pid: int, heartbeat_path: Path, journal: Any = None) -> None:
         from opentelemetry import metrics, trace
@@ -373,6 +374,9 @@ class FreezeTelemetry:
         instrument(meter, telemetry.FREEZE_ACTIVE, self._observe)
         instrument(meter, telemetry.FREEZE_HOST_KILLED, self._observe_killed)
         self._tracer = trace.get_tracer(telemetry.INSTRUMENTATION_SCOPE)
+        self._flush_lock = threading.Lock()
+        self._flushing = False  # a flush thread runs
+        self._flush_again = False  # a record was made while it ran: it flushes once more
 
     def _observe(self, options: Any) -> list[Any]:
         from opentelemetry.metrics import Observation
@@ -525,6 +529,25 @@ class FreezeTelemetry:
             FAULTS.record(SENTRY_COMPONENT, SENTRY_SETTING, off=SENTRY_OFF)
 
     def flush(self) -> None:
+        """Export what was recorded, now, on the flush thread: one at a time, and once more after it
+        for what was recorded meanwhile. The watchdog's own shutdown flushes what is left."""
+        with self._flush_lock:
+            if self._flushing:
+                self._flush_again = True
+                return
+            self._flushing = True
+        threading.Thread(target=self._flush_while_asked, name="stallwatch-watchdog-flush", daemon=True).start()
+
+    def _flush_while_asked(self) -> None:
+        while True:
+            self._flush_now()
+            with self._flush_lock:
+                if not self._flush_again:
+                    self._flushing = False
+                    return
+                self._flush_again = False
+
+    def _flush_now(self) -> None:
         """Export now. Push readers only: a collect on a pull (Prometheus) reader would queue a
         second copy of every series for the next scrape."""
         from opentelemetry import _logs, metrics, trace
