@@ -614,6 +614,9 @@ def test_a_grpc_export_retried_after_unavailable_encodes_its_batch_once(signal, 
     retries = sum("retrying in" in record.getMessage() for record in caplog.records)
     assert result.name == "FAILURE"
     assert retries >= 1, [record.getMessage() for record in caplog.records]
-    attempts = 1 if built_by == "stallwatch" else retries + 1
-    assert encoded == [len(batch)] * attempts
+    assert set(encoded) == {len(batch)}
+    if built_by == "stallwatch":
+        assert len(encoded) == 1
+    else:  # once per attempt; under load an attempt past the deadline can fail without a "retrying" line
+        assert len(encoded) >= retries + 1
     assert isinstance(exporter, getattr(module, class_name))
