@@ -223,9 +223,10 @@ def test_the_watchdogs_shutdown_timeout_line_says_it_is_the_watchdogs(tmp_path):
     ), stderr
     assert all(line.startswith(f"stallwatch watchdog (host pid {host.pid}): ") for line in lines), stderr
     # The exports that hang (10 s each) never held the watchdog's look at the heartbeats: the 2.5 s freeze
-    # ended when the host left, not when an export gave up.
-    (over,) = [float(m.group(1)) for m in map(re.compile(r"freeze over after ([\d.]+)s").search, lines) if m]
-    assert over < 8, stderr
+    # ended when the host thawed or left, not when an export gave up (its end is on stderr when the host
+    # left frozen: a WARNING, where a thaw is INFO).
+    over = [float(m.group(1)) for m in map(re.compile(r"freeze over after ([\d.]+)s").search, lines) if m]
+    assert all(seconds < 8 for seconds in over), stderr
 
 
 def test_a_host_exporting_through_its_own_providers_still_has_its_freeze_exported_by_the_watchdog(telemetry_dir):
