@@ -206,7 +206,9 @@ def enable_peer(peer: str, address: str) -> tuple[list[Any], Callable[[bool], No
     `grpc.aio.insecure_channel`, which breaks the SDK's channels: sentry passes `interceptors=` by
     keyword where the SDK passes it by position (TypeError), and ddtrace's interceptor runs first and
     hands the SDK's idempotency interceptor its metadata as a list (TypeError). So the same
-    interceptors go in through the SDK's own option, after the SDK's."""
+    interceptors go in through the SDK's own option, after the SDK's. `nebius.aio.channel` binds
+    `grpc.aio.insecure_channel` when it is imported: it is imported before `ddtrace.patch`, so that the
+    SDK keeps the unpatched constructor and the plain channel carries no ddtrace interceptor."""
     count = [0]
     if peer == "sentry":
         import sentry_sdk
@@ -240,6 +242,7 @@ def enable_peer(peer: str, address: str) -> tuple[list[Any], Callable[[bool], No
         DD_REMOTE_CONFIGURATION_ENABLED="false",
     )
     import ddtrace
+    import nebius.aio.channel  # noqa: F401 - before ddtrace.patch: see above
     from ddtrace.contrib.internal.grpc.aio_client_interceptor import create_aio_client_interceptors
     from ddtrace.trace import tracer
 
