@@ -24,10 +24,10 @@ the subprocess instrumentation on unless the configuration says otherwise.
    held). Configurations:
 
    - ``uvloop_native``: a uvloop loop (``uvloop.new_event_loop()`` + ``run_until_complete``) with
-     default settings: uvloop forks the whole process. The baseline of the ratios, same rss.
-   - ``uvloop_vfork``: as ``uvloop_native``, with ``STALLWATCH_UVLOOP_SPAWN=vfork`` in the worker's
-     environment: stallwatch routes uvloop's ``subprocess_exec`` through ``subprocess.Popen``
-     (vfork).
+     ``STALLWATCH_UVLOOP_SPAWN=fork`` in the worker's environment: uvloop forks the whole process.
+     The baseline of the ratios, same rss.
+   - ``uvloop_vfork``: as ``uvloop_native``, with ``STALLWATCH_UVLOOP_SPAWN=vfork`` (the default, set
+     explicitly): stallwatch routes uvloop's ``subprocess_exec`` through ``subprocess.Popen`` (vfork).
    - ``asyncio``: the standard asyncio loop (vfork through ``Popen``).
 
    Each in two memory variants: ``rss0`` and ``rss1g`` (1 GiB allocated and one byte written per
@@ -119,6 +119,7 @@ OVERHEAD_BASELINE = "uninstrumented"
 OVERHEAD_TARGET = 1.02
 EXPECTED_METHOD = {"uvloop_native": "fork", "uvloop_vfork": "vfork", "asyncio": "vfork"}
 CONFIG_ENV = {
+    "uvloop_native": {"STALLWATCH_UVLOOP_SPAWN": "fork"},
     "uvloop_vfork": {"STALLWATCH_UVLOOP_SPAWN": "vfork"},
     "uninstrumented": {"STALLWATCH_INSTRUMENT_SUBPROCESS": "false"},
 }
@@ -717,8 +718,8 @@ def render_markdown(
         "",
         '## 1. Blocked time of `await asyncio.create_subprocess_exec("/bin/true", ...DEVNULL)`',
         "",
-        "The call, not the wait for exit. `uvloop_native`: uvloop's own fork (the baseline of the "
-        "ratios, same rss); `uvloop_vfork`: uvloop with `STALLWATCH_UVLOOP_SPAWN=vfork` (spawns go "
+        "The call, not the wait for exit. `uvloop_native`: uvloop's own fork (`STALLWATCH_UVLOOP_SPAWN=fork`, "
+        "the baseline of the ratios, same rss); `uvloop_vfork`: uvloop with `STALLWATCH_UVLOOP_SPAWN=vfork` (spawns go "
         'through `subprocess.Popen`, vfork); `asyncio`: the standard loop. "span p50" is the median '
         "`stallwatch.spawn.blocked_seconds` the instrumentation itself recorded on the same spawns "
         '(read back from `traces.jsonl`), and "span / stopwatch" its ratio to the outside '
