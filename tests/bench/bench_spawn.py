@@ -45,7 +45,10 @@ loop also records its largest gap. Configurations, each run in its own fresh int
   the standard library before it; OpenTelemetry and uvloop come after), which makes the host's
   pipeline fork-aware; after the host installs its providers it calls
   ``stallwatch.setup(providers="host", file_dir=<tmp>)``. We chose ``providers="host"`` so that the
-  exporters, processors and span are identical to ``stock_otel``: the only difference is stallwatch.
+  exporters, processors and span are identical to ``stock_otel``: the only difference is stallwatch,
+  at its default uvloop spawn (``STALLWATCH_UVLOOP_SPAWN=vfork``: no fork of the host).
+- ``stallwatch_fork``: as ``stallwatch``, with ``STALLWATCH_UVLOOP_SPAWN=fork``: uvloop's own fork,
+  with stallwatch's fork-aware pipeline around it.
 - ``otel_no_fork_hooks``: as ``stock_otel``, but the SDK registers no at-fork handler at all
   (``os.register_at_fork`` is a no-op while the host builds its pipeline): the floor any fork-aware
   OpenTelemetry setup can reach, since a loaded SDK alone makes the process bigger to fork.
@@ -87,7 +90,8 @@ from _machine import (
     worker_result,
 )
 
-CONFIGS = ("no_otel", "otel_no_fork_hooks", "stock_otel", "stallwatch", "asyncio")
+CONFIGS = ("no_otel", "otel_no_fork_hooks", "stock_otel", "stallwatch", "stallwatch_fork", "asyncio")
+CONFIG_ENV = {"stallwatch_fork": {"STALLWATCH_UVLOOP_SPAWN": "fork"}}
 RSS_BYTES = {"rss0": 0, "rss1g": 1 << 30}
 PAGE = 4096
 WARMUPS = 10
@@ -183,7 +187,7 @@ def vm_rss_mb() -> float:
 
 def worker(config: str, rss: str, spawns: int) -> dict[str, Any]:
     """Run one configuration in this (fresh) interpreter and return its raw numbers."""
-    if config == "stallwatch":
+    if config.startswith("stallwatch"):
         import stallwatch  # before OpenTelemetry and uvloop, as a server's first import
     if config == FLOOR:
         register_at_fork = os.register_at_fork
@@ -194,7 +198,7 @@ def worker(config: str, rss: str, spawns: int) -> dict[str, Any]:
             os.register_at_fork = register_at_fork
     else:
         tracer = None if config == BASELINE else build_host_pipeline()
-    if config == "stallwatch":
+    if config.startswith("stallwatch"):
         stallwatch.setup(providers="host", file_dir=tempfile.mkdtemp(prefix="bench_spawn_"))
     ballast = touch_memory(RSS_BYTES[rss])
     resident_mb = vm_rss_mb()
@@ -215,7 +219,8 @@ def worker(config: str, rss: str, spawns: int) -> dict[str, Any]:
 
 def run_worker(config: str, rss: str, spawns: int) -> dict[str, Any]:
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", config, rss, str(spawns)]
-    proc = subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=900, check=False)
+    env = clean_env() | CONFIG_ENV.get(config, {})
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, check=False)
     return worker_result(proc, f"worker {config} {rss}")
 
 
@@ -277,7 +282,8 @@ def render_markdown(rows: list[Row], info: dict[str, Any], settings: dict[str, A
         "Each configuration runs in a fresh interpreter. Runs are **interleaved**: every round runs "
         "all configurations in an order rotated by one per round, and samples are pooled per "
         "configuration across rounds, so background noise on this shared machine hits all of them "
-        "alike. Ratios are against `no_otel` with the same rss (target: `stallwatch` ≤ 1.05x).",
+        "alike. Ratios are against `no_otel` with the same rss (target: `stallwatch` ≤ 1.05x). `stallwatch` "
+        "spawns by vfork (its default), `stallwatch_fork` with `STALLWATCH_UVLOOP_SPAWN=fork`.",
         "",
         f"Machine: {info['nproc']} CPUs, Linux {info['kernel']}, Python {info['python']}; {versions}; "
         f"commit {info['git_commit']}; {info['date']}.",
@@ -473,7 +479,7 @@ def render_incident(rows: dict[str, dict[str, Any]], info: dict[str, Any], setti
         "server (another process) through `grpc.aio`. `p50 ms` is the time one `create_subprocess_exec` "
         "call blocks the loop, pooled over the rounds; every configuration in a fresh interpreter, "
         "interleaved (order rotated per round); ratios against `no_otel` from this run. `stallwatch` runs "
-        "with `STALLWATCH_UVLOOP_SPAWN=vfork` set explicitly (vfork is not its default yet).",
+        "with `STALLWATCH_UVLOOP_SPAWN=vfork` (its default) set explicitly.",
         "",
         f"Machine: {info['nproc']} CPUs, Linux {info['kernel']}, Python {info['python']}; {versions}; "
         f"commit {info['git_commit']}{' (dirty)' if info['git_dirty'] else ''}; {info['date']}; load average "
