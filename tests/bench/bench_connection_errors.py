@@ -5,7 +5,7 @@ Run from the repository root (about fifteen minutes; one load at a time on a sha
     nice -n 19 .venvs/main/bin/python tests/bench/bench_connection_errors.py
 
 Options: ``--runs N`` runs per arm (default 50), ``--requests R`` concurrent requests per run
-(default 300), ``--arms`` (default ``with,with-vfork,without``), ``--stallwatch-src DIR`` (the
+(default 300), ``--arms`` (default ``with,with-fork,without``), ``--stallwatch-src DIR`` (the
 stallwatch arms import stallwatch from DIR, e.g. an older commit's ``src``, for a before/after),
 ``--mix spawn-read`` (every request reads a file in the thread pool or spawns ``uname``, the
 two endpoints that open descriptors, instead of all six in turn), ``--quick`` (3 runs per arm,
@@ -18,8 +18,9 @@ Each run starts a fresh ``uvicorn app:app --loop uvloop`` on a free loopback por
 holding the app a new user would write (FastAPI: a JSON endpoint, a path parameter, a POST, a sync
 endpoint that reads a file in the thread pool, one that hashes in the default executor and one that
 runs ``uname`` with asyncio). The stallwatch arms' app is the same file with ``import stallwatch.auto``
-as its first line, at default settings (``with``) or with ``STALLWATCH_UVLOOP_SPAWN=vfork``
-(``with-vfork``), its state directory in a temporary ``XDG_STATE_HOME``. The arms alternate.
+as its first line, at default settings (``with``: uvloop spawns by vfork) or with
+``STALLWATCH_UVLOOP_SPAWN=fork`` (``with-fork``: uvloop's own fork), its state directory in a
+temporary ``XDG_STATE_HOME``. The arms alternate.
 
 As soon as uvicorn logs that it listens, an ``httpx.AsyncClient()`` (default limits and timeouts)
 sends the burst, every request tagged ``?n=<index>``. Then uvicorn gets SIGINT and its access log
@@ -62,7 +63,7 @@ NETSTAT_COUNTERS = (
 )
 ARMS: dict[str, dict[str, str]] = {  # arm: its stallwatch settings ("without": the app without the import)
     "with": {},
-    "with-vfork": {"STALLWATCH_UVLOOP_SPAWN": "vfork"},
+    "with-fork": {"STALLWATCH_UVLOOP_SPAWN": "fork"},
     "without": {},
 }
 MIXES = {  # which endpoints the requests of a burst go to, in turn
