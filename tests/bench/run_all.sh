@@ -12,8 +12,9 @@
 # stopped run already rewrote, so it can be resumed with the names left). Prints which bench runs and
 # the time taken; records `uptime` before each bench in OUT/raw/run_all.log (git-ignored), and each
 # bench's output in OUT/raw/run_all-NAME.log; stops at the first bench that fails, showing its output.
-# alert_timeline runs alone like the others: its host spins a core through its loop blocks and GIL
-# hold, which would land in the figures of any bench running beside it.
+# alert_timeline runs alone like the others, although it mostly waits: its Prometheus scrapes and
+# evaluates every 15 s and is polled every 2 s, bursts that would land in the p99s of the benches
+# beside it and in the machine-wide TCP counters bench_connection_errors reads.
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -28,7 +29,7 @@ while [ $# -gt 0 ]; do
     --out) out=$2; shift 2 ;;
     --quick) quick=1; shift ;;
     --list) list=1; shift ;;
-    -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) echo "run_all.sh: unknown option $1" >&2; exit 2 ;;
     *) names+=("$1"); shift ;;
   esac
@@ -125,7 +126,8 @@ log=$out/raw/run_all.log
 commit=$(git rev-parse --short HEAD)
 expected=0
 for name in "${names[@]}"; do expected=$((expected + MINUTES[$name])); done
-echo "== $(date -u +%FT%TZ) commit $commit, ${#names[@]} benches, full run about $expected min; out $out" | tee -a "$log"
+if [ "$quick" = 1 ]; then expected="quick"; else expected="about $expected min"; fi
+echo "== $(date -u +%FT%TZ) commit $commit, ${#names[@]} benches ($expected); out $out" | tee -a "$log"
 start=$SECONDS
 number=0
 for name in "${names[@]}"; do
