@@ -16,6 +16,7 @@
 # evaluates every 15 s and is polled every 2 s, bursts that would land in the p99s of the benches
 # beside it and in the machine-wide TCP counters bench_connection_errors reads.
 set -euo pipefail
+{  # read whole before it runs: a checkout or an edit of this file during a run does not change the run
 
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
@@ -72,7 +73,7 @@ declare -A QUICK=(
   [connection_errors]="bench_connection_errors.py --quick --requests 100"
 )
 declare -A MINUTES=([spawn]=5 [spawn-incident]=6 [footprint]=3 [subprocess]=3 [executor]=3 [nebius]=2
-  [journal]=1 [watchdog]=2 [backend_faults]=5 [backend_faults_paired]=17 [fast_paths]=6 [scrubbing]=1
+  [journal]=1 [watchdog]=2 [backend_faults]=5 [backend_faults_paired]=22 [fast_paths]=6 [scrubbing]=1
   [alert_timeline]=31 [connection_errors]=16)
 
 command_for() {  # command_for NAME: the command line, run from the repository root
@@ -151,3 +152,5 @@ for name in "${names[@]}"; do
   echo "done in $((took / 60)) min $((took % 60)) s"
 done
 echo "== all ${#names[@]} done in $(((SECONDS - start) / 60)) min; summaries in $out, log $log" | tee -a "$log"
+exit
+}
