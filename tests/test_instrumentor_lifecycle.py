@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from conftest import run_python
+from conftest import clean_env, run_python
 
 pytestmark = pytest.mark.matrix
 
@@ -183,3 +183,45 @@ def test_paramikos_channel_request_handler_is_wrapped_once_per_instrument_and_re
 
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"depths": [1, 1, 1], "restored": True}
+
+
+BAD_SETTING = """
+import importlib, json, logging
+from support.layers import wrapper_layers
+
+errors = []
+handler = logging.Handler()
+handler.emit = lambda record: errors.append(record.getMessage())
+logging.getLogger("stallwatch").addHandler(handler)
+module_name, class_name = {instrumentor!r}.split(":")
+instrumentor = getattr(importlib.import_module(module_name), class_name)()
+instrumentor.instrument(skip_dep_check=True)
+{late_import}
+
+def owner(path):
+    module, _, name = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError:
+        return importlib.import_module(path)
+
+layers = [wrapper_layers(owner(path), name, {wrapper_module!r}) for path, name in {targets!r}]
+print(json.dumps({{"errors": errors, "layers": layers}}))
+"""
+
+
+@pytest.mark.parametrize("name", ["executor", "paramiko", "subprocess"])
+def test_an_instrumentor_reading_an_invalid_setting_says_it_stays_off_and_wraps_nothing(name):
+    instrumentor, library, late_import, targets, wrapper_module = CASES[name]
+    if importlib.util.find_spec(library) is None:
+        pytest.skip(f"needs {library} (the test extras)")
+    code = BAD_SETTING.format(
+        instrumentor=instrumentor, late_import=late_import, targets=targets, wrapper_module=wrapper_module
+    )
+    proc = run_python(code, env=clean_env(STALLWATCH_STRICT="true", STALLWATCH_RECORD_ARGS="perhaps"))
+
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    (error,) = result["errors"]
+    assert "STALLWATCH_RECORD_ARGS" in error and error.endswith(f"; {name} instrumentation stays off."), error
+    assert result["layers"] == [0] * len(targets)
