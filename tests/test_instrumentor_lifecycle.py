@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from conftest import run_python
+from conftest import clean_env, run_python
 
 pytestmark = pytest.mark.matrix
 
@@ -60,7 +60,7 @@ CASES = {
 CYCLES = """
 import importlib, json
 import stallwatch
-from support.layers import wrapper_layers
+from support.layers import wrapper_layers_at
 
 module_name, class_name = {instrumentor!r}.split(":")
 instrumentor = getattr(importlib.import_module(module_name), class_name)()
@@ -70,35 +70,33 @@ for _ in range(3):
     instrumentor.uninstrument()
 instrumentor.instrument(settings=settings, skip_dep_check=True)
 {late_import}
-
-def owner(path):
-    module, _, name = path.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except ModuleNotFoundError:
-        return importlib.import_module(path)
-
-targets = [(owner(path), name) for path, name in {targets!r}]
-on = [wrapper_layers(target, name, {wrapper_module!r}) for target, name in targets]
+on = wrapper_layers_at({targets!r}, {wrapper_module!r})
 instrumentor.uninstrument()
-off = [wrapper_layers(target, name, {wrapper_module!r}) for target, name in targets]
+off = wrapper_layers_at({targets!r}, {wrapper_module!r})
 print(json.dumps({{"on": on, "off": off}}))
 """
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_three_instrument_uninstrument_cycles_then_a_late_import_leave_one_wrapper_layer_and_uninstrument_none(name):
+    layers = run_case(CYCLES, name)
+
+    targets = len(CASES[name][3])
+    assert layers == {"on": [1] * targets, "off": [0] * targets}, (name, layers)
+
+
+def run_case(script: str, name: str, env: dict[str, str] | None = None) -> dict:
+    """`script` filled in with the case `name`, run in a fresh interpreter: the JSON of its last line
+    (skips without the case's library)."""
     instrumentor, library, late_import, targets, wrapper_module = CASES[name]
     if importlib.util.find_spec(library) is None:
         pytest.skip(f"needs {library} (the test extras)")
-    code = CYCLES.format(
+    code = script.format(
         instrumentor=instrumentor, late_import=late_import, targets=targets, wrapper_module=wrapper_module
     )
-    proc = run_python(code)
-
+    proc = run_python(code, env=env)
     assert proc.returncode == 0, proc.stderr
-    layers = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert layers == {"on": [1] * len(targets), "off": [0] * len(targets)}, (name, layers)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def test_importing_the_instrumentation_registers_no_after_fork_handler():
@@ -183,3 +181,29 @@ def test_paramikos_channel_request_handler_is_wrapped_once_per_instrument_and_re
 
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"depths": [1, 1, 1], "restored": True}
+
+
+BAD_SETTING = """
+import importlib, json, logging
+from support.layers import wrapper_layers_at
+
+errors = []
+handler = logging.Handler()
+handler.emit = lambda record: errors.append(record.getMessage())
+logging.getLogger("stallwatch").addHandler(handler)
+module_name, class_name = {instrumentor!r}.split(":")
+instrumentor = getattr(importlib.import_module(module_name), class_name)()
+instrumentor.instrument(skip_dep_check=True)
+{late_import}
+layers = wrapper_layers_at({targets!r}, {wrapper_module!r})
+print(json.dumps({{"errors": errors, "layers": layers}}))
+"""
+
+
+@pytest.mark.parametrize("name", ["executor", "paramiko", "subprocess"])
+def test_an_instrumentor_reading_an_invalid_setting_says_it_stays_off_and_wraps_nothing(name):
+    result = run_case(BAD_SETTING, name, env=clean_env(STALLWATCH_STRICT="true", STALLWATCH_RECORD_ARGS="perhaps"))
+
+    (error,) = result["errors"]
+    assert "STALLWATCH_RECORD_ARGS" in error and error.endswith(f"; {name} instrumentation stays off."), error
+    assert result["layers"] == [0] * len(CASES[name][3])

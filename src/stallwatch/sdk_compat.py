@@ -263,24 +263,26 @@ class LightSpan(trace.Span, ReadableSpan):
     def add_event(self, name: str, attributes: types.Attributes = None, timestamp: int | None = None) -> None:
         limits = self._tracer._span_limits
         bounded = BoundedAttributes(limits.max_event_attributes, attributes, max_value_len=limits.max_attribute_length)
-        with _LOCK:
-            if self._ended:
-                return
-            if type(self._events) is tuple:
-                self._events = BoundedList(limits.max_events)
-            self._events.append(sdk_trace.Event(name, bounded, timestamp or time_ns()))  # type: ignore[attr-defined]  # a BoundedList
+        self._append("_events", limits.max_events, sdk_trace.Event(name, bounded, timestamp or time_ns()))
 
     def add_link(self, context: SpanContext, attributes: types.Attributes = None) -> None:
         if not context.is_valid:
             return
         limits = self._tracer._span_limits
         bounded = BoundedAttributes(limits.max_link_attributes, attributes, max_value_len=limits.max_attribute_length)
+        self._append("_links", limits.max_links, Link(context, bounded))
+
+    def _append(self, field: str, maxlen: int | None, item: Any) -> None:
+        """Append `item` to the events or links `field` unless the span has ended: the empty tuple it
+        starts with becomes a `BoundedList` of `maxlen` (oldest dropped) on the first append."""
         with _LOCK:
             if self._ended:
                 return
-            if type(self._links) is tuple:
-                self._links = BoundedList(limits.max_links)
-            self._links.append(Link(context, bounded))  # type: ignore[attr-defined]  # a BoundedList
+            items = getattr(self, field)
+            if type(items) is tuple:
+                items = BoundedList(maxlen)
+                setattr(self, field, items)
+            items.append(item)
 
     def update_name(self, name: str) -> None:
         with _LOCK:

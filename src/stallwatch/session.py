@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Observation
@@ -27,6 +27,9 @@ from ._version import __version__
 from .config import ConfigError, Problem, Settings
 from .core.faults import FAULTS, instrument, meter, on_first_record
 from .forksafe import ForkSafety, guard, otel_compat, uvloop_spawn
+
+if TYPE_CHECKING:
+    from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]
 
 _log = logging.getLogger("stallwatch")
 
@@ -433,32 +436,25 @@ def _instrument(settings: Settings) -> None:
         # footprint: loaded only when its instrumentation is on
         from .instrument.subprocess import SubprocessInstrumentor
 
-        spawns = SubprocessInstrumentor()
-        if not spawns.is_instrumented_by_opentelemetry:
-            spawns.instrument(settings=settings)
+        _instrument_once(SubprocessInstrumentor(), settings=settings)
     if settings.instrument_ssh:
         # footprint: loaded only when its instrumentation is on
         from .instrument.ssh import SSHTunnelInstrumentor
 
-        tunnels = SSHTunnelInstrumentor()
-        if not tunnels.is_instrumented_by_opentelemetry:
-            tunnels.instrument(skip_dep_check=True)  # a host without dstack: nothing to wrap, nothing to log
+        # a host without dstack: nothing to wrap, nothing to log
+        _instrument_once(SSHTunnelInstrumentor(), skip_dep_check=True)
         if importlib.util.find_spec("paramiko") is not None:  # else the dependency check would log an error
             # footprint: loaded only when its instrumentation is on
             from .instrument.paramiko import ParamikoInstrumentor
 
-            connections = ParamikoInstrumentor()
-            if not connections.is_instrumented_by_opentelemetry:
-                connections.instrument(settings=settings)
+            _instrument_once(ParamikoInstrumentor(), settings=settings)
     if settings.instrument_nebius:
         # footprint: loaded only when its instrumentation is on
         from .instrument.nebius import NebiusInstrumentor
 
-        calls = NebiusInstrumentor()
-        if not calls.is_instrumented_by_opentelemetry:
-            # Without nebius nothing is wrapped; outside the declared range the check of the private
-            # methods at import decides, and its warning names the setting.
-            calls.instrument(skip_dep_check=True)
+        # Without nebius nothing is wrapped; outside the declared range the check of the private
+        # methods at import decides, and its warning names the setting.
+        _instrument_once(NebiusInstrumentor(), skip_dep_check=True)
     if settings.instrument_executor:
         # footprint: with the executor instrumentation only
         from .detect import wedge
@@ -466,12 +462,19 @@ def _instrument(settings: Settings) -> None:
         # footprint: loaded only when its instrumentation is on
         from .instrument.executor import ExecutorInstrumentor
 
-        instrumentor = ExecutorInstrumentor()
-        if not instrumentor.is_instrumented_by_opentelemetry:
-            instrumentor.instrument(settings=settings)
+        if _instrument_once(ExecutorInstrumentor(), settings=settings):
             wedge.install(
                 wedge.WedgeSettings(settings.wedge_check_interval, settings.queue_stall_seconds, settings.executor_heal)
             )
+
+
+def _instrument_once(instrumentor: BaseInstrumentor, **kwargs: Any) -> bool:
+    """Instrument `instrumentor` (one instance per class) unless it already is, by the host or an
+    earlier `setup()`; True when this call did."""
+    if instrumentor.is_instrumented_by_opentelemetry:
+        return False
+    instrumentor.instrument(**kwargs)
+    return True
 
 
 def shutdown(timeout: float | None = None) -> bool:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 import inspect
+from collections.abc import Iterable
 
 import wrapt
 
@@ -27,6 +29,20 @@ def wrapper_layers(owner: object, name: str, module_name: str) -> int:
         layers += _defined_in(wrapper, module_name)
         target = target.__wrapped__
     return layers
+
+
+def wrapper_layers_at(targets: Iterable[tuple[str, str]], module_name: str) -> list[int]:
+    """`wrapper_layers` of each (owner, name) in `targets`, the owner by its dotted path: a module's
+    attribute (a class), or a module itself."""
+    return [wrapper_layers(_owner(path), name, module_name) for path, name in targets]
+
+
+def _owner(path: str) -> object:
+    module, _, name = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError:
+        return importlib.import_module(path)
 
 
 def spawn_layer_modules(loop_class: type, name: str) -> list[str]:

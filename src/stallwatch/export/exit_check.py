@@ -112,19 +112,21 @@ def _attributes(attributes: Any) -> Any:
 
 
 def _events(events: Any) -> Any:
-    new = []
-    for event in events:
-        scrubbed = _attributes(event.attributes)
-        new.append(event if scrubbed is event.attributes else Event(event.name, scrubbed, event.timestamp))
-    return events if all(a is b for a, b in zip(new, events, strict=True)) else tuple(new)
+    return _scrubbed_items(events, lambda event, scrubbed: Event(event.name, scrubbed, event.timestamp))
 
 
 def _links(links: Any) -> Any:
+    return _scrubbed_items(links, lambda link, scrubbed: Link(link.context, scrubbed))
+
+
+def _scrubbed_items(items: Any, rebuilt: Callable[[Any, Any], Any]) -> Any:
+    """`items` (events or links) with their attributes scrubbed: each one whose attributes changed
+    `rebuilt(item, scrubbed)`, the rest kept; the same `items` object when nothing changed."""
     new = []
-    for link in links:
-        scrubbed = _attributes(link.attributes)
-        new.append(link if scrubbed is link.attributes else Link(link.context, scrubbed))
-    return links if all(a is b for a, b in zip(new, links, strict=True)) else tuple(new)
+    for item in items:
+        scrubbed = _attributes(item.attributes)
+        new.append(item if scrubbed is item.attributes else rebuilt(item, scrubbed))
+    return items if all(a is b for a, b in zip(new, items, strict=True)) else tuple(new)
 
 
 def _log_item(item: Any) -> Any:

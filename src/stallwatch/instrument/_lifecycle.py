@@ -5,20 +5,48 @@ wrapt keeps every post-import hook registered and has no way to remove one, and 
 its hook for a module and its after-fork handler once, on its first `instrument()` (never at
 import), and the hook patches only while the instrumentor is on: a module imported after
 instrument → uninstrument → instrument is wrapped once, and one imported while it is off not at all.
+Each `instrument()` also starts the same way: its settings and its meter, from `start_settings` and
+`start_meter`.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import ModuleType
+from typing import Any
 
 import wrapt
+from opentelemetry.metrics import Meter
+
+from ..config import ConfigError, Settings
+from ..core.faults import FAULTS, meter
+
+_log = logging.getLogger("stallwatch")
 
 Patch = Callable[[ModuleType], None]
 # Every wrapt proxy, FunctionWrapper included: wrapt 2's `ObjectProxy` is a subclass beside FunctionWrapper.
 _PROXY: type = getattr(wrapt, "BaseObjectProxy", wrapt.ObjectProxy)
+
+
+def start_settings(kwargs: Mapping[str, Any], part: str) -> Settings | None:
+    """`instrument()`'s `settings` argument, else the settings read from the environment; None when a
+    setting is invalid, logged as an error saying that the `part` instrumentation stays off."""
+    try:
+        return kwargs.get("settings") or Settings.load()
+    except ConfigError as error:
+        _log.error("stallwatch: %s; %s instrumentation stays off.", error, part)
+        return None
+
+
+def start_meter(kwargs: Mapping[str, Any]) -> Meter:
+    """stallwatch's meter from `instrument()`'s `meter_provider` (default: the global one), the
+    provider the fault counter counts on from now on."""
+    meter_ = meter(kwargs.get("meter_provider"))
+    FAULTS.bind(kwargs.get("meter_provider"))
+    return meter_
 
 
 def is_wrapper(value: object) -> bool:

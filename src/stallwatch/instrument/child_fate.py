@@ -196,6 +196,23 @@ def _unnote(noted: list[tuple[Fate, tuple[int, int]]]) -> None:
             fate.signals.remove(sent)
 
 
+def _send_noted(
+    wrapped: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    noted: list[tuple[Fate, tuple[int, int]]] | None,
+) -> Any:
+    """`wrapped(*args, **kwargs)`, its result or exception unchanged; the signal `noted` for it is
+    taken back if the call raises (it was not sent)."""
+    if not noted:
+        return wrapped(*args, **kwargs)
+    try:
+        return wrapped(*args, **kwargs)
+    except BaseException:
+        _unnote(noted)
+        raise
+
+
 def _sent(targets: Callable[[int], Sequence[Fate]]) -> Callable[..., Any]:
     """A wrapper for `os.kill`-like functions: `(target, signal, ...)`, positional only."""
 
@@ -210,13 +227,7 @@ def _sent(targets: Callable[[int], Sequence[Fate]]) -> Callable[..., Any]:
                         noted = _note(fates, signum)
                 except Exception:
                     _fault()
-        if not noted:
-            return wrapped(*args, **kwargs)
-        try:
-            return wrapped(*args, **kwargs)
-        except BaseException:
-            _unnote(noted)
-            raise
+        return _send_noted(wrapped, args, kwargs, noted)
 
     return wrapper
 
@@ -239,13 +250,7 @@ def _process_signal(method: str) -> Callable[..., Any]:
                             noted = _note(fates, signum)
                 except Exception:
                     _fault()
-        if not noted:
-            return wrapped(*args, **kwargs)
-        try:
-            return wrapped(*args, **kwargs)
-        except BaseException:
-            _unnote(noted)
-            raise
+        return _send_noted(wrapped, args, kwargs, noted)
 
     return wrapper
 

@@ -38,14 +38,13 @@ from opentelemetry.trace import Status, StatusCode, TraceFlags
 
 from .. import interrupt, sdk_compat, telemetry
 from .. import timeout as execution_timeouts
-from ..config import ConfigError, Settings
 from ..core import light_span
-from ..core.faults import FAULTS, Deferred, instrument, meter
+from ..core.faults import FAULTS, Deferred, instrument
 from ..core.scrub import clip_text, scrub_text
+from ._lifecycle import start_meter, start_settings
 from .work_item import DURATIONS, DURATIONS_LIMIT, SETTING, ExecutorState, ItemRecord, _OriginalWorkItem
 from .worker import WorkItem, _context_var, use_context
 
-_log = logging.getLogger("stallwatch")
 _READ_LOCK_TIMEOUT = 1.0  # s; an executor's lock held longer (e.g. left held in a fork child) skips a check
 
 
@@ -353,13 +352,10 @@ class ExecutorInstrumentor(BaseInstrumentor):
 
     def _instrument(self, **kwargs: Any) -> None:
         global _tracer, _context_var
-        try:
-            settings = kwargs.get("settings") or Settings.load()
-        except ConfigError as exc:
-            _log.error("stallwatch: %s; executor instrumentation stays off.", exc)
+        settings = start_settings(kwargs, "executor")
+        if settings is None:
             return
-        meter_ = meter(kwargs.get("meter_provider"))
-        FAULTS.bind(kwargs.get("meter_provider"))
+        meter_ = start_meter(kwargs)
         _tracer = trace.get_tracer(telemetry.INSTRUMENTATION_SCOPE, tracer_provider=kwargs.get("tracer_provider"))
         _context_var = use_context()
         DURATIONS[:] = [

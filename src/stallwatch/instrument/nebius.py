@@ -39,10 +39,10 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from .. import journal, telemetry
 from .._version import __version__
 from ..core import light_span
-from ..core.faults import FAULTS, Counts, Deferred, instrument, meter
+from ..core.faults import FAULTS, Counts, Deferred, instrument
 from ..core.scrub import MAX_NAME_CHARS, clip_text, scrub_text
 from ..journal import ledger
-from ._lifecycle import ForkReset, ImportHooks
+from ._lifecycle import ForkReset, ImportHooks, start_meter
 
 _log = logging.getLogger("stallwatch")
 COMPONENT = "nebius"
@@ -526,8 +526,7 @@ class NebiusInstrumentor(BaseInstrumentor):
 
     def _instrument(self, **kwargs: Any) -> None:
         global _instruments, _status
-        meter_ = meter(kwargs.get("meter_provider"))
-        FAULTS.bind(kwargs.get("meter_provider"))
+        meter_ = start_meter(kwargs)
         duration = Deferred(meter_, telemetry.NEBIUS_CALL_DURATION)
 
         def before_collection() -> None:  # the calls waiting to be completed hold their metrics

@@ -37,10 +37,9 @@ from opentelemetry.util.types import AttributeValue
 
 from .. import journal, telemetry
 from .._version import __version__
-from ..config import ConfigError, Settings
 from ..core import scrub
-from ..core.faults import FAULTS, Deferred, instrument, meter, unwrap_method
-from ._lifecycle import ImportHooks, is_wrapper
+from ..core.faults import FAULTS, Deferred, instrument, unwrap_method
+from ._lifecycle import ImportHooks, is_wrapper, start_meter, start_settings
 from .ssh import MAX_HOST_CHARS
 
 _log = logging.getLogger("stallwatch")
@@ -390,13 +389,10 @@ class ParamikoInstrumentor(BaseInstrumentor):
     def _instrument(self, **kwargs: Any) -> None:
         global _state
 
-        try:
-            settings = kwargs.get("settings") or Settings.load()
-        except ConfigError as error:
-            _log.error("stallwatch: %s; paramiko instrumentation stays off.", error)
+        settings = start_settings(kwargs, "paramiko")
+        if settings is None:
             return
-        meter_ = meter(kwargs.get("meter_provider"))
-        FAULTS.bind(kwargs.get("meter_provider"))
+        meter_ = start_meter(kwargs)
         self._state = _state = _State(
             tracer=trace.get_tracer(telemetry.INSTRUMENTATION_SCOPE, __version__, kwargs.get("tracer_provider")),
             connect_duration=Deferred(meter_, telemetry.SSH_CONNECT_DURATION),

@@ -116,13 +116,6 @@ class ProcessJournal:
         return "process_died", end, {}
 
     def interrupted(self) -> list[InterruptedOperation]:
-        starts: dict[str, dict[str, Any]] = {}
-        ended: set[str] = set()
-        for record in self.host:
-            if record["type"] == "start":
-                starts.setdefault(record["span_id"], record)
-            elif record["type"] == "end":
-                ended.add(record["span_id"])
         reason, end_ns, extra = self.interruption()
         return [
             InterruptedOperation(
@@ -140,18 +133,10 @@ class ProcessJournal:
                 reason=reason,
                 attributes={**start["attributes"], **extra},
             )
-            for span_id, start in starts.items()
-            if span_id not in ended
+            for span_id, start in _unclosed(self.host, "start", "end", "span_id").items()
         ]
 
     def unconfirmed(self) -> list[UnconfirmedResource]:
-        intents: dict[str, dict[str, Any]] = {}
-        answered: set[str] = set()
-        for record in self.host + self.watchdog:
-            if record["type"] == "intent":
-                intents.setdefault(record["key"], record)
-            elif record["type"] == "outcome":
-                answered.add(record["key"])
         return [
             UnconfirmedResource(
                 pid=self.pid,
@@ -164,8 +149,7 @@ class ProcessJournal:
                 number=intent["number"],
                 intent_ns=intent["wall_ns"],
             )
-            for key, intent in intents.items()
-            if key not in answered
+            for intent in _unclosed(self.host + self.watchdog, "intent", "outcome", "key").values()
         ]
 
     def completed(self) -> list[tuple[dict[str, Any], dict[str, Any]]]:
@@ -173,6 +157,19 @@ class ProcessJournal:
         outcomes = {r["key"]: r for r in self.host + self.watchdog if r["type"] == "outcome"}
         intents = {r["key"]: r for r in self.host + self.watchdog if r["type"] == "intent"}
         return [(intent, outcomes[key]) for key, intent in intents.items() if key in outcomes]
+
+
+def _unclosed(records: list[dict[str, Any]], opened: str, closed: str, key: str) -> dict[str, dict[str, Any]]:
+    """By their `key` value, the first record of type `opened` of each value that no record of type
+    `closed` carries, wherever it stands."""
+    first: dict[str, dict[str, Any]] = {}
+    closed_keys: set[str] = set()
+    for record in records:
+        if record["type"] == opened:
+            first.setdefault(record[key], record)
+        elif record["type"] == closed:
+            closed_keys.add(record[key])
+    return {value: record for value, record in first.items() if value not in closed_keys}
 
 
 @dataclass

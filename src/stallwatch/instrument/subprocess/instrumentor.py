@@ -8,7 +8,6 @@ after-fork handler is registered on the first `instrument()`, never at import.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Collection
 from typing import Any
 
@@ -17,14 +16,11 @@ from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type:
 
 from ... import telemetry
 from ..._version import __version__
-from ...config import ConfigError, Settings
-from ...core.faults import FAULTS, Counts, meter
+from ...core.faults import Counts
 from .. import child_fate
-from .._lifecycle import ForkReset
+from .._lifecycle import ForkReset, start_meter, start_settings
 from . import children, loops, popen, posix_spawn
 from .children import Active, SpawnDurations, State
-
-_log = logging.getLogger("stallwatch")
 
 
 def _forget_the_parents_children() -> None:
@@ -51,13 +47,10 @@ class SubprocessInstrumentor(BaseInstrumentor):
         return ()  # the standard library's; uvloop's loop methods are wrapped when it is installed
 
     def _instrument(self, **kwargs: Any) -> None:
-        try:
-            settings = kwargs.get("settings") or Settings.load()
-        except ConfigError as error:
-            _log.error("stallwatch: %s; subprocess instrumentation stays off.", error)
+        settings = start_settings(kwargs, "subprocess")
+        if settings is None:
             return
-        meter_ = meter(kwargs.get("meter_provider"))
-        FAULTS.bind(kwargs.get("meter_provider"))
+        meter_ = start_meter(kwargs)
         spawn_duration = SpawnDurations(meter_, telemetry.SUBPROCESS_SPAWN_DURATION)
         self._state = children.ACTIVE = State(
             tracer=trace.get_tracer(telemetry.INSTRUMENTATION_SCOPE, __version__, kwargs.get("tracer_provider")),
