@@ -19,6 +19,9 @@ from support.processes import descendants
 from support.served import SCENARIOS, Served
 from support.waiting import wait_until
 
+sys.path.insert(0, str(SCENARIOS))
+from reliability_collectors import serve
+
 REQUESTS = 30
 
 
@@ -268,3 +271,33 @@ def test_a_host_handler_installed_after_setup_replaces_stallwatchs(tmp_path):
 
     assert result.returncode == 0, result.stderr
     assert result.stdout == "host handler\nwent on\n"
+
+
+@pytest.mark.serial  # a freeze threshold: not beside the other tests' load
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_uvicorn_flushing_to_a_collector_that_never_answers_keeps_its_loop_running_and_the_watchdog_quiet(
+    tmp_path, loop
+):
+    # The flush after uvicorn's graceful shutdown waits for the collector up to the shutdown timeout;
+    # on the loop, that wait would be a loop freeze longer than the threshold.
+    runtime = tmp_path / "run"
+    runtime.mkdir()
+    command = [sys.executable, "-m", "uvicorn", "served_app:app", "--port", "0", "--loop", loop]
+    with serve("silent") as endpoint:
+        env = clean_env(
+            OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, OTEL_METRIC_EXPORT_INTERVAL="3600000", XDG_RUNTIME_DIR=str(runtime),
+            STALLWATCH_SHUTDOWN_TIMEOUT="6", STALLWATCH_FREEZE_THRESHOLD="3",
+        )  # fmt: skip
+        host = Served(command, env, cwd=SCENARIOS)
+        try:
+            port = int(host.wait_for(r"Uvicorn running on http://127\.0\.0\.1:(\d+)").group(1))
+            _spawn_requests(port)
+            wait_until(lambda: len(_watched(runtime)) == 1, "the watchdog watches")
+            host.process.send_signal(signal.SIGTERM)
+            code = host.finish()
+        finally:
+            host.kill()
+
+    assert code == -signal.SIGTERM, host.stderr()
+    assert "Finished server process" in host.stderr()
+    assert "freeze detected" not in host.stderr(), host.stderr()
