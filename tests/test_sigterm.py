@@ -12,8 +12,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 
 from conftest import attrs, clean_env, latest_total, otlp_items, run_python
+from otlp_receiver import Receiver, otlp_attributes, otlp_received, otlp_received_from
 from stallwatch.detect import heartbeat
 from support.processes import descendants
 from support.served import SCENARIOS, Served
@@ -301,3 +303,107 @@ def test_uvicorn_flushing_to_a_collector_that_never_answers_keeps_its_loop_runni
     assert code == -signal.SIGTERM, host.stderr()
     assert "Finished server process" in host.stderr()
     assert "freeze detected" not in host.stderr(), host.stderr()
+
+
+_SERVERS = {  # how each is started, and how many workers record
+    "uvicorn": (["uvicorn", "served_app:app", "--port", "0", "--loop", "asyncio"], 1),
+    "uvicorn_workers": (["uvicorn", "served_app:app", "--port", "0", "--workers", "2"], 2),
+    "gunicorn": (
+        ["gunicorn", "served_app:app", "-k", "uvicorn.workers.UvicornWorker", "-w", "2", "-b", "127.0.0.1:0"],
+        2,
+    ),
+    "gunicorn_preload": (
+        [
+            "gunicorn",
+            "served_app:app",
+            "-k",
+            "uvicorn.workers.UvicornWorker",
+            "-w",
+            "2",
+            "-b",
+            "127.0.0.1:0",
+            "--preload",
+        ],
+        2,
+    ),
+}
+
+
+def _metric_exports(receiver: Receiver) -> dict[str, list[ExportMetricsServiceRequest]]:
+    """The metric export requests the receiver got, by the `service.instance.id` of the process that sent them."""
+    exports: dict[str, list[ExportMetricsServiceRequest]] = {}
+    for body in receiver.bodies("/v1/metrics"):
+        request = ExportMetricsServiceRequest.FromString(body)
+        for resource in request.resource_metrics:
+            instance = str(otlp_attributes(resource.resource)["service.instance.id"])
+            exports.setdefault(instance, []).append(request)
+    return exports
+
+
+@pytest.mark.parametrize("server", list(_SERVERS))
+def test_a_server_stopped_by_sigterm_exports_each_processs_metrics_once_with_every_spawn_counted(receiver, server):
+    # The flush after uvicorn's graceful shutdown exports the metrics; where the process's own shutdown
+    # follows (stallwatch's SIGTERM handler, atexit), its last collection would only repeat them. Without
+    # the watchdog: no loop lag is sampled between the two, and no watchdog exports of its own.
+    arguments, workers = _SERVERS[server]
+    env = clean_env(
+        OTEL_EXPORTER_OTLP_ENDPOINT=receiver.url, OTEL_METRIC_EXPORT_INTERVAL="3600000", STALLWATCH_WATCHDOG="false"
+    )
+    host = Served([sys.executable, "-m", *arguments], env, cwd=SCENARIOS)
+    try:
+        port = int(host.wait_for(r"(?:Uvicorn running on|Listening at:) http://127\.0\.0\.1:(\d+)").group(1))
+        host.wait_for(r"Application startup complete", count=workers)
+        _spawn_requests(port)
+        host.process.send_signal(signal.SIGTERM)
+        host.finish()
+    finally:
+        host.kill()
+
+    exports = _metric_exports(receiver)
+    assert len(exports) == workers + (server == "gunicorn_preload")  # a preloading master exports at its exit
+    assert {instance: len(requests) for instance, requests in exports.items()} == dict.fromkeys(exports, 1)
+    exits = [
+        point.as_int
+        for resource, _, metric in otlp_received_from(receiver, "/v1/metrics")
+        if metric.name == "stallwatch.subprocess.exits"
+        for point in metric.sum.data_points
+        if otlp_attributes(point).get("process.executable.name") == "true"
+    ]
+    assert sum(exits) == REQUESTS
+
+
+def test_what_a_process_records_after_uvicorns_stop_is_exported_at_its_exit_too(receiver):
+    code = """
+        import asyncio
+        import stallwatch
+        import uvicorn
+        from opentelemetry import metrics
+
+        stallwatch.setup(watchdog=False, metric_export_interval_ms=3600000)
+        stops = metrics.get_meter("host").create_counter("host.stops")
+
+        async def app(scope, receive, send):
+            pass
+
+        async def main():
+            server = uvicorn.Server(uvicorn.Config(app, port=0, lifespan="off", log_level="warning"))
+            serving = asyncio.create_task(server.serve())
+            while not server.started:
+                await asyncio.sleep(0.05)
+            stops.add(1)
+            server.should_exit = True
+            await serving
+
+        asyncio.run(main())
+        stops.add(1)  # after the flush at uvicorn's stop: only the exit's export has it
+        """
+    result = run_python(code, env=clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.url))
+
+    assert result.returncode == 0, result.stderr
+    stops = [
+        point.as_int
+        for metric in otlp_received(receiver, "/v1/metrics")
+        if metric.name == "host.stops"
+        for point in metric.sum.data_points
+    ]
+    assert stops == [1, 2]

@@ -158,6 +158,8 @@ class Pipeline:
             guard.drain_pending()  # a fork child's telemetry made at exit, where no worker could start
         except Exception:
             _log.warning("stallwatch: exporting a fork child's telemetry at exit failed", exc_info=True)
+        for exporter in self._metric_exporters:
+            exporter.final = True  # the readers' last collection: not sent if it repeats the last export
         for provider in (self.tracer_provider, self.meter_provider, self.logger_provider):
             if provider is None:
                 continue
