@@ -407,3 +407,38 @@ def test_what_a_process_records_after_uvicorns_stop_is_exported_at_its_exit_too(
         for point in metric.sum.data_points
     ]
     assert stops == [1, 2]
+
+
+def test_a_scrape_after_uvicorns_stop_has_each_series_once():
+    # A process that lives on after its server stopped: the flush at the stop must not leave a collection
+    # queued in the pull reader, which the next scrape would serve beside its own.
+    code = """
+        import asyncio, urllib.request
+        import stallwatch
+        import uvicorn
+        from opentelemetry import metrics
+
+        session = stallwatch.setup(watchdog=False, metrics_exporter="prometheus", prometheus_port=0)
+        metrics.get_meter("host").create_counter("host.stops").add(1)
+
+        async def app(scope, receive, send):
+            pass
+
+        async def main():
+            server = uvicorn.Server(uvicorn.Config(app, port=0, lifespan="off", log_level="warning"))
+            serving = asyncio.create_task(server.serve())
+            while not server.started:
+                await asyncio.sleep(0.05)
+            server.should_exit = True
+            await serving
+
+        asyncio.run(main())
+        host, port = session.prometheus_address
+        print(urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=30).read().decode())
+        """
+    result = run_python(code, env=clean_env())
+
+    assert result.returncode == 0, result.stderr
+    assert [line.split("{")[0] for line in result.stdout.splitlines() if line.startswith("host_stops")] == [
+        "host_stops_total"
+    ], result.stdout

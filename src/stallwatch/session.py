@@ -602,7 +602,10 @@ async def _flush_off_the_loop(timeout: float) -> None:
 
     def flush() -> None:
         try:
-            _flush_host_providers(set(), deadline)
+            pipeline = _session._pipeline if _session is not None else None
+            if pipeline is not None:
+                pipeline.flush(deadline)
+            _flush_host_providers(_providers_of(pipeline), deadline)
         except Exception as exc:  # uvicorn's shutdown keeps its own outcome
             _log.warning("stallwatch: flushing telemetry after uvicorn's shutdown failed (%s: %s); what was "
                          "queued is exported at exit, if the process gets there.", type(exc).__name__, exc)  # fmt: skip
@@ -633,10 +636,15 @@ def _flush_then_die(signum: int, timeout: float) -> None:
 def _flush_at_sigterm(timeout: float) -> None:
     deadline = time.monotonic() + timeout
     session = _session
-    pipeline = session._pipeline if session is not None else None
-    ours = [pipeline.tracer_provider, pipeline.meter_provider, pipeline.logger_provider] if pipeline else []
+    ours = _providers_of(session._pipeline if session is not None else None)
     _shutdown_at_exit()
-    _flush_host_providers({id(provider) for provider in ours if provider is not None}, deadline)
+    _flush_host_providers(ours, deadline)
+
+
+def _providers_of(pipeline: Any) -> set[int]:
+    """The ids of the providers `pipeline` (None: no pipeline) built, for `_flush_host_providers` to skip."""
+    built = [pipeline.tracer_provider, pipeline.meter_provider, pipeline.logger_provider] if pipeline else []
+    return {id(provider) for provider in built if provider is not None}
 
 
 def _flush_host_providers(ours: set[int], deadline: float) -> None:
