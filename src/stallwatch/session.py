@@ -560,8 +560,8 @@ def _flush_when_uvicorn_stops(timeout: float) -> None:
     its default action when uvicorn captures it, and imports stallwatch (or was forked) with
     uvicorn's handler in place: `_keep_the_tail_on_sigterm` cannot stand in for the default there,
     and uvicorn's re-raised SIGTERM would end the worker with its queued telemetry. So every
-    `uvicorn.server.Server.shutdown` is followed by a flush of the global providers (and those of
-    OpenTelemetry logging handlers on the root logger), within `timeout` seconds
+    `uvicorn.server.Server.shutdown` is followed by a flush of stallwatch's pipeline (`Pipeline.flush`)
+    and of the host's providers (`_flush_host_providers`), within `timeout` seconds
     (STALLWATCH_SHUTDOWN_TIMEOUT). The flush runs on a thread of its own: the event loop goes on
     running whatever else it has (and beating for the watchdog) while a collector is slow, and the
     shutdown returns once the flush has finished or its time is up. Nothing is stopped: a process
