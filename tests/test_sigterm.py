@@ -12,12 +12,17 @@ from pathlib import Path
 
 import httpx
 import pytest
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 
 from conftest import attrs, clean_env, latest_total, otlp_items, run_python
+from otlp_receiver import Receiver, otlp_attributes, otlp_received, otlp_received_from
 from stallwatch.detect import heartbeat
 from support.processes import descendants
 from support.served import SCENARIOS, Served
 from support.waiting import wait_until
+
+sys.path.insert(0, str(SCENARIOS))
+from reliability_collectors import serve
 
 REQUESTS = 30
 
@@ -268,3 +273,172 @@ def test_a_host_handler_installed_after_setup_replaces_stallwatchs(tmp_path):
 
     assert result.returncode == 0, result.stderr
     assert result.stdout == "host handler\nwent on\n"
+
+
+@pytest.mark.serial  # a freeze threshold: not beside the other tests' load
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_uvicorn_flushing_to_a_collector_that_never_answers_keeps_its_loop_running_and_the_watchdog_quiet(
+    tmp_path, loop
+):
+    # The flush after uvicorn's graceful shutdown waits for the collector up to the shutdown timeout;
+    # on the loop, that wait would be a loop freeze longer than the threshold.
+    runtime = tmp_path / "run"
+    runtime.mkdir()
+    command = [sys.executable, "-m", "uvicorn", "served_app:app", "--port", "0", "--loop", loop]
+    with serve("silent") as endpoint:
+        env = clean_env(
+            OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, OTEL_METRIC_EXPORT_INTERVAL="3600000", XDG_RUNTIME_DIR=str(runtime),
+            STALLWATCH_SHUTDOWN_TIMEOUT="6", STALLWATCH_FREEZE_THRESHOLD="3",
+        )  # fmt: skip
+        host = Served(command, env, cwd=SCENARIOS)
+        try:
+            port = int(host.wait_for(r"Uvicorn running on http://127\.0\.0\.1:(\d+)").group(1))
+            _spawn_requests(port)
+            wait_until(lambda: len(_watched(runtime)) == 1, "the watchdog watches")
+            host.process.send_signal(signal.SIGTERM)
+            code = host.finish()
+        finally:
+            host.kill()
+
+    assert code == -signal.SIGTERM, host.stderr()
+    assert "Finished server process" in host.stderr()
+    assert "freeze detected" not in host.stderr(), host.stderr()
+
+
+_SERVERS = {  # how each is started, and how many workers record
+    "uvicorn": (["uvicorn", "served_app:app", "--port", "0", "--loop", "asyncio"], 1),
+    "uvicorn_workers": (["uvicorn", "served_app:app", "--port", "0", "--workers", "2"], 2),
+    "gunicorn": (
+        ["gunicorn", "served_app:app", "-k", "uvicorn.workers.UvicornWorker", "-w", "2", "-b", "127.0.0.1:0"],
+        2,
+    ),
+    "gunicorn_preload": (
+        [
+            "gunicorn",
+            "served_app:app",
+            "-k",
+            "uvicorn.workers.UvicornWorker",
+            "-w",
+            "2",
+            "-b",
+            "127.0.0.1:0",
+            "--preload",
+        ],
+        2,
+    ),
+}
+
+
+def _metric_exports(receiver: Receiver) -> dict[str, list[ExportMetricsServiceRequest]]:
+    """The metric export requests the receiver got, by the `service.instance.id` of the process that sent them."""
+    exports: dict[str, list[ExportMetricsServiceRequest]] = {}
+    for body in receiver.bodies("/v1/metrics"):
+        request = ExportMetricsServiceRequest.FromString(body)
+        for resource in request.resource_metrics:
+            instance = str(otlp_attributes(resource.resource)["service.instance.id"])
+            exports.setdefault(instance, []).append(request)
+    return exports
+
+
+@pytest.mark.parametrize("server", list(_SERVERS))
+def test_a_server_stopped_by_sigterm_exports_each_processs_metrics_once_with_every_spawn_counted(receiver, server):
+    # The flush after uvicorn's graceful shutdown exports the metrics; where the process's own shutdown
+    # follows (stallwatch's SIGTERM handler, atexit), its last collection would only repeat them. Without
+    # the watchdog: no loop lag is sampled between the two, and no watchdog exports of its own.
+    arguments, workers = _SERVERS[server]
+    env = clean_env(
+        OTEL_EXPORTER_OTLP_ENDPOINT=receiver.url, OTEL_METRIC_EXPORT_INTERVAL="3600000", STALLWATCH_WATCHDOG="false"
+    )
+    host = Served([sys.executable, "-m", *arguments], env, cwd=SCENARIOS)
+    try:
+        port = int(host.wait_for(r"(?:Uvicorn running on|Listening at:) http://127\.0\.0\.1:(\d+)").group(1))
+        host.wait_for(r"Application startup complete", count=workers)
+        _spawn_requests(port)
+        host.process.send_signal(signal.SIGTERM)
+        host.finish()
+    finally:
+        host.kill()
+
+    exports = _metric_exports(receiver)
+    assert len(exports) == workers + (server == "gunicorn_preload")  # a preloading master exports at its exit
+    assert {instance: len(requests) for instance, requests in exports.items()} == dict.fromkeys(exports, 1)
+    exits = [
+        point.as_int
+        for resource, _, metric in otlp_received_from(receiver, "/v1/metrics")
+        if metric.name == "stallwatch.subprocess.exits"
+        for point in metric.sum.data_points
+        if otlp_attributes(point).get("process.executable.name") == "true"
+    ]
+    assert sum(exits) == REQUESTS
+
+
+def test_what_a_process_records_after_uvicorns_stop_is_exported_at_its_exit_too(receiver):
+    code = """
+        import asyncio
+        import stallwatch
+        import uvicorn
+        from opentelemetry import metrics
+
+        stallwatch.setup(watchdog=False, metric_export_interval_ms=3600000)
+        stops = metrics.get_meter("host").create_counter("host.stops")
+
+        async def app(scope, receive, send):
+            pass
+
+        async def main():
+            server = uvicorn.Server(uvicorn.Config(app, port=0, lifespan="off", log_level="warning"))
+            serving = asyncio.create_task(server.serve())
+            while not server.started:
+                await asyncio.sleep(0.05)
+            stops.add(1)
+            server.should_exit = True
+            await serving
+
+        asyncio.run(main())
+        stops.add(1)  # after the flush at uvicorn's stop: only the exit's export has it
+        """
+    result = run_python(code, env=clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.url))
+
+    assert result.returncode == 0, result.stderr
+    stops = [
+        point.as_int
+        for metric in otlp_received(receiver, "/v1/metrics")
+        if metric.name == "host.stops"
+        for point in metric.sum.data_points
+    ]
+    assert stops == [1, 2]
+
+
+def test_a_scrape_after_uvicorns_stop_has_each_series_once():
+    # A process that lives on after its server stopped: the flush at the stop must not leave a collection
+    # queued in the pull reader, which the next scrape would serve beside its own.
+    code = """
+        import asyncio, urllib.request
+        import stallwatch
+        import uvicorn
+        from opentelemetry import metrics
+
+        session = stallwatch.setup(watchdog=False, metrics_exporter="prometheus", prometheus_port=0)
+        metrics.get_meter("host").create_counter("host.stops").add(1)
+
+        async def app(scope, receive, send):
+            pass
+
+        async def main():
+            server = uvicorn.Server(uvicorn.Config(app, port=0, lifespan="off", log_level="warning"))
+            serving = asyncio.create_task(server.serve())
+            while not server.started:
+                await asyncio.sleep(0.05)
+            server.should_exit = True
+            await serving
+
+        asyncio.run(main())
+        host, port = session.prometheus_address
+        print(urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=30).read().decode())
+        """
+    result = run_python(code, env=clean_env())
+
+    assert result.returncode == 0, result.stderr
+    assert [line.split("{")[0] for line in result.stdout.splitlines() if line.startswith("host_stops")] == [
+        "host_stops_total"
+    ], result.stdout

@@ -148,6 +148,7 @@ class Pipeline:
     _closers: list[Callable[[], Any]] = field(default_factory=list)
     _processors: list[CountingSpanProcessor | CountingLogProcessor] = field(default_factory=list)
     _metric_exporters: list[GuardedMetricExporter] = field(default_factory=list)
+    _push_readers: list[MetricReader] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._closer = _Closer(self._stop)
@@ -158,6 +159,8 @@ class Pipeline:
             guard.drain_pending()  # a fork child's telemetry made at exit, where no worker could start
         except Exception:
             _log.warning("stallwatch: exporting a fork child's telemetry at exit failed", exc_info=True)
+        for exporter in self._metric_exporters:
+            exporter.final = True  # the readers' last collection: not sent if it repeats the last export
         for provider in (self.tracer_provider, self.meter_provider, self.logger_provider):
             if provider is None:
                 continue
@@ -167,6 +170,23 @@ class Pipeline:
                 _log.warning("stallwatch: %s.shutdown() failed", type(provider).__name__, exc_info=True)
         for close in self._closers:
             close()
+
+    def flush(self, deadline: float) -> None:
+        """Export what is queued and the metric readers' collections, until `deadline` (monotonic
+        seconds), stopping nothing. A pull reader (Prometheus) is left to its scrapes: a collection
+        there would be served beside the next scrape's own, every series twice."""
+        flushes: list[Callable[..., Any]] = [self.tracer_provider.force_flush] if self.tracer_provider else []
+        flushes += [reader.force_flush for reader in self._push_readers]
+        if self.logger_provider is not None:
+            flushes.append(self.logger_provider.force_flush)
+        for flush in flushes:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                flush(timeout_millis=left * 1000)
+            except Exception as exc:  # one failing flush must not keep the others from running
+                _log.warning("stallwatch: flushing telemetry failed (%s: %s)", type(exc).__name__, exc)
 
     def shutdown(self, timeout: float) -> bool:
         """Flush and stop everything within `timeout` seconds; True if it finished in time.
@@ -369,9 +389,9 @@ def _build_metrics(settings: Settings, resource: Resource, pipeline: Pipeline) -
             continue
         exporter = GuardedMetricExporter(_exporter(settings, "metrics", name, pipeline), pipeline._gate)
         pipeline._metric_exporters.append(exporter)
-        readers.append(
-            PeriodicExportingMetricReader(exporter, export_interval_millis=settings.metric_export_interval_ms)
-        )
+        pushing = PeriodicExportingMetricReader(exporter, export_interval_millis=settings.metric_export_interval_ms)
+        pipeline._push_readers.append(pushing)
+        readers.append(pushing)
     # Every reader gets stallwatch's own duration histograms, unless one wants them as deltas: not a fast
     # path (the fast paths bench), but the only way to series that exist at zero before their first value.
     own = all(_cumulative_histograms(reader) for reader in readers)

@@ -563,9 +563,12 @@ def _flush_when_uvicorn_stops(timeout: float) -> None:
     its default action when uvicorn captures it, and imports stallwatch (or was forked) with
     uvicorn's handler in place: `_keep_the_tail_on_sigterm` cannot stand in for the default there,
     and uvicorn's re-raised SIGTERM would end the worker with its queued telemetry. So every
-    `uvicorn.server.Server.shutdown` is followed by a flush of the global providers (and those of
-    OpenTelemetry logging handlers on the root logger), within `timeout` seconds
-    (STALLWATCH_SHUTDOWN_TIMEOUT). Nothing is stopped: a process that lives on keeps recording.
+    `uvicorn.server.Server.shutdown` is followed by a flush of stallwatch's pipeline (`Pipeline.flush`)
+    and of the host's providers (`_flush_host_providers`), within `timeout` seconds
+    (STALLWATCH_SHUTDOWN_TIMEOUT). The flush runs on a thread of its own: the event loop goes on
+    running whatever else it has (and beating for the watchdog) while a collector is slow, and the
+    shutdown returns once the flush has finished or its time is up. Nothing is stopped: a process
+    that lives on keeps recording.
     """
     global _uvicorn_flush_hooked
     if _uvicorn_flush_hooked:
@@ -578,18 +581,47 @@ def _flush_when_uvicorn_stops(timeout: float) -> None:
             try:
                 return await wrapped(*args, **kwargs)
             finally:
-                try:
-                    _flush_host_providers(set(), time.monotonic() + timeout)
-                except Exception as exc:  # uvicorn's shutdown keeps its own outcome
-                    _log.warning("stallwatch: flushing telemetry after uvicorn's shutdown failed (%s: %s); what "
-                                 "was queued is exported at exit, if the process gets there.", type(exc).__name__,
-                                 exc)  # fmt: skip
+                await _flush_off_the_loop(timeout)
 
         return shutdown_then_flush()
 
     wrapt.register_post_import_hook(  # runs now if uvicorn is imported already
         lambda module: wrapt.wrap_function_wrapper(module, "Server.shutdown", flush_after), "uvicorn.server"
     )
+
+
+async def _flush_off_the_loop(timeout: float) -> None:
+    """Flush the global providers on a thread of its own within `timeout` seconds, and wait for it
+    (a little longer, as `_flush_then_die` does) without blocking the running event loop."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    deadline = time.monotonic() + timeout
+
+    def finish() -> None:
+        if not done.done():
+            done.set_result(None)
+
+    def flush() -> None:
+        try:
+            pipeline = _session._pipeline if _session is not None else None
+            if pipeline is not None:
+                pipeline.flush(deadline)
+            _flush_host_providers(_providers_of(pipeline), deadline)
+        except Exception as exc:  # uvicorn's shutdown keeps its own outcome
+            _log.warning("stallwatch: flushing telemetry after uvicorn's shutdown failed (%s: %s); what was "
+                         "queued is exported at exit, if the process gets there.", type(exc).__name__, exc)  # fmt: skip
+        finally:
+            with contextlib.suppress(RuntimeError):  # the loop has closed: no one waits any more
+                loop.call_soon_threadsafe(finish)
+
+    try:
+        threading.Thread(target=flush, name="stallwatch-uvicorn-flush", daemon=True).start()
+    except RuntimeError:  # no thread can start (the interpreter is exiting): on the loop, as bounded
+        flush()
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(asyncio.shield(done), timeout + 0.5)
 
 
 def _flush_then_die(signum: int, timeout: float) -> None:
@@ -607,10 +639,15 @@ def _flush_then_die(signum: int, timeout: float) -> None:
 def _flush_at_sigterm(timeout: float) -> None:
     deadline = time.monotonic() + timeout
     session = _session
-    pipeline = session._pipeline if session is not None else None
-    ours = [pipeline.tracer_provider, pipeline.meter_provider, pipeline.logger_provider] if pipeline else []
+    ours = _providers_of(session._pipeline if session is not None else None)
     _shutdown_at_exit()
-    _flush_host_providers({id(provider) for provider in ours if provider is not None}, deadline)
+    _flush_host_providers(ours, deadline)
+
+
+def _providers_of(pipeline: Any) -> set[int]:
+    """The ids of the providers `pipeline` (None: no pipeline) built, for `_flush_host_providers` to skip."""
+    built = [pipeline.tracer_provider, pipeline.meter_provider, pipeline.logger_provider] if pipeline else []
+    return {id(provider) for provider in built if provider is not None}
 
 
 def _flush_host_providers(ours: set[int], deadline: float) -> None:

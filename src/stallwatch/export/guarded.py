@@ -17,6 +17,7 @@ host's threads, and count what is lost, by reason, in integers an observable cou
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk._logs.export import BatchLogRecordProcessor
-from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
+from opentelemetry.sdk.metrics.export import AggregationTemporality, MetricExporter, MetricExportResult
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from .. import sdk_compat, telemetry
@@ -189,7 +190,13 @@ class GuardedExporter:
 
 
 class GuardedMetricExporter(MetricExporter):
-    """Wraps a metric exporter: counts failed exports, fails fast once cut off."""
+    """Wraps a metric exporter: counts failed exports, fails fast once cut off.
+
+    Once `final` is set (the pipeline's shutdown, before its reader's last collection), an export
+    that would only repeat the last one delivered (every point the same but for its timestamp, or a
+    zero delta) is not sent: a flush at a server's stop followed by the process's shutdown exports
+    each worker's metrics once, and more than once only when something changed in between.
+    """
 
     def __init__(self, inner: MetricExporter, gate: ExportGate) -> None:
         # The reader asks its exporter for these; they must be the wrapped exporter's own.
@@ -199,6 +206,8 @@ class GuardedMetricExporter(MetricExporter):
         self.gate = gate
         self.breaker = Breaker()
         self.closed = False
+        self.final = False
+        self._delivered: Any = None  # the last metrics data the backend took
 
     def export(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> MetricExportResult:
         if self.gate.cut_off:
@@ -208,6 +217,8 @@ class GuardedMetricExporter(MetricExporter):
             return MetricExportResult.FAILURE
         self.gate.entering_export()
         metrics_data = histograms.inject(metrics_data)
+        if self.final and None not in (metrics_data, self._delivered) and _repeats(metrics_data, self._delivered):
+            return MetricExportResult.SUCCESS
         try:
             result = self.inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
         except Exception:
@@ -217,6 +228,7 @@ class GuardedMetricExporter(MetricExporter):
             self._count_failure()
         else:
             self.breaker.succeeded()
+            self._delivered = metrics_data
         return result
 
     def _count_failure(self) -> None:
@@ -231,6 +243,43 @@ class GuardedMetricExporter(MetricExporter):
         # The reader calls this after its final export: from here on nothing of it is pending.
         self.closed = True
         self.inner.shutdown(timeout_millis=timeout_millis, **kwargs)
+
+
+def _repeats(metrics_data: Any, delivered: Any) -> bool:
+    """Whether `metrics_data` says nothing `delivered` did not: each of its points is a zero delta or
+    equal to the point of the same metric and attributes in `delivered`, but for its timestamp."""
+    said = _points(delivered)
+    for key, temporality, point in _walk(metrics_data):
+        if not dataclasses.is_dataclass(point):
+            return False
+        if temporality == AggregationTemporality.DELTA and not (
+            getattr(point, "value", 0) or getattr(point, "count", 0)
+        ):
+            continue
+        if said.get(key) != _content(point):
+            return False
+    return True
+
+
+def _points(metrics_data: Any) -> dict[tuple[str, str, str, str], Any]:
+    return {key: _content(point) for key, _, point in _walk(metrics_data) if dataclasses.is_dataclass(point)}
+
+
+def _walk(metrics_data: Any) -> Iterable[tuple[tuple[str, str, str, str], Any, Any]]:
+    """Every data point of `metrics_data`, keyed by resource, scope, metric name and attributes, with its
+    metric's temporality (None for a gauge)."""
+    for resource_metrics in metrics_data.resource_metrics:
+        resource = repr(sorted(resource_metrics.resource.attributes.items()))
+        for scope_metrics in resource_metrics.scope_metrics:
+            for metric in scope_metrics.metrics:
+                temporality = getattr(metric.data, "aggregation_temporality", None)
+                for point in metric.data.data_points:
+                    attributes = repr(sorted((point.attributes or {}).items()))
+                    yield (resource, scope_metrics.scope.name, metric.name, attributes), temporality, point
+
+
+def _content(point: Any) -> list[Any]:
+    return [getattr(point, f.name) for f in dataclasses.fields(point) if f.name != "time_unix_nano"]
 
 
 def _queue(processor: Any) -> deque[Any]:
