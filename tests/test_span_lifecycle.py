@@ -132,11 +132,14 @@ def test_spans_recorded_through_a_host_built_tracer_provider_are_there_after_its
 
 
 @pytest.mark.parametrize("owner", ["stallwatch", "host"])
-def test_a_meter_providers_force_flush_exports_every_spawn_and_nebius_call_made_so_far(owner):
+def test_a_meter_providers_force_flush_exports_every_spawn_and_nebius_call_made_so_far(owner, tmp_path):
     """Two spawns (one still running) and one Nebius call, then the meter provider's `force_flush()`:
     stallwatch's duration histograms hold all three (its own provider and file exporter, or the host's
-    provider and in-memory reader)."""
-    found = run_scenario("span_lifecycle.py", owner, "batch", "metrics", timeout=180)
+    provider and in-memory reader). The scenario's temporary file directory is gone when it exits."""
+    found = run_scenario(
+        "span_lifecycle.py", owner, "batch", "metrics", env=clean_env(TMPDIR=str(tmp_path)), timeout=180
+    )
+    assert list(tmp_path.iterdir()) == []
 
     counts = found["histogram_counts"]
     assert counts.get("stallwatch.subprocess.spawn.duration") == 2, counts

@@ -18,9 +18,11 @@ and "returned_ns" per case; `metrics` prints the histogram counts read right aft
 """
 
 import asyncio
+import atexit
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -46,6 +48,8 @@ span_processor = (
     else BatchSpanProcessor(exporter, schedule_delay_millis=3_600_000, max_export_batch_size=512)
 )
 file_dir = tempfile.mkdtemp(prefix="span-lifecycle-")
+# Registered before setup(), so it runs after stallwatch's own exit hook has written its last files.
+atexit.register(shutil.rmtree, file_dir, ignore_errors=True)
 reader = None
 if owner == "host":
     tracer_provider = TracerProvider()
