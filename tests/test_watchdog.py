@@ -87,7 +87,10 @@ def test_a_loop_blocked_by_sync_code_is_not_a_held_gil(telemetry_dir):
     assert [attrs(r)["stallwatch.freeze.kind"] for r in detected] == ["loop_blocked"]
     lag = metric_points(telemetry_dir / "metrics.jsonl", "stallwatch.loop.lag")[-1]
     assert attrs(lag) == {"stallwatch.loop": "uvloop"}
-    assert float(lag["max"]) >= 1.9  # the loop ran its heartbeat ~2 s late
+    # The heartbeat thread asks for a beat every 0.1 s, so its request came within a beat of the block's
+    # start plus that thread's own scheduling delay (hundreds of ms on a loaded machine): the loop ran it
+    # at least half the 2 s late, where an unblocked loop runs it within milliseconds.
+    assert float(lag["max"]) >= 1.0
 
 
 def test_the_watchdogs_records_of_a_uvloop_host_frozen_inside_a_span_carry_that_spans_trace_id(telemetry_dir):
