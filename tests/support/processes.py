@@ -37,3 +37,18 @@ def descendants(pid: int) -> list[int]:
         found += children
         frontier = children
     return found
+
+
+def session_members(session: int) -> list[int]:
+    """The pids of every living process in session `session` (its leader's pid), orphans included: a
+    process keeps its session when its parent dies and it is reparented."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rpartition(")")[2].split()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            if int(fields[3]) == session and fields[0] not in ("Z", "X"):
+                found.append(int(entry.name))
+    return found
