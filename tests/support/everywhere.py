@@ -64,7 +64,7 @@ def run_everywhere(sshd: Any, http_server: Any, receiver: Any, work: Path, extra
              str(sshd.port), str(key), str(http_server), sock_dir],
             env=env, capture_output=True, timeout=180,
         )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr.decode(errors="replace")
+    assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr.decode(errors='replace')}"
     result = json.loads(proc.stdout.decode().strip().splitlines()[-1])
     outputs = {path.relative_to(work).as_posix(): path.read_bytes() for path in state.rglob("*") if path.is_file()}
     outputs |= {f"snapshot {path.name}": path.read_bytes() for path in snapshots.iterdir()}
