@@ -11,7 +11,7 @@ tracers, spans and records are not touched.
 What: span names, attribute values (event and link attributes included), status descriptions and log bodies
 of stallwatch's own scope and loggers; never the ids `telemetry.IDENTIFIERS` names, nor numbers. A finished
 item is shared by every exporter and other threads, so it is never changed: one with something to redact is
-exported as a shallow copy, its SDK private fields set as the SDK's own constructors set them.
+exported as a copy that keeps the rest, dropped counts included (`sdk_compat.replaced_span`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import wrapt
 from opentelemetry.attributes import BoundedAttributes
-from opentelemetry.sdk.trace import Event, ReadableSpan
+from opentelemetry.sdk.trace import Event
 from opentelemetry.trace import Link, Status
 
 from .. import sdk_compat, telemetry
@@ -67,12 +67,10 @@ def _one(signal: str, check: Callable[[Any], Any], item: Any) -> Any:
 
 def _span(span: Any) -> Any:
     """`span`, or a copy with its host-recorded strings scrubbed, if it is one of stallwatch's."""
-    if not isinstance(span, ReadableSpan):
+    fields = sdk_compat.exit_check_fields(span, _OWN_SCOPE)
+    if fields is None:
         return span
-    _, scope = sdk_compat.span_origin(span)
-    if scope is None or scope.name != _OWN_SCOPE:
-        return span
-    _, _, name, _, _, _, attributes, events, links, status = sdk_compat.span_fields(span)
+    name, attributes, events, links, status = fields
     new_name = scrub_value(name) if type(name) is str else name
     new_attributes = _attributes(attributes) if attributes else attributes
     new_events = _events(events) if events else events
