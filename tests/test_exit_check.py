@@ -8,14 +8,23 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode
 
 from conftest import attrs, clean_env, otlp_items, run_python
 from secrets_corpus import CORPUS, ENVIRONMENT, ENVIRONMENT_SECRETS, URLS
 from secrets_corpus import TOKENS as CORPUS_TOKENS
 from stallwatch.core.scrub import REDACTED, scrub_attributes, scrub_value
+from stallwatch.export import exit_check
+from support.fast_paths import fast_paths_off, fast_paths_on  # noqa: F401  # fixtures
 from support.tokens import command_lines
 
 TESTS = Path(__file__).parent
@@ -269,3 +278,77 @@ def test_with_the_hosts_providers_random_tokens_in_recorded_strings_are_caught_a
     ours, theirs = _by_scope(exported)
     assert [token for _, _, token in batch if token in ours] == []
     assert [token for _, _, token in batch if token not in theirs] == []
+
+
+class SpanView(ReadableSpan):
+    """A host's read-only view of a finished span, as a processor may hand its exporters: the public
+    `ReadableSpan` properties, delegated to the span; none of the SDK's private fields."""
+
+    def __init__(self, span: ReadableSpan) -> None:  # the base's `__init__` would set the private fields
+        self.span = span
+
+    def get_span_context(self) -> Any:
+        return self.span.get_span_context()
+
+    name = property(lambda self: self.span.name)
+    context = property(lambda self: self.span.context)
+    parent = property(lambda self: self.span.parent)
+    kind = property(lambda self: self.span.kind)
+    start_time = property(lambda self: self.span.start_time)
+    end_time = property(lambda self: self.span.end_time)
+    status = property(lambda self: self.span.status)
+    attributes = property(lambda self: self.span.attributes)
+    events = property(lambda self: self.span.events)
+    links = property(lambda self: self.span.links)
+    resource = property(lambda self: self.span.resource)
+    instrumentation_scope = property(lambda self: self.span.instrumentation_scope)
+    dropped_attributes = property(lambda self: self.span.dropped_attributes)
+    dropped_events = property(lambda self: self.span.dropped_events)
+    dropped_links = property(lambda self: self.span.dropped_links)
+
+
+def _careless_sdk_span(secret: str) -> ReadableSpan:
+    """A finished SDK span of stallwatch's scope with `secret` in its name, attributes, event, link and status,
+    that dropped one attribute, one event and one link at its limits."""
+    spans = InMemorySpanExporter()
+    provider = TracerProvider(span_limits=SpanLimits(max_span_attributes=3, max_events=1, max_links=1))
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    linked = [SpanContext(0xA1, n, is_remote=True) for n in (1, 2)]
+    links = [Link(linked[0], {"stallwatch.test.first": "x"}), Link(linked[1], {"stallwatch.test.link": secret})]
+    careless = provider.get_tracer("stallwatch")
+    with careless.start_as_current_span("deploy " + secret, kind=SpanKind.CLIENT, links=links) as span:
+        span.set_attributes({"process.pid": 42, "stallwatch.test.value": "token " + secret})
+        span.set_attributes({"stallwatch.test.more": "x", "stallwatch.test.dropped": "y"})
+        span.add_event("dropped", {"stallwatch.test.n": 1})
+        span.add_event("attempt", {"message": "retrying with " + secret})
+        span.set_status(Status(StatusCode.ERROR, "refused " + secret))
+    provider.shutdown()
+    (finished,) = spans.get_finished_spans()
+    assert secret in finished.name  # no exit check in front of this provider: the test's own
+    return finished
+
+
+@pytest.mark.parametrize("span_type", ["SDK span", "view with the public properties only"])
+@pytest.mark.parametrize("mode", ["fast_paths_on", "fast_paths_off"])
+def test_the_exit_check_scrubs_a_span_of_either_type_in_either_mode_and_what_leaves_keeps_its_dropped_counts(
+    request, mode, span_type
+):
+    request.getfixturevalue(mode)
+    secret = TOKENS["span_name"]
+    span = _careless_sdk_span(secret)
+    given = span if span_type == "SDK span" else SpanView(span)
+    (checked,) = exit_check.checked("traces", [given])
+    request_sent = encode_spans([checked])
+    assert secret.encode() not in request_sent.SerializeToString()
+    (scope_spans,) = request_sent.resource_spans[0].scope_spans
+    assert scope_spans.scope.name == "stallwatch"
+    (sent,) = scope_spans.spans
+    assert sent.name == f"deploy {REDACTED}" and sent.status.message == f"refused {REDACTED}"
+    assert {kv.key: kv.value.string_value for kv in sent.attributes}["stallwatch.test.value"] == f"token {REDACTED}"
+    assert [event.name for event in sent.events] == ["attempt"]
+    assert (sent.dropped_attributes_count, sent.dropped_events_count, sent.dropped_links_count) == (1, 1, 1)
+    context = span.get_span_context()
+    assert (sent.trace_id, sent.span_id) == (context.trace_id.to_bytes(16, "big"), context.span_id.to_bytes(8, "big"))
+    assert (sent.start_time_unix_nano, sent.end_time_unix_nano) == (span.start_time, span.end_time)
+    assert sent.kind == sent.SPAN_KIND_CLIENT
+    assert secret in span.name and secret in span.attributes["stallwatch.test.value"]  # the finished span is shared
