@@ -8,11 +8,11 @@ per export, the context's `ContextVar` set directly, tracers that shed spans nob
 `opentelemetry.context.attach`/`detach` noted for the heartbeat. With `STALLWATCH_FAST_PATHS=false`
 (`fast_paths()` False) none is taken: stallwatch uses the public SDK objects.
 
-Held in both modes, having no public equivalent: the exit check on log records (`checked_logger`), whether
-a `BoundedAttributes` is closed (`immutable`), a batch processor's queue (`batch_queue`), replay
-into the provider's processors (`active_span_processor`), a Prometheus reader's data, what a reader or
-exporter was built with, the API's placeholder providers, the distro's configurator base and the OTLP
-log encoder (private modules).
+Held in both modes, having no public equivalent: the exit check on log records (`checked_logger`, and
+`emit_through_record_loggers` up to SDK 1.27), whether a `BoundedAttributes` is closed (`immutable`), a
+batch processor's queue (`batch_queue`), replay into the provider's processors (`active_span_processor`),
+a Prometheus reader's data, what a reader or exporter was built with, the API's placeholder providers, the
+distro's configurator base and the OTLP log encoder (private modules).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from time import time_ns
 from typing import Any, cast
 
+import wrapt
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.attributes import BoundedAttributes
@@ -581,6 +582,35 @@ def checked_logger(logger: Any, wrap: Callable[[Any], Any], wrapper_type: type) 
     processor = getattr(logger, "_multi_log_record_processor", None)
     if processor is not None and type(processor) is not wrapper_type:
         logger._multi_log_record_processor = wrap(processor)
+
+
+_by_logger: list[Callable[[str], bool]] = []
+
+
+def emit_through_record_loggers(own: Callable[[str], bool]) -> None:
+    """Make each `LoggingHandler` emit a record whose logger name `own` accepts through a logger of the
+    provider's named after it (that name its scope), as the SDK does for every record since 1.28. Up to 1.27
+    the handler emits every record through one logger of its own, scoped by the SDK module's name: the exit
+    check, which knows stallwatch's records by their scope, would pass them unchecked. Other records, and
+    every record on the later SDKs, are emitted as the SDK emits them. Installed once per process."""
+    from opentelemetry.sdk import _logs as sdk_logs
+
+    if _by_logger or "_logger" not in sdk_logs.LoggingHandler.emit.__code__.co_names:
+        return
+    _by_logger.append(own)
+    wrapt.wrap_function_wrapper(sdk_logs, "LoggingHandler.emit", _emit_through_record_logger)
+
+
+def _emit_through_record_logger(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
+    from opentelemetry._logs import NoOpLogger
+
+    record = args[0] if args else kwargs["record"]
+    name = getattr(record, "name", None)
+    if type(name) is not str or isinstance(instance._logger, NoOpLogger) or not _by_logger[0](name):
+        return wrapped(*args, **kwargs)
+    logger = instance._logger_provider.get_logger(name)
+    if not isinstance(logger, NoOpLogger):
+        logger.emit(instance._translate(record))
 
 
 def histogram_temporalities(reader: Any) -> list[Any]:

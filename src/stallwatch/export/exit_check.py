@@ -131,8 +131,7 @@ def _log_item(item: Any) -> Any:
     """A batch item (`LogData` up to SDK 1.38, `ReadableLogRecord` since), or a copy with the record's body and
     attributes scrubbed, if the record comes from a `stallwatch` logger."""
     scope = getattr(item, "instrumentation_scope", None)
-    scope_name = getattr(scope, "name", None) or ""
-    if scope_name != _OWN_SCOPE and not scope_name.startswith(_OWN_SCOPE + "."):
+    if not _own_scope(getattr(scope, "name", None)):
         return item
     record = item.log_record
     body, attributes = record.body, record.attributes
@@ -188,6 +187,17 @@ class CheckedLogs:
         return getattr(self.inner, name)
 
 
+def _own_scope(name: object) -> bool:
+    """Whether `name` is stallwatch's scope or one of its loggers' (`stallwatch.*`)."""
+    return type(name) is str and (name == _OWN_SCOPE or name.startswith(_OWN_SCOPE + "."))
+
+
+def check_log_handlers() -> None:
+    """Every SDK `LoggingHandler` emits a record of a `stallwatch` logger under that logger's scope, which
+    the exit check knows it by, on SDKs whose handler would not (`sdk_compat.emit_through_record_loggers`)."""
+    sdk_compat.emit_through_record_loggers(_own_scope)
+
+
 def _scope_name(name: object = None, *args: object, **kwargs: object) -> object:
     """The first argument of `get_tracer` / `get_logger`, however it was passed."""
     return kwargs.get("instrumenting_module_name", kwargs.get("name", name))
@@ -208,8 +218,7 @@ def _checked_tracer(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
 def _checked_logger(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     logger = wrapped(*args, **kwargs)
     try:
-        name = _scope_name(*args, **kwargs)
-        if type(name) is str and (name == _OWN_SCOPE or name.startswith(_OWN_SCOPE + ".")):
+        if _own_scope(_scope_name(*args, **kwargs)):
             sdk_compat.checked_logger(logger, CheckedLogs, CheckedLogs)
     except Exception:
         _unchecked("logs")
@@ -232,3 +241,4 @@ def check_host_providers() -> None:
 
     wrapt.wrap_function_wrapper(sdk_trace, "TracerProvider.get_tracer", _checked_tracer)
     wrapt.wrap_function_wrapper(sdk_logs, "LoggerProvider.get_logger", _checked_logger)
+    check_log_handlers()
