@@ -624,6 +624,43 @@ def test_child_dumping_core_before_exec_is_named(tmp_path):
     assert child["status"]["message"] == "killed by SIGSEGV before exec"
 
 
+@pytest.mark.skipif(
+    not _core_files_land_in_cwd(),
+    reason="core dumps need kernel.core_pattern as a plain file name and a raisable RLIMIT_CORE on this machine",
+)
+def test_a_child_that_starts_dumping_core_after_the_freeze_is_reported_is_named_while_the_host_is_frozen(tmp_path):
+    if __import__("shutil").disk_usage(tmp_path).free < 2 << 30:
+        pytest.skip("needs 2 GB free for a 512 MB core file")
+    # The child works 1 s in its after-fork handler before it crashes: the freeze is reported first
+    # (0.25 s threshold), and the dump of 512 MB is over long before the next report, 2 s after it.
+    result = run_scenario("freeze_kinds.py", "core_dump", str(tmp_path), "512", "1", timeout=120)
+    for core in tmp_path.glob("core*"):
+        core.unlink()
+
+    assert result["returncode"] == -11
+    records = [r for r in log_records(tmp_path / "telemetry" / "logs.jsonl") if "froze" in r["body"]["stringValue"]
+               or "frozen" in r["body"]["stringValue"]]  # fmt: skip
+    during = [r for r in records if int(r["timeUnixNano"]) < result["spawn_ended_ns"]]
+    assert any(attrs(r)["stallwatch.freeze.cause"] == "child_core_dump" for r in during)
+    (span,) = [
+        s
+        for s in freeze_spans(tmp_path / "telemetry" / "traces.jsonl")
+        if int(s["startTimeUnixNano"]) <= result["spawn_ended_ns"]
+        and int(s["endTimeUnixNano"]) >= result["spawn_started_ns"]
+    ]
+    assert attrs(span)["stallwatch.freeze.cause"] == "child_core_dump"  # also after the child's exit
+
+
+def test_a_child_seen_dumping_core_stays_the_cause_after_its_dump_until_it_is_reaped():
+    from stallwatch.detect.watchdog import diagnose
+
+    child = subprocess.Popen(["true"])  # its exit stands for the dumped child's: not reaped while the host is frozen
+    wait_until(lambda: is_gone(child.pid), "the child has exited")
+    assert diagnose(os.getpid(), frozenset({child.pid})).cause == "child_core_dump"
+    child.wait()
+    assert diagnose(os.getpid(), frozenset({child.pid})).cause != "child_core_dump"
+
+
 def test_standard_loop_child_hanging_in_preexec_fn_blocks_the_loop_not_the_gil(tmp_path):
     result = run_scenario("freeze_kinds.py", "preexec", str(tmp_path))
 
