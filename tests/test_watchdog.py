@@ -684,6 +684,32 @@ def test_stacks_from_faulthandler_are_attached_to_the_freeze_report(telemetry_di
     assert "freeze_probe.py" in stacks and "in main" in stacks  # the frozen coroutine, by name
 
 
+def test_faulthandlers_timer_does_not_fire_into_the_hosts_code_after_its_event_loop_has_stopped(tmp_path):
+    # The dump walks the frames of threads that run Python meanwhile: after the loop, that is the
+    # host's own clean-up, with no loop left to freeze.
+    proc = run_python(
+        """
+        import asyncio, json, os, sys, time, stallwatch
+        from stallwatch.detect import heartbeat
+        stallwatch.setup(faulthandler=True, freeze_threshold=0.2)
+        async def main():
+            deadline = time.monotonic() + 30
+            while heartbeat._armed_by != os.getpid():  # until the loop heartbeat has armed the timer
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+        asyncio.run(main())
+        stacks = heartbeat.stacks_path(heartbeat.AREA.path)
+        time.sleep(1.0)  # the host's work after its loop, five thresholds long
+        print(json.dumps({"stacks": stacks.read_text(), "shutdown": stallwatch.shutdown()}))
+        """,
+        env=clean_env(XDG_RUNTIME_DIR=str(tmp_path), OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none",
+                      OTEL_LOGS_EXPORTER="none"),
+    )  # fmt: skip
+
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == {"stacks": "", "shutdown": True}
+
+
 def test_the_watchdog_answers_a_prometheus_scrape_while_the_frozen_host_cannot(telemetry_dir):
     host_port, watchdog_port = free_port(), free_port()
     env = clean_env(**prometheus_env(host_port, watchdog_port))
