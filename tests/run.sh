@@ -94,12 +94,15 @@ done
 # that selected no test.
 failed=()
 passed() { [ "$1" = 0 ] || [ "$1" = 5 ]; }
-report() {  # report PID LOG NAME: wait for a background pass, print its log, note a failure as NAME
+result() {  # result STATUS NAME: say how a pass ended, note a failure as NAME
+  if passed "$1"; then echo "-- $2: passed"; else echo "-- $2: FAILED (exit status $1)"; failed+=("$2"); fi
+}
+report() {  # report PID LOG NAME: wait for a background pass, print its log and its result
   local status=0
   wait "$1" || status=$?
   log "$3: done"
   cat "$2"
-  passed "$status" || failed+=("$3")
+  result "$status" "$3"
 }
 
 # The parallel pass: lint and types, the main tests on $WORKERS workers and the matrix environments
@@ -157,14 +160,15 @@ fi
 report "$lint" "$LOGS/lint" "ruff and mypy"
 report "$main" "$LOGS/main" "main"
 if [ ${#MATRIX_COMBOS[@]} -gt 0 ]; then
-  for lane in "${lanes[@]}"; do wait "$lane"; done
+  for lane in "${lanes[@]}"; do wait "$lane" || true; done  # each environment's status is in its own file
   log "matrix: ${#MATRIX_COMBOS[@]} environments, $MATRIX_JOBS at a time (STALLWATCH_FAST_PATHS=false in:$(
     for combo in "${MATRIX_COMBOS[@]}"; do set -- $combo; [ "$4" = true ] || printf ' %s/%s' "$1" "$2"; done)): done"
   for combo in "${MATRIX_COMBOS[@]}"; do
     set -- $combo
     printf -- '-- Python %s, opentelemetry-sdk %s, STALLWATCH_FAST_PATHS=%s\n' "$1" "$2" "$4"
-    cat "$LOGS/matrix-$(matrix_venv "$combo")"
-    passed "$(cat "$LOGS/status-$(matrix_venv "$combo")")" || failed+=("matrix: Python $1 / SDK $2 / fast paths $4")
+    cat "$LOGS/matrix-$(matrix_venv "$combo")" || true
+    result "$(cat "$LOGS/status-$(matrix_venv "$combo")" || echo "none: its lane ended first")" \
+      "matrix: Python $1 / SDK $2 / fast paths $4"
   done
 fi
 
@@ -172,7 +176,7 @@ fi
 log "pytest: the tests marked serial, alone"
 status=0
 "$MAIN/python" -m pytest -q -m serial || status=$?
-passed "$status" || failed+=("main (serial)")
+result "$status" "main (serial)"
 if [ ${#MATRIX_COMBOS[@]} -gt 0 ]; then
   log "matrix: the tests marked serial, one environment at a time"
   for combo in "${MATRIX_COMBOS[@]}"; do
@@ -180,7 +184,7 @@ if [ ${#MATRIX_COMBOS[@]} -gt 0 ]; then
     printf -- '-- Python %s, opentelemetry-sdk %s, STALLWATCH_FAST_PATHS=%s\n' "$1" "$2" "$4"
     status=0
     run_matrix "$combo" "matrix and serial" || status=$?
-    passed "$status" || failed+=("matrix: Python $1 / SDK $2 / fast paths $4 (serial)")
+    result "$status" "matrix: Python $1 / SDK $2 / fast paths $4 (serial)"
   done
 fi
 if [ ${#failed[@]} -gt 0 ]; then
