@@ -624,6 +624,43 @@ def test_child_dumping_core_before_exec_is_named(tmp_path):
     assert child["status"]["message"] == "killed by SIGSEGV before exec"
 
 
+@pytest.mark.skipif(
+    not _core_files_land_in_cwd(),
+    reason="core dumps need kernel.core_pattern as a plain file name and a raisable RLIMIT_CORE on this machine",
+)
+def test_a_child_that_starts_dumping_core_after_the_freeze_is_reported_is_named_while_the_host_is_frozen(tmp_path):
+    if __import__("shutil").disk_usage(tmp_path).free < 2 << 30:
+        pytest.skip("needs 2 GB free for a 512 MB core file")
+    # The child works 1 s in its after-fork handler before it crashes: the freeze is reported first
+    # (0.25 s threshold), and the dump of 512 MB is over long before the next report, 2 s after it.
+    result = run_scenario("freeze_kinds.py", "core_dump", str(tmp_path), "512", "1", timeout=120)
+    for core in tmp_path.glob("core*"):
+        core.unlink()
+
+    assert result["returncode"] == -11
+    records = [r for r in log_records(tmp_path / "telemetry" / "logs.jsonl") if "froze" in r["body"]["stringValue"]
+               or "frozen" in r["body"]["stringValue"]]  # fmt: skip
+    during = [r for r in records if int(r["timeUnixNano"]) < result["spawn_ended_ns"]]
+    assert any(attrs(r)["stallwatch.freeze.cause"] == "child_core_dump" for r in during)
+    (span,) = [
+        s
+        for s in freeze_spans(tmp_path / "telemetry" / "traces.jsonl")
+        if int(s["startTimeUnixNano"]) <= result["spawn_ended_ns"]
+        and int(s["endTimeUnixNano"]) >= result["spawn_started_ns"]
+    ]
+    assert attrs(span)["stallwatch.freeze.cause"] == "child_core_dump"  # also after the child's exit
+
+
+def test_a_child_seen_dumping_core_stays_the_cause_after_its_dump_until_it_is_reaped():
+    from stallwatch.detect.watchdog import diagnose
+
+    child = subprocess.Popen(["true"])  # its exit stands for the dumped child's: not reaped while the host is frozen
+    wait_until(lambda: is_gone(child.pid), "the child has exited")
+    assert diagnose(os.getpid(), frozenset({child.pid})).cause == "child_core_dump"
+    child.wait()
+    assert diagnose(os.getpid(), frozenset({child.pid})).cause != "child_core_dump"
+
+
 def test_standard_loop_child_hanging_in_preexec_fn_blocks_the_loop_not_the_gil(tmp_path):
     result = run_scenario("freeze_kinds.py", "preexec", str(tmp_path))
 
@@ -645,6 +682,32 @@ def test_stacks_from_faulthandler_are_attached_to_the_freeze_report(telemetry_di
     stacks = attrs(detected[0])["stallwatch.freeze.stacks"]
     assert stacks.startswith("Timeout (")  # written by faulthandler's C timer while the GIL was held
     assert "freeze_probe.py" in stacks and "in main" in stacks  # the frozen coroutine, by name
+
+
+def test_faulthandlers_timer_does_not_fire_into_the_hosts_code_after_its_event_loop_has_stopped(tmp_path):
+    # The dump walks the frames of threads that run Python meanwhile: after the loop, that is the
+    # host's own clean-up, with no loop left to freeze.
+    proc = run_python(
+        """
+        import asyncio, json, os, sys, time, stallwatch
+        from stallwatch.detect import heartbeat
+        stallwatch.setup(faulthandler=True, freeze_threshold=0.2)
+        async def main():
+            deadline = time.monotonic() + 30
+            while heartbeat._armed_by != os.getpid():  # until the loop heartbeat has armed the timer
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+        asyncio.run(main())
+        stacks = heartbeat.stacks_path(heartbeat.AREA.path)
+        time.sleep(1.0)  # the host's work after its loop, five thresholds long
+        print(json.dumps({"stacks": stacks.read_text(), "shutdown": stallwatch.shutdown()}))
+        """,
+        env=clean_env(XDG_RUNTIME_DIR=str(tmp_path), OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none",
+                      OTEL_LOGS_EXPORTER="none"),
+    )  # fmt: skip
+
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == {"stacks": "", "shutdown": True}
 
 
 def test_the_watchdog_answers_a_prometheus_scrape_while_the_frozen_host_cannot(telemetry_dir):

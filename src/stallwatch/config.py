@@ -420,7 +420,8 @@ OPTIONS: tuple[Option, ...] = (
         "`false`",
         "Arm `faulthandler.dump_traceback_later` from the loop heartbeat so that a freeze's Python stacks "
         "are written (by a C timer, without the GIL) and attached to the watchdog's report. Replaces any "
-        "faulthandler timer of the host's.",
+        "faulthandler timer of the host's. The dump can crash a host whose loop is blocked by running "
+        "Python code, or whose threads start or exit meanwhile: see docs/freezes.md.",
     ),
     Option(
         "STALLWATCH_FORK_GUARD",

@@ -648,6 +648,18 @@ def _run_forever(wrapped: Any, loop: asyncio.AbstractEventLoop, args: tuple[Any,
     finally:
         area.track_loop(None)
         _loops.pop(id(loop), None)
+        _disarm_when_no_loop_runs()
+
+
+def _disarm_when_no_loop_runs() -> None:
+    """As a watched loop stops: cancel faulthandler's timer when no loop of this process runs any
+    more. Nothing re-arms it then, so it would fire one threshold later into whatever the host runs
+    next (its clean-up, `shutdown()`), which is no freeze, and whose running Python code the dump
+    may crash on (docs/freezes.md)."""
+    global _armed_by
+    if _armed_by == os.getpid() and not _loops:
+        faulthandler.cancel_dump_traceback_later()
+        _armed_by = 0
 
 
 def disarm_for_fork() -> None:

@@ -107,8 +107,10 @@ class Diagnosis:
         return {k: v for k, v in values.items() if v is not None}
 
 
-def diagnose(pid: int) -> Diagnosis:
-    """Read the host's main thread and children from `/proc` and name a cause."""
+def diagnose(pid: int, dumped: frozenset[int] = frozenset()) -> Diagnosis:
+    """Read the host's main thread and children from `/proc` and name a cause. `dumped`: children seen
+    dumping core earlier in this freeze; one still there (exiting once its core is written: its memory
+    unmapped, then its pipe closed) is still the cause."""
     found = Diagnosis()
     stat = _read(f"/proc/{pid}/stat")
     if stat:
@@ -145,8 +147,14 @@ def diagnose(pid: int) -> Diagnosis:
             if any(_link(f"/proc/{child}/fd/{fd}") == found.waits_on for fd in fds):
                 found.waits_on_child = child
         found.children.append(info)
-    found.cause = _cause(found)
+    found.cause = _cause(found, dumped)
     return found
+
+
+def core_dumping_child(pid: int) -> bool:
+    """Whether a child of the host is dumping core now: the one fact that changes a frozen host's cause
+    within a poll, so the watchdog looks for it at every poll of a freeze, cheaply."""
+    return any(_status_field(child, "CoreDumping") == "1" for child in _children(pid))
 
 
 def _execed(pid: int, exe: str | None, host_exe: str | None) -> bool:
@@ -157,8 +165,8 @@ def _execed(pid: int, exe: str | None, host_exe: str | None) -> bool:
     return not never if never is not None else exe is not None and exe != host_exe
 
 
-def _cause(found: Diagnosis) -> str:
-    if any(c["core_dumping"] for c in found.children):
+def _cause(found: Diagnosis, dumped: frozenset[int]) -> str:
+    if any(c["core_dumping"] or c["pid"] in dumped for c in found.children):
         return "child_core_dump"
     if found.syscall in ("vfork", "clone", "clone3") or (found.wchan or "").startswith("kernel_clone"):
         return "vfork_child"
@@ -182,6 +190,13 @@ class Freeze:
     snapshot: dict[str, Any]
     diagnosed_at: float = 0.0
     host_exit: dict[str, Any] = field(default_factory=dict)
+    dumped: frozenset[int] = frozenset()  # children seen dumping core during this freeze
+
+    def rediagnose(self, pid: int) -> None:
+        """Read `/proc` again; a child once seen dumping core stays the cause while it is there."""
+        self.diagnosis = diagnose(pid, self.dumped)
+        self.dumped |= {child["pid"] for child in self.diagnosis.children if child["core_dumping"]}
+        self.diagnosed_at = time.monotonic()
 
 
 def host_exit_status(pid: int) -> dict[str, Any]:
@@ -317,11 +332,13 @@ class Watchdog:
         if self.freeze is None:
             last = snapshot["interpreter_ns"] if kind == "gil_held" else snapshot["loop_ns"]
             wall = time.time_ns() - (now - last)
-            self.freeze = Freeze(kind, last, wall, diagnose(self.pid), snapshot, time.monotonic())
+            self.freeze = Freeze(kind, last, wall, Diagnosis(), snapshot)
+            self.freeze.rediagnose(self.pid)
             self.telemetry.frozen(self.freeze, now)
-        elif time.monotonic() - self.freeze.diagnosed_at >= REDIAGNOSE_SECONDS:
-            self.freeze.diagnosis = diagnose(self.pid)
-            self.freeze.diagnosed_at = time.monotonic()
+        elif time.monotonic() - self.freeze.diagnosed_at >= REDIAGNOSE_SECONDS or (
+            self.freeze.diagnosis.cause != "child_core_dump" and core_dumping_child(self.pid)
+        ):  # a core dump that began after the last look is reported now: it may be over before the next
+            self.freeze.rediagnose(self.pid)
             self.telemetry.still_frozen(self.freeze, now)
 
     def _prepare(self) -> None:
