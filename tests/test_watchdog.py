@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -587,16 +588,10 @@ def _core_files_land_in_cwd() -> bool:
     return not pattern.startswith("|") and "/" not in pattern and hard != 0
 
 
-@pytest.mark.skipif(
-    not _core_files_land_in_cwd(),
-    reason="core dumps need kernel.core_pattern as a plain file name and a raisable RLIMIT_CORE on this machine",
-)
-def test_child_dumping_core_before_exec_is_named(tmp_path):
-    if __import__("shutil").disk_usage(tmp_path).free < 4 << 30:
-        pytest.skip("needs 4 GB free for a 1 GB core file")
-    # 1 GB, so the dump outlasts the scenario's 0.25 s threshold with room to spare even when the
-    # page cache takes it fast (512 MB took 0.3 s on a machine with 23 GB free, and was missed at 0.5 s)
-    result = run_scenario("freeze_kinds.py", "core_dump", str(tmp_path), "1024", timeout=120)
+def _core_dump_freeze(tmp_path: Path, *args: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Runs the core-dump scenario (a child killed by SIGSEGV before exec, dumping `args[0]` MB), checks a
+    report during the spawn and the freeze's span name the dump, and returns the result and that span."""
+    result = run_scenario("freeze_kinds.py", "core_dump", str(tmp_path), *args, timeout=120)
     for core in tmp_path.glob("core*"):
         core.unlink()  # hundreds of MB: do not leave it to pytest's retention
 
@@ -612,6 +607,19 @@ def test_child_dumping_core_before_exec_is_named(tmp_path):
         and int(s["endTimeUnixNano"]) >= result["spawn_started_ns"]
     ]
     assert attrs(span)["stallwatch.freeze.cause"] == "child_core_dump"
+    return result, span
+
+
+@pytest.mark.skipif(
+    not _core_files_land_in_cwd(),
+    reason="core dumps need kernel.core_pattern as a plain file name and a raisable RLIMIT_CORE on this machine",
+)
+def test_child_dumping_core_before_exec_is_named(tmp_path):
+    if __import__("shutil").disk_usage(tmp_path).free < 4 << 30:
+        pytest.skip("needs 4 GB free for a 1 GB core file")
+    # 1 GB, so the dump outlasts the scenario's 0.25 s threshold with room to spare even when the
+    # page cache takes it fast (512 MB took 0.3 s on a machine with 23 GB free, and was missed at 0.5 s)
+    result, span = _core_dump_freeze(tmp_path, "1024")
     assert attrs(span)["stallwatch.freeze.kind"] == "gil_held"
     # The spawn's own span says the child died before exec, however long its core took to write.
     (child,) = [
@@ -633,22 +641,7 @@ def test_a_child_that_starts_dumping_core_after_the_freeze_is_reported_is_named_
         pytest.skip("needs 2 GB free for a 512 MB core file")
     # The child works 1 s in its after-fork handler before it crashes: the freeze is reported first
     # (0.25 s threshold), and the dump of 512 MB is over long before the next report, 2 s after it.
-    result = run_scenario("freeze_kinds.py", "core_dump", str(tmp_path), "512", "1", timeout=120)
-    for core in tmp_path.glob("core*"):
-        core.unlink()
-
-    assert result["returncode"] == -11
-    records = [r for r in log_records(tmp_path / "telemetry" / "logs.jsonl") if "froze" in r["body"]["stringValue"]
-               or "frozen" in r["body"]["stringValue"]]  # fmt: skip
-    during = [r for r in records if int(r["timeUnixNano"]) < result["spawn_ended_ns"]]
-    assert any(attrs(r)["stallwatch.freeze.cause"] == "child_core_dump" for r in during)
-    (span,) = [
-        s
-        for s in freeze_spans(tmp_path / "telemetry" / "traces.jsonl")
-        if int(s["startTimeUnixNano"]) <= result["spawn_ended_ns"]
-        and int(s["endTimeUnixNano"]) >= result["spawn_started_ns"]
-    ]
-    assert attrs(span)["stallwatch.freeze.cause"] == "child_core_dump"  # also after the child's exit
+    _core_dump_freeze(tmp_path, "512", "1")  # its span names the dump also after the child's exit
 
 
 def test_a_child_seen_dumping_core_stays_the_cause_after_its_dump_until_it_is_reaped():
