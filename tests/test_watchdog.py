@@ -453,7 +453,7 @@ session = stallwatch.setup(file_dir=sys.argv[1], faulthandler=True, freeze_thres
 from stallwatch.detect import heartbeat
 async def main():
     deadline = time.monotonic() + 30
-    while heartbeat._armed_by != os.getpid():  # until the loop heartbeat has armed faulthandler's timer
+    while heartbeat._armed_by != os.getpid():  # until the heartbeat has armed faulthandler's timer
         assert time.monotonic() < deadline
         await asyncio.sleep(0.01)
     return os.fork()
@@ -687,7 +687,7 @@ def test_faulthandlers_timer_does_not_fire_into_the_hosts_code_after_its_event_l
         stallwatch.setup(faulthandler=True, freeze_threshold=0.2)
         async def main():
             deadline = time.monotonic() + 30
-            while heartbeat._armed_by != os.getpid():  # until the loop heartbeat has armed the timer
+            while heartbeat._armed_by != os.getpid():  # until the heartbeat has armed the timer
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.01)
         asyncio.run(main())
@@ -701,6 +701,47 @@ def test_faulthandlers_timer_does_not_fire_into_the_hosts_code_after_its_event_l
 
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == {"stacks": "", "shutdown": True}
+
+
+_LOOP_BLOCKED_BY_PYTHON = """
+import asyncio, json, pathlib, sys, time, stallwatch
+import uvloop
+session = stallwatch.setup(file_dir=sys.argv[1], faulthandler=True, freeze_threshold=0.2)
+assert session.wait_for_watchdog(30), "the freeze watchdog is not watching"
+traces = pathlib.Path(sys.argv[1], "traces.jsonl")
+def nested(depth):
+    return nested(depth - 1) if depth else sum(len(str(n)) for n in range(3))
+def crunch(seconds):  # pure Python: pushes and pops frames all along, as a long computation does
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        nested(60)
+async def main():
+    for _ in range(60):  # the crash was a race: a few blocks in a hundred
+        crunch(0.25)  # blocks the loop past the threshold
+        await asyncio.sleep(0.05)
+    deadline = time.monotonic() + 30
+    while not (traces.exists() and b'"stallwatch.freeze"' in traces.read_bytes()):
+        assert time.monotonic() < deadline, "the watchdog exported no freeze"
+        await asyncio.sleep(0.05)
+uvloop.run(main())
+print(json.dumps({"shutdown": stallwatch.shutdown()}))
+"""
+
+
+def test_a_loop_blocked_by_running_python_code_with_faulthandler_on_runs_on_and_its_stacks_name_the_code(
+    telemetry_dir,
+):
+    # faulthandler's C timer walks the frames of running threads without the GIL: fired into a loop
+    # that runs Python, it crashed the host (SIGSEGV). The heartbeat thread takes those stacks.
+    proc = subprocess.run([sys.executable, "-c", _LOOP_BLOCKED_BY_PYTHON, str(telemetry_dir)],
+                          env=clean_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == {"shutdown": True}
+    detected = [r for r in log_records(telemetry_dir / "logs.jsonl") if "freeze detected" in r["body"]["stringValue"]]
+    blocked = [attrs(r) for r in detected if attrs(r)["stallwatch.freeze.kind"] == "loop_blocked"]
+    assert blocked
+    assert any("in crunch" in a.get("stallwatch.freeze.stacks", "") for a in blocked)
 
 
 def test_the_watchdog_answers_a_prometheus_scrape_while_the_frozen_host_cannot(telemetry_dir):

@@ -8,10 +8,10 @@ Does: spawns on every path (Popen, shell, posix_spawn, uvloop exec and shell) wi
 strings and environments; a real dstack SSH tunnel with secret `-o` options and a secret-named key;
 Nebius calls with an IAM token and secrets in the payloads; executor items with secret arguments; a
 0.8 s block of the event loop, a freeze the watchdog reports. With STALLWATCH_FAULTHANDLER on (the
-test turns it on) that block, a sleep while the other threads wait, is the only one meant to reach the
-timer's dump, which is not safe against Python code running meanwhile (docs/freezes.md): so the sync
-spawns run before the loop does, `nebius.sdk` is imported before it too (not on it at first use), and
-the executor items never hold the loop while a pool's thread starts or exits. Before shutdown it
+test turns it on) that block, a sleep while the other threads wait, is the only one meant to pass the
+threshold, so the only stacks written: the sync spawns run before the loop does, `nebius.sdk` is
+imported before it too (not on it at first use), and the executor items never hold the loop while a
+pool's thread starts or exits. Before shutdown it
 copies the heartbeat file and its `.stacks` companion into SNAPSHOT_DIR (shutdown removes them) and
 prints one JSON line with their modes.
 With SECRETS_EXTRA_CASES naming a JSON file of generated cases ({"argv": [[...]], "tokens": [...]}), each argv
