@@ -68,7 +68,7 @@ def p99(samples: list[float]) -> float:
 def command_line(script: str, argv: Sequence[str]) -> str:
     """The command that runs `script` with `argv` in this interpreter, for a summary to name what made it:
     the interpreter and the script relative to the repository when they are in it (a virtual environment's
-    `python` as its own path, not the one it links to)."""
+    `python` as its own path, not the one it links to), without `--out`."""
 
     def shown(path: str) -> str:
         try:
@@ -76,7 +76,14 @@ def command_line(script: str, argv: Sequence[str]) -> str:
         except ValueError:
             return path
 
-    return shlex.join([shown(sys.executable), shown(script), *argv])
+    kept: list[str] = []
+    skip = False
+    for arg in argv:  # where the summary is written is not part of what made it
+        if skip or arg == "--out" or arg.startswith("--out="):
+            skip = arg == "--out"
+            continue
+        kept.append(arg)
+    return shlex.join([shown(sys.executable), shown(script), *kept])
 
 
 def machine_info(versioned: tuple[str, ...]) -> dict[str, Any]:
