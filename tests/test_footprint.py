@@ -22,7 +22,7 @@ _IDLE_HOST = """
 import json, sys, threading, stallwatch
 session = stallwatch.setup()
 assert session.wait_for_watchdog(30)
-threads = sorted(t.name for t in threading.enumerate() if not t.name.startswith(("MainThread", "Otel")))
+threads = sorted(t.name for t in threading.enumerate())
 print(json.dumps({"watchdog": session.watchdog_pid, "threads": threads}), flush=True)
 sys.stdin.readline()
 print(json.dumps({"shutdown": stallwatch.shutdown()}), flush=True)
@@ -53,8 +53,20 @@ def test_the_heartbeat_the_wedge_check_and_the_shutdown_share_one_stallwatch_thr
         host.kill()
         host.wait()
 
-    assert started["threads"] == ["stallwatch-worker"]
+    assert started["threads"] == ["MainThread", "stallwatch-worker"]
     assert stopped["shutdown"] is True  # run on that thread
+
+
+def test_a_host_exporting_three_signals_over_otlp_runs_one_export_thread_beside_the_heartbeats(tmp_path):
+    host = _idle_host(tmp_path, "otlp")
+    try:
+        started = json.loads(host.stdout.readline())
+    finally:
+        host.kill()
+        host.wait()
+
+    # Not the SDK's three (a batch span and log processor and a periodic metric reader, a thread each).
+    assert started["threads"] == ["MainThread", "stallwatch-export", "stallwatch-worker"]
 
 
 def test_the_watchdog_of_a_host_that_beats_on_time_runs_one_thread_and_loads_neither_the_sdk_nor_wrapt(tmp_path):

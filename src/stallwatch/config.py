@@ -65,6 +65,7 @@ SDK_LIMITS = (
 )
 SDK_BATCH_PREFIXES = ("OTEL_BSP", "OTEL_BLRP")  # span and log record batch processors
 _SDK_BATCH_DEFAULTS = {"MAX_QUEUE_SIZE": 2048, "SCHEDULE_DELAY": 5000, "MAX_EXPORT_BATCH_SIZE": 512}
+_SDK_SCHEDULE_DELAYS = {"OTEL_BSP": 5000, "OTEL_BLRP": 1000}  # the SDK's defaults differ from the check's
 EXEMPLAR_FILTERS = ("trace_based", "always_on", "always_off")
 OTLP_TIMEOUTS = tuple(f"OTEL_EXPORTER_OTLP_{signal}TIMEOUT" for signal in ("", "TRACES_", "METRICS_", "LOGS_"))
 SDK_VARIABLES = (
@@ -902,6 +903,27 @@ def _otlp_timeouts_are_whole_seconds() -> bool:
     except (PackageNotFoundError, ValueError):
         return False
     return (major, minor) < (1, 34)
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How a batch processor queues and exports, as the SDK's reads it from `OTEL_BSP_*` (spans) or
+    `OTEL_BLRP_*` (log records)."""
+
+    queue: int  # most items queued; one more is dropped
+    batch: int  # most items per export; a queue this long is exported at once
+    delay_seconds: float  # what is queued is exported at least this often
+
+
+def sdk_batching(prefix: str, env: Mapping[str, str] | None = None) -> Batching:
+    """The batching `prefix` (`OTEL_BSP` or `OTEL_BLRP`) asks for in `env` (the process's environment),
+    OpenTelemetry's default for a value that is unset or refused (`_check_sdk_variables`)."""
+    env = os.environ if env is None else env
+    defaults = _SDK_BATCH_DEFAULTS | {"SCHEDULE_DELAY": _SDK_SCHEDULE_DELAYS[prefix]}
+    values = {name: _sdk_int(env.get(f"{prefix}_{name}") or "", 1) or default for name, default in defaults.items()}
+    if values["MAX_EXPORT_BATCH_SIZE"] > values["MAX_QUEUE_SIZE"]:
+        values["MAX_EXPORT_BATCH_SIZE"] = min(defaults["MAX_EXPORT_BATCH_SIZE"], values["MAX_QUEUE_SIZE"])
+    return Batching(values["MAX_QUEUE_SIZE"], values["MAX_EXPORT_BATCH_SIZE"], values["SCHEDULE_DELAY"] / 1000)
 
 
 def _sdk_int(text: str, least: int) -> int | None:
