@@ -46,7 +46,7 @@ def test_log_records_are_exported_on_a_spare_thread_while_a_span_export_waits_on
     gate = ExportGate(lambda: None)
     background.ensure()  # the heartbeat's thread, which starts the spare (setup() starts it)
     with serve("silent", "http") as endpoint:
-        span_exporter = OTLPSpanExporter(endpoint=f"{endpoint}/v1/traces", timeout=60)
+        span_exporter = OTLPSpanExporter(endpoint=f"{endpoint}/v1/traces", timeout=20)
         spans = CountingSpanProcessor(GuardedExporter(span_exporter, "traces", gate, SpanExportResult.FAILURE))
         tracer_provider = TracerProvider(shutdown_on_exit=False)
         tracer_provider.add_span_processor(spans)

@@ -1,22 +1,16 @@
 """One thread, `stallwatch-export`, exports every signal of a process: span and log record batches,
-and the periodic metric collection.
+and the periodic metric collection (docs/footprint.md).
 
-The SDK gives each batch processor and the periodic metric reader a thread of its own. Here each
-signal is a `Lane` (a bounded queue and its exporter, or a metric reader) and the lanes share one
-thread, which exports a queue when it holds a full batch or its delay is over, and collects the
-metrics every interval (`OTEL_BSP_*`, `OTEL_BLRP_*`, `OTEL_METRIC_EXPORT_INTERVAL`, as the SDK's
-would). An export is never waited on by a host thread (it only appends to a bounded queue) nor by
-the heartbeat (`core.background`, a thread of its own). Nor, for long, by the other lanes: once every
-export thread has been inside one export for `SPARE_AFTER` seconds while another lane waits, the
-heartbeat's thread starts a spare export thread (`watch`), which leaves as soon as it finds nothing
-to run; never more threads than lanes.
+Each signal is a `Lane` (a bounded queue and its exporter, or a metric reader) queued and timed as
+the SDK's processors and reader would be (`OTEL_BSP_*`, `OTEL_BLRP_*`, `OTEL_METRIC_EXPORT_INTERVAL`).
+No host thread and no heartbeat ever waits on an export; once every export thread has spent
+`SPARE_AFTER` seconds in one export while another lane waits, the heartbeat's thread starts a spare
+(`watch`), which leaves when it finds nothing to run; never more threads than lanes.
 
-Contract: exports run with instrumentation suppressed, one thread at a time per lane (its `turn`):
-`flush()` (the processors' `force_flush` and `shutdown`) exports on the calling thread, taking the
-turn. Fork-aware: a fork child inherits the lanes with their queues emptied (what was queued is the
-parent's to export) and no thread; its thread starts on first use (an item queued, a metric
-measurement: `forksafe.guard.restart_pending`), never in an after-fork handler. At interpreter exit,
-where no thread may start, the lanes are flushed on the calling thread.
+Contract: exports run with instrumentation suppressed, one thread at a time per lane (its `turn`;
+`flush()` takes it on the calling thread). Fork-aware: a child inherits the lanes with their queues
+emptied and no thread, which starts on first use (`forksafe.guard.restart_pending`), never in an
+after-fork handler; at interpreter exit, where none may start, the shutdown flushes on its own thread.
 """
 
 from __future__ import annotations
@@ -37,8 +31,8 @@ from ..forksafe import guard
 
 _log = logging.getLogger("stallwatch")
 _SDK_METRIC_EXPORT_TIMEOUT_MS = 30_000  # the stock reader's default (`OTEL_METRIC_EXPORT_TIMEOUT`)
-SPARE_AFTER = 0.5  # seconds every export thread has spent in one export before a waiting lane gets a spare
-WATCH_SECONDS = 0.25  # how often the heartbeat's thread looks for that (`watch`)
+SPARE_AFTER = 0.25  # seconds every export thread has spent in one export before a waiting lane gets a spare
+WATCH_SECONDS = 0.1  # how often the heartbeat's thread looks for that (`watch`)
 
 
 class Lane:

@@ -1,8 +1,7 @@
 """Exporters and batch processors that count every item that never reaches the backend.
 
-They queue as the SDK's batch processors do, in bounded queues exported by one thread
-(`export.batching`), which holds a dead or slow backend off the host's threads, and count what is
-lost, by reason, in integers an observable counter reads:
+They queue in bounded queues that `export.batching` exports off the host's threads, and count what
+is lost, by reason, in integers an observable counter reads:
 
 - `queue_full`: on a full queue the item being added is dropped and counted (as the Java and Go
   SDKs do), never the oldest one silently.
