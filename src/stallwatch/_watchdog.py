@@ -1,6 +1,6 @@
 """The freeze watchdog's process (`detect.watchdog`), whose own telemetry pipeline is a `session.setup()`.
 
-`setup()` starts it as `python -c BOOTSTRAP --pid HOST --heartbeat FILE` (`detect.watchdog.BOOTSTRAP`),
+`setup()` starts it as `python -c BOOTSTRAP --pid HOST --heartbeat FILE` (`detect.heartbeat.BOOTSTRAP`),
 which imports this module without running the package's `__init__`: while the host beats on time the
 watchdog loads nothing but the standard library and `detect.heartbeat`. The pipeline's modules are
 imported only when `detect.watchdog` asks for them (`_prepare`), at the first late heartbeat.

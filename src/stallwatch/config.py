@@ -12,7 +12,6 @@ keeps the two equal.
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import logging
 import os
@@ -678,6 +677,8 @@ def _raise_if_strict(settings: Settings, problems: Collection[Problem]) -> None:
 
 
 def _unknown_keyword(keyword: str) -> str:
+    import difflib  # footprint: only for a keyword that is misspelt
+
     close = difflib.get_close_matches(keyword, KEYWORDS, n=1)
     hint = f"did you mean {close[0]}?" if close else "the keywords are: " + ", ".join(KEYWORDS)
     return f"setup() keyword {keyword!r} is not a setting ({hint})"

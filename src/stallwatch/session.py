@@ -373,14 +373,13 @@ def _start_watchdog(settings: Settings, forked: bool = False) -> tuple[Any, subp
     """Spawn the freeze watchdog (vfork/posix_spawn: never a fork of the host) and its heartbeat file."""
     # footprint: with the watchdog only
     from .detect import heartbeat
-    from .detect.watchdog import BOOTSTRAP
 
     try:
         swept = 0 if forked else heartbeat.sweep(heartbeat.area_directory())  # a worker: its host swept
         if swept:
             _log.debug("stallwatch: removed the heartbeat files of %d hosts that are gone", swept)
         area = heartbeat.HeartbeatArea()
-        command = [sys.executable, "-c", BOOTSTRAP, "--pid", str(os.getpid()),
+        command = [sys.executable, "-c", heartbeat.BOOTSTRAP, "--pid", str(os.getpid()),
                    "--heartbeat", str(area.path), "--threshold", str(settings.freeze_threshold)]  # fmt: skip
         if settings.journal:
             command += ["--journal-dir", str(settings.journal_dir)]

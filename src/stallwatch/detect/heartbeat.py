@@ -52,6 +52,15 @@ FLAG_LOOP_TRACKED = 1
 SWEEP_AGE_SECONDS = 10.0  # an unlocked file younger than this may be one a host is creating now
 LOOP_KINDS = {"none": 0, "asyncio": 1, "uvloop": 2}
 BEAT_SECONDS = 0.1
+# How `setup()` starts the watchdog (`detect.watchdog`): `python -c BOOTSTRAP --pid ...`. It puts an empty
+# `stallwatch` package in `sys.modules` (its `__init__` not run, its submodules found as usual) and runs
+# `stallwatch._watchdog`. Here, not there: the host loads this module, never the watchdog's.
+BOOTSTRAP = (
+    "import importlib.util, sys; "
+    "sys.modules['stallwatch'] = importlib.util.module_from_spec(importlib.util.find_spec('stallwatch')); "
+    "from stallwatch._watchdog import main; "
+    "sys.exit(main())"
+)
 
 
 _chosen_directory: Path | None = None

@@ -1,6 +1,6 @@
 """The freeze watchdog: a second process that sees a frozen host while the freeze lasts (docs/freezes.md).
 
-Started by `setup()` through vfork/posix_spawn as `python -c BOOTSTRAP`, which runs
+Started by `setup()` through vfork/posix_spawn as `python -c BOOTSTRAP` (`heartbeat.BOOTSTRAP`), which runs
 `stallwatch._watchdog` without the package's `__init__`. While the host beats on time it runs on the
 standard library alone, on one thread; a heartbeat late by `PREPARE_NS` starts loading its telemetry
 pipeline (`_Reporting`), ready before the lateness becomes a freeze (at once with a Prometheus
@@ -617,7 +617,7 @@ class _Reporting:
     """The watchdog's telemetry pipeline, its side of the host's journal and the freeze telemetry,
     set up on first need: when a heartbeat is late (`Watchdog`), or at once when a scraper pulls
     the metrics (the watchdog then serves its scrape endpoint from the start). The package's
-    `__init__` never runs here (`BOOTSTRAP`): it would load every instrumentation, and the watchdog
+    `__init__` never runs here (`heartbeat.BOOTSTRAP`): it would load every instrumentation, and the watchdog
     instruments nothing. `setup`, `shutdown` and `prepare` come from the caller (`stallwatch._watchdog`):
     they build, stop and load the pipeline of a layer above this one."""
 
@@ -664,16 +664,6 @@ class _Reporting:
             self._journal.close()
         if self.session is not None:
             self._shutdown()
-
-
-# How `setup()` starts the watchdog: `python -c BOOTSTRAP --pid ...`. It puts an empty `stallwatch` package
-# in `sys.modules` (its `__init__` not run, its submodules found as usual) and runs `stallwatch._watchdog`.
-BOOTSTRAP = (
-    "import importlib.util, sys; "
-    "sys.modules['stallwatch'] = importlib.util.module_from_spec(importlib.util.find_spec('stallwatch')); "
-    "from stallwatch._watchdog import main; "
-    "sys.exit(main())"
-)
 
 
 def main(
