@@ -108,3 +108,20 @@ def test_a_set_up_exporting_over_otlp_loads_neither_the_file_exporters_nor_proto
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
 
     assert json.loads(proc.stdout.splitlines()[0]) == [], proc.stderr
+
+
+def test_a_host_with_its_watchdog_loads_neither_the_watchdogs_module_nor_argparse_nor_difflib(tmp_path):
+    code = (
+        "import json, sys, stallwatch\n"
+        "session = stallwatch.setup()\n"
+        "assert session.watchdog_pid\n"
+        "print(json.dumps(sorted(m for m in ('stallwatch.detect.watchdog', 'argparse', 'difflib') "
+        "if m in sys.modules)), flush=True)\n"
+        "stallwatch.shutdown(timeout=0.5)\n"
+    )
+    env = clean_env(XDG_RUNTIME_DIR=str(tmp_path), OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none",
+                    OTEL_LOGS_EXPORTER="none")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[0]) == [], proc.stderr  # the watchdog's command line needs none
