@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import time
 import warnings
 
 import pytest
@@ -20,7 +21,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SpanExportResult
 
 from conftest import SCENARIOS
+from stallwatch.config import Batching
 from stallwatch.core import background
+from stallwatch.export.batching import EXPORTS, BatchLane
 from stallwatch.export.guarded import CountingLogProcessor, CountingSpanProcessor, ExportGate, GuardedExporter
 from support.waiting import wait_until
 
@@ -76,3 +79,71 @@ def test_log_records_are_exported_on_a_spare_thread_while_a_span_export_waits_on
     wait_until(lambda: SPARE not in _threads(), "the spare thread leaves")
     tracer_provider.shutdown()
     logger_provider.shutdown()
+
+
+class _HeldExporter:
+    """An exporter whose every export waits until released: a collector that answers only when told."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.released = threading.Event()
+
+    def export(self, batch: list[object]) -> None:
+        self.entered.set()
+        self.released.wait(60)
+
+    def shutdown(self) -> None:
+        self.released.set()
+
+
+class _CountedLane(BatchLane):
+    """The real lane, counting how often an export thread looks at it."""
+
+    looked = 0
+
+    def ready(self) -> bool:
+        self.looked += 1
+        return super().ready()
+
+
+def test_an_export_thread_sleeps_while_the_lane_that_is_due_is_held_by_another_export_thread():
+    held_first, held_second = _HeldExporter(), _HeldExporter()
+    first = _CountedLane("traces", held_first, Batching(queue=8, batch=8, delay_seconds=0.05))
+    second = BatchLane("logs", held_second, Batching(queue=8, batch=8, delay_seconds=0.05))
+    background.ensure()
+    EXPORTS.add(first)
+    EXPORTS.add(second)
+    try:
+        first.add("span")
+        assert held_first.entered.wait(30), "an export thread exports the span"
+        second.add("record")  # the other thread is held: a spare takes the record, and is held in turn
+        assert held_second.entered.wait(30), "a spare exports the record"
+        held_first.released.set()  # the first thread is free; the lane that is due is the spare's
+        wait_until(lambda: not first.turn.locked(), "the first export ends")
+        looked = first.looked
+        time.sleep(1.0)  # what is measured is how often the free thread looks meanwhile, not a deadline
+
+        assert first.looked - looked < 100  # once per delay or so; a thread that does not sleep looks all the time
+    finally:
+        held_first.released.set()
+        held_second.released.set()
+        first.shutdown()
+        second.shutdown()
+
+
+def test_a_log_record_after_the_shutdown_is_dropped_without_a_warning_per_record(caplog: pytest.LogCaptureFixture):
+    in_memory = getattr(log_export, "InMemoryLogRecordExporter", None) or log_export.InMemoryLogExporter
+    gate = ExportGate(lambda: None)
+    logs = CountingLogProcessor(GuardedExporter(in_memory(), "logs", gate, log_export.LogExportResult.FAILURE))
+    logger_provider = LoggerProvider(shutdown_on_exit=False)
+    logger_provider.add_log_record_processor(logs)
+    with warnings.catch_warnings():  # SDK 1.45 deprecates its handler for another package's
+        warnings.simplefilter("ignore", DeprecationWarning)
+        handler = LoggingHandler(logger_provider=logger_provider)
+    logs.shutdown()
+    record = logging.LogRecord("host", logging.INFO, __file__, 1, "after the shutdown", None, None)
+
+    with caplog.at_level(logging.WARNING, logger="opentelemetry"):
+        handler.emit(record)
+
+    assert [entry.getMessage() for entry in caplog.records if entry.name.startswith("opentelemetry")] == []

@@ -287,7 +287,8 @@ class _Exports:
                         lane.turn.release()
                 if not primary and not ran:
                     return  # a spare leaves once nothing waits for it
-                next_due = min((lane.due for lane in lanes), default=None)
+                # A lane another thread runs is not waited for: its runner looks again when done.
+                next_due = min((lane.due for lane in lanes if not lane.turn.locked()), default=None)
                 timeout = None if next_due is None else max(0.0, next_due - time.monotonic())
                 self._wake.wait(timeout if primary else min(timeout or WATCH_SECONDS, WATCH_SECONDS))
         finally:

@@ -376,7 +376,12 @@ class CountingLogProcessor(SimpleLogRecordProcessor):
         self.guard = exporter
         self._bounded = self.lane.queue  # as in CountingSpanProcessor
         self._limit = self._bounded.maxlen or sys.maxsize
+        self.closed = False
         EXPORTS.add(self.lane)
+
+    def shutdown(self) -> None:
+        self.closed = True
+        super().shutdown()
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return self.lane.flush()
@@ -386,7 +391,9 @@ def _counting_emit(name: str) -> Callable[..., None]:
     stock = getattr(SimpleLogRecordProcessor, name)
 
     def emit(self: CountingLogProcessor, record: Any) -> None:
-        if self.guard.breaker.down_until or len(self._bounded) >= self._limit:
+        if self.closed or self.guard.breaker.down_until or len(self._bounded) >= self._limit:
+            if self.closed:  # a record after shutdown: the stock simple processor logs a WARNING for each one
+                return
             reason = _early_drop(self)
             if reason is not None:
                 self.guard.gate.drop("logs", reason, 1)
