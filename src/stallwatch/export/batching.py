@@ -5,7 +5,7 @@ Each signal is a `Lane` (a bounded queue and its exporter, or a metric reader) q
 the SDK's processors and reader would be (`OTEL_BSP_*`, `OTEL_BLRP_*`, `OTEL_METRIC_EXPORT_INTERVAL`).
 No host thread and no heartbeat ever waits on an export; once every export thread has spent
 `SPARE_AFTER` seconds in one export while another lane waits, the heartbeat's thread starts a spare
-(`watch`), which leaves when it finds nothing to run; never more threads than lanes.
+(`watch`), which leaves once no other thread is held; never more threads than lanes.
 
 Contract: exports run with instrumentation suppressed, one thread at a time per lane (its `turn`;
 `flush()` takes it on the calling thread). Fork-aware: a child inherits the lanes with their queues
@@ -220,6 +220,12 @@ class _Exports:
             if any(lane.waiting(now) for lane in lanes):
                 self._start(os.getpid(), primary=False)
 
+    def _held(self, besides: _Runner) -> bool:
+        """Whether an export thread other than `besides` has spent `SPARE_AFTER` seconds in one export."""
+        now = time.monotonic()
+        with self._lock:
+            return any(r is not besides and r.busy_since and now - r.busy_since >= SPARE_AFTER for r in self._runners)
+
     def first_use_in_child(self) -> None:
         """Telemetry made in a fork child: the lanes become the child's and every deferred worker
         restarts (ours among them, unless the interpreter is exiting: the shutdown then flushes)."""
@@ -285,8 +291,8 @@ class _Exports:
                     finally:
                         runner.busy_since = 0.0
                         lane.turn.release()
-                if not primary and not ran:
-                    return  # a spare leaves once nothing waits for it
+                if not primary and not ran and not self._held(runner):
+                    return  # a spare leaves once nothing waits for it and no other export thread is held
                 # A lane another thread runs is not waited for: its runner looks again when done.
                 next_due = min((lane.due for lane in lanes if not lane.turn.locked()), default=None)
                 timeout = None if next_due is None else max(0.0, next_due - time.monotonic())
