@@ -23,6 +23,7 @@ import time
 from collections import deque
 from typing import Any
 
+from opentelemetry.instrumentation.utils import suppress_instrumentation
 from opentelemetry.sdk.metrics.export import MetricExporter, PeriodicExportingMetricReader
 
 from ..config import Batching
@@ -95,7 +96,7 @@ class BatchLane(Lane):
 
     def drain(self, everything: bool) -> None:
         queue = self.queue
-        with _suppressed():
+        with suppress_instrumentation():  # an instrumented HTTP client must not trace the exporter
             while queue and (everything or len(queue) >= self.batch):
                 batch = [queue.popleft() for _ in range(min(self.batch, len(queue)))]
                 try:
@@ -301,13 +302,6 @@ class _Exports:
             with self._lock:
                 if runner in self._runners:
                     self._runners.remove(runner)
-
-
-def _suppressed() -> Any:
-    """Instrumentation suppressed while exporting: an instrumented HTTP client must not trace the exporter."""
-    from opentelemetry.instrumentation.utils import suppress_instrumentation  # footprint: first export
-
-    return suppress_instrumentation()
 
 
 EXPORTS = _Exports()
