@@ -32,6 +32,7 @@ from opentelemetry.sdk import trace as sdk_trace
 from opentelemetry.sdk.trace import ReadableSpan, sampling
 from opentelemetry.sdk.trace import export as sdk_export
 from opentelemetry.sdk.util import BoundedList
+from opentelemetry.sdk.version import __version__ as sdk_version
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 from opentelemetry.util import types
 
@@ -128,6 +129,9 @@ def retype_tracer(tracer: Any, cls: type) -> None:
     tracer.__class__ = cls
 
 
+# The SDK's span processors read an ended span's `context.trace_flags` unguarded up to 1.33, raising
+# AttributeError for a `ReadableSpan` given no context; from 1.34 they drop such a span.
+CONTEXTLESS_SPAN_RAISES = tuple(int(part) for part in sdk_version.split(".")[:2]) < (1, 34)
 _STOCK = (sdk_trace.SpanProcessor, sdk_export.BatchSpanProcessor, sdk_export.SimpleSpanProcessor)
 _NO_OP_ON_START = frozenset(stock.on_start for stock in _STOCK)  # each is `pass`
 _NO_OP_ON_ENDING = frozenset(getattr(stock, "_on_ending", None) for stock in _STOCK)  # SDK 1.45+; `pass`

@@ -326,7 +326,8 @@ class CountingSpanProcessor(SpanProcessor):
 
     def on_end(self, span: Any) -> None:
         context = span.context
-        if not (context and context.trace_flags.sampled):
+        # A span given no context is dropped, or raises where the SDK's own processors do.
+        if not ((context or sdk_compat.CONTEXTLESS_SPAN_RAISES) and context.trace_flags.sampled):
             return
         if self.closed or self.guard.breaker.down_until or len(self._bounded) >= self._limit:
             if self.closed:  # a span after shutdown is not exported
