@@ -68,12 +68,15 @@ GOALS = {  # figure: (stallwatch / stock at most, or an absolute limit)
 
 
 def memory(pid: int | str) -> dict[str, float]:
-    """RSS and PSS in MiB and the thread count of a process."""
-    found = {"threads": len(os.listdir(f"/proc/{pid}/task"))}
+    """RSS, PSS and USS (its private pages: what no other process shares, so unlike PSS not moved by
+    what else runs the same interpreter on the machine) in MiB, and the thread count of a process."""
+    found = {"threads": len(os.listdir(f"/proc/{pid}/task")), "uss_mib": 0.0}
     for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
         name, value = line.split()[:2]
         if name in ("Rss:", "Pss:"):
             found[name[:-1].lower() + "_mib"] = int(value) / 1024
+        elif name in ("Private_Clean:", "Private_Dirty:"):
+            found["uss_mib"] += int(value) / 1024
     return found
 
 
@@ -113,6 +116,7 @@ def worker(config: str) -> dict[str, Any]:
         "children": kids,
         "total_pss_mib": host["pss_mib"] + sum(kid["pss_mib"] for kid in kids.values()),
         "total_rss_mib": host["rss_mib"] + sum(kid["rss_mib"] for kid in kids.values()),
+        "total_uss_mib": host["uss_mib"] + sum(kid["uss_mib"] for kid in kids.values()),
         "modules": len(sys.modules),
     }
 
@@ -133,7 +137,15 @@ def run_worker(config: str, endpoint: str) -> dict[str, Any]:
     return worker_result(proc, f"worker {config}")
 
 
-FIGURES = ("setup_ms", "host_rss_mib", "host_pss_mib", "host_threads", "total_pss_mib", "total_rss_mib")
+FIGURES = (
+    "setup_ms",
+    "host_rss_mib",
+    "host_pss_mib",
+    "host_threads",
+    "total_pss_mib",
+    "total_rss_mib",
+    "total_uss_mib",
+)
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -174,20 +186,23 @@ def render(summary: dict[str, dict[str, float]], runs: list[dict[str, Any]], inf
         "present, as in a user's install (an unmeasured warm-up round writes them). `floor` is `stock` "
         'plus the smallest Python process that could be a watchdog (`python -I -S -c "import time; '
         'time.sleep(...)"`) as its child. The `+asyncio` configurations import asyncio before their '
-        "set-up, as an async server does.",
+        "set-up, as an async server does. USS counts the private pages only: PSS also divides the shared "
+        "ones among every process that maps them, the other Python processes on the machine included, so "
+        "it moves with what else runs there; USS does not.",
         "",
         f"Machine: {info['nproc']} CPUs, Linux {info['kernel']}, Python {info['python']}; {versions}; "
         f"commit {info['git_commit']}{' (dirty)' if info['git_dirty'] else ''}; {info['date']}; load average "
         f"{' '.join(info['loadavg'])} before, {' '.join(info['loadavg_after'])} after.",
         "",
         "| config | setup ms | host RSS MiB | host PSS MiB | host threads | host + children PSS MiB "
-        "| host + children RSS MiB |",
-        "|---|---|---|---|---|---|---|",
+        "| host + children RSS MiB | host + children USS MiB |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for config, row in summary.items():
         lines.append(
             f"| {config} | {row['setup_ms']:.0f} | {row['host_rss_mib']:.1f} | {row['host_pss_mib']:.1f} | "
-            f"{row['host_threads']:.0f} | {row['total_pss_mib']:.1f} | {row['total_rss_mib']:.1f} |"
+            f"{row['host_threads']:.0f} | {row['total_pss_mib']:.1f} | {row['total_rss_mib']:.1f} | "
+            f"{row['total_uss_mib']:.1f} |"
         )
     lines += ["", "| config | goal | value | target | verdict |", "|---|---|---|---|---|"]
     for config, figure, value, goal, verdict in judge(summary):
