@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import clean_env
+from support.waiting import wait_until
 
 pytestmark = [
     pytest.mark.matrix,
@@ -125,3 +127,53 @@ def test_a_host_with_its_watchdog_loads_neither_the_watchdogs_module_nor_argpars
 
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.splitlines()[0]) == [], proc.stderr  # the watchdog's command line needs none
+
+
+# Loaded by every Python process whose PYTHONPATH starts with its directory, the watchdog too (it inherits
+# the host's environment): at SIGUSR1, writes the names of the modules loaded. It imports only what
+# every interpreter has loaded before it runs.
+_MODULES_ON_SIGUSR1 = """
+import os, signal, sys
+
+def _write_modules(signum, frame):
+    path = os.path.join(os.environ["FOOTPRINT_MODULES_DIR"], str(os.getpid()))
+    with open(path + ".new", "w") as out:
+        out.write("\\n".join(sorted(sys.modules)))
+    os.rename(path + ".new", path)
+
+signal.signal(signal.SIGUSR1, _write_modules)
+"""
+
+
+def test_the_watchdog_of_a_host_that_beats_on_time_loads_no_module_it_needs_only_to_report(tmp_path):
+    hook, written = tmp_path / "hook", tmp_path / "modules"
+    hook.mkdir()
+    written.mkdir()
+    (hook / "sitecustomize.py").write_text(_MODULES_ON_SIGUSR1)
+    env = clean_env(
+        XDG_RUNTIME_DIR=str(tmp_path),
+        OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:9",
+        OTEL_TRACES_EXPORTER="otlp",
+        OTEL_METRICS_EXPORTER="otlp",
+        OTEL_LOGS_EXPORTER="otlp",
+        FOOTPRINT_MODULES_DIR=str(written),
+    )
+    env["PYTHONPATH"] = os.pathsep.join([str(hook), env["PYTHONPATH"]])
+    host = subprocess.Popen([sys.executable, "-c", _IDLE_HOST], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        watchdog = json.loads(host.stdout.readline())["watchdog"]  # it has read the host's heartbeats by now
+        os.kill(watchdog, signal.SIGUSR1)
+        loaded = set(wait_until(lambda: _read_if_there(written / str(watchdog)), "the watchdog wrote its modules"))
+    finally:
+        host.kill()
+        host.wait()
+
+    needed_to_report = {"argparse", "logging", "json", "dataclasses", "inspect", "ast", "pathlib", "typing",
+                        "threading", "stallwatch.detect.heartbeat", "stallwatch.detect.freeze_report"}  # fmt: skip
+    assert "stallwatch.detect.watchdog" in loaded
+    assert sorted(needed_to_report & loaded) == []
+
+
+def _read_if_there(path: Path) -> list[str] | None:
+    return path.read_text().split("\n") if path.exists() else None
