@@ -177,3 +177,26 @@ def test_the_watchdog_of_a_host_that_beats_on_time_loads_no_module_it_needs_only
 
 def _read_if_there(path: Path) -> list[str] | None:
     return path.read_text().split("\n") if path.exists() else None
+
+
+def test_a_set_up_host_loads_the_paramiko_and_nebius_instrumentations_only_when_it_imports_those_libraries():
+    pytest.importorskip("paramiko")
+    pytest.importorskip("nebius")
+    code = (
+        "import json, sys, stallwatch\n"
+        "stallwatch.setup()\n"
+        "ours = ('stallwatch.instrument.paramiko', 'stallwatch.instrument.nebius')\n"
+        "before = sorted(m for m in ours if m in sys.modules)\n"
+        "import paramiko, nebius.aio.request\n"
+        "from stallwatch.instrument.nebius import NebiusInstrumentor\n"
+        "from stallwatch.instrument.paramiko import ParamikoInstrumentor\n"
+        "on = [i().is_instrumented_by_opentelemetry for i in (ParamikoInstrumentor, NebiusInstrumentor)]\n"
+        "print(json.dumps({'before': before, 'on': on}), flush=True)\n"
+        "stallwatch.shutdown(timeout=0.5)\n"
+    )
+    env = clean_env(STALLWATCH_WATCHDOG="false", OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none",
+                    OTEL_LOGS_EXPORTER="none")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[0]) == {"before": [], "on": [True, True]}, proc.stderr
