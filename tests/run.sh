@@ -3,7 +3,7 @@
 #   bash tests/run.sh            # everything: lint, types, tests, OTel SDK / Python version matrix
 #   MATRIX=0 bash tests/run.sh   # skip the version matrix (quicker local runs)
 #   WORKERS=4 bash tests/run.sh  # pytest-xdist workers for the main tests (default 2: one per core here)
-#   MATRIX_JOBS=2 bash tests/run.sh  # matrix environments that test at once (default 3)
+#   MATRIX_JOBS=2 bash tests/run.sh  # matrix environments that test at once, beside the main tests (default 3)
 #   STALLWATCH_SOAK_SCALE=1 bash tests/run.sh   # with the full soak (the default runs a tenth of it)
 # Virtual environments go under $VENVS (default: .venvs/ in the repository; git-ignored). The main one
 # installs the versions locked in .ci/constraints.txt (refresh them on purpose: bash .ci/lock).
@@ -14,7 +14,7 @@ PYENV_ROOT=${PYENV_ROOT:-$HOME/.pyenv}
 WORKERS=${WORKERS:-2}
 MATRIX_JOBS=${MATRIX_JOBS:-3}
 LOGS=$(mktemp -d)
-trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$LOGS"' EXIT  # jobs: matrix installs still running after a failure
+trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$LOGS"' EXIT  # jobs: installs and passes still running after a failure
 mkdir -p "$VENVS"
 
 log() { printf '\n== %s (%s s)\n' "$*" "$SECONDS"; }
@@ -90,31 +90,40 @@ for combo in "${MATRIX_COMBOS[@]}"; do
   installs+=("$!:$name")
 done
 
-log "ruff"
-"$MAIN/ruff" check src tests dashboards
-"$MAIN/ruff" format --check src tests dashboards
-log "mypy (configured in pyproject.toml)"
-"$MAIN/mypy"
-
 # Every test pass runs, even after one failed: a run reports all its failures. Exit status 5 is a pass
 # that selected no test.
 failed=()
 passed() { [ "$1" = 0 ] || [ "$1" = 5 ]; }
-log "pytest: Python 3.11, locked dependencies, $WORKERS workers"
-status=0
-"$MAIN/python" -m pytest -q -n "$WORKERS" --dist loadgroup -m "not serial" || status=$?
-passed "$status" || failed+=("main")
-log "pytest: the tests marked serial, alone"
-status=0
-"$MAIN/python" -m pytest -q -m serial || status=$?
-passed "$status" || failed+=("main (serial)")
+result() {  # result STATUS NAME: say how a pass ended, note a failure as NAME
+  if passed "$1"; then echo "-- $2: passed"; else echo "-- $2: FAILED (exit status $1)"; failed+=("$2"); fi
+}
+report() {  # report PID LOG NAME: wait for a background pass, print its log and its result
+  local status=0
+  wait "$1" || status=$?
+  log "$3: done"
+  cat "$2"
+  result "$status" "$3"
+}
+
+# The parallel pass: lint and types, the main tests on $WORKERS workers and the matrix environments
+# ($MATRIX_JOBS at a time), all at once. None of these tests asserts a time bound (those are marked
+# serial and run afterwards, alone) and most of them wait on children, so side by side they use the
+# cores that one of them alone leaves idle. Each writes its own log, printed when it ends.
+log "in parallel: ruff and mypy; pytest: Python 3.11, locked dependencies, $WORKERS workers; the matrix once installed"
+{
+  status=0
+  echo "-- ruff"
+  "$MAIN/ruff" check src tests dashboards || status=1
+  "$MAIN/ruff" format --check src tests dashboards || status=1
+  echo "-- mypy (configured in pyproject.toml)"
+  "$MAIN/mypy" || status=1
+  exit "$status"
+} >"$LOGS/lint" 2>&1 &
+lint=$!
+"$MAIN/python" -m pytest -q -n "$WORKERS" --dist loadgroup -m "not serial" >"$LOGS/main" 2>&1 &
+main=$!
 
 if [ ${#MATRIX_COMBOS[@]} -gt 0 ]; then
-  # Only the modules with matrix tests are collected: the others import test-only packages
-  # (dstack, nebius, hypothesis) that these environments do not install. MATRIX_JOBS environments run
-  # at a time, each serially (their tests mostly wait on children); the tests marked serial run
-  # afterwards, one environment at a time.
-  log "matrix environments: waiting for the installs"
   for entry in "${installs[@]}"; do
     if ! wait "${entry%%:*}"; then
       cat "$LOGS/venv-${entry#*:}"
@@ -122,37 +131,60 @@ if [ ${#MATRIX_COMBOS[@]} -gt 0 ]; then
       exit 1
     fi
   done
+  log "matrix environments installed"
+  # Only the modules with matrix tests are collected: the others import test-only packages
+  # (dstack, nebius, hypothesis) that these environments do not install.
   modules=$(grep -l "mark.matrix" tests/test_*.py)
   run_matrix() {  # run_matrix COMBO MARKS
     set -- $1 "$2"
     STALLWATCH_FAST_PATHS=$4 "$VENVS/$(matrix_venv "$1 $2")/bin/python" -m pytest -q -p no:cacheprovider -m "$5" \
       $modules
   }
-  log "matrix: ${#MATRIX_COMBOS[@]} environments, $MATRIX_JOBS at a time (STALLWATCH_FAST_PATHS=false in:$(
-    for combo in "${MATRIX_COMBOS[@]}"; do set -- $combo; [ "$4" = true ] || printf ' %s/%s' "$1" "$2"; done))"
-  for ((i = 0; i < ${#MATRIX_COMBOS[@]}; i += MATRIX_JOBS)); do
-    batch=("${MATRIX_COMBOS[@]:i:MATRIX_JOBS}")
-    pids=()
-    for combo in "${batch[@]}"; do
-      run_matrix "$combo" "matrix and not serial" >"$LOGS/matrix-$(matrix_venv "$combo")" 2>&1 &
-      pids+=("$!")
-    done
-    for j in "${!batch[@]}"; do
-      set -- ${batch[j]}
+  run_lane() {  # run_lane COMBO...: the environments' matrix tests but the serial ones, one environment after another
+    local combo status
+    for combo in "$@"; do
       status=0
-      wait "${pids[j]}" || status=$?
-      printf -- '-- Python %s, opentelemetry-sdk %s, STALLWATCH_FAST_PATHS=%s\n' "$1" "$2" "$4"
-      cat "$LOGS/matrix-$(matrix_venv "${batch[j]}")"
-      passed "$status" || failed+=("matrix: Python $1 / SDK $2 / fast paths $4")
+      run_matrix "$combo" "matrix and not serial" >"$LOGS/matrix-$(matrix_venv "$combo")" 2>&1 || status=$?
+      echo "$status" >"$LOGS/status-$(matrix_venv "$combo")"
     done
+  }
+  lanes=()
+  for ((lane = 0; lane < MATRIX_JOBS && lane < ${#MATRIX_COMBOS[@]}; lane++)); do
+    combos=()
+    for ((i = lane; i < ${#MATRIX_COMBOS[@]}; i += MATRIX_JOBS)); do combos+=("${MATRIX_COMBOS[i]}"); done
+    run_lane "${combos[@]}" &
+    lanes+=("$!")
   done
+fi
+
+report "$lint" "$LOGS/lint" "ruff and mypy"
+report "$main" "$LOGS/main" "main"
+if [ ${#MATRIX_COMBOS[@]} -gt 0 ]; then
+  for lane in "${lanes[@]}"; do wait "$lane" || true; done  # each environment's status is in its own file
+  log "matrix: ${#MATRIX_COMBOS[@]} environments, $MATRIX_JOBS at a time (STALLWATCH_FAST_PATHS=false in:$(
+    for combo in "${MATRIX_COMBOS[@]}"; do set -- $combo; [ "$4" = true ] || printf ' %s/%s' "$1" "$2"; done)): done"
+  for combo in "${MATRIX_COMBOS[@]}"; do
+    set -- $combo
+    printf -- '-- Python %s, opentelemetry-sdk %s, STALLWATCH_FAST_PATHS=%s\n' "$1" "$2" "$4"
+    cat "$LOGS/matrix-$(matrix_venv "$combo")" || true
+    result "$(cat "$LOGS/status-$(matrix_venv "$combo")" || echo "none: its lane ended first")" \
+      "matrix: Python $1 / SDK $2 / fast paths $4"
+  done
+fi
+
+# The serial pass: each test alone on the machine, the main environment's then each matrix environment's.
+log "pytest: the tests marked serial, alone"
+status=0
+"$MAIN/python" -m pytest -q -m serial || status=$?
+result "$status" "main (serial)"
+if [ ${#MATRIX_COMBOS[@]} -gt 0 ]; then
   log "matrix: the tests marked serial, one environment at a time"
   for combo in "${MATRIX_COMBOS[@]}"; do
     set -- $combo
     printf -- '-- Python %s, opentelemetry-sdk %s, STALLWATCH_FAST_PATHS=%s\n' "$1" "$2" "$4"
     status=0
     run_matrix "$combo" "matrix and serial" || status=$?
-    passed "$status" || failed+=("matrix: Python $1 / SDK $2 / fast paths $4 (serial)")
+    result "$status" "matrix: Python $1 / SDK $2 / fast paths $4 (serial)"
   done
 fi
 if [ ${#failed[@]} -gt 0 ]; then

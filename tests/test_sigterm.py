@@ -374,27 +374,13 @@ def test_a_server_stopped_by_sigterm_exports_each_processs_metrics_once_with_eve
 
 def test_what_a_process_records_after_uvicorns_stop_is_exported_at_its_exit_too(receiver):
     code = """
-        import asyncio
         import stallwatch
-        import uvicorn
         from opentelemetry import metrics
+        from support.uvicorn_stop import serve_then_stop
 
         stallwatch.setup(watchdog=False, metric_export_interval_ms=3600000)
         stops = metrics.get_meter("host").create_counter("host.stops")
-
-        async def app(scope, receive, send):
-            pass
-
-        async def main():
-            server = uvicorn.Server(uvicorn.Config(app, port=0, lifespan="off", log_level="warning"))
-            serving = asyncio.create_task(server.serve())
-            while not server.started:
-                await asyncio.sleep(0.05)
-            stops.add(1)
-            server.should_exit = True
-            await serving
-
-        asyncio.run(main())
+        serve_then_stop(before_stop=lambda: stops.add(1))
         stops.add(1)  # after the flush at uvicorn's stop: only the exit's export has it
         """
     result = run_python(code, env=clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.url))
@@ -413,26 +399,14 @@ def test_a_scrape_after_uvicorns_stop_has_each_series_once():
     # A process that lives on after its server stopped: the flush at the stop must not leave a collection
     # queued in the pull reader, which the next scrape would serve beside its own.
     code = """
-        import asyncio, urllib.request
+        import urllib.request
         import stallwatch
-        import uvicorn
         from opentelemetry import metrics
+        from support.uvicorn_stop import serve_then_stop
 
         session = stallwatch.setup(watchdog=False, metrics_exporter="prometheus", prometheus_port=0)
         metrics.get_meter("host").create_counter("host.stops").add(1)
-
-        async def app(scope, receive, send):
-            pass
-
-        async def main():
-            server = uvicorn.Server(uvicorn.Config(app, port=0, lifespan="off", log_level="warning"))
-            serving = asyncio.create_task(server.serve())
-            while not server.started:
-                await asyncio.sleep(0.05)
-            server.should_exit = True
-            await serving
-
-        asyncio.run(main())
+        serve_then_stop()
         host, port = session.prometheus_address
         print(urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=30).read().decode())
         """

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -452,7 +453,7 @@ session = stallwatch.setup(file_dir=sys.argv[1], faulthandler=True, freeze_thres
 from stallwatch.detect import heartbeat
 async def main():
     deadline = time.monotonic() + 30
-    while heartbeat._armed_by != os.getpid():  # until the loop heartbeat has armed faulthandler's timer
+    while heartbeat._armed_by != os.getpid():  # until the heartbeat has armed faulthandler's timer
         assert time.monotonic() < deadline
         await asyncio.sleep(0.01)
     return os.fork()
@@ -587,16 +588,10 @@ def _core_files_land_in_cwd() -> bool:
     return not pattern.startswith("|") and "/" not in pattern and hard != 0
 
 
-@pytest.mark.skipif(
-    not _core_files_land_in_cwd(),
-    reason="core dumps need kernel.core_pattern as a plain file name and a raisable RLIMIT_CORE on this machine",
-)
-def test_child_dumping_core_before_exec_is_named(tmp_path):
-    if __import__("shutil").disk_usage(tmp_path).free < 4 << 30:
-        pytest.skip("needs 4 GB free for a 1 GB core file")
-    # 1 GB, so the dump outlasts the scenario's 0.25 s threshold with room to spare even when the
-    # page cache takes it fast (512 MB took 0.3 s on a machine with 23 GB free, and was missed at 0.5 s)
-    result = run_scenario("freeze_kinds.py", "core_dump", str(tmp_path), "1024", timeout=120)
+def _core_dump_freeze(tmp_path: Path, *args: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Runs the core-dump scenario (a child killed by SIGSEGV before exec, dumping `args[0]` MB), checks a
+    report during the spawn and the freeze's span name the dump, and returns the result and that span."""
+    result = run_scenario("freeze_kinds.py", "core_dump", str(tmp_path), *args, timeout=120)
     for core in tmp_path.glob("core*"):
         core.unlink()  # hundreds of MB: do not leave it to pytest's retention
 
@@ -612,6 +607,19 @@ def test_child_dumping_core_before_exec_is_named(tmp_path):
         and int(s["endTimeUnixNano"]) >= result["spawn_started_ns"]
     ]
     assert attrs(span)["stallwatch.freeze.cause"] == "child_core_dump"
+    return result, span
+
+
+@pytest.mark.skipif(
+    not _core_files_land_in_cwd(),
+    reason="core dumps need kernel.core_pattern as a plain file name and a raisable RLIMIT_CORE on this machine",
+)
+def test_child_dumping_core_before_exec_is_named(tmp_path):
+    if __import__("shutil").disk_usage(tmp_path).free < 4 << 30:
+        pytest.skip("needs 4 GB free for a 1 GB core file")
+    # 1 GB, so the dump outlasts the scenario's 0.25 s threshold with room to spare even when the
+    # page cache takes it fast (512 MB took 0.3 s on a machine with 23 GB free, and was missed at 0.5 s)
+    result, span = _core_dump_freeze(tmp_path, "1024")
     assert attrs(span)["stallwatch.freeze.kind"] == "gil_held"
     # The spawn's own span says the child died before exec, however long its core took to write.
     (child,) = [
@@ -622,6 +630,28 @@ def test_child_dumping_core_before_exec_is_named(tmp_path):
     assert attrs(child)["stallwatch.subprocess.exec"] == "not_done"
     assert [e["name"] for e in child["events"]] == ["stallwatch.subprocess.early_signal"]
     assert child["status"]["message"] == "killed by SIGSEGV before exec"
+
+
+@pytest.mark.skipif(
+    not _core_files_land_in_cwd(),
+    reason="core dumps need kernel.core_pattern as a plain file name and a raisable RLIMIT_CORE on this machine",
+)
+def test_a_child_that_starts_dumping_core_after_the_freeze_is_reported_is_named_while_the_host_is_frozen(tmp_path):
+    if __import__("shutil").disk_usage(tmp_path).free < 2 << 30:
+        pytest.skip("needs 2 GB free for a 512 MB core file")
+    # The child works 1 s in its after-fork handler before it crashes: the freeze is reported first
+    # (0.25 s threshold), and the dump of 512 MB is over long before the next report, 2 s after it.
+    _core_dump_freeze(tmp_path, "512", "1")  # its span names the dump also after the child's exit
+
+
+def test_a_child_seen_dumping_core_stays_the_cause_after_its_dump_until_it_is_reaped():
+    from stallwatch.detect.freeze_report import diagnose
+
+    child = subprocess.Popen(["true"])  # its exit stands for the dumped child's: not reaped while the host is frozen
+    wait_until(lambda: is_gone(child.pid), "the child has exited")
+    assert diagnose(os.getpid(), frozenset({child.pid})).cause == "child_core_dump"
+    child.wait()
+    assert diagnose(os.getpid(), frozenset({child.pid})).cause != "child_core_dump"
 
 
 def test_standard_loop_child_hanging_in_preexec_fn_blocks_the_loop_not_the_gil(tmp_path):
@@ -645,6 +675,73 @@ def test_stacks_from_faulthandler_are_attached_to_the_freeze_report(telemetry_di
     stacks = attrs(detected[0])["stallwatch.freeze.stacks"]
     assert stacks.startswith("Timeout (")  # written by faulthandler's C timer while the GIL was held
     assert "freeze_probe.py" in stacks and "in main" in stacks  # the frozen coroutine, by name
+
+
+def test_faulthandlers_timer_does_not_fire_into_the_hosts_code_after_its_event_loop_has_stopped(tmp_path):
+    # The dump walks the frames of threads that run Python meanwhile: after the loop, that is the
+    # host's own clean-up, with no loop left to freeze.
+    proc = run_python(
+        """
+        import asyncio, json, os, sys, time, stallwatch
+        from stallwatch.detect import heartbeat
+        stallwatch.setup(faulthandler=True, freeze_threshold=0.2)
+        async def main():
+            deadline = time.monotonic() + 30
+            while heartbeat._armed_by != os.getpid():  # until the heartbeat has armed the timer
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+        asyncio.run(main())
+        stacks = heartbeat.stacks_path(heartbeat.AREA.path)
+        time.sleep(1.0)  # the host's work after its loop, five thresholds long
+        print(json.dumps({"stacks": stacks.read_text(), "shutdown": stallwatch.shutdown()}))
+        """,
+        env=clean_env(XDG_RUNTIME_DIR=str(tmp_path), OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none",
+                      OTEL_LOGS_EXPORTER="none"),
+    )  # fmt: skip
+
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == {"stacks": "", "shutdown": True}
+
+
+_LOOP_BLOCKED_BY_PYTHON = """
+import asyncio, json, pathlib, sys, time, stallwatch
+import uvloop
+session = stallwatch.setup(file_dir=sys.argv[1], faulthandler=True, freeze_threshold=0.2)
+assert session.wait_for_watchdog(30), "the freeze watchdog is not watching"
+traces = pathlib.Path(sys.argv[1], "traces.jsonl")
+def nested(depth):
+    return nested(depth - 1) if depth else sum(len(str(n)) for n in range(3))
+def crunch(seconds):  # pure Python: pushes and pops frames all along, as a long computation does
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        nested(60)
+async def main():
+    for _ in range(60):  # the crash was a race: a few blocks in a hundred
+        crunch(0.25)  # blocks the loop past the threshold
+        await asyncio.sleep(0.05)
+    deadline = time.monotonic() + 30
+    while not (traces.exists() and b'"stallwatch.freeze"' in traces.read_bytes()):
+        assert time.monotonic() < deadline, "the watchdog exported no freeze"
+        await asyncio.sleep(0.05)
+uvloop.run(main())
+print(json.dumps({"shutdown": stallwatch.shutdown()}))
+"""
+
+
+def test_a_loop_blocked_by_running_python_code_with_faulthandler_on_runs_on_and_its_stacks_name_the_code(
+    telemetry_dir,
+):
+    # faulthandler's C timer walks the frames of running threads without the GIL: fired into a loop
+    # that runs Python, it crashed the host (SIGSEGV). The heartbeat thread takes those stacks.
+    proc = subprocess.run([sys.executable, "-c", _LOOP_BLOCKED_BY_PYTHON, str(telemetry_dir)],
+                          env=clean_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == {"shutdown": True}
+    detected = [r for r in log_records(telemetry_dir / "logs.jsonl") if "freeze detected" in r["body"]["stringValue"]]
+    blocked = [attrs(r) for r in detected if attrs(r)["stallwatch.freeze.kind"] == "loop_blocked"]
+    assert blocked
+    assert any("in crunch" in a.get("stallwatch.freeze.stacks", "") for a in blocked)
 
 
 def test_the_watchdog_answers_a_prometheus_scrape_while_the_frozen_host_cannot(telemetry_dir):

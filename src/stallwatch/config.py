@@ -418,9 +418,10 @@ OPTIONS: tuple[Option, ...] = (
         "STALLWATCH_FAULTHANDLER",
         "faulthandler",
         "`false`",
-        "Arm `faulthandler.dump_traceback_later` from the loop heartbeat so that a freeze's Python stacks "
-        "are written (by a C timer, without the GIL) and attached to the watchdog's report. Replaces any "
-        "faulthandler timer of the host's.",
+        "Write a freeze's Python stacks and attach them to the watchdog's report: for a held GIL by "
+        "`faulthandler.dump_traceback_later` (a C timer, re-armed by stallwatch's heartbeat thread), for a "
+        "blocked event loop by that thread under the GIL. Replaces any faulthandler timer of the host's. "
+        "See docs/freezes.md.",
     ),
     Option(
         "STALLWATCH_FORK_GUARD",

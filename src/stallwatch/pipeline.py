@@ -46,7 +46,7 @@ from .core import background, histograms
 from .core.faults import FAULTS, instrument, meter
 from .core.scrub import scrub_text
 from .detect import heartbeat
-from .export import log_bridge
+from .export import exit_check, log_bridge
 from .export.batching import SharedThreadMetricReader
 from .export.guarded import (
     SHUTDOWN_TIMEOUT,
@@ -269,6 +269,7 @@ def build(settings: Settings) -> Pipeline:
             handler = _LoggingHandler(level, pipeline.logger_provider, processors)
             handler.addFilter(_LevelOrLedger(settings.log_level))
             pipeline.log_handler = handler
+            exit_check.check_log_handlers()
             log_bridge.install(handler)  # never a handler on the root logger: the host's output stays its own
     return pipeline
 

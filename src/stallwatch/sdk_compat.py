@@ -8,10 +8,11 @@ per export, the context's `ContextVar` set directly, tracers that shed spans nob
 `opentelemetry.context.attach`/`detach` noted for the heartbeat. With `STALLWATCH_FAST_PATHS=false`
 (`fast_paths()` False) none is taken: stallwatch uses the public SDK objects.
 
-Held in both modes, having no public equivalent: scrubbed copies of stallwatch's spans (`span_fields`,
-`replaced_span`) and log records (`checked_logger`), replay into the provider's processors
-(`active_span_processor`), a Prometheus reader's data, what a reader or exporter was built with, the
-API's placeholder providers, the distro's configurator base and the OTLP log encoder (private modules).
+Held in both modes, having no public equivalent: the exit check on log records (`checked_logger`, and
+`emit_through_record_loggers` up to SDK 1.27), whether a `BoundedAttributes` is closed (`immutable`),
+replay into the provider's processors (`active_span_processor`), a Prometheus reader's data, what a reader
+or exporter was built with, the API's placeholder providers, the distro's configurator base and the OTLP
+log encoder (private modules).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from time import time_ns
 from typing import Any, cast
 
+import wrapt
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.attributes import BoundedAttributes
@@ -370,6 +372,25 @@ def span_origin(span: Any) -> tuple[Any, Any]:
     return span.resource, span.instrumentation_scope
 
 
+def exit_check_fields(span: Any, scope_name: str) -> tuple[Any, Any, Any, Any, Any] | None:
+    """(name, attributes, events, links, status) of a finished span of the instrumentation scope `scope_name`,
+    or None for anything else (another scope, or not a `ReadableSpan`): what the exit check reads, with one
+    call. From the fields of a `FIELD_READABLE` span with the fast paths on (attributes, events and links as
+    stored); otherwise from the public properties (a read-only view of the attributes, tuples of the events
+    and links), whatever the span's type."""
+    if _FAST[0] and type(span) in FIELD_READABLE:
+        scope = span._instrumentation_scope
+        if scope is None or scope.name != scope_name:
+            return None
+        return span._name, span._attributes, span._events, span._links, span._status
+    if not isinstance(span, ReadableSpan):
+        return None
+    scope = span.instrumentation_scope
+    if scope is None or scope.name != scope_name:
+        return None
+    return span.name, span.attributes, span.events, span.links, span.status
+
+
 def own_attributes(span: Any) -> dict[str, Any] | None:
     """The attribute dict a `LightSpan` was started with (stallwatch may add valid values to it
     before `end()`), or None for any other span."""
@@ -379,13 +400,46 @@ def own_attributes(span: Any) -> dict[str, Any] | None:
 def replaced_span(
     span: ReadableSpan, name: str, attributes: Any, events: Any, links: Any, status: Status | None
 ) -> ReadableSpan:
-    """A copy of the finished `span` with these fields (`copy.copy`: the same type and the rest)."""
-    import copy
+    """A copy of the finished `span` with these fields; the rest, and the counts of attributes, events and
+    links the span dropped, are the span's own.
 
-    clone = copy.copy(span)
-    clone._name, clone._attributes, clone._events, clone._links = name, attributes, events, links
-    clone._status = status  # type: ignore[assignment]  # a ReadableSpan may be given no status
-    return clone
+    With the fast paths on and a `FIELD_READABLE` span: `copy.copy` (the same type) with the fields set, events
+    and links that differ from the stored ones as `BoundedList`s carrying the dropped counts. Otherwise a
+    `ReadableSpan` built by its public constructor from the span's public properties, attributes, events and
+    links as the SDK's bounded containers carrying the dropped counts (the instrumentation info, deprecated
+    for the scope, is not carried)."""
+    if _FAST[0] and type(span) in FIELD_READABLE:
+        import copy
+
+        clone = copy.copy(span)
+        clone._name, clone._attributes, clone._status = name, attributes, status  # type: ignore[assignment]
+        clone._events = events if events is span._events else _bounded_list(events, span.dropped_events)
+        clone._links = links if links is span._links else _bounded_list(links, span.dropped_links)
+        return clone
+    bounded = BoundedAttributes(None, attributes, immutable=True)
+    bounded.dropped = span.dropped_attributes
+    return ReadableSpan(
+        name,
+        context=span.context,
+        parent=span.parent,
+        resource=span.resource,
+        attributes=bounded,
+        events=_bounded_list(events, span.dropped_events),
+        links=_bounded_list(links, span.dropped_links),
+        kind=span.kind,
+        status=status,  # type: ignore[arg-type]  # a ReadableSpan may be given no status
+        start_time=span.start_time,
+        end_time=span.end_time,
+        instrumentation_scope=span.instrumentation_scope,
+    )
+
+
+def _bounded_list(items: Sequence[Any], dropped: int) -> BoundedList:
+    """`items` in a `BoundedList` (no bound: a finished span's) that says `dropped` were dropped: what the
+    span's `dropped_events` / `dropped_links` read."""
+    bounded = BoundedList.from_seq(None, items)
+    bounded.dropped = dropped
+    return bounded
 
 
 # ---- context ----
@@ -494,6 +548,35 @@ def checked_logger(logger: Any, wrap: Callable[[Any], Any], wrapper_type: type) 
     processor = getattr(logger, "_multi_log_record_processor", None)
     if processor is not None and type(processor) is not wrapper_type:
         logger._multi_log_record_processor = wrap(processor)
+
+
+_by_logger: list[Callable[[str], bool]] = []
+
+
+def emit_through_record_loggers(own: Callable[[str], bool]) -> None:
+    """Make each `LoggingHandler` emit a record whose logger name `own` accepts through a logger of the
+    provider's named after it (that name its scope), as the SDK does for every record since 1.28. Up to 1.27
+    the handler emits every record through one logger of its own, scoped by the SDK module's name: the exit
+    check, which knows stallwatch's records by their scope, would pass them unchecked. Other records, and
+    every record on the later SDKs, are emitted as the SDK emits them. Installed once per process."""
+    from opentelemetry.sdk import _logs as sdk_logs
+
+    if _by_logger or "_logger" not in sdk_logs.LoggingHandler.emit.__code__.co_names:
+        return
+    _by_logger.append(own)
+    wrapt.wrap_function_wrapper(sdk_logs, "LoggingHandler.emit", _emit_through_record_logger)
+
+
+def _emit_through_record_logger(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
+    from opentelemetry._logs import NoOpLogger
+
+    record = args[0] if args else kwargs["record"]
+    name = getattr(record, "name", None)
+    if type(name) is not str or isinstance(instance._logger, NoOpLogger) or not _by_logger[0](name):
+        return wrapped(*args, **kwargs)
+    logger = instance._logger_provider.get_logger(name)
+    if not isinstance(logger, NoOpLogger):
+        logger.emit(instance._translate(record))
 
 
 def histogram_temporalities(reader: Any) -> list[Any]:

@@ -10,6 +10,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -62,6 +63,27 @@ def worker_result(proc: subprocess.CompletedProcess[str], what: str) -> dict[str
 def p99(samples: list[float]) -> float:
     """The 99th percentile of `samples` (the inclusive method: it stays within their range)."""
     return statistics.quantiles(samples, n=100, method="inclusive")[98]
+
+
+def command_line(script: str, argv: Sequence[str]) -> str:
+    """The command that runs `script` with `argv` in this interpreter, for a summary to name what made it:
+    the interpreter and the script relative to the repository when they are in it (a virtual environment's
+    `python` as its own path, not the one it links to), without `--out`."""
+
+    def shown(path: str) -> str:
+        try:
+            return Path(path).absolute().relative_to(TESTS.parent).as_posix()
+        except ValueError:
+            return path
+
+    kept: list[str] = []
+    skip = False
+    for arg in argv:  # where the summary is written is not part of what made it
+        if skip or arg == "--out" or arg.startswith("--out="):
+            skip = arg == "--out"
+            continue
+        kept.append(arg)
+    return shlex.join([shown(sys.executable), shown(script), *kept])
 
 
 def machine_info(versioned: tuple[str, ...]) -> dict[str, Any]:

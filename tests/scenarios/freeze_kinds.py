@@ -1,10 +1,11 @@
 """Scenario: the other freezes of incident 000: a child that dumps core before exec, and a
 standard-loop spawn whose preexec_fn hangs.
 
-Usage: python freeze_kinds.py {core_dump|preexec} DIR [BALLAST_MB]
+Usage: python freeze_kinds.py {core_dump|preexec} DIR [BALLAST_MB [DELAY]]
 core_dump: uvloop; the child of one spawn segfaults before exec while the host holds BALLAST_MB
-(default 512) of touched memory (the freeze threshold is 0.25 s in this mode), and the kernel
-writes its core to DIR (core_pattern must be a file name; the caller has checked).
+(default 512) of touched memory (the freeze threshold is 0.25 s in this mode), DELAY seconds (default
+0) into its after-fork handler, and the kernel writes its core to DIR (core_pattern must be a file
+name; the caller has checked).
 preexec: the standard asyncio loop; one spawn's preexec_fn sleeps 2 s, so the loop thread waits
 for the forked child to exec (the GIL is released).
 Prints one JSON line: spawn start/end wall times and the spawn's return code.
@@ -22,6 +23,7 @@ CRASH = {"now": False}
 
 def crash_before_exec() -> None:
     if CRASH["now"]:
+        time.sleep(float(sys.argv[4]) if len(sys.argv) > 4 else 0.0)  # the handler's work before it crashes
         ctypes.string_at(0)  # SIGSEGV in the forked copy, before exec
 
 

@@ -74,7 +74,7 @@ def freeze_spans() -> int:
 
 
 async def main() -> dict:
-    # Loop heartbeats flow: each re-arms faulthandler's timer (STALLWATCH_FAULTHANDLER).
+    # Loop heartbeats flow (and the interpreter heartbeat re-arms faulthandler's timer: STALLWATCH_FAULTHANDLER).
     began, exported = time.monotonic_ns(), freeze_spans()
     await until(lambda: loop_beat_since(began), "the loop heartbeat beats")
     for argument in sys.argv:

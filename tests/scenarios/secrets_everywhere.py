@@ -7,9 +7,13 @@ the trace context goes to children, the stallwatch loggers log at DEBUG and the 
 Does: spawns on every path (Popen, shell, posix_spawn, uvloop exec and shell) with secret argv, shell
 strings and environments; a real dstack SSH tunnel with secret `-o` options and a secret-named key;
 Nebius calls with an IAM token and secrets in the payloads; executor items with secret arguments; a
-0.8 s block of the event loop, a freeze the watchdog reports. Before shutdown it copies the heartbeat
-file and its `.stacks` companion into SNAPSHOT_DIR (shutdown removes them) and prints one
-JSON line with their modes.
+0.8 s block of the event loop, a freeze the watchdog reports. With STALLWATCH_FAULTHANDLER on (the
+test turns it on) that block, a sleep while the other threads wait, is the only one meant to pass the
+threshold, so the only stacks written: the sync spawns run before the loop does, `nebius.sdk` is
+imported before it too (not on it at first use), and the executor items never hold the loop while a
+pool's thread starts or exits. Before shutdown it
+copies the heartbeat file and its `.stacks` companion into SNAPSHOT_DIR (shutdown removes them) and
+prints one JSON line with their modes.
 With SECRETS_EXTRA_CASES naming a JSON file of generated cases ({"argv": [[...]], "tokens": [...]}), each argv
 is also spawned on the sync paths (as argv and as a shell line, never run), the first few on the loop (exec,
 and a shell really running `true` with the quoted words), and the tokens are given to executor items.
@@ -36,6 +40,7 @@ logging.getLogger("stallwatch").setLevel(logging.DEBUG)
 session = stallwatch.setup()
 assert session.error is None, session.error
 
+import nebius.sdk  # imported here: an import on the loop is Python code that blocks it
 import uvloop
 from dstack._internal.core.services.ssh import tunnel as tunnel_module
 from nebius.aio.service_error import RequestError
@@ -159,10 +164,12 @@ def work(*args: object, **kwargs: object) -> int:
 
 async def executor_items() -> None:
     loop = asyncio.get_running_loop()
-    with concurrent.futures.ThreadPoolExecutor(thread_name_prefix="secrets-pool") as pool:
-        results = [pool.submit(work, *EXECUTOR_ARGS, password=EXECUTOR_ARGS[0]).result()]
-        failed = pool.submit(work, *EXECUTOR_ARGS, fail=True)
-        results.append(type(failed.exception()).__name__)
+    pool = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="secrets-pool")
+    results: list[object] = [await asyncio.wrap_future(pool.submit(work, *EXECUTOR_ARGS, password=EXECUTOR_ARGS[0]))]
+    failed = asyncio.wrap_future(pool.submit(work, *EXECUTOR_ARGS, fail=True))
+    await asyncio.wait([failed])
+    results.append(type(failed.exception()).__name__)  # retrieved: asyncio would log it, secrets and all
+    await asyncio.to_thread(pool.shutdown)  # its thread exits while the loop runs on
     results.append(await loop.run_in_executor(None, work, *EXECUTOR_ARGS))
     results.append(await asyncio.to_thread(work, *EXECUTOR_ARGS, token=EXECUTOR_ARGS[1]))
     if extra["tokens"]:
@@ -172,7 +179,6 @@ async def executor_items() -> None:
 
 async def main() -> None:
     with tracer.start_as_current_span("request"):  # a sampled parent: executor items get spans too
-        spawn_everything()
         await spawn_on_the_loop()
         await tunnel()
         await nebius_calls()
@@ -187,6 +193,8 @@ async def main() -> None:
         await asyncio.sleep(0.05)  # the watchdog exports the freeze's span at the thaw
 
 
+with tracer.start_as_current_span("request"):
+    spawn_everything()  # before the loop runs: a loop of sync calls is Python code that blocks it
 uvloop.run(main())
 files = {}
 area = heartbeat.AREA

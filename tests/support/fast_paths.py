@@ -21,3 +21,12 @@ def fast_paths_on() -> Iterator[None]:
     sdk_compat.use_fast_paths(True)
     yield
     sdk_compat.use_fast_paths(was)
+
+
+@pytest.fixture
+def fast_paths_off() -> Iterator[None]:
+    """The fast paths not taken in this process whatever the environment says: only public SDK objects."""
+    was = sdk_compat.fast_paths()
+    sdk_compat.use_fast_paths(False)
+    yield
+    sdk_compat.use_fast_paths(was)

@@ -103,8 +103,10 @@ class Diagnosis:
         return {k: v for k, v in values.items() if v is not None}
 
 
-def diagnose(pid: int) -> Diagnosis:
-    """Read the host's main thread and children from `/proc` and name a cause."""
+def diagnose(pid: int, dumped: frozenset[int] = frozenset()) -> Diagnosis:
+    """Read the host's main thread and children from `/proc` and name a cause. `dumped`: children seen
+    dumping core earlier in this freeze; one still there (exiting once its core is written: its memory
+    unmapped, then its pipe closed) is still the cause."""
     found = Diagnosis()
     stat = _read(f"/proc/{pid}/stat")
     if stat:
@@ -141,8 +143,14 @@ def diagnose(pid: int) -> Diagnosis:
             if any(_link(f"/proc/{child}/fd/{fd}") == found.waits_on for fd in fds):
                 found.waits_on_child = child
         found.children.append(info)
-    found.cause = _cause(found)
+    found.cause = _cause(found, dumped)
     return found
+
+
+def core_dumping_child(pid: int) -> bool:
+    """Whether a child of the host is dumping core now: the one fact that changes a frozen host's cause
+    within a poll, so the watchdog looks for it at every poll of a freeze, cheaply."""
+    return any(_status_field(child, "CoreDumping") == "1" for child in _children(pid))
 
 
 def _execed(pid: int, exe: str | None, host_exe: str | None) -> bool:
@@ -153,8 +161,8 @@ def _execed(pid: int, exe: str | None, host_exe: str | None) -> bool:
     return not never if never is not None else exe is not None and exe != host_exe
 
 
-def _cause(found: Diagnosis) -> str:
-    if any(c["core_dumping"] for c in found.children):
+def _cause(found: Diagnosis, dumped: frozenset[int]) -> str:
+    if any(c["core_dumping"] or c["pid"] in dumped for c in found.children):
         return "child_core_dump"
     if found.syscall in ("vfork", "clone", "clone3") or (found.wchan or "").startswith("kernel_clone"):
         return "vfork_child"
@@ -175,6 +183,13 @@ class Freeze:
     snapshot: dict[str, Any]
     diagnosed_at: float = 0.0
     host_exit: dict[str, Any] = field(default_factory=dict)
+    dumped: frozenset[int] = frozenset()  # children seen dumping core during this freeze
+
+    def rediagnose(self, pid: int) -> None:
+        """Read `/proc` again; a child once seen dumping core stays the cause while it is there."""
+        self.diagnosis = diagnose(pid, self.dumped)
+        self.dumped |= {child["pid"] for child in self.diagnosis.children if child["core_dumping"]}
+        self.diagnosed_at = time.monotonic()
 
 
 def host_exit_status(pid: int) -> dict[str, Any]:

@@ -242,12 +242,14 @@ def read_sentry_handover(path: Path) -> dict[str, Any] | None:
 
 
 def stacks_path(path: Path) -> Path:
-    """Where faulthandler writes the host's stacks when the loop stops re-arming it."""
+    """Where the host's stacks are written during a freeze: by faulthandler's timer when the GIL is
+    held, by the interpreter heartbeat when the loop is blocked (`STALLWATCH_FAULTHANDLER`)."""
     return path.with_suffix(".stacks")
 
 
 def last_stacks(path: Path, since_wall_ns: int, limit: int = 8192) -> str | None:
-    """The last faulthandler dump in `path` if written after `since_wall_ns`, truncated."""
+    """The last dump in `path` (faulthandler's, or the heartbeat's in its format) if written after
+    `since_wall_ns`, truncated."""
     try:
         if path.stat().st_mtime_ns < since_wall_ns:
             return None
@@ -273,7 +275,12 @@ def frozen_span(snapshot: dict[str, Any]) -> tuple[int, int]:
 
 AREA: HeartbeatArea | None = None
 _beating: background.Task | None = None  # this process's interpreter heartbeat (`ensure_beating`)
-_stacks_file: Any = None  # open file faulthandler dumps into (STALLWATCH_FAULTHANDLER)
+_stacks_file: Any = None  # open file the stacks are written into (STALLWATCH_FAULTHANDLER)
+# faulthandler's timer is re-armed by the interpreter heartbeat, a thread that needs the GIL: it
+# fires only when no thread has let that thread run for its timeout, so while the GIL is held in C
+# and every thread's frames stand still. Its dump reads those frames without the GIL, so fired while
+# Python code runs it can read freed memory and crash the host (docs/freezes.md). A loop blocked by
+# Python code is dumped by the heartbeat itself, under the GIL (`_dump_blocked_loops`).
 # The pid of the process that armed faulthandler's timer. CPython's timer thread does not survive a
 # fork, and `cancel_dump_traceback_later` waits for it: in a child forked while the timer was armed,
 # that call blocks forever, and the interpreter makes it at exit (3.10 to 3.13, tested). So the
@@ -281,7 +288,14 @@ _stacks_file: Any = None  # open file faulthandler dumps into (STALLWATCH_FAULTH
 # that finds it armed by its parent (forked without the guard) never touches it.
 _armed_by = 0
 _rearm = False  # `disarm_for_fork` cancelled the timer: `rearm_after_fork` arms it again
+_forking = False  # between `disarm_for_fork` and the fork's end: the heartbeat must not arm it
+# Held to arm, cancel or write the stacks file, so that the heartbeat never arms the timer after
+# `disarm_for_fork` or `stop()` (whose thread may let it run before the fork or the close).
+_arming = threading.Lock()
 _threshold = 1.0
+# The timer's timeout outlasts several heartbeat periods: a beat late by scheduling alone must not
+# let it fire while Python code runs.
+TIMER_MIN_SECONDS = 5 * BEAT_SECONDS
 _watchdog: Any = None  # the watchdog's subprocess.Popen, to notice that it died
 _stopping = threading.Lock()  # stop() against the heartbeat task making the file again
 # Starts a heartbeat file and watchdog for a fork child that lives on (`_watch_this_child`)
@@ -300,8 +314,9 @@ def start(
 ) -> None:
     """Begin the interpreter heartbeat (a task on stallwatch's worker thread) and watch event loops as they start.
 
-    With `stacks`, each loop heartbeat re-arms `faulthandler.dump_traceback_later(threshold)`: a C
-    timer that, when the loop stops beating, writes every thread's stack without needing the GIL.
+    With `stacks`, each interpreter heartbeat re-arms `faulthandler.dump_traceback_later` (the
+    threshold, at least `TIMER_MIN_SECONDS`): a C timer that writes every thread's stack when the GIL
+    has been held that long. A loop blocked past the threshold gets its stacks from the heartbeat.
     `watchdog` (its `subprocess.Popen`) is checked on every beat: its death is reported once.
     `start_for_child` makes a heartbeat file and starts a watchdog for the calling process: it is
     called when a fork child that lives on starts an event loop (gunicorn-style workers).
@@ -361,6 +376,8 @@ class _InterpreterBeats:
         _send_loop_beats()
         try:  # the task failing on every beat would stop the heartbeat: the watchdog would report a freeze
             if area.writable:
+                _arm_timer()
+                _dump_blocked_loops()
                 self.handed = _hand_over_sentry(area, self.handed)
                 _check_watchdog(area)
         except Exception:
@@ -459,11 +476,12 @@ def stop() -> None:
         background.cancel(_beating)
         _beating = None
     if _stacks_file is not None:
-        if _armed_by == os.getpid():
-            faulthandler.cancel_dump_traceback_later()
-            _armed_by = 0
-        _stacks_file.close()
-        _stacks_file = None
+        with _arming:
+            if _armed_by == os.getpid():
+                faulthandler.cancel_dump_traceback_later()
+                _armed_by = 0
+            _stacks_file.close()
+            _stacks_file = None
     if area is not None and area.writable:
         area.close()
         remove_files(area.path)
@@ -542,9 +560,11 @@ def untrack_current_span() -> None:
 
 def forked_child() -> None:
     """In every fork child, at once (an after-fork handler): the parent's heartbeat is not this
-    process's to write; a child that lives on and runs a loop gets its own (`_watch_this_child`)."""
-    global _span_writer
+    process's to write; a child that lives on and runs a loop gets its own (`_watch_this_child`).
+    The parent's heartbeat thread may have held `_arming` at the fork: a new one."""
+    global _span_writer, _forking, _arming
     _span_writer = None
+    _forking, _arming = False, threading.Lock()
 
 
 def _write_current_span(span: Any) -> None:
@@ -577,6 +597,8 @@ class _LoopBeats:
     kind: str
     sent: float = 0.0  # when the waiting callback was handed to the loop (monotonic)
     waiting: bool = False
+    beaten: float = 0.0  # when the loop last beat (monotonic)
+    dumped: bool = False  # its stacks were written since (`_dump_blocked_loops`)
 
 
 _loops: dict[int, _LoopBeats] = {}
@@ -592,7 +614,8 @@ def _run_forever(wrapped: Any, loop: asyncio.AbstractEventLoop, args: tuple[Any,
             return wrapped(*args, **kwargs)
     from ..forksafe.loop import loop_kind  # footprint: host side only
 
-    beats = _LoopBeats(loop, area, loop_kind(loop), time.monotonic(), waiting=True)
+    now = time.monotonic()
+    beats = _LoopBeats(loop, area, loop_kind(loop), now, waiting=True, beaten=now)
     _loops[id(loop)] = beats
     loop.call_soon(_beat, beats)
     area.track_loop(beats.kind)
@@ -607,21 +630,90 @@ def disarm_for_fork() -> None:
     """Before a fork that is not exec-bound (the fork guard's handler): cancel faulthandler's timer
     if this process armed it, so that the child can exit (see `_armed_by`); with the timer not armed
     (`STALLWATCH_FAULTHANDLER`) it costs a `getpid()`."""
-    global _armed_by, _rearm
-    _rearm = _armed_by == os.getpid()
-    if _rearm:
-        faulthandler.cancel_dump_traceback_later()
-        _armed_by = 0
+    global _armed_by, _rearm, _forking
+    with _arming:
+        _forking = True
+        _rearm = _armed_by == os.getpid()
+        if _rearm:
+            faulthandler.cancel_dump_traceback_later()
+            _armed_by = 0
 
 
 def rearm_after_fork() -> None:
-    """After that fork, in the parent: arm the timer again at once, not at the next loop heartbeat."""
-    global _armed_by, _rearm
-    if _rearm:
-        _rearm = False
-        if _stacks_file is not None:
-            faulthandler.dump_traceback_later(_threshold, file=_stacks_file)
-            _armed_by = os.getpid()
+    """After that fork, in the parent: arm the timer again at once, not at the next heartbeat."""
+    global _forking, _rearm
+    with _arming:
+        _forking = False
+        if _rearm:
+            _rearm = False
+            _arm_locked()
+
+
+def _arm_timer() -> None:
+    """From the interpreter heartbeat: re-arm faulthandler's timer (`STALLWATCH_FAULTHANDLER`),
+    unless a fork is under way or the timer is a parent's."""
+    if _stacks_file is not None:
+        with _arming:
+            if not _forking:
+                _arm_locked()
+
+
+def _arm_locked() -> None:
+    """Arm the timer, replacing the previous one (with `_arming` held)."""
+    global _armed_by
+    pid = os.getpid()
+    if _stacks_file is not None and _armed_by in (0, pid):
+        faulthandler.dump_traceback_later(max(_threshold, TIMER_MIN_SECONDS), file=_stacks_file)
+        _armed_by = pid
+
+
+def _dump_blocked_loops() -> None:
+    """From the interpreter heartbeat: write the stacks of each loop's thread blocked past the
+    threshold into the stacks file, once per block, in faulthandler's format (that thread first).
+
+    Taken under the GIL, so safe whatever the blocked thread runs. The file then holds this dump
+    alone: the watchdog reads only the last one."""
+    if _stacks_file is None:
+        return
+    now = time.monotonic()
+    for beats in list(_loops.values()):
+        if beats.waiting and not beats.dumped and now - beats.beaten >= _threshold:
+            beats.dumped = True
+            text = format_stacks(now - beats.beaten, _MAIN_THREAD)
+            with _arming:
+                if _stacks_file is not None:  # stop() closed it meanwhile
+                    _stacks_file.seek(0)
+                    _stacks_file.truncate()
+                    _stacks_file.write(text)
+                    _stacks_file.flush()
+
+
+MAX_FRAMES = 100  # per thread, as faulthandler
+
+
+def format_stacks(blocked_seconds: float, first: int | None) -> str:
+    """Every thread's Python stack but the caller's, as faulthandler dumps them on a timeout,
+    thread `first` (by ident) first: a report keeps only the start of a long dump."""
+    frames = sys._current_frames()
+    me = threading.get_ident()
+    whole = int(blocked_seconds * 1_000_000)
+    seconds, micros = divmod(whole, 1_000_000)
+    clock = f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}" + (f".{micros:06d}" if micros else "")
+    lines = [f"Timeout ({clock})!"]
+    for ident in sorted((i for i in frames if i != me), key=lambda i: i != first):
+        lines.append(f"{'Current thread' if ident == first else 'Thread'} 0x{ident:016x} (most recent call first):")
+        frame: Any = frames[ident]
+        for _ in range(MAX_FRAMES):
+            if frame is None:
+                break
+            code = frame.f_code
+            lines.append(f'  File "{code.co_filename}", line {frame.f_lineno or "???"} in {code.co_name}')
+            frame = frame.f_back
+        else:
+            if frame is not None:
+                lines.append("  ...")
+        lines.append("")
+    return "\n".join(lines) + "\n"
 
 
 def _watch_this_child() -> HeartbeatArea | None:
@@ -676,16 +768,13 @@ def _send_loop_beats() -> None:
 
 def _beat(beats: _LoopBeats) -> None:
     """On the loop: write the loop heartbeat and record how late this callback ran (loop lag)."""
-    global _armed_by
     beats.waiting = False
     if AREA is not beats.area or _loops.get(id(beats.loop)) is not beats:  # stopped, or a later run_forever
         return
     now = time.monotonic()
+    beats.beaten, beats.dumped = now, False
     beats.area.beat_loop()
     beats.area.current_span(0, 0)
-    if _stacks_file is not None and beats.area.writable and _armed_by in (0, pid := os.getpid()):
-        faulthandler.dump_traceback_later(_threshold, file=_stacks_file)  # replaces the previous timer
-        _armed_by = pid
     if _lag_histogram is not None:
         from ..core.faults import first_record  # footprint: host side only (loads wrapt and the SDK)
 

@@ -11,7 +11,7 @@ tracers, spans and records are not touched.
 What: span names, attribute values (event and link attributes included), status descriptions and log bodies
 of stallwatch's own scope and loggers; never the ids `telemetry.IDENTIFIERS` names, nor numbers. A finished
 item is shared by every exporter and other threads, so it is never changed: one with something to redact is
-exported as a shallow copy, its SDK private fields set as the SDK's own constructors set them.
+exported as a copy that keeps the rest, dropped counts included (`sdk_compat.replaced_span`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import wrapt
 from opentelemetry.attributes import BoundedAttributes
-from opentelemetry.sdk.trace import Event, ReadableSpan
+from opentelemetry.sdk.trace import Event
 from opentelemetry.trace import Link, Status
 
 from .. import sdk_compat, telemetry
@@ -67,12 +67,10 @@ def _one(signal: str, check: Callable[[Any], Any], item: Any) -> Any:
 
 def _span(span: Any) -> Any:
     """`span`, or a copy with its host-recorded strings scrubbed, if it is one of stallwatch's."""
-    if not isinstance(span, ReadableSpan):
+    fields = sdk_compat.exit_check_fields(span, _OWN_SCOPE)
+    if fields is None:
         return span
-    _, scope = sdk_compat.span_origin(span)
-    if scope is None or scope.name != _OWN_SCOPE:
-        return span
-    _, _, name, _, _, _, attributes, events, links, status = sdk_compat.span_fields(span)
+    name, attributes, events, links, status = fields
     new_name = scrub_value(name) if type(name) is str else name
     new_attributes = _attributes(attributes) if attributes else attributes
     new_events = _events(events) if events else events
@@ -133,8 +131,7 @@ def _log_item(item: Any) -> Any:
     """A batch item (`LogData` up to SDK 1.38, `ReadableLogRecord` since), or a copy with the record's body and
     attributes scrubbed, if the record comes from a `stallwatch` logger."""
     scope = getattr(item, "instrumentation_scope", None)
-    scope_name = getattr(scope, "name", None) or ""
-    if scope_name != _OWN_SCOPE and not scope_name.startswith(_OWN_SCOPE + "."):
+    if not _own_scope(getattr(scope, "name", None)):
         return item
     record = item.log_record
     body, attributes = record.body, record.attributes
@@ -190,6 +187,17 @@ class CheckedLogs:
         return getattr(self.inner, name)
 
 
+def _own_scope(name: object) -> bool:
+    """Whether `name` is stallwatch's scope or one of its loggers' (`stallwatch.*`)."""
+    return type(name) is str and (name == _OWN_SCOPE or name.startswith(_OWN_SCOPE + "."))
+
+
+def check_log_handlers() -> None:
+    """Every SDK `LoggingHandler` emits a record of a `stallwatch` logger under that logger's scope, which
+    the exit check knows it by, on SDKs whose handler would not (`sdk_compat.emit_through_record_loggers`)."""
+    sdk_compat.emit_through_record_loggers(_own_scope)
+
+
 def _scope_name(name: object = None, *args: object, **kwargs: object) -> object:
     """The first argument of `get_tracer` / `get_logger`, however it was passed."""
     return kwargs.get("instrumenting_module_name", kwargs.get("name", name))
@@ -210,8 +218,7 @@ def _checked_tracer(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
 def _checked_logger(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     logger = wrapped(*args, **kwargs)
     try:
-        name = _scope_name(*args, **kwargs)
-        if type(name) is str and (name == _OWN_SCOPE or name.startswith(_OWN_SCOPE + ".")):
+        if _own_scope(_scope_name(*args, **kwargs)):
             sdk_compat.checked_logger(logger, CheckedLogs, CheckedLogs)
     except Exception:
         _unchecked("logs")
@@ -234,3 +241,4 @@ def check_host_providers() -> None:
 
     wrapt.wrap_function_wrapper(sdk_trace, "TracerProvider.get_tracer", _checked_tracer)
     wrapt.wrap_function_wrapper(sdk_logs, "LoggerProvider.get_logger", _checked_logger)
+    check_log_handlers()
