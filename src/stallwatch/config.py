@@ -878,17 +878,17 @@ def _check_sdk_variables(env: Mapping[str, str]) -> list[Problem]:
         if batch > queue:  # the queue size was set, smaller than the default batch
             refuse(queue_variable, env[queue_variable], f"at least {batch_variable} ({batch}, its default)",
                    f"using the default {_SDK_BATCH_DEFAULTS['MAX_QUEUE_SIZE']}")  # fmt: skip
-    whole_seconds = _otlp_timeouts_are_whole_seconds()
-    for variable in OTLP_TIMEOUTS:  # the exporters raise on one they cannot read (empty too)
-        if (text := env.get(variable)) is not None:
-            try:
-                int(text) if whole_seconds else float(text)
-            except ValueError:
-                general = variable == "OTEL_EXPORTER_OTLP_TIMEOUT"
-                expected = "a whole number of seconds" if whole_seconds else "a number of seconds"
-                refuse(variable, text, f"{expected} (what the installed Python OTLP exporters read)",
-                       "using the default, 10 seconds" if general else "using OTEL_EXPORTER_OTLP_TIMEOUT or its "
-                       "default, 10 seconds")  # fmt: skip
+    timeouts = {variable: env[variable] for variable in OTLP_TIMEOUTS if variable in env}
+    whole_seconds = bool(timeouts) and _otlp_timeouts_are_whole_seconds()  # a version looked up only if needed
+    for variable, text in timeouts.items():  # the exporters raise on one they cannot read (empty too)
+        try:
+            int(text) if whole_seconds else float(text)
+        except ValueError:
+            general = variable == "OTEL_EXPORTER_OTLP_TIMEOUT"
+            expected = "a whole number of seconds" if whole_seconds else "a number of seconds"
+            refuse(variable, text, f"{expected} (what the installed Python OTLP exporters read)",
+                   "using the default, 10 seconds" if general else "using OTEL_EXPORTER_OTLP_TIMEOUT or its "
+                   "default, 10 seconds")  # fmt: skip
     text = env.get("OTEL_METRICS_EXEMPLAR_FILTER")
     if text is not None and text not in EXEMPLAR_FILTERS:
         refuse("OTEL_METRICS_EXEMPLAR_FILTER", text, "one of " + ", ".join(EXEMPLAR_FILTERS) + " (exactly)",
