@@ -200,3 +200,41 @@ def test_a_set_up_host_loads_the_paramiko_and_nebius_instrumentations_only_when_
 
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.splitlines()[0]) == {"before": [], "on": [True, True]}, proc.stderr
+
+
+_SCRUB_FIRST_USE = """
+import json, sys, threading, stallwatch
+from stallwatch.core import scrub
+stallwatch.setup()
+lazy = [value for value in vars(scrub).values() if isinstance(value, scrub._LazyPattern)]
+compiled = sum("match" in vars(pattern) for pattern in lazy)
+command = ["curl", "-u", "admin:hunter2-correct-horse", "-H", "Authorization: Bearer abcdefghijklmnopqrstuvwxyz0123", "https://u:p4ssw0rd-long@host/x?token=sekrit-value-1234"]
+start = threading.Barrier(8)
+results = []
+def scrub_once():
+    start.wait()
+    results.append(scrub.scrub_args(command))
+threads = [threading.Thread(target=scrub_once) for _ in range(8)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+print(json.dumps({"patterns": len(lazy), "compiled_at_setup": compiled, "results": results}), flush=True)
+stallwatch.shutdown(timeout=0.5)
+"""
+
+
+def test_the_scrubbers_patterns_are_compiled_at_first_use_and_threads_first_using_them_at_once_scrub_alike():
+    signals = {f"OTEL_{signal}_EXPORTER": "otlp" for signal in ("TRACES", "METRICS", "LOGS")}
+    env = clean_env(OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:9", STALLWATCH_WATCHDOG="false", **signals)
+    proc = subprocess.run([sys.executable, "-c", _SCRUB_FIRST_USE], env=env, capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+
+    assert proc.returncode == 0, proc.stderr
+    found = json.loads(proc.stdout.splitlines()[0])
+    assert found["patterns"] > 0 and found["compiled_at_setup"] == 0
+    first, *others = found["results"]
+    assert all(result == first for result in others)
+    assert not any(
+        secret in " ".join(first) for secret in ("hunter2", "abcdefghijklmnopqrstuvwxyz0123", "p4ssw0rd", "sekrit")
+    )
