@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import clean_env
+from support.waiting import wait_until
 
 pytestmark = [
     pytest.mark.matrix,
@@ -22,7 +24,7 @@ _IDLE_HOST = """
 import json, sys, threading, stallwatch
 session = stallwatch.setup()
 assert session.wait_for_watchdog(30)
-threads = sorted(t.name for t in threading.enumerate() if not t.name.startswith(("MainThread", "Otel")))
+threads = sorted(t.name for t in threading.enumerate())
 print(json.dumps({"watchdog": session.watchdog_pid, "threads": threads}), flush=True)
 sys.stdin.readline()
 print(json.dumps({"shutdown": stallwatch.shutdown()}), flush=True)
@@ -53,8 +55,20 @@ def test_the_heartbeat_the_wedge_check_and_the_shutdown_share_one_stallwatch_thr
         host.kill()
         host.wait()
 
-    assert started["threads"] == ["stallwatch-worker"]
+    assert started["threads"] == ["MainThread", "stallwatch-worker"]
     assert stopped["shutdown"] is True  # run on that thread
+
+
+def test_a_host_exporting_three_signals_over_otlp_runs_one_export_thread_beside_the_heartbeats(tmp_path):
+    host = _idle_host(tmp_path, "otlp")
+    try:
+        started = json.loads(host.stdout.readline())
+    finally:
+        host.kill()
+        host.wait()
+
+    # Not the SDK's three (a batch span and log processor and a periodic metric reader, a thread each).
+    assert started["threads"] == ["MainThread", "stallwatch-export", "stallwatch-worker"]
 
 
 def test_the_watchdog_of_a_host_that_beats_on_time_runs_one_thread_and_loads_neither_the_sdk_nor_wrapt(tmp_path):
@@ -96,3 +110,131 @@ def test_a_set_up_exporting_over_otlp_loads_neither_the_file_exporters_nor_proto
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
 
     assert json.loads(proc.stdout.splitlines()[0]) == [], proc.stderr
+
+
+def test_a_host_with_its_watchdog_loads_neither_the_watchdogs_module_nor_argparse_nor_difflib(tmp_path):
+    code = (
+        "import json, sys, stallwatch\n"
+        "session = stallwatch.setup()\n"
+        "assert session.watchdog_pid\n"
+        "print(json.dumps(sorted(m for m in ('stallwatch.detect.watchdog', 'argparse', 'difflib') "
+        "if m in sys.modules)), flush=True)\n"
+        "stallwatch.shutdown(timeout=0.5)\n"
+    )
+    env = clean_env(XDG_RUNTIME_DIR=str(tmp_path), OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none",
+                    OTEL_LOGS_EXPORTER="none")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[0]) == [], proc.stderr  # the watchdog's command line needs none
+
+
+# Loaded by every Python process whose PYTHONPATH starts with its directory, the watchdog too (it inherits
+# the host's environment): at SIGUSR1, writes the names of the modules loaded. It imports only what
+# every interpreter has loaded before it runs.
+_MODULES_ON_SIGUSR1 = """
+import os, signal, sys
+
+def _write_modules(signum, frame):
+    path = os.path.join(os.environ["FOOTPRINT_MODULES_DIR"], str(os.getpid()))
+    with open(path + ".new", "w") as out:
+        out.write("\\n".join(sorted(sys.modules)))
+    os.rename(path + ".new", path)
+
+signal.signal(signal.SIGUSR1, _write_modules)
+"""
+
+
+def test_the_watchdog_of_a_host_that_beats_on_time_loads_no_module_it_needs_only_to_report(tmp_path):
+    hook, written = tmp_path / "hook", tmp_path / "modules"
+    hook.mkdir()
+    written.mkdir()
+    (hook / "sitecustomize.py").write_text(_MODULES_ON_SIGUSR1)
+    env = clean_env(
+        XDG_RUNTIME_DIR=str(tmp_path),
+        OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:9",
+        OTEL_TRACES_EXPORTER="otlp",
+        OTEL_METRICS_EXPORTER="otlp",
+        OTEL_LOGS_EXPORTER="otlp",
+        FOOTPRINT_MODULES_DIR=str(written),
+    )
+    env["PYTHONPATH"] = os.pathsep.join([str(hook), env["PYTHONPATH"]])
+    host = subprocess.Popen([sys.executable, "-c", _IDLE_HOST], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        watchdog = json.loads(host.stdout.readline())["watchdog"]  # it has read the host's heartbeats by now
+        os.kill(watchdog, signal.SIGUSR1)
+        loaded = set(wait_until(lambda: _read_if_there(written / str(watchdog)), "the watchdog wrote its modules"))
+    finally:
+        host.kill()
+        host.wait()
+
+    needed_to_report = {"argparse", "logging", "json", "dataclasses", "inspect", "ast", "pathlib", "typing",
+                        "threading", "stallwatch.detect.heartbeat", "stallwatch.detect.freeze_report"}  # fmt: skip
+    assert "stallwatch.detect.watchdog" in loaded
+    assert sorted(needed_to_report & loaded) == []
+
+
+def _read_if_there(path: Path) -> list[str] | None:
+    return path.read_text().split("\n") if path.exists() else None
+
+
+def test_a_set_up_host_loads_the_paramiko_and_nebius_instrumentations_only_when_it_imports_those_libraries():
+    pytest.importorskip("paramiko")
+    pytest.importorskip("nebius")
+    code = (
+        "import json, sys, stallwatch\n"
+        "stallwatch.setup()\n"
+        "ours = ('stallwatch.instrument.paramiko', 'stallwatch.instrument.nebius')\n"
+        "before = sorted(m for m in ours if m in sys.modules)\n"
+        "import paramiko, nebius.aio.request\n"
+        "from stallwatch.instrument.nebius import NebiusInstrumentor\n"
+        "from stallwatch.instrument.paramiko import ParamikoInstrumentor\n"
+        "on = [i().is_instrumented_by_opentelemetry for i in (ParamikoInstrumentor, NebiusInstrumentor)]\n"
+        "print(json.dumps({'before': before, 'on': on}), flush=True)\n"
+        "stallwatch.shutdown(timeout=0.5)\n"
+    )
+    env = clean_env(STALLWATCH_WATCHDOG="false", OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none",
+                    OTEL_LOGS_EXPORTER="none")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[0]) == {"before": [], "on": [True, True]}, proc.stderr
+
+
+_SCRUB_FIRST_USE = """
+import json, sys, threading, stallwatch
+from stallwatch.core import scrub
+stallwatch.setup()
+lazy = [value for value in vars(scrub).values() if isinstance(value, scrub._LazyPattern)]
+compiled = sum("match" in vars(pattern) for pattern in lazy)
+command = ["curl", "-u", "admin:hunter2-correct-horse", "-H", "Authorization: Bearer abcdefghijklmnopqrstuvwxyz0123", "https://u:p4ssw0rd-long@host/x?token=sekrit-value-1234"]
+start = threading.Barrier(8)
+results = []
+def scrub_once():
+    start.wait()
+    results.append(scrub.scrub_args(command))
+threads = [threading.Thread(target=scrub_once) for _ in range(8)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+print(json.dumps({"patterns": len(lazy), "compiled_at_setup": compiled, "results": results}), flush=True)
+stallwatch.shutdown(timeout=0.5)
+"""
+
+
+def test_the_scrubbers_patterns_are_compiled_at_first_use_and_threads_first_using_them_at_once_scrub_alike():
+    signals = {f"OTEL_{signal}_EXPORTER": "otlp" for signal in ("TRACES", "METRICS", "LOGS")}
+    env = clean_env(OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:9", STALLWATCH_WATCHDOG="false", **signals)
+    proc = subprocess.run([sys.executable, "-c", _SCRUB_FIRST_USE], env=env, capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+
+    assert proc.returncode == 0, proc.stderr
+    found = json.loads(proc.stdout.splitlines()[0])
+    assert found["patterns"] > 0 and found["compiled_at_setup"] == 0
+    first, *others = found["results"]
+    assert all(result == first for result in others)
+    assert not any(
+        secret in " ".join(first) for secret in ("hunter2", "abcdefghijklmnopqrstuvwxyz0123", "p4ssw0rd", "sekrit")
+    )

@@ -165,9 +165,10 @@ def test_host_calls_never_wait_on_a_collector_that_never_answers(protocol: str, 
     made = batches * 50
     exports = report.pop("exports")
     # No export ran on the host's thread, and exports were waiting on the collector (which never
-    # answers) for nearly all of the host's calls: the first batch leaves after 64 spans or 50 ms.
+    # answers) for nearly all of the host's calls: the first batch leaves after 64 spans or 50 ms, and
+    # holds the export thread; a spare one joins only after 0.25 s of it, which a quick loop may not last.
     assert not exports["on_host_thread"], report
-    assert exports["started"] >= 2, exports  # traces and logs at least; metrics every 200 ms
+    assert exports["started"] >= 1, exports
     assert exports["during_export"] >= 0.8 * made, exports
     for kind, stats in report.items():
         # Waiting on export would take the collector's whole answer time: the 10 s export timeout.

@@ -648,7 +648,7 @@ def test_a_child_that_starts_dumping_core_after_the_freeze_is_reported_is_named_
 
 
 def test_a_child_seen_dumping_core_stays_the_cause_after_its_dump_until_it_is_reaped():
-    from stallwatch.detect.watchdog import diagnose
+    from stallwatch.detect.freeze_report import diagnose
 
     child = subprocess.Popen(["true"])  # its exit stands for the dumped child's: not reaped while the host is frozen
     wait_until(lambda: is_gone(child.pid), "the child has exited")

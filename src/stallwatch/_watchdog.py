@@ -1,17 +1,20 @@
 """The freeze watchdog's process (`detect.watchdog`), whose own telemetry pipeline is a `session.setup()`.
 
-`setup()` starts it as `python -c BOOTSTRAP --pid HOST --heartbeat FILE` (`detect.watchdog.BOOTSTRAP`),
+`setup()` starts it as `python -c BOOTSTRAP --pid HOST --heartbeat FILE` (`detect.heartbeat.BOOTSTRAP`),
 which imports this module without running the package's `__init__`: while the host beats on time the
-watchdog loads nothing but the standard library and `detect.heartbeat`. The pipeline's modules are
+watchdog loads nothing but a few modules of the standard library and `detect.heartbeat_file`. The pipeline's modules are
 imported only when `detect.watchdog` asks for them (`_prepare`), at the first late heartbeat.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Any
 
 from stallwatch.detect import watchdog
+
+TYPE_CHECKING = False  # `typing` stays out of the idle watchdog
+if TYPE_CHECKING:
+    from typing import Any
 
 
 def _prepare() -> None:

@@ -12,7 +12,6 @@ keeps the two equal.
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import logging
 import os
@@ -65,6 +64,7 @@ SDK_LIMITS = (
 )
 SDK_BATCH_PREFIXES = ("OTEL_BSP", "OTEL_BLRP")  # span and log record batch processors
 _SDK_BATCH_DEFAULTS = {"MAX_QUEUE_SIZE": 2048, "SCHEDULE_DELAY": 5000, "MAX_EXPORT_BATCH_SIZE": 512}
+_SDK_SCHEDULE_DELAYS = {"OTEL_BSP": 5000, "OTEL_BLRP": 1000}  # the SDK's defaults differ from the check's
 EXEMPLAR_FILTERS = ("trace_based", "always_on", "always_off")
 OTLP_TIMEOUTS = tuple(f"OTEL_EXPORTER_OTLP_{signal}TIMEOUT" for signal in ("", "TRACES_", "METRICS_", "LOGS_"))
 SDK_VARIABLES = (
@@ -678,6 +678,8 @@ def _raise_if_strict(settings: Settings, problems: Collection[Problem]) -> None:
 
 
 def _unknown_keyword(keyword: str) -> str:
+    import difflib  # footprint: only for a keyword that is misspelt
+
     close = difflib.get_close_matches(keyword, KEYWORDS, n=1)
     hint = f"did you mean {close[0]}?" if close else "the keywords are: " + ", ".join(KEYWORDS)
     return f"setup() keyword {keyword!r} is not a setting ({hint})"
@@ -876,17 +878,17 @@ def _check_sdk_variables(env: Mapping[str, str]) -> list[Problem]:
         if batch > queue:  # the queue size was set, smaller than the default batch
             refuse(queue_variable, env[queue_variable], f"at least {batch_variable} ({batch}, its default)",
                    f"using the default {_SDK_BATCH_DEFAULTS['MAX_QUEUE_SIZE']}")  # fmt: skip
-    whole_seconds = _otlp_timeouts_are_whole_seconds()
-    for variable in OTLP_TIMEOUTS:  # the exporters raise on one they cannot read (empty too)
-        if (text := env.get(variable)) is not None:
-            try:
-                int(text) if whole_seconds else float(text)
-            except ValueError:
-                general = variable == "OTEL_EXPORTER_OTLP_TIMEOUT"
-                expected = "a whole number of seconds" if whole_seconds else "a number of seconds"
-                refuse(variable, text, f"{expected} (what the installed Python OTLP exporters read)",
-                       "using the default, 10 seconds" if general else "using OTEL_EXPORTER_OTLP_TIMEOUT or its "
-                       "default, 10 seconds")  # fmt: skip
+    timeouts = {variable: env[variable] for variable in OTLP_TIMEOUTS if variable in env}
+    whole_seconds = bool(timeouts) and _otlp_timeouts_are_whole_seconds()  # a version looked up only if needed
+    for variable, text in timeouts.items():  # the exporters raise on one they cannot read (empty too)
+        try:
+            int(text) if whole_seconds else float(text)
+        except ValueError:
+            general = variable == "OTEL_EXPORTER_OTLP_TIMEOUT"
+            expected = "a whole number of seconds" if whole_seconds else "a number of seconds"
+            refuse(variable, text, f"{expected} (what the installed Python OTLP exporters read)",
+                   "using the default, 10 seconds" if general else "using OTEL_EXPORTER_OTLP_TIMEOUT or its "
+                   "default, 10 seconds")  # fmt: skip
     text = env.get("OTEL_METRICS_EXEMPLAR_FILTER")
     if text is not None and text not in EXEMPLAR_FILTERS:
         refuse("OTEL_METRICS_EXEMPLAR_FILTER", text, "one of " + ", ".join(EXEMPLAR_FILTERS) + " (exactly)",
@@ -903,6 +905,27 @@ def _otlp_timeouts_are_whole_seconds() -> bool:
     except (PackageNotFoundError, ValueError):
         return False
     return (major, minor) < (1, 34)
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How a batch processor queues and exports, as the SDK's reads it from `OTEL_BSP_*` (spans) or
+    `OTEL_BLRP_*` (log records)."""
+
+    queue: int  # most items queued; one more is dropped
+    batch: int  # most items per export; a queue this long is exported at once
+    delay_seconds: float  # what is queued is exported at least this often
+
+
+def sdk_batching(prefix: str, env: Mapping[str, str] | None = None) -> Batching:
+    """The batching `prefix` (`OTEL_BSP` or `OTEL_BLRP`) asks for in `env` (the process's environment),
+    OpenTelemetry's default for a value that is unset or refused (`_check_sdk_variables`)."""
+    env = os.environ if env is None else env
+    defaults = _SDK_BATCH_DEFAULTS | {"SCHEDULE_DELAY": _SDK_SCHEDULE_DELAYS[prefix]}
+    values = {name: _sdk_int(env.get(f"{prefix}_{name}") or "", 1) or default for name, default in defaults.items()}
+    if values["MAX_EXPORT_BATCH_SIZE"] > values["MAX_QUEUE_SIZE"]:
+        values["MAX_EXPORT_BATCH_SIZE"] = min(defaults["MAX_EXPORT_BATCH_SIZE"], values["MAX_QUEUE_SIZE"])
+    return Batching(values["MAX_QUEUE_SIZE"], values["MAX_EXPORT_BATCH_SIZE"], values["SCHEDULE_DELAY"] / 1000)
 
 
 def _sdk_int(text: str, least: int) -> int | None:

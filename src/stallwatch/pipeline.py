@@ -33,11 +33,7 @@ from opentelemetry.sdk._logs import LoggerProvider, LoggingHandler
 from opentelemetry.sdk._logs import export as _log_export
 from opentelemetry.sdk._logs.export import LogExportResult
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import (
-    ConsoleMetricExporter,
-    MetricReader,
-    PeriodicExportingMetricReader,
-)
+from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, MetricReader
 from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider, sampling
@@ -51,6 +47,7 @@ from .core.faults import FAULTS, instrument, meter
 from .core.scrub import scrub_text
 from .detect import heartbeat
 from .export import exit_check, log_bridge
+from .export.batching import SharedThreadMetricReader
 from .export.guarded import (
     SHUTDOWN_TIMEOUT,
     CountingLogProcessor,
@@ -390,7 +387,7 @@ def _build_metrics(settings: Settings, resource: Resource, pipeline: Pipeline) -
             continue
         exporter = GuardedMetricExporter(_exporter(settings, "metrics", name, pipeline), pipeline._gate)
         pipeline._metric_exporters.append(exporter)
-        pushing = PeriodicExportingMetricReader(exporter, export_interval_millis=settings.metric_export_interval_ms)
+        pushing = SharedThreadMetricReader(exporter, settings.metric_export_interval_ms)
         pipeline._push_readers.append(pushing)
         readers.append(pushing)
     # Every reader gets stallwatch's own duration histograms, unless one wants them as deltas: not a fast

@@ -9,10 +9,10 @@ per export, the context's `ContextVar` set directly, tracers that shed spans nob
 (`fast_paths()` False) none is taken: stallwatch uses the public SDK objects.
 
 Held in both modes, having no public equivalent: the exit check on log records (`checked_logger`, and
-`emit_through_record_loggers` up to SDK 1.27), whether a `BoundedAttributes` is closed (`immutable`), a
-batch processor's queue (`batch_queue`), replay into the provider's processors (`active_span_processor`),
-a Prometheus reader's data, what a reader or exporter was built with, the API's placeholder providers, the
-distro's configurator base and the OTLP log encoder (private modules).
+`emit_through_record_loggers` up to SDK 1.27), whether a `BoundedAttributes` is closed (`immutable`),
+replay into the provider's processors (`active_span_processor`), a Prometheus reader's data, what a reader
+or exporter was built with, the API's placeholder providers, the distro's configurator base and the OTLP
+log encoder (private modules).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from opentelemetry.sdk import trace as sdk_trace
 from opentelemetry.sdk.trace import ReadableSpan, sampling
 from opentelemetry.sdk.trace import export as sdk_export
 from opentelemetry.sdk.util import BoundedList
+from opentelemetry.sdk.version import __version__ as sdk_version
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 from opentelemetry.util import types
 
@@ -130,6 +131,9 @@ def retype_tracer(tracer: Any, cls: type) -> None:
     tracer.__class__ = cls
 
 
+# The SDK's span processors read an ended span's `context.trace_flags` unguarded up to 1.33, raising
+# AttributeError for a `ReadableSpan` given no context; from 1.34 they drop such a span.
+CONTEXTLESS_SPAN_RAISES = tuple(int(part) for part in sdk_version.split(".")[:2]) < (1, 34)
 _STOCK = (sdk_trace.SpanProcessor, sdk_export.BatchSpanProcessor, sdk_export.SimpleSpanProcessor)
 _NO_OP_ON_START = frozenset(stock.on_start for stock in _STOCK)  # each is `pass`
 _NO_OP_ON_ENDING = frozenset(getattr(stock, "_on_ending", None) for stock in _STOCK)  # SDK 1.45+; `pass`
@@ -436,44 +440,6 @@ def _bounded_list(items: Sequence[Any], dropped: int) -> BoundedList:
     bounded = BoundedList.from_seq(None, items)
     bounded.dropped = dropped
     return bounded
-
-
-def stock_span_on_end(processor_class: type) -> Callable[[Any, Any], bool] | None:
-    """For a `BatchSpanProcessor` (sub)class: a function `(processor, span) -> handled` that does what the
-    stock `on_end` does, for a `FIELD_READABLE` span (a sampled span goes to the queue; False for any
-    other span: call the stock `on_end`), or None where the stock `on_end` is another (up to SDK 1.33)
-    or the fast paths are off."""
-    if set(sdk_export.BatchSpanProcessor.on_end.__code__.co_names) != {
-        "context", "trace_flags", "sampled", "_batch_processor", "emit",
-    }:  # fmt: skip
-        return None
-    sampled = TraceFlags.SAMPLED
-
-    def on_end(processor: Any, span: Any) -> bool:
-        if not _FAST[0] or type(span) not in FIELD_READABLE:
-            return False
-        context = span._context
-        if context:  # a ReadableSpan may be given no context: then it is dropped
-            _, _, _, flags, _, _ = context
-            if flags & sampled:
-                processor._batch_processor.emit(span)
-        return True
-
-    return on_end
-
-
-def batch_queue(processor: Any) -> tuple[Any, Any]:
-    """(the bounded deque, what holds it) of an SDK batch span or log processor: the shared
-    `_batch_processor` since SDK 1.34 (`_queue`), the processor itself before (`queue` for spans up to
-    1.33, `_queue` for logs)."""
-    holder = getattr(processor, "_batch_processor", processor)
-    queue = getattr(holder, "_queue", None)
-    return (queue if queue is not None else holder.queue), holder
-
-
-def queue_pid(holder: Any) -> int:
-    """The pid the SDK batch processor's queue belongs to (its own check restarts the worker)."""
-    return holder._pid
 
 
 # ---- context ----

@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
-import importlib.util
 import logging
 import os
 import signal
@@ -14,11 +13,12 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import wrapt
 from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Observation
 
@@ -373,14 +373,13 @@ def _start_watchdog(settings: Settings, forked: bool = False) -> tuple[Any, subp
     """Spawn the freeze watchdog (vfork/posix_spawn: never a fork of the host) and its heartbeat file."""
     # footprint: with the watchdog only
     from .detect import heartbeat
-    from .detect.watchdog import BOOTSTRAP
 
     try:
         swept = 0 if forked else heartbeat.sweep(heartbeat.area_directory())  # a worker: its host swept
         if swept:
             _log.debug("stallwatch: removed the heartbeat files of %d hosts that are gone", swept)
         area = heartbeat.HeartbeatArea()
-        command = [sys.executable, "-c", BOOTSTRAP, "--pid", str(os.getpid()),
+        command = [sys.executable, "-c", heartbeat.BOOTSTRAP, "--pid", str(os.getpid()),
                    "--heartbeat", str(area.path), "--threshold", str(settings.freeze_threshold)]  # fmt: skip
         if settings.journal:
             command += ["--journal-dir", str(settings.journal_dir)]
@@ -443,18 +442,9 @@ def _instrument(settings: Settings) -> None:
 
         # a host without dstack: nothing to wrap, nothing to log
         _instrument_once(SSHTunnelInstrumentor(), skip_dep_check=True)
-        if importlib.util.find_spec("paramiko") is not None:  # else the dependency check would log an error
-            # footprint: loaded only when its instrumentation is on
-            from .instrument.paramiko import ParamikoInstrumentor
-
-            _instrument_once(ParamikoInstrumentor(), settings=settings)
+        _when_imported("paramiko", _instrument_paramiko, settings, "ssh", "STALLWATCH_INSTRUMENT_SSH")
     if settings.instrument_nebius:
-        # footprint: loaded only when its instrumentation is on
-        from .instrument.nebius import NebiusInstrumentor
-
-        # Without nebius nothing is wrapped; outside the declared range the check of the private
-        # methods at import decides, and its warning names the setting.
-        _instrument_once(NebiusInstrumentor(), skip_dep_check=True)
+        _when_imported("nebius", _instrument_nebius, settings, "nebius", "STALLWATCH_INSTRUMENT_NEBIUS")
     if settings.instrument_executor:
         # footprint: with the executor instrumentation only
         from .detect import wedge
@@ -466,6 +456,38 @@ def _instrument(settings: Settings) -> None:
             wedge.install(
                 wedge.WedgeSettings(settings.wedge_check_interval, settings.queue_stall_seconds, settings.executor_heal)
             )
+
+
+def _when_imported(
+    package: str, install: Callable[[Settings], object], settings: Settings, component: str, setting: str
+) -> None:
+    """Run `install(settings)` when the host imports `package`, now if it has: the instrumentation of
+    a library the host never imports is never loaded. An error is counted and logged once naming
+    `setting`, never raised into the host's import."""
+
+    def installed(module: object) -> None:
+        try:
+            install(settings)
+        except Exception:
+            FAULTS.record(component, setting)
+
+    wrapt.register_post_import_hook(installed, package)  # one per setup(): installing again is a no-op
+
+
+def _instrument_paramiko(settings: Settings) -> None:
+    # footprint: loaded when the host imports paramiko
+    from .instrument.paramiko import ParamikoInstrumentor
+
+    _instrument_once(ParamikoInstrumentor(), settings=settings)
+
+
+def _instrument_nebius(settings: Settings) -> None:
+    # footprint: loaded when the host imports nebius
+    from .instrument.nebius import NebiusInstrumentor
+
+    # Outside the declared range the check of the private methods at import decides, and its warning
+    # names the setting.
+    _instrument_once(NebiusInstrumentor(), skip_dep_check=True)
 
 
 def _instrument_once(instrumentor: BaseInstrumentor, **kwargs: Any) -> bool:

@@ -1,9 +1,9 @@
-"""The one background thread stallwatch runs in a process (`stallwatch-worker`).
+"""The background thread of stallwatch's that never waits (`stallwatch-worker`).
 
-It runs the periodic tasks of the freeze heartbeat (`detect.heartbeat`) and of the wedge detector
-(`detect.wedge`), and the telemetry pipeline's shutdown when asked (`pipeline`). The SDK's batch
-processors and metric reader keep their own threads: an export may wait for a collector, which a
-heartbeat cannot.
+It runs the periodic tasks of the freeze heartbeat (`detect.heartbeat`), of the wedge detector
+(`detect.wedge`) and of the export threads' watch (`export.batching`), and the telemetry pipeline's
+shutdown when asked (`pipeline`). Exports have a thread of their own (`export.batching`): one may
+wait for a collector, which a heartbeat cannot.
 
 Contract: fork-aware like the SDK's workers: a task belongs to the process that added it, and the
 thread starts on first need in each process, never in an after-fork handler. Tasks must be short

@@ -27,9 +27,36 @@ import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from .. import telemetry
+
+_PATTERN_ATTRIBUTES = ("match", "fullmatch", "search", "sub", "subn", "split", "finditer", "findall", "flags", "groups",
+                       "groupindex")  # fmt: skip
+
+
+class _LazyPattern:
+    """A module pattern compiled at its first use: the scrubber's patterns cost a few milliseconds to
+    compile, which a host that never scrubs (or not yet) does not pay at `import stallwatch`. After the
+    first attribute read, the compiled pattern's attributes are the instance's own, read as fast as the
+    pattern's. Two threads compiling it at once each get an equal pattern."""
+
+    def __init__(self, source: str, flags: int) -> None:
+        self._source = source
+        self._flags = flags
+        self.pattern = source
+
+    def __getattr__(self, name: str) -> Any:
+        compiled = re.compile(self._source, self._flags)
+        for attribute in _PATTERN_ATTRIBUTES:
+            setattr(self, attribute, getattr(compiled, attribute))
+        return getattr(compiled, name)
+
+
+def _pattern(source: str, flags: int = 0) -> re.Pattern[str]:
+    """`re.compile(source, flags)`, compiled at its first use (`_LazyPattern`)."""
+    return cast("re.Pattern[str]", _LazyPattern(source, flags))
+
 
 MAX_ARGS = 64  # arguments recorded; beyond, the last recorded element says how many were left out
 MAX_ARG_CHARS = 512  # characters recorded per argument, truncation marker included
@@ -39,9 +66,9 @@ TRUNCATED = "...[truncated]"
 UNSCRUBBABLE = "[arguments could not be scrubbed]"  # the whole result if scrubbing itself failed
 
 _SHORTEST_SECRET = 12  # a shorter value can only hold a secret next to `=`, `:`, `@` or a space (`scrub_value`)
-_SEPARATES = re.compile(r"[=:@\s]")
-_PLAIN_WORDS = re.compile(r"[A-Za-z0-9_.() ]*")  # no option dash, no `=`, `:`, `@`, `/`, quote
-_LONG_WORD = re.compile(r"[A-Za-z0-9_.]{20}")  # every token shape but a JWT's is longer; a JWT starts `eyJ`
+_SEPARATES = _pattern(r"[=:@\s]")
+_PLAIN_WORDS = _pattern(r"[A-Za-z0-9_.() ]*")  # no option dash, no `=`, `:`, `@`, `/`, quote
+_LONG_WORD = _pattern(r"[A-Za-z0-9_.]{20}")  # every token shape but a JWT's is longer; a JWT starts `eyJ`
 _CLEAN_VALUES_LIMIT = 4096  # values `scrub_value` found clean, kept until there are this many, then forgotten
 _clean_values: dict[str, None] = {}
 _clean_lists: dict[tuple[str, ...], None] = {}  # the same, for argument lists (`scrub_attributes`)
@@ -58,14 +85,14 @@ _USER_SLASH = "user/"  # `user/password@database` (sqlplus, rman, expdp ...): ke
 _MAYBE_IDENTITY = "maybe-identity"  # `-i` outside ssh: an identity file if it looks like a path
 
 # Option / key names whose value is secret: searched (lower-cased, dashes kept) in the name.
-_SECRET_NAME = re.compile(
+_SECRET_NAME = _pattern(
     r"passw|pwd|passphrase|pass(?![a-z])|pass(?:in|out|code|key)|token|secret|key|credential"
     r"|auth(?!ors?(?![a-z])|ority|orities)|cookie|session|signature|(?<![a-z])sig(?![a-z])|bearer|jwt|dsn"
     r"|(?<![a-z])(?:pat|otp|psk)(?![a-z])"
 )
 # What makes a rule fire in plain words: a secret's name (nmcli's `password VALUE`, `set token VALUE`), an
 # authorization scheme, `IdentityFile PATH`, a JWT.
-_TRIGGERS = re.compile(_SECRET_NAME.pattern + r"|bearer|basic|identityfile|eyj")
+_TRIGGERS = _pattern(_SECRET_NAME.pattern + r"|bearer|basic|identityfile|eyj")
 # Names (lower-cased, without `-_.`) that contain a secret word but never carry a secret value:
 # ssh options taking yes/no or algorithm lists, and flags that take no value at all.
 _NOT_SECRET = frozenset(
@@ -96,7 +123,7 @@ _NOT_SECRET = frozenset(
     }
 )
 _VALUELESS = frozenset({"anyauth", "authnochallenge", "keepsessioncookies", "sortkeys"})
-_IDENTITY_NAME = re.compile(r"o?identity(?:file)?")  # normalised; `o` for `-oIdentityFile=`
+_IDENTITY_NAME = _pattern(r"o?identity(?:file)?")  # normalised; `o` for `-oIdentityFile=`
 _USER_OPTIONS = frozenset({"user", "proxyuser", "cert", "proxycert"})  # `--user name:password`
 _SETTERS = frozenset({"set", "config", "--global", "--local", "--system", "--worktree", "--add", "--replace-all"})
 
@@ -212,18 +239,18 @@ _SSH_FLAGS_WITH_VALUE = "BbcDEeFIiJLlmOoPpQRSWw"
 
 # ---- layer 1: shapes anywhere in an argument ----------------------------------------------------
 
-_SCHEME = re.compile(r"(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]*://")
-_BARE_USERINFO = re.compile(r"(?<![\w.%+\-/:@\[])[\w.%+\-~]+:[^\s@/]+@(?!sha\d+:)(?=[\w\[])")
+_SCHEME = _pattern(r"(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]*://")
+_BARE_USERINFO = _pattern(r"(?<![\w.%+\-/:@\[])[\w.%+\-~]+:[^\s@/]+@(?!sha\d+:)(?=[\w\[])")
 # Private key material: PEM and PGP armour (to the END line, or to the end if it is missing), PuTTY key files.
-_PEM = re.compile(
+_PEM = _pattern(
     r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY(?: BLOCK)?-----.*?(?:-----END [A-Z0-9 ]*PRIVATE KEY(?: BLOCK)?-----|\Z)"
     r"|PuTTY-User-Key-File-[0-9]+:.*",
     re.S,
 )
-_AUTH_SCHEME = re.compile(r"(?i)(?<![A-Za-z0-9])(bearer|basic)(\s+)[^\s'\"]+")
-_SQL_PASSWORD = re.compile(r"(?i)(?<![\w-])(password|identified\s+by)(\s+)'(?:[^']|'')*'?")  # ... PASSWORD 'x'
+_AUTH_SCHEME = _pattern(r"(?i)(?<![A-Za-z0-9])(bearer|basic)(\s+)[^\s'\"]+")
+_SQL_PASSWORD = _pattern(r"(?i)(?<![\w-])(password|identified\s+by)(\s+)'(?:[^']|'')*'?")  # ... PASSWORD 'x'
 # Token shapes with a known prefix or layout, after the rule sets of gitleaks and detect-secrets (docs/scrubbing.md).
-_TOKENS = re.compile(
+_TOKENS = _pattern(
     r"eyJ[A-Za-z0-9_-]{4,}\.[A-Za-z0-9_-]{4,}(?:\.[A-Za-z0-9_-]*)*"  # JWT (JWS, JWE), Grafana API key
     r"|(?:(?<![A-Za-z0-9])|(?<=(?<![A-Za-z0-9])-[A-Za-z]))(?:"  # a word's start, or glued to a short option
     r"(?:A3T[A-Z0-9]|AKIA|ASIA|ABIA|ACCA)[0-9A-Z]{16}(?![A-Za-z0-9])"  # AWS access key id
@@ -255,7 +282,7 @@ _TOKENS = re.compile(
     r")"
 )
 # URLs, and the hosts of secret-bearing endpoints also written without a scheme.
-_URL = re.compile(
+_URL = _pattern(
     r"(?<![A-Za-z0-9+.\-])(?:[A-Za-z][A-Za-z0-9+.\-]*://|(?=(?:[\w-]+\.)*(?:hooks\.slack\.com|discord(?:app)?\.com"
     r"|api\.telegram\.org|webhook\.office\.com|maker\.ifttt\.com|hooks\.zapier\.com|events\.pagerduty\.com"
     r"|hc-ping\.com)/))[^\s'\"<>`]+"
@@ -265,46 +292,42 @@ _URL = re.compile(
 _HOOK_SEGMENTS = frozenset({"hook", "hooks", "webhook", "webhooks", "webhookb2", "incomingwebhook", "integration"})
 _KEY_SEGMENTS = frozenset({"key", "keys", "token", "tokens", "apikey", "api_key", "api-key", "secret", "password"})
 _WHOLE_PATH_HOSTS = ("hc-ping.com",)  # the whole path is the secret (healthchecks.io ping URLs)
-_TELEGRAM_BOT = re.compile(r"bot[0-9]+:.+")
+_TELEGRAM_BOT = _pattern(r"bot[0-9]+:.+")
 # Hex digests named as such (`sha256:...`, image digests) are content addresses, not secrets.
-_HEX = re.compile(
-    r"(?<![0-9a-fA-F])(?<!sha1:)(?<!sha224:)(?<!sha256:)(?<!sha384:)(?<!sha512:)(?<!md5:)[0-9a-fA-F]{32,}"
-)
-_GIT_WORD = re.compile(r"(?:^|[\s;&|(/])git\s")  # a shell string that runs git: its 40/64-hex words are object names
+_HEX = _pattern(r"(?<![0-9a-fA-F])(?<!sha1:)(?<!sha224:)(?<!sha256:)(?<!sha384:)(?<!sha512:)(?<!md5:)[0-9a-fA-F]{32,}")
+_GIT_WORD = _pattern(r"(?:^|[\s;&|(/])git\s")  # a shell string that runs git: its 40/64-hex words are object names
 _GIT_OBJECT_LENGTHS = (40, 64)  # SHA-1 and SHA-256 object names
 _GIT_BEFORE = frozenset(("", " ", "\t", "\n", ".", "="))  # what may stand before an object name: not a URL's `/`
 _GIT_AFTER = frozenset(("", " ", "\t", "\n", ".", "^", "~", ":"))
-_RUN = re.compile(r"(?<![A-Za-z0-9+/_\-])[A-Za-z0-9+/_\-]{20,}={0,2}")  # a candidate for `_looks_random`
+_RUN = _pattern(r"(?<![A-Za-z0-9+/_\-])[A-Za-z0-9+/_\-]{20,}={0,2}")  # a candidate for `_looks_random`
 _RUN_ENTROPY = 4.1  # bits per character: random base64 of 32 characters averages 4.5, words and paths 3.5-4.1
 # `name=value` (query strings, `a=b,password=c`, libpq keyword strings) and `name: value` / `"name": "value"`.
-_EQ_NAME = re.compile(r"(?<![A-Za-z0-9_.])(?P<name>[A-Za-z_][A-Za-z0-9_.\-]*)[ \t]*=(?!=)[ \t]*")
-_COLON_NAME = re.compile(
-    r"(?<![A-Za-z0-9_./])(?P<q>[\"']?)(?P<name>[A-Za-z_][A-Za-z0-9_.\-]*)(?P=q)[ \t]*:(?!//)[ \t]*"
-)
-_FINGERPRINTED = re.compile(r"key:[0-9a-f]{12}")
-_FINGERPRINT_BEFORE = re.compile(r"(?:^|[\s=]|(?<![A-Za-z0-9])-[A-Za-z]*i)$")  # where `_fingerprint` puts one
-_VALUE = re.compile(r"\"(?:[^\"\\]|\\.)*\"?|'[^']*'?|[^\s,;&'\"]+", re.S)
+_EQ_NAME = _pattern(r"(?<![A-Za-z0-9_.])(?P<name>[A-Za-z_][A-Za-z0-9_.\-]*)[ \t]*=(?!=)[ \t]*")
+_COLON_NAME = _pattern(r"(?<![A-Za-z0-9_./])(?P<q>[\"']?)(?P<name>[A-Za-z_][A-Za-z0-9_.\-]*)(?P=q)[ \t]*:(?!//)[ \t]*")
+_FINGERPRINTED = _pattern(r"key:[0-9a-f]{12}")
+_FINGERPRINT_BEFORE = _pattern(r"(?:^|[\s=]|(?<![A-Za-z0-9])-[A-Za-z]*i)$")  # where `_fingerprint` puts one
+_VALUE = _pattern(r"\"(?:[^\"\\]|\\.)*\"?|'[^']*'?|[^\s,;&'\"]+", re.S)
 
 # ---- layer 2: words ---------------------------------------------------------------------------
 
 # Shell words, and what separates them: white space and unquoted operators (`;`, `&&`, `|`, `>`, ...).
-_WORD = re.compile(r"(?P<gap>\s+|[;&|<>()]+)|(?:[^\s'\"\\;&|<>()]|\\.?|'[^']*'?|\"(?:[^\"\\]|\\.)*\"?)+", re.S)
-_PAIR = re.compile(r"(?P<dash>-{0,2})(?P<name>[A-Za-z_][A-Za-z0-9_.\-]*)=(?P<value>.*)", re.S)
-_OPTION = re.compile(r"(?P<dash>-{1,2})(?P<name>[A-Za-z0-9][A-Za-z0-9_.\-]*)")
-_SHORT = re.compile(r"-(?P<letter>[A-Za-z0-9])(?P<rest>.*)", re.S)
-_HEADER = re.compile(r"\s*(?:-H\s*)?(?P<name>[A-Za-z][A-Za-z0-9_\-]*)[ \t]*:(?!//)[ \t]*(?P<value>.*)", re.S)
-_IDENTITY_TEXT = re.compile(r"\s*IdentityFile(?:\s*=\s*|\s+)(?P<value>.*)", re.S | re.I)
-_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
-_OPTION_LIKE = re.compile(r"--[A-Za-z][A-Za-z0-9\-]*(?:=.*)?|-[A-Za-z]", re.S)  # not taken as an option's value
-_SHELL_C = re.compile(r"-[A-Za-z]*c[A-Za-z]*")  # sh -c, bash -lc: the next argument is a command string
-_ORACLE_LOGIN = re.compile(r"(?P<head>(?:userid=)?[A-Za-z_][\w$#]*/)(?P<password>[^/@\s]+)(?P<database>@\S*)?", re.I)
-_FREERDP_SECRET = re.compile(r"(?i)(?<=[/,])(p|pth|gp|password|gateway-password):[^,]*")  # /p:X, /gateway:...,p:X
-_HTPASSWD_BATCH = re.compile(r"-[A-Za-z]*b[A-Za-z]*")
-_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*", re.S)
-_SPACE = re.compile(r"\s")
-_QUOTED = re.compile(r"'[^']*'|\"(?:[^\"\\]|\\.)*\"", re.S)
+_WORD = _pattern(r"(?P<gap>\s+|[;&|<>()]+)|(?:[^\s'\"\\;&|<>()]|\\.?|'[^']*'?|\"(?:[^\"\\]|\\.)*\"?)+", re.S)
+_PAIR = _pattern(r"(?P<dash>-{0,2})(?P<name>[A-Za-z_][A-Za-z0-9_.\-]*)=(?P<value>.*)", re.S)
+_OPTION = _pattern(r"(?P<dash>-{1,2})(?P<name>[A-Za-z0-9][A-Za-z0-9_.\-]*)")
+_SHORT = _pattern(r"-(?P<letter>[A-Za-z0-9])(?P<rest>.*)", re.S)
+_HEADER = _pattern(r"\s*(?:-H\s*)?(?P<name>[A-Za-z][A-Za-z0-9_\-]*)[ \t]*:(?!//)[ \t]*(?P<value>.*)", re.S)
+_IDENTITY_TEXT = _pattern(r"\s*IdentityFile(?:\s*=\s*|\s+)(?P<value>.*)", re.S | re.I)
+_IDENTIFIER = _pattern(r"[A-Za-z_][A-Za-z0-9_.\-]*")
+_OPTION_LIKE = _pattern(r"--[A-Za-z][A-Za-z0-9\-]*(?:=.*)?|-[A-Za-z]", re.S)  # not taken as an option's value
+_SHELL_C = _pattern(r"-[A-Za-z]*c[A-Za-z]*")  # sh -c, bash -lc: the next argument is a command string
+_ORACLE_LOGIN = _pattern(r"(?P<head>(?:userid=)?[A-Za-z_][\w$#]*/)(?P<password>[^/@\s]+)(?P<database>@\S*)?", re.I)
+_FREERDP_SECRET = _pattern(r"(?i)(?<=[/,])(p|pth|gp|password|gateway-password):[^,]*")  # /p:X, /gateway:...,p:X
+_HTPASSWD_BATCH = _pattern(r"-[A-Za-z]*b[A-Za-z]*")
+_ASSIGNMENT = _pattern(r"[A-Za-z_][A-Za-z0-9_]*=.*", re.S)
+_SPACE = _pattern(r"\s")
+_QUOTED = _pattern(r"'[^']*'|\"(?:[^\"\\]|\\.)*\"", re.S)
 # `-i` outside ssh (plink, knife ...): a value named like a key file; ansible's `-i inventory/prod.ini` stays.
-_KEY_PATH = re.compile(r".*(?:\.ssh/|(?:^|/)id_[^/]*$|key[^/]*$|\.(?:pem|ppk|p12|pfx)$)", re.S | re.I)
+_KEY_PATH = _pattern(r".*(?:\.ssh/|(?:^|/)id_[^/]*$|key[^/]*$|\.(?:pem|ppk|p12|pfx)$)", re.S | re.I)
 
 
 @dataclass
@@ -340,7 +363,7 @@ def _builtin_kind(name: str, dashed: bool) -> str:
     return _SECRET if _SECRET_NAME.search(lower) else ""
 
 
-_PLAIN_PATH = re.compile(r"[\w./+-]{1,256}")  # a bare path: no shell words, no `NAME=`, no user info
+_PLAIN_PATH = _pattern(r"[\w./+-]{1,256}")  # a bare path: no shell words, no `NAME=`, no user info
 
 
 def executable_name(program: object) -> str:
@@ -777,8 +800,8 @@ def _looks_random(core: str) -> bool:
     return long_and_dense and mean >= -_RANDOM_SCORE and _entropy(core) >= _RUN_ENTROPY
 
 
-_WORD_PART = re.compile(r"[A-Z][a-z]+|[a-z]+|[0-9]{1,2}|[_-]")
-_VOWEL = re.compile(r"[aeiouyAEIOUY]")
+_WORD_PART = _pattern(r"[A-Z][a-z]+|[a-z]+|[0-9]{1,2}|[_-]")
+_VOWEL = _pattern(r"[aeiouyAEIOUY]")
 
 
 def _reads_as_words(core: str) -> bool:

@@ -5,13 +5,14 @@ watchdog re-reads a torn value): an *interpreter* heartbeat from stallwatch's wo
 when no Python thread runs: `gil_held`), a *loop* heartbeat from each running event loop (stale
 while that loop is blocked: `loop_blocked`), what an exec-bound spawn runs before it starts, and the
 span current on the main thread (`track_current_span`), so a freeze names its operation and trace.
-The watchdog writes its pid once it watches (`mark_watched`, read by `HeartbeatArea.watched_by`).
+The watchdog writes its pid once it watches (`heartbeat_file.mark_watched`, read by `HeartbeatArea.watched_by`).
 No library does this, hence the hand-written layout.
 
 The host holds an exclusive `flock` on the file while it lives (the kernel drops it even on
 SIGKILL); the watchdog removes the files when the host exits, and `sweep()` at the next `setup()`
-removes what a killed host and watchdog left. The watchdog process imports this module too: it
-loads nothing beyond the standard library until a host-side function runs.
+removes what a killed host and watchdog left. The watchdog reads the file through `heartbeat_file`
+(its layout, which this module re-exports), and imports this module only when it has a freeze to
+report.
 """
 
 from __future__ import annotations
@@ -33,25 +34,43 @@ from typing import TYPE_CHECKING, Any
 
 from .._private import opener
 from ..core import background
+from .heartbeat_file import (
+    BEAT_SECONDS,
+    FLAG_LOOP_TRACKED,
+    LAYOUT,
+    LOOP_KINDS,
+    MAGIC,
+    OFFSET_COMMAND,
+    OFFSET_CURRENT,
+    OFFSET_INTERP,
+    OFFSET_LOOP,
+    OFFSET_LOOP_KIND,
+    OFFSET_SPAN,
+    OFFSET_SPAWN,
+    OFFSET_TRACE,
+    OFFSET_WATCHDOG,
+    in_use,
+    remove_files,
+)
+from .heartbeat_file import (
+    read as read,
+)
 
 if TYPE_CHECKING:
     import asyncio
 
-MAGIC = b"SWHB0002"
-# magic, host pid, flags, interpreter ns, loop ns, spawn-start ns, loop kind, watchdog pid, spawn
-# command, the spawn's trace id and span id, the main thread's current trace id and span id.
-# Offsets are fixed so the watchdog can read fields one by one. The watchdog pid is the only field
-# the watchdog writes, and the host never does after creating the file.
-LAYOUT = struct.Struct("<8sIIqqqiI256s16s8s16s8s")
-OFFSET_INTERP, OFFSET_LOOP, OFFSET_SPAWN = 16, 24, 32
-OFFSET_LOOP_KIND, OFFSET_WATCHDOG = 40, 44
-OFFSET_COMMAND, OFFSET_TRACE, OFFSET_SPAN, OFFSET_CURRENT = 48, 304, 320, 328
 SPAN_IDS = struct.Struct(">QQQ")  # trace id (high, low 64 bits), span id: one store of 24 bytes
 _LOW_64 = (1 << 64) - 1
-FLAG_LOOP_TRACKED = 1
 SWEEP_AGE_SECONDS = 10.0  # an unlocked file younger than this may be one a host is creating now
-LOOP_KINDS = {"none": 0, "asyncio": 1, "uvloop": 2}
-BEAT_SECONDS = 0.1
+# How `setup()` starts the watchdog (`detect.watchdog`): `python -c BOOTSTRAP --pid ...`. It puts an empty
+# `stallwatch` package in `sys.modules` (its `__init__` not run, its submodules found as usual) and runs
+# `stallwatch._watchdog`. Here, not there: the host loads this module, never the watchdog's.
+BOOTSTRAP = (
+    "import importlib.util, sys; "
+    "sys.modules['stallwatch'] = importlib.util.module_from_spec(importlib.util.find_spec('stallwatch')); "
+    "from stallwatch._watchdog import main; "
+    "sys.exit(main())"
+)
 
 
 _chosen_directory: Path | None = None
@@ -78,29 +97,6 @@ def area_directory() -> Path:
     import tempfile  # footprint: seldom needed
 
     return Path(tempfile.gettempdir())
-
-
-def remove_files(path: Path) -> None:
-    """Remove a heartbeat file and its companions: the Sentry handover and the stacks."""
-    for each in (path, sentry_path(path), path.with_suffix(".sentry-new"), stacks_path(path)):
-        each.unlink(missing_ok=True)
-
-
-def in_use(path: Path) -> bool:
-    """Whether a process holds the lock of the heartbeat file at `path`: its host, or a child the
-    host forked that has not exec'd. False once the host has exec'd another program (the descriptor
-    is close-on-exec) or died. True when it cannot be told (no such file, no access)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError:
-        return True
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # released by the close below
-        return False
-    except OSError:  # BlockingIOError: the host's exclusive lock
-        return True
-    finally:
-        os.close(fd)
 
 
 def sweep(directory: Path) -> int:
@@ -230,20 +226,6 @@ class HeartbeatArea:
             os.close(fd)
 
 
-def mark_watched(path: Path) -> None:
-    """The watchdog's side: write its pid into the file at `path` (`HeartbeatArea.watched_by`).
-
-    A 4-byte store at an offset only the watchdog writes, through the page cache the host's mapping
-    shares. Never raises: a file that vanished is marked again once the host has made it again.
-    """
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        try:
-            os.pwrite(fd, os.getpid().to_bytes(4, "little"), OFFSET_WATCHDOG)
-        finally:
-            os.close(fd)
-
-
 def sentry_path(path: Path) -> Path:
     """Where the host hands its Sentry options to the watchdog, which sends the freezes
     (`stallwatch.sentry.handover`): JSON, present while the host's Sentry wants them."""
@@ -276,35 +258,6 @@ def last_stacks(path: Path, since_wall_ns: int, limit: int = 8192) -> str | None
         return None
     start = text.rfind("Timeout (")
     return text[start:][:limit] if start >= 0 else None
-
-
-def read(path: Path) -> dict[str, Any] | None:
-    """The watchdog's side: one consistent snapshot (re-read once if torn), or None if unusable."""
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return None
-    if len(data) != LAYOUT.size:
-        return None
-    fields = LAYOUT.unpack(data)
-    if fields[0] != MAGIC:
-        return None
-    _, pid, flags, interp, loop, spawn, loop_kind, watchdog_pid, command, trace_id, span_id, *current = fields
-    kinds = {v: k for k, v in LOOP_KINDS.items()}
-    return {
-        "pid": pid,
-        "loop_tracked": bool(flags & FLAG_LOOP_TRACKED),
-        "interpreter_ns": interp,
-        "loop_ns": loop,
-        "spawn_ns": spawn,
-        "loop_kind": kinds.get(loop_kind, "none"),
-        "watchdog_pid": watchdog_pid,
-        "spawn_command": command.rstrip(b"\0").decode(errors="replace"),
-        "trace_id": trace_id.hex(),
-        "span_id": span_id.hex(),
-        "current_trace_id": current[0].hex(),
-        "current_span_id": current[1].hex(),
-    }
 
 
 def frozen_span(snapshot: dict[str, Any]) -> tuple[int, int]:

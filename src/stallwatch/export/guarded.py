@@ -1,10 +1,10 @@
 """Exporters and batch processors that count every item that never reaches the backend.
 
-They keep the SDK's bounded queues and daemon workers, which hold a dead or slow backend off the
-host's threads, and count what is lost, by reason, in integers an observable counter reads:
+They queue in bounded queues that `export.batching` exports off the host's threads, and count what
+is lost, by reason, in integers an observable counter reads:
 
 - `queue_full`: on a full queue the item being added is dropped and counted (as the Java and Go
-  SDKs do) before the SDK's own drop path, which logs per item and drops the oldest (`_queue()`).
+  SDKs do), never the oldest one silently.
 - `export_failed`: the items of a batch the exporter fails or raises on; a metric export counts 1.
 - `backend_down`, `backend_slow`: after a failed export, or one slower than
   `STALLWATCH_SLOW_EXPORT_SECONDS`, a back-off (1 s, doubled per failed probe up to 30 s, reset by
@@ -21,23 +21,22 @@ import dataclasses
 import os
 import sys
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from opentelemetry.metrics import CallbackOptions, Observation
-from opentelemetry.sdk._logs.export import BatchLogRecordProcessor
+from opentelemetry.sdk._logs.export import SimpleLogRecordProcessor
 from opentelemetry.sdk.metrics.export import AggregationTemporality, MetricExporter, MetricExportResult
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace import SpanProcessor
 
-from .. import sdk_compat, telemetry
+from .. import config, sdk_compat, telemetry
 from ..core import histograms, light_span
 from ..core.faults import dropped_values
 from . import exit_check
+from .batching import EXPORTS, BatchLane
 
 if TYPE_CHECKING:
     from opentelemetry.sdk._logs.export import LogRecordExporter
-    from opentelemetry.sdk.trace.export import SpanExporter
 
 DROP_REASONS = telemetry.DROP_REASON.values
 QUEUE_FULL, EXPORT_FAILED, BACKEND_DOWN, SHUTDOWN_TIMEOUT, BACKEND_SLOW = DROP_REASONS
@@ -282,23 +281,18 @@ def _content(point: Any) -> list[Any]:
     return [getattr(point, f.name) for f in dataclasses.fields(point) if f.name != "time_unix_nano"]
 
 
-def _queue(processor: Any) -> deque[Any]:
-    """The SDK batch processor's bounded deque."""
-    return sdk_compat.batch_queue(processor)[0]
+def queued(processor: CountingSpanProcessor | CountingLogProcessor) -> int:
+    return len(processor.lane.queue)
 
 
-def queued(processor: Any) -> int:
-    return len(_queue(processor))
-
-
-def _full(processor: Any) -> bool:
+def _full(processor: CountingSpanProcessor | CountingLogProcessor) -> bool:
     """True when adding an item would push one out, in the process the queue belongs to.
 
-    In a fork child whose at-fork handlers never ran, the inherited queue may be full: the SDK's
-    own path must then run, since its pid check is what restarts the worker there.
+    In a fork child the inherited queue may be full: the item must then reach the lane, whose pid
+    check empties the queue and restarts the export thread there.
     """
-    queue, holder = sdk_compat.batch_queue(processor)
-    return len(queue) >= (queue.maxlen or len(queue) + 1) and sdk_compat.queue_pid(holder) == os.getpid()
+    lane = processor.lane
+    return len(lane.queue) >= processor._limit and lane.pid == os.getpid()
 
 
 def _early_drop(processor: CountingSpanProcessor | CountingLogProcessor, take: bool = True) -> str | None:
@@ -311,59 +305,96 @@ def _early_drop(processor: CountingSpanProcessor | CountingLogProcessor, take: b
     return QUEUE_FULL if _full(processor) else None
 
 
-class CountingSpanProcessor(BatchSpanProcessor):
-    """The stock BatchSpanProcessor (fork-aware via `forksafe.otel_compat`), counting queue-full drops."""
+class CountingSpanProcessor(SpanProcessor):
+    """A batch span processor on the shared export thread (`export.batching`), counting what it drops.
+
+    As the SDK's BatchSpanProcessor: sampled spans are queued (`OTEL_BSP_*`) and exported in batches.
+    """
 
     def __init__(self, exporter: GuardedExporter, shed: bool = True) -> None:
-        # A GuardedExporter has a span exporter's methods when it wraps one.
-        super().__init__(cast("SpanExporter", exporter))  # queue size, batch size and delay from OTEL_BSP_*
+        self.lane = BatchLane("traces", exporter, config.sdk_batching("OTEL_BSP"))
         self.guard = exporter
         self.sheds = shed  # STALLWATCH_SHED_SPANS: whether `shed()` may count on this processor dropping
         if shed:
             _light_spans_ask_shed()
-        # The SDK keeps one deque for the processor's life (a fork child clears it): the usual case,
-        # backend up and room in the queue, is told from two reads, before any call.
-        self._bounded = _queue(self)
+        # One deque for the processor's life (a fork child clears it): the usual case, backend up and
+        # room in the queue, is told from two reads, before any call.
+        self._bounded = self.lane.queue
         self._limit = self._bounded.maxlen or sys.maxsize
         self.closed = False
-
-    def shutdown(self) -> None:
-        self.closed = True
-        super().shutdown()
+        EXPORTS.add(self.lane)
 
     def on_end(self, span: Any) -> None:
-        if (self.closed or self.guard.breaker.down_until or len(self._bounded) >= self._limit) and (
-            span.context and span.context.trace_flags.sampled
-        ):
-            if self.closed:  # a span after shutdown: SDKs up to 1.33 log a WARNING for each one
+        context = span.context
+        # A span given no context is dropped, or raises where the SDK's own processors do.
+        if not ((context or sdk_compat.CONTEXTLESS_SPAN_RAISES) and context.trace_flags.sampled):
+            return
+        if self.closed or self.guard.breaker.down_until or len(self._bounded) >= self._limit:
+            if self.closed:  # a span after shutdown is not exported
                 return
             reason = _early_drop(self)
             if reason is not None:
                 self.guard.gate.drop("traces", reason, 1)
                 return
-        if _stock_on_end is not None and _stock_on_end(self, span):
-            return  # the stock `on_end`, its context read from the field and the tuple (not three properties)
-        BatchSpanProcessor.on_end(self, span)
+        self.lane.add(span)
+
+    # `on_start` stays the stock no-op: the light span path needs every processor's to be one.
+
+    def shutdown(self) -> None:
+        self.closed = True
+        self.lane.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.lane.flush()
 
 
-_stock_on_end = sdk_compat.stock_span_on_end(BatchSpanProcessor)
+class _Enqueue:
+    """The exporter a `SimpleLogRecordProcessor` hands each record to (built for export by the SDK's
+    own code, per version): it queues the record on the lane."""
+
+    def __init__(self, lane: BatchLane) -> None:
+        self.lane = lane
+
+    def export(self, batch: Sequence[Any]) -> None:
+        for record in batch:
+            self.lane.add(record)
+
+    def shutdown(self) -> None:
+        self.lane.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.lane.flush()
 
 
-class CountingLogProcessor(BatchLogRecordProcessor):
-    """The stock BatchLogRecordProcessor, counting queue-full drops (`emit`, or `on_emit` since 1.39)."""
+class CountingLogProcessor(SimpleLogRecordProcessor):
+    """A batch log record processor on the shared export thread (`export.batching`), counting what it
+    drops. As the SDK's BatchLogRecordProcessor: records are queued (`OTEL_BLRP_*`) and exported in
+    batches; the stock simple processor turns each into what the exporter takes, then queues it."""
 
     def __init__(self, exporter: GuardedExporter) -> None:
-        super().__init__(cast("LogRecordExporter", exporter))  # as a span exporter above; OTEL_BLRP_* as in the SDK
+        self.lane = BatchLane("logs", exporter, config.sdk_batching("OTEL_BLRP"))
+        super().__init__(cast("LogRecordExporter", _Enqueue(self.lane)))
         self.guard = exporter
-        self._bounded = _queue(self)  # as in CountingSpanProcessor
+        self._bounded = self.lane.queue  # as in CountingSpanProcessor
         self._limit = self._bounded.maxlen or sys.maxsize
+        self.closed = False
+        EXPORTS.add(self.lane)
+
+    def shutdown(self) -> None:
+        self.closed = True
+        super().shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.lane.flush()
 
 
 def _counting_emit(name: str) -> Callable[..., None]:
-    stock = getattr(BatchLogRecordProcessor, name)
+    stock = getattr(SimpleLogRecordProcessor, name)
 
     def emit(self: CountingLogProcessor, record: Any) -> None:
-        if self.guard.breaker.down_until or len(self._bounded) >= self._limit:
+        if self.closed or self.guard.breaker.down_until or len(self._bounded) >= self._limit:
+            if self.closed:  # a record after shutdown: the stock simple processor logs a WARNING for each one
+                return
             reason = _early_drop(self)
             if reason is not None:
                 self.guard.gate.drop("logs", reason, 1)
@@ -424,7 +455,7 @@ def drop_early(processors: Sequence[CountingLogProcessor]) -> bool:
     return True
 
 
-_EMIT = "on_emit" if "on_emit" in vars(BatchLogRecordProcessor) else "emit"
+_EMIT = "on_emit" if "on_emit" in vars(SimpleLogRecordProcessor) else "emit"
 setattr(CountingLogProcessor, _EMIT, _counting_emit(_EMIT))
 
 
