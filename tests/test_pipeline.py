@@ -271,6 +271,32 @@ def test_none_exporter_writes_nothing_and_builds_no_processor(telemetry_dir: Pat
     }
 
 
+def test_each_pushed_metrics_exporter_gets_one_periodic_reader_the_sdk_door_lists(telemetry_dir: Path):
+    report = run_host(
+        """
+        import json
+        import stallwatch
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+        from stallwatch import sdk_compat
+
+        session = stallwatch.setup()
+        readers = sdk_compat.metric_readers(session._pipeline.meter_provider)
+        print(json.dumps({
+            "periodic": [isinstance(reader, PeriodicExportingMetricReader) for reader in readers],
+            "shutdown": stallwatch.shutdown(),
+        }))
+        """,
+        OTEL_METRICS_EXPORTER="file,console",
+        OTEL_TRACES_EXPORTER="none",
+        OTEL_LOGS_EXPORTER="none",
+        STALLWATCH_FILE_DIR=str(telemetry_dir),
+    )
+
+    # The watchdog flushes the readers the door lists when it reports a freeze: none listed, none flushed.
+    assert report["periodic"] == [True, True]
+    assert report["shutdown"] is True
+
+
 # ---- Prometheus scrape endpoint -----------------------------------------------------------------
 
 

@@ -678,5 +678,9 @@ def immutable(attributes: BoundedAttributes) -> bool:
 
 
 def metric_readers(meter_provider: Any) -> Sequence[Any]:
-    """The metric readers an SDK `MeterProvider` was built with (its private configuration), or none."""
-    return getattr(getattr(meter_provider, "_sdk_config", None), "metric_readers", ())
+    """The metric readers an SDK `MeterProvider` was built with, or none: a private field of the
+    provider on the SDKs that can add readers later (1.45), of its private configuration before."""
+    readers: Sequence[Any] | None = getattr(meter_provider, "_metric_readers", None)
+    if readers is None:
+        return getattr(getattr(meter_provider, "_sdk_config", None), "metric_readers", ())
+    return readers
