@@ -170,6 +170,60 @@ def test_with_the_hosts_providers_what_a_careless_wrapper_records_leaves_scrubbe
     assert [secret for secret in secrets if secret not in theirs] == []  # the host's are the host's to scrub
 
 
+_RECORDS_OF_A_FEW_LOGGERS = """
+import collections, json, logging
+import stallwatch
+
+session = stallwatch.setup()
+assert session.error is None and session.settings.providers == "host", session.error
+from opentelemetry import _logs
+from opentelemetry.sdk._logs import LoggerProvider, LoggingHandler
+from opentelemetry.sdk._logs import export as log_export
+
+MemoryLogs = getattr(log_export, "InMemoryLogRecordExporter", None) or log_export.InMemoryLogExporter
+
+
+class NotingProvider(LoggerProvider):  # the SDK's provider, keeping every logger it hands out
+    handed = collections.defaultdict(list)
+
+    def get_logger(self, name, *args, **kwargs):
+        logger = super().get_logger(name, *args, **kwargs)
+        self.handed[name].append(logger)
+        return logger
+
+
+exported = MemoryLogs()
+provider = NotingProvider()
+provider.add_log_record_processor(log_export.SimpleLogRecordProcessor(exported))
+_logs.set_logger_provider(provider)
+handler = LoggingHandler(logger_provider=provider)
+logging.getLogger().addHandler(handler)
+for _ in range(50):
+    for name in ("stallwatch.careless", "stallwatch.other", "host.app"):
+        logging.getLogger(name).warning("ran")
+for number in range(100):  # more names than a handler keeps loggers of
+    logging.getLogger(f"stallwatch.many.{number}").warning("ran")
+print(json.dumps({
+    "loggers": {name: len({id(logger) for logger in handed}) for name, handed in provider.handed.items()},
+    "scopes": collections.Counter(item.instrumentation_scope.name for item in exported.get_finished_logs()),
+    "kept": len(handler.__dict__.get("_stallwatch_record_loggers", {})),
+}))
+"""
+
+
+def test_a_hosts_logging_handler_emits_a_stallwatch_loggers_records_through_one_logger_of_its_provider():
+    env = clean_env(STALLWATCH_PROVIDERS="host", STALLWATCH_WATCHDOG="false")
+    proc = run_python(_RECORDS_OF_A_FEW_LOGGERS, env=env)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.splitlines()[-1])
+
+    # Every SDK keeps one logger per name: the provider's cache since 1.28, the handler up to 1.27.
+    assert report["loggers"]["stallwatch.careless"] == report["loggers"]["stallwatch.other"] == 1
+    assert report["scopes"]["stallwatch.careless"] == report["scopes"]["stallwatch.other"] == 50
+    assert all(report["scopes"][f"stallwatch.many.{number}"] == 1 for number in range(100))
+    assert report["kept"] <= 64  # up to 1.27, the handler's loggers by name are bounded (none on later SDKs)
+
+
 class SpanView(ReadableSpan):
     """A host's read-only view of a finished span, as a processor may hand its exporters: the public
     `ReadableSpan` properties, delegated to the span; none of the SDK's private fields."""

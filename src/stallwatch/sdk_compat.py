@@ -551,6 +551,7 @@ def checked_logger(logger: Any, wrap: Callable[[Any], Any], wrapper_type: type) 
 
 
 _by_logger: list[Callable[[str], bool]] = []
+_RECORD_LOGGERS_MAX = 64  # loggers a handler keeps by name: stallwatch's own loggers are a few
 
 
 def emit_through_record_loggers(own: Callable[[str], bool]) -> None:
@@ -558,7 +559,11 @@ def emit_through_record_loggers(own: Callable[[str], bool]) -> None:
     provider's named after it (that name its scope), as the SDK does for every record since 1.28. Up to 1.27
     the handler emits every record through one logger of its own, scoped by the SDK module's name: the exit
     check, which knows stallwatch's records by their scope, would pass them unchecked. Other records, and
-    every record on the later SDKs, are emitted as the SDK emits them. Installed once per process."""
+    every record on the later SDKs, are emitted as the SDK emits them. Installed once per process.
+
+    The provider of 1.27 builds a new logger at each `get_logger`: each handler keeps the one it got per
+    name (its provider is its own for its lifetime), up to `_RECORD_LOGGERS_MAX` names, and asks the
+    provider at each record beyond them."""
     from opentelemetry.sdk import _logs as sdk_logs
 
     if _by_logger or "_logger" not in sdk_logs.LoggingHandler.emit.__code__.co_names:
@@ -574,7 +579,14 @@ def _emit_through_record_logger(wrapped: Any, instance: Any, args: Any, kwargs: 
     name = getattr(record, "name", None)
     if type(name) is not str or isinstance(instance._logger, NoOpLogger) or not _by_logger[0](name):
         return wrapped(*args, **kwargs)
-    logger = instance._logger_provider.get_logger(name)
+    loggers: dict[str, Any] | None = instance.__dict__.get("_stallwatch_record_loggers")
+    if loggers is None:
+        loggers = instance.__dict__["_stallwatch_record_loggers"] = {}
+    logger = loggers.get(name)
+    if logger is None:
+        logger = instance._logger_provider.get_logger(name)
+        if len(loggers) < _RECORD_LOGGERS_MAX:
+            loggers[name] = logger
     if not isinstance(logger, NoOpLogger):
         logger.emit(instance._translate(record))
 
