@@ -395,6 +395,37 @@ def test_what_a_process_records_after_uvicorns_stop_is_exported_at_its_exit_too(
     assert stops == [1, 2]
 
 
+@pytest.mark.parametrize("after_stop", [0, 2])
+def test_with_delta_temporality_a_process_exports_at_its_exit_only_what_it_recorded_after_uvicorns_stop(
+    receiver, after_stop
+):
+    # The flush at uvicorn's stop sent the deltas until then; the exit's collection holds only what came
+    # after (zero deltas of the observable counters when nothing did): sent if anything is not zero.
+    code = f"""
+        import stallwatch
+        from opentelemetry import metrics
+        from support.uvicorn_stop import serve_then_stop
+
+        stallwatch.setup(watchdog=False, metric_export_interval_ms=3600000)
+        stops = metrics.get_meter("host").create_counter("host.stops")
+        serve_then_stop(before_stop=lambda: stops.add(1))
+        if {after_stop}:
+            stops.add({after_stop})
+        """
+    env = clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.url, OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE="delta")
+    result = run_python(code, env=env)
+
+    assert result.returncode == 0, result.stderr
+    stops = [
+        point.as_int
+        for metric in otlp_received(receiver, "/v1/metrics")
+        if metric.name == "host.stops"
+        for point in metric.sum.data_points
+    ]
+    assert stops == ([1, after_stop] if after_stop else [1])  # deltas: 1 and 2 add up to what was recorded
+    assert len(receiver.bodies("/v1/metrics")) == (2 if after_stop else 1)
+
+
 def test_a_scrape_after_uvicorns_stop_has_each_series_once():
     # A process that lives on after its server stopped: the flush at the stop must not leave a collection
     # queued in the pull reader, which the next scrape would serve beside its own.
