@@ -386,13 +386,18 @@ def test_what_a_process_records_after_uvicorns_stop_is_exported_at_its_exit_too(
     result = run_python(code, env=clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.url))
 
     assert result.returncode == 0, result.stderr
-    stops = [
+    stops = _host_stops(receiver)
+    assert stops == [1, 2]
+
+
+def _host_stops(receiver: Receiver) -> list[int]:
+    """The points of the host's `host.stops` counter, in the order the receiver got them."""
+    return [
         point.as_int
         for metric in otlp_received(receiver, "/v1/metrics")
         if metric.name == "host.stops"
         for point in metric.sum.data_points
     ]
-    assert stops == [1, 2]
 
 
 @pytest.mark.parametrize("after_stop", [0, 2])
@@ -416,12 +421,7 @@ def test_with_delta_temporality_a_process_exports_at_its_exit_only_what_it_recor
     result = run_python(code, env=env)
 
     assert result.returncode == 0, result.stderr
-    stops = [
-        point.as_int
-        for metric in otlp_received(receiver, "/v1/metrics")
-        if metric.name == "host.stops"
-        for point in metric.sum.data_points
-    ]
+    stops = _host_stops(receiver)
     assert stops == ([1, after_stop] if after_stop else [1])  # deltas: 1 and 2 add up to what was recorded
     assert len(receiver.bodies("/v1/metrics")) == (2 if after_stop else 1)
 
