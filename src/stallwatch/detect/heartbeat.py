@@ -62,15 +62,34 @@ if TYPE_CHECKING:
 SPAN_IDS = struct.Struct(">QQQ")  # trace id (high, low 64 bits), span id: one store of 24 bytes
 _LOW_64 = (1 << 64) - 1
 SWEEP_AGE_SECONDS = 10.0  # an unlocked file younger than this may be one a host is creating now
-# How `setup()` starts the watchdog (`detect.watchdog`): `python -c BOOTSTRAP --pid ...`. It puts an empty
-# `stallwatch` package in `sys.modules` (its `__init__` not run, its submodules found as usual) and runs
-# `stallwatch._watchdog`. Here, not there: the host loads this module, never the watchdog's.
-BOOTSTRAP = (
-    "import importlib.util, sys; "
-    "sys.modules['stallwatch'] = importlib.util.module_from_spec(importlib.util.find_spec('stallwatch')); "
+# The watchdog's bootstrap (`watchdog_command`): the interpreter's state that `site` would make, an empty
+# `stallwatch` package, then `stallwatch._watchdog`. Here, not there: the host loads this module, never the watchdog's.
+_BOOTSTRAP = (
+    "import sys; "
+    "sys.path[:], sys.prefix, sys.exec_prefix = {path!r}, {prefix!r}, {exec_prefix!r}; "
+    "package = sys.modules['stallwatch'] = type(sys)('stallwatch'); "
+    "package.__path__ = {package!r}; "
     "from stallwatch._watchdog import main; "
     "sys.exit(main())"
 )
+
+
+def watchdog_command() -> list[str]:
+    """How `setup()` starts the watchdog (`detect.watchdog`): this interpreter with `-S` and a bootstrap,
+    to which `setup()` adds the watchdog's options.
+
+    Without `site`, neither the `.pth` files of site-packages (their import hooks) nor `sitecustomize`
+    run in the watchdog. It gets this process's `sys.path` (what `site` and the `.pth` files made, a
+    virtual environment's site-packages among them) and `sys.prefix`, so the pipeline it loads at a
+    freeze comes from where the host's does; a module that only an import hook finds (a `.pth` file's
+    finder) is not found there, but for stallwatch, whose package directory it is given. Its
+    `stallwatch` is an empty package (its `__init__` not run, its submodules found as usual). Not `-E`
+    or `-I`: the host's `PYTHON*` variables (`PYTHONHOME`, `PYTHONPYCACHEPREFIX`, ...) apply to it too.
+    """
+    package = os.path.dirname(os.path.dirname(__file__))
+    path = [entry for entry in sys.path if isinstance(entry, str)]
+    code = _BOOTSTRAP.format(path=path, prefix=sys.prefix, exec_prefix=sys.exec_prefix, package=[package])
+    return [sys.executable, "-S", "-c", code]
 
 
 _chosen_directory: Path | None = None
