@@ -560,6 +560,21 @@ def test_a_host_whose_stallwatch_only_an_import_hook_finds_has_its_freeze_report
     wait_for_freeze_detected(telemetry_dir / "logs.jsonl")  # by the watchdog's pipeline, from the host's packages
 
 
+def test_a_host_whose_sys_path_is_longer_than_one_command_line_argument_may_be_is_watched(tmp_path):
+    proc = run_python(
+        """
+        import json, sys, stallwatch
+        sys.path += [f"/nonexistent/{'d' * 90}/{n}" for n in range(2000)]  # 200 KB: one argument holds 128 KiB
+        session = stallwatch.setup(traces_exporter="none", metrics_exporter="none", logs_exporter="none")
+        print(json.dumps({"watched": session.wait_for_watchdog(30), "shutdown": stallwatch.shutdown()}))
+        """,
+        env=clean_env(XDG_RUNTIME_DIR=str(tmp_path)),
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == {"watched": True, "shutdown": True}, proc.stderr
+
+
 @pytest.mark.parametrize("how", ["turned_off", "killed", "killed_while_the_heartbeat_reaps", "shut_down"])
 def test_waiting_for_a_watchdog_that_does_not_watch_the_host_returns_false_without_waiting_out_the_timeout(
     tmp_path, how
