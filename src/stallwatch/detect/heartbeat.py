@@ -87,8 +87,8 @@ def watchdog_command() -> list[str]:
     freeze comes from where the host's does; a module that only an import hook finds (a `.pth` file's
     finder) is not found there, but for stallwatch, whose package directory it is handed. Its
     `stallwatch` is an empty package (its `__init__` not run, its submodules found as usual). One
-    argument per entry: a single argument is limited to 128 KiB. Not `-E` or `-I`: the host's `PYTHON*`
-    variables (`PYTHONHOME`, `PYTHONPYCACHEPREFIX`, ...) apply to it too.
+    argument per entry: the kernel bounds each argument, not only all of them. Not `-E` or `-I`: the
+    host's `PYTHON*` variables (`PYTHONHOME`, `PYTHONPYCACHEPREFIX`, ...) apply to it too.
     """
     package = os.path.dirname(os.path.dirname(__file__))
     path = [entry for entry in sys.path if isinstance(entry, str) and "\0" not in entry]  # no argument holds a NUL
