@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from conftest import clean_env
-from support.waiting import wait_until
 
 pytestmark = [
     pytest.mark.matrix,
@@ -129,54 +127,45 @@ def test_a_host_with_its_watchdog_loads_neither_the_watchdogs_module_nor_argpars
     assert json.loads(proc.stdout.splitlines()[0]) == [], proc.stderr  # the watchdog's command line needs none
 
 
-# Loaded by every Python process whose PYTHONPATH starts with its directory, the watchdog too (it inherits
-# the host's environment): at SIGUSR1, writes the names of the modules loaded. It imports only what
-# every interpreter has loaded before it runs.
-_MODULES_ON_SIGUSR1 = """
-import os, signal, sys
-
-def _write_modules(signum, frame):
-    path = os.path.join(os.environ["FOOTPRINT_MODULES_DIR"], str(os.getpid()))
-    with open(path + ".new", "w") as out:
-        out.write("\\n".join(sorted(sys.modules)))
-    os.rename(path + ".new", path)
-
-signal.signal(signal.SIGUSR1, _write_modules)
-"""
+# Started without PYTHONPROFILEIMPORTTIME, the host profiles none of its own imports; its watchdog inherits the
+# environment setup() sees and writes each of its imports, as it makes them, to the stderr it shares with the host.
+_IDLE_HOST_PROFILING_ITS_WATCHDOG = "import os\nos.environ['PYTHONPROFILEIMPORTTIME'] = '1'\n" + _IDLE_HOST
+# What the idle watchdog polls with, beside the interpreter's own: imported by the smallest interpreter
+# (`python -I -S`), which makes the set for the Python version that runs the tests.
+_POLLS_WITH = "import os, select, fcntl, struct, warnings, __future__"
 
 
-def test_the_watchdog_of_a_host_that_beats_on_time_loads_no_module_it_needs_only_to_report(tmp_path):
-    hook, written = tmp_path / "hook", tmp_path / "modules"
-    hook.mkdir()
-    written.mkdir()
-    (hook / "sitecustomize.py").write_text(_MODULES_ON_SIGUSR1)
+def _imported(importtime: str) -> set[str]:
+    """The modules `-X importtime` (or PYTHONPROFILEIMPORTTIME) names in an interpreter's stderr."""
+    lines = [line for line in importtime.splitlines() if line.startswith("import time:")]
+    return {line.rpartition("|")[2].strip() for line in lines} - {"imported package"}
+
+
+def test_the_watchdog_of_a_host_that_beats_on_time_loads_nothing_beside_the_smallest_interpreter_but_what_it_polls_with(
+    tmp_path,
+):
     env = clean_env(
         XDG_RUNTIME_DIR=str(tmp_path),
         OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:9",
         OTEL_TRACES_EXPORTER="otlp",
         OTEL_METRICS_EXPORTER="otlp",
         OTEL_LOGS_EXPORTER="otlp",
-        FOOTPRINT_MODULES_DIR=str(written),
     )
-    env["PYTHONPATH"] = os.pathsep.join([str(hook), env["PYTHONPATH"]])
-    host = subprocess.Popen([sys.executable, "-c", _IDLE_HOST], env=env, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    with (tmp_path / "stderr").open("w") as stderr:
+        host = subprocess.Popen([sys.executable, "-c", _IDLE_HOST_PROFILING_ITS_WATCHDOG], env=env,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True)  # fmt: skip
     try:
-        watchdog = json.loads(host.stdout.readline())["watchdog"]  # it has read the host's heartbeats by now
-        os.kill(watchdog, signal.SIGUSR1)
-        loaded = set(wait_until(lambda: _read_if_there(written / str(watchdog)), "the watchdog wrote its modules"))
+        json.loads(host.stdout.readline())  # the watchdog has read the host's heartbeats: it polls, idle
+        loaded = _imported((tmp_path / "stderr").read_text())
     finally:
         host.kill()
         host.wait()
+    smallest = subprocess.run([sys.executable, "-I", "-S", "-X", "importtime", "-c", _POLLS_WITH],
+                              capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
 
-    needed_to_report = {"argparse", "logging", "json", "dataclasses", "inspect", "ast", "pathlib", "typing",
-                        "threading", "stallwatch.detect.heartbeat", "stallwatch.detect.freeze_report"}  # fmt: skip
-    assert "stallwatch.detect.watchdog" in loaded
-    assert sorted(needed_to_report & loaded) == []
-
-
-def _read_if_there(path: Path) -> list[str] | None:
-    return path.read_text().split("\n") if path.exists() else None
+    # Neither `site` (nor the `.pth` files' hooks, nor sitecustomize), nor `signal`'s enums, nor what reports a freeze.
+    ours = {f"stallwatch.{name}" for name in ("_watchdog", "detect", "detect.watchdog", "detect.heartbeat_file")}
+    assert loaded - _imported(smallest.stderr) == ours, sorted(loaded)
 
 
 def test_a_set_up_host_loads_the_paramiko_and_nebius_instrumentations_only_when_it_imports_those_libraries():

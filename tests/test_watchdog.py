@@ -3,6 +3,7 @@ hangs before exec, a real watchdog process reading real /proc (tests/scenarios/f
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -516,6 +517,62 @@ def test_a_host_can_wait_until_its_watchdog_watches_it(tmp_path):
     assert result["watched"] is True
     assert result["marked"] == result["watchdog"]  # written by the watchdog into the host's heartbeat file
     assert result["shutdown"] is True
+
+
+# stallwatch found by an import hook alone, as a `.pth` file's editable finder installs it (setuptools' strict
+# editable mode): no `sys.path` entry holds it. The host blocks its loop past the threshold once watched.
+_HOOKED_HOST = """
+import asyncio, importlib.machinery, os, sys, time
+out, source = sys.argv[1:3]
+sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != source]
+
+class EditableFinder:
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        return importlib.machinery.PathFinder.find_spec(name, [source]) if name == "stallwatch" else None
+
+sys.meta_path.append(EditableFinder)
+import stallwatch
+session = stallwatch.setup(file_dir=out, freeze_threshold=1.0)
+
+async def main():
+    assert await asyncio.to_thread(session.wait_for_watchdog, 30)
+    time.sleep(2.5)
+
+asyncio.run(main())
+stallwatch.shutdown()
+"""
+
+
+def test_a_host_whose_stallwatch_only_an_import_hook_finds_has_its_freeze_reported_by_its_watchdog(
+    telemetry_dir, tmp_path
+):
+    # The watchdog runs no `.pth` file, so no such hook: it is given the package's directory instead.
+    source = os.path.dirname(importlib.util.find_spec("stallwatch").submodule_search_locations[0])
+    if importlib.util.find_spec("opentelemetry").submodule_search_locations[0].startswith(source + os.sep):
+        pytest.skip("stallwatch is installed beside the SDK: no directory of its own to take off sys.path")
+    host = subprocess.run(
+        [sys.executable, "-c", _HOOKED_HOST, str(telemetry_dir), source], env=clean_env(XDG_RUNTIME_DIR=str(tmp_path)),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+    assert host.returncode == 0, host.stderr
+    wait_for_freeze_detected(telemetry_dir / "logs.jsonl")  # by the watchdog's pipeline, from the host's packages
+
+
+def test_a_host_whose_sys_path_is_longer_than_one_command_line_argument_may_be_is_watched(tmp_path):
+    proc = run_python(
+        """
+        import json, sys, stallwatch
+        sys.path += [f"/nonexistent/{'d' * 90}/{n}" for n in range(2000)]  # 200 KB: one argument holds 128 KiB
+        session = stallwatch.setup(traces_exporter="none", metrics_exporter="none", logs_exporter="none")
+        print(json.dumps({"watched": session.wait_for_watchdog(30), "shutdown": stallwatch.shutdown()}))
+        """,
+        env=clean_env(XDG_RUNTIME_DIR=str(tmp_path)),
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == {"watched": True, "shutdown": True}, proc.stderr
 
 
 @pytest.mark.parametrize("how", ["turned_off", "killed", "killed_while_the_heartbeat_reaps", "shut_down"])

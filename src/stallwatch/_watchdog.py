@@ -1,9 +1,10 @@
 """The freeze watchdog's process (`detect.watchdog`), whose own telemetry pipeline is a `session.setup()`.
 
-`setup()` starts it as `python -c BOOTSTRAP --pid HOST --heartbeat FILE` (`detect.heartbeat.BOOTSTRAP`),
-which imports this module without running the package's `__init__`: while the host beats on time the
-watchdog loads nothing but a few modules of the standard library and `detect.heartbeat_file`. The pipeline's modules are
-imported only when `detect.watchdog` asks for them (`_prepare`), at the first late heartbeat.
+`setup()` starts it as `python -S -c BOOTSTRAP HANDED... --pid HOST --heartbeat FILE`
+(`detect.heartbeat.watchdog_command`), which imports this module without `site` and without running the
+package's `__init__`: while the host beats on time the watchdog loads nothing but a few modules of the
+standard library and `detect.heartbeat_file`. The pipeline's modules are imported only when
+`detect.watchdog` asks for them (`_prepare`), at the first late heartbeat.
 """
 
 from __future__ import annotations

@@ -379,8 +379,8 @@ def _start_watchdog(settings: Settings, forked: bool = False) -> tuple[Any, subp
         if swept:
             _log.debug("stallwatch: removed the heartbeat files of %d hosts that are gone", swept)
         area = heartbeat.HeartbeatArea()
-        command = [sys.executable, "-c", heartbeat.BOOTSTRAP, "--pid", str(os.getpid()),
-                   "--heartbeat", str(area.path), "--threshold", str(settings.freeze_threshold)]  # fmt: skip
+        command = [*heartbeat.watchdog_command(), "--pid", str(os.getpid()), "--heartbeat", str(area.path),
+                   "--threshold", str(settings.freeze_threshold)]  # fmt: skip
         if settings.journal:
             command += ["--journal-dir", str(settings.journal_dir)]
         # stderr is shared so its WARNINGs reach the host's log. A session of its own: Ctrl-C (SIGINT to the

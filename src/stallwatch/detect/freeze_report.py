@@ -499,7 +499,7 @@ class Reporting:
     """The watchdog's telemetry pipeline, its side of the host's journal and the freeze telemetry,
     set up on first need: when a heartbeat is late (`watchdog.Watchdog`), or at once when a scraper pulls
     the metrics (the watchdog then serves its scrape endpoint from the start). The package's
-    `__init__` never runs here (`heartbeat.BOOTSTRAP`): it would load every instrumentation, and the watchdog
+    `__init__` never runs here (`heartbeat.watchdog_command`): it would load every instrumentation, and the watchdog
     instruments nothing. `setup`, `shutdown` and `prepare` come from the caller (`stallwatch._watchdog`):
     they build, stop and load the pipeline of a layer above this one."""
 

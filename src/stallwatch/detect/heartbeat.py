@@ -62,15 +62,38 @@ if TYPE_CHECKING:
 SPAN_IDS = struct.Struct(">QQQ")  # trace id (high, low 64 bits), span id: one store of 24 bytes
 _LOW_64 = (1 << 64) - 1
 SWEEP_AGE_SECONDS = 10.0  # an unlocked file younger than this may be one a host is creating now
-# How `setup()` starts the watchdog (`detect.watchdog`): `python -c BOOTSTRAP --pid ...`. It puts an empty
-# `stallwatch` package in `sys.modules` (its `__init__` not run, its submodules found as usual) and runs
-# `stallwatch._watchdog`. Here, not there: the host loads this module, never the watchdog's.
-BOOTSTRAP = (
-    "import importlib.util, sys; "
-    "sys.modules['stallwatch'] = importlib.util.module_from_spec(importlib.util.find_spec('stallwatch')); "
-    "from stallwatch._watchdog import main; "
-    "sys.exit(main())"
-)
+# The watchdog's bootstrap (`watchdog_command`): takes the interpreter's state that `site` would make from its first
+# arguments, puts an empty `stallwatch` package in `sys.modules` and runs `stallwatch._watchdog` with the rest.
+# Here, not there: the host loads this module, never the watchdog's.
+_BOOTSTRAP = """import sys
+handed = int(sys.argv[1])
+sys.prefix, sys.exec_prefix, package_path, *path = sys.argv[2 : 2 + handed]
+del sys.argv[1 : 2 + handed]
+sys.path[:] = path
+package = sys.modules["stallwatch"] = type(sys)("stallwatch")
+package.__path__ = [package_path]
+from stallwatch._watchdog import main
+sys.exit(main())
+"""
+
+
+def watchdog_command() -> list[str]:
+    """How `setup()` starts the watchdog (`detect.watchdog`): this interpreter with `-S`, a bootstrap and
+    what it is handed, to which `setup()` adds the watchdog's options.
+
+    Without `site`, neither the `.pth` files of site-packages (their import hooks) nor `sitecustomize`
+    run in the watchdog. It is handed this process's `sys.path` (what `site` and the `.pth` files made,
+    a virtual environment's site-packages among them) and `sys.prefix`, so the pipeline it loads at a
+    freeze comes from where the host's does; a module that only an import hook finds (a `.pth` file's
+    finder) is not found there, but for stallwatch, whose package directory it is handed. Its
+    `stallwatch` is an empty package (its `__init__` not run, its submodules found as usual). One
+    argument per entry: the kernel bounds each argument, not only all of them. Not `-E` or `-I`: the
+    host's `PYTHON*` variables (`PYTHONHOME`, `PYTHONPYCACHEPREFIX`, ...) apply to it too.
+    """
+    package = os.path.dirname(os.path.dirname(__file__))
+    path = [entry for entry in sys.path if isinstance(entry, str) and "\0" not in entry]  # no argument holds a NUL
+    handed = [sys.prefix, sys.exec_prefix, package, *path]
+    return [sys.executable, "-S", "-c", _BOOTSTRAP, str(len(handed)), *handed]
 
 
 _chosen_directory: Path | None = None

@@ -1,22 +1,21 @@
 """The freeze watchdog: a second process that sees a frozen host while the freeze lasts (docs/freezes.md).
 
-Started by `setup()` through vfork/posix_spawn as `python -c BOOTSTRAP` (`heartbeat.BOOTSTRAP`), which runs
-`stallwatch._watchdog` without the package's `__init__`. While the host beats on time it runs on one thread
-and loads only `os`, `time`, `select`, `signal` and `heartbeat_file`; a heartbeat late by `PREPARE_NS`
-loads `freeze_report` and the telemetry pipeline (`freeze_report.Reporting`), ready before the lateness
-becomes a freeze (at once with a Prometheus exporter, to serve scrapes). Every `POLL_SECONDS` it reads
-the heartbeats: an interpreter heartbeat older than the threshold is `gil_held`, a loop heartbeat alone
-`loop_blocked`. A freeze is reported while it lasts and at the thaw (`freeze_report`). It leaves when
-the host exits or execs another program, and at SIGTERM once the host's shutdown has removed the
-heartbeat file; it runs in a session of its own, and its stderr lines start
-`stallwatch watchdog (host pid N):`.
+Started by `setup()` through vfork/posix_spawn as `python -S -c BOOTSTRAP` (`heartbeat.watchdog_command`), which
+runs `stallwatch._watchdog` without `site` and the package's `__init__`. While the host beats on time it runs on
+one thread and loads only `os`, `select`, `fcntl`, `struct`, `warnings` and `heartbeat_file` beside what the
+interpreter loads at start (`time`, `_signal`); a heartbeat late by `PREPARE_NS` loads `freeze_report` and
+the telemetry pipeline (`freeze_report.Reporting`) from the host's `sys.path`, ready before the lateness
+becomes a freeze (at once with a Prometheus exporter, to serve scrapes). Every `POLL_SECONDS` it reads the
+heartbeats: an interpreter heartbeat older than the threshold is `gil_held`, a loop heartbeat alone
+`loop_blocked`. A freeze is reported while it lasts and at the thaw (`freeze_report`). It leaves when the
+host exits or execs another program, and at SIGTERM once the host's shutdown has removed the heartbeat
+file; it runs in a session of its own, and its stderr lines start `stallwatch watchdog (host pid N):`.
 """
 
 from __future__ import annotations
 
 import os
 import select
-import signal
 import sys
 import time
 import warnings
@@ -25,12 +24,15 @@ from . import heartbeat_file
 
 TYPE_CHECKING = False  # `typing` and what it loads stay out of the idle watchdog
 if TYPE_CHECKING:
+    import signal as _signal  # for the type checker, which knows `_signal` by this name
     import threading
     from collections.abc import Callable
     from types import ModuleType
     from typing import Any
 
     from .freeze_report import Freeze, Reporting
+else:
+    import _signal  # what `signal` wraps in enums: `enum` would be most of the idle watchdog's modules
 
 POLL_SECONDS = 0.1
 FRESH_NS = int(3 * heartbeat_file.BEAT_SECONDS * 1e9)  # younger than this: the beating thread runs now
@@ -161,7 +163,7 @@ class Watchdog:
         self._beating = False  # the host has begun to beat: its set-up is over
         self.host_left = False  # the host exec'd another program: nothing of stallwatch's is left to watch
         self._stopping = False  # a SIGTERM came while a freeze was being reported
-        signal.signal(signal.SIGTERM, self._on_sigterm)  # before any setup(): this one, not its flush-and-die
+        _signal.signal(_signal.SIGTERM, self._on_sigterm)  # before any setup(): this one, not its flush-and-die
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         """The host's shutdown removes its heartbeat file, then sends SIGTERM and does not wait: leave
@@ -274,7 +276,7 @@ def main(
     prepare: Callable[[], None],
     argv: list[str] | None = None,
 ) -> int:
-    """Run the watchdog process (`stallwatch._watchdog`, started as `python -c BOOTSTRAP`). `setup` and
+    """Run the watchdog process (`stallwatch._watchdog`, started by `heartbeat.watchdog_command`). `setup` and
     `shutdown` build and stop its own telemetry pipeline, `prepare` imports what `setup` needs; all three
     are handed down by the caller and run only when the pipeline is needed (`freeze_report.Reporting`)."""
     global _host_pid
