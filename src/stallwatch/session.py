@@ -51,7 +51,7 @@ class Session:
     error: str | None = None
     _pipeline: Any = None
     _watchdog: Any = None  # (HeartbeatArea, subprocess.Popen) while the freeze watchdog runs
-    _journal: Any = None  # the crash-safe journal (STALLWATCH_JOURNAL)
+    _journal: Any = None  # the crash-safe journal (STALLWATCH_JOURNAL), made at its first use
 
     @property
     def watchdog_pid(self) -> int | None:
@@ -309,28 +309,30 @@ def _register_instruments() -> None:
         )
 
 
-def _start_journal(settings: Settings) -> Any:
-    """Replay the journals of dead processes, then journal this one (STALLWATCH_JOURNAL)."""
+def _start_journal(settings: Settings) -> journal.FirstUse:
+    """Replay the journals of dead processes, then journal this one (STALLWATCH_JOURNAL) from its first
+    journaled operation on (`journal.FirstUse`)."""
     import functools
-
-    from opentelemetry import trace
-    from opentelemetry.sdk.trace import TracerProvider
 
     problem = (
         f"cannot use the journal in {settings.journal_dir}; the host goes on without the records it could not "
         "write (STALLWATCH_JOURNAL_DIR chooses another directory)"
     )
     report = functools.partial(FAULTS.record, "journal", "STALLWATCH_JOURNAL", problem)
-    provider = trace.get_tracer_provider()
-    journal.replay(  # it warns of each leak candidate and keeps it in the directory until it is confirmed
-        settings.journal_dir,
-        tracer_provider=provider if isinstance(provider, TracerProvider) else None,
-        on_error=report,
-    )
-    instrument(meter(), telemetry.CLOUD_RESOURCES_UNCONFIRMED, journal.Reporter(settings.journal_dir, report).observe)
-    current = journal.Journal(settings.journal_dir, on_error=report)
+    if journal.has_segments(settings.journal_dir):
+        from opentelemetry import trace
+        from opentelemetry.sdk.trace import TracerProvider
+
+        provider = trace.get_tracer_provider()
+        journal.replay(  # it warns of each leak candidate and keeps it in the directory until it is confirmed
+            settings.journal_dir,
+            tracer_provider=provider if isinstance(provider, TracerProvider) else None,
+            on_error=report,
+        )
+    observer = journal.UnconfirmedObserver(settings.journal_dir, report)
+    instrument(meter(), telemetry.CLOUD_RESOURCES_UNCONFIRMED, observer.observe)
+    current = journal.FirstUse(settings.journal_dir, report)
     journal.activate(current)
-    journal.install_recorder(current)
     return current
 
 

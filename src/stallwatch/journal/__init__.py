@@ -13,30 +13,67 @@ Wiring (see `writer` and `replay` for details)::
     activate(journal)                      # span_started()/span_ended() now write to it
     install_recorder(journal)              # ledger intents/outcomes: journaled, then logged
     journal.close()                        # at shutdown
+
+`setup()` replays only when the directory holds a segment (`has_segments`), and makes its journal at
+the first journaled operation (`FirstUse`): a host that never journals loads none of the submodules.
+This module itself loads only what the instrumentations call on every operation; its other names
+(`Journal`, `replay`, ...) load their submodule when first looked up.
 """
 
 from __future__ import annotations
 
-from .frames import Corruption, Segment, read_segment
-from .leaks import Candidate, Reporter, candidates, confirm
-from .replay import (
-    INTERRUPTED,
-    INTERRUPTED_REASON,
-    InterruptedOperation,
-    ProcessJournal,
-    ReplayResult,
-    UnconfirmedResource,
-    replay,
-    scan,
-    to_span,
-)
-from .writer import Journal, JournalRecorder, activate, active, install_recorder, span_ended, span_started
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from .current import FirstUse, UnconfirmedObserver, activate, active, has_segments, span_ended, span_started
+from .names import LOGGER_NAME, SEGMENT_SUFFIX, UNCONFIRMED
+
+if TYPE_CHECKING:
+    from .frames import Corruption, Segment, read_segment
+    from .leaks import Candidate, Reporter, candidates, confirm
+    from .replay import (
+        INTERRUPTED,
+        INTERRUPTED_REASON,
+        InterruptedOperation,
+        ProcessJournal,
+        ReplayResult,
+        UnconfirmedResource,
+        replay,
+        scan,
+        to_span,
+    )
+    from .writer import Journal, JournalRecorder, install_recorder
+
+_NAMES_OF = {
+    "frames": ("Corruption", "Segment", "read_segment"),
+    "leaks": ("Candidate", "Reporter", "candidates", "confirm"),
+    "replay": ("INTERRUPTED", "INTERRUPTED_REASON", "InterruptedOperation", "ProcessJournal", "ReplayResult",
+               "UnconfirmedResource", "replay", "scan", "to_span"),
+    "writer": ("Journal", "JournalRecorder", "install_recorder"),
+}  # fmt: skip
+_SUBMODULE_OF = {name: submodule for submodule, names in _NAMES_OF.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    """The package's names that live in a submodule, loading it on first lookup."""
+    submodule = _SUBMODULE_OF.get(name)
+    if submodule is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    # footprint: a submodule loads when one of its names is first looked up
+    value = getattr(importlib.import_module(f"{__name__}.{submodule}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "INTERRUPTED",
     "INTERRUPTED_REASON",
+    "LOGGER_NAME",
+    "SEGMENT_SUFFIX",
+    "UNCONFIRMED",
     "Candidate",
     "Corruption",
+    "FirstUse",
     "InterruptedOperation",
     "Journal",
     "JournalRecorder",
@@ -44,11 +81,13 @@ __all__ = [
     "ReplayResult",
     "Reporter",
     "Segment",
+    "UnconfirmedObserver",
     "UnconfirmedResource",
     "activate",
     "active",
     "candidates",
     "confirm",
+    "has_segments",
     "install_recorder",
     "read_segment",
     "replay",
