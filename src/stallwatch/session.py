@@ -432,18 +432,19 @@ def _stop_unused_watchdog(watchdog: tuple[Any, subprocess.Popen[bytes]] | None) 
 
 
 def _instrument(settings: Settings) -> None:
-    """Install the instrumentors the settings ask for (they report through the global providers)."""
+    """Install the instrumentations the settings ask for (they report through the global providers),
+    through their `Installation`s: an instrumentor's `is_instrumented_by_opentelemetry` then says so,
+    and one the host turned on already is left as it is."""
     if settings.instrument_subprocess:
         # footprint: loaded only when its instrumentation is on
-        from .instrument.subprocess import SubprocessInstrumentor
+        from .instrument.subprocess import installation as spawns
 
-        _instrument_once(SubprocessInstrumentor(), settings=settings)
+        spawns.INSTALLATION.instrument_once(settings=settings)
     if settings.instrument_ssh:
         # footprint: loaded only when its instrumentation is on
-        from .instrument.ssh import SSHTunnelInstrumentor
+        from .instrument import tunnels
 
-        # a host without dstack: nothing to wrap, nothing to log
-        _instrument_once(SSHTunnelInstrumentor(), skip_dep_check=True)
+        tunnels.INSTALLATION.instrument_once()  # a host without dstack: nothing to wrap, nothing to log
         _when_imported("paramiko", _instrument_paramiko, settings, "ssh", "STALLWATCH_INSTRUMENT_SSH")
     if settings.instrument_nebius:
         _when_imported("nebius", _instrument_nebius, settings, "nebius", "STALLWATCH_INSTRUMENT_NEBIUS")
@@ -452,9 +453,9 @@ def _instrument(settings: Settings) -> None:
         from .detect import wedge
 
         # footprint: loaded only when its instrumentation is on
-        from .instrument.executor import ExecutorInstrumentor
+        from .instrument import pools
 
-        if _instrument_once(ExecutorInstrumentor(), settings=settings):
+        if pools.INSTALLATION.instrument_once(settings=settings):
             wedge.install(
                 wedge.WedgeSettings(settings.wedge_check_interval, settings.queue_stall_seconds, settings.executor_heal)
             )

@@ -7,6 +7,12 @@ import), and the hook patches only while the instrumentor is on: a module import
 instrument → uninstrument → instrument is wrapped once, and one imported while it is off not at all.
 Each `instrument()` also starts the same way: its settings and its meter, from `start_settings` and
 `start_meter`.
+
+`setup()` switches the instrumentations it installs at once (subprocess, executor, dstack's tunnels)
+through their `Installation`, not their instrumentor: `BaseInstrumentor`'s module loads `packaging`
+and the semantic conventions, which a host that never asks for an instrumentor does not need. The
+instrumentor, loaded when asked for, reads and sets the same `Installation` (`InstalledFlag`), so it
+says it is instrumented after `setup()` and its `uninstrument()` undoes what `setup()` installed.
 """
 
 from __future__ import annotations
@@ -86,6 +92,39 @@ class ImportHooks:
         patch = self._patches.get(module.__name__)
         if patch is not None:
             patch(module)
+
+
+class Installation:
+    """Whether one instrumentation is on, and its `install(**kwargs)` and `uninstall(**kwargs)`: what its
+    instrumentor's `_instrument` and `_uninstrument` run, with `instrument()`'s keyword arguments."""
+
+    def __init__(self, install: Callable[..., None], uninstall: Callable[..., None]) -> None:
+        self.install = install
+        self.uninstall = uninstall
+        self.on = False
+
+    def instrument_once(self, **kwargs: Any) -> bool:
+        """Install it as `instrument(**kwargs)` would, unless it is on (by its instrumentor or an earlier
+        `setup()`); True when this call did."""
+        if self.on:
+            return False
+        self.install(**kwargs)
+        self.on = True
+        return True
+
+
+class InstalledFlag:
+    """An instrumentor's `_is_instrumented_by_opentelemetry` (what `BaseInstrumentor` reads, and sets
+    after `_instrument` and `_uninstrument`): its `Installation`'s `on`, which `setup()` sets too."""
+
+    def __init__(self, installation: Installation) -> None:
+        self._installation = installation
+
+    def __get__(self, instance: object, owner: type | None = None) -> bool:
+        return self._installation.on
+
+    def __set__(self, instance: object, value: bool) -> None:
+        self._installation.on = bool(value)
 
 
 class ForkReset:
