@@ -272,7 +272,12 @@ def test_the_journal_loads_at_the_first_journaled_operation_and_threads_journali
     assert proc.returncode == 0, proc.stderr
     found = json.loads(proc.stdout.splitlines()[0])
     assert found == {
-        "at_setup": ["stallwatch.journal", "stallwatch.journal.current", "stallwatch.journal.names"],
+        "at_setup": [
+            "stallwatch.journal",
+            "stallwatch.journal.current",
+            "stallwatch.journal.ledger",
+            "stallwatch.journal.names",
+        ],
         "writer": True,
     }
     from stallwatch.journal import scan

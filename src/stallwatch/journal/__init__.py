@@ -4,20 +4,13 @@ A killed process exports nothing it held, so operations, the cloud ledger's inte
 the watchdog's freeze records go to a local file as they happen. The next start (`replay()`) turns
 what never ended into spans with their original ids and keeps unconfirmed creates as leak candidates
 (`leaks`). Records are framed (length + CRC32, JSON payload), so a torn tail costs only its bytes;
-docs/journal.md says why not SQLite, and what a record costs.
-
-Wiring (see `writer` and `replay` for details)::
-
-    result = replay(journal_dir, tracer_provider=provider, on_error=report)   # at setup, first
-    journal = Journal(journal_dir, on_error=report)
-    activate(journal)                      # span_started()/span_ended() now write to it
-    install_recorder(journal)              # ledger intents/outcomes: journaled, then logged
-    journal.close()                        # at shutdown
-
-`setup()` replays only when the directory holds a segment (`has_segments`), and makes its journal at
-the first journaled operation (`FirstUse`): a host that never journals loads none of the submodules.
-This module itself loads only what the instrumentations call on every operation; its other names
-(`Journal`, `replay`, ...) load their submodule when first looked up.
+docs/journal.md says why not SQLite, and what a record costs. Wiring: `replay(journal_dir, ...)` at
+setup, first; then `journal = Journal(journal_dir, ...)`, `activate(journal)` (`span_started` and
+`span_ended` write to it), `install_recorder(journal)` (ledger records are journaled, then logged);
+`journal.close()` at shutdown. `setup()` replays only when the directory holds a segment
+(`has_segments`) and makes its journal at the first journaled operation (`FirstUse`). This module
+loads only what instrumentations call on every operation; its other names (`Journal`, `replay`, ...)
+load their submodule when first looked up.
 """
 
 from __future__ import annotations

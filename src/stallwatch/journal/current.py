@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from . import ledger
 from .names import SEGMENT_SUFFIX, UNCONFIRMED
 
 if TYPE_CHECKING:
@@ -31,9 +32,10 @@ def has_segments(journal_dir: Path) -> bool:
 
 
 class FirstUse:
-    """The host's journal in `directory`, made at the first journaled operation (`span_started`: an
-    instrumentation that records a ledger intent starts its span first) rather than at `setup()`; made,
-    it is the ledger's recorder and the active journal.
+    """The host's journal in `directory`, made at the first journaled operation (a span started, or a
+    ledger intent or outcome) rather than at `setup()`; made, it is the active journal. From `setup()`
+    on, the ledger's recorder journals each record in it, then passes it on to the recorder in place
+    before (as `install_recorder`'s does).
 
     Making it opens no file (a segment opens at its first record). Threads that need it at once wait
     for the one making it; a fork child that finds it unmade makes its own, never waiting on a lock
@@ -45,6 +47,8 @@ class FirstUse:
         self._locks: dict[int, threading.Lock] = {}
         self._closed = False
         self.journal: Journal | None = None
+        self._recorder = _FirstUseRecorder(self, ledger.recorder())
+        ledger.set_recorder(self._recorder)
 
     def get(self) -> Journal | None:
         """The journal, made now if this is its first use; None once closed."""
@@ -54,11 +58,9 @@ class FirstUse:
         with self._locks.setdefault(os.getpid(), threading.Lock()):  # a fork child's own lock
             if self.journal is None and not self._closed:
                 # footprint: the writer loads at the first journaled operation
-                from .writer import Journal, install_recorder
+                from .writer import Journal
 
-                made = Journal(self._directory, on_error=self._on_error)
-                install_recorder(made)  # before any caller can record an intent through it
-                self.journal = made
+                self.journal = Journal(self._directory, on_error=self._on_error)
             return self.journal
 
     def close(self, timeout: float = 1.0) -> None:
@@ -68,6 +70,27 @@ class FirstUse:
             journal = self.journal
         if journal is not None:
             journal.close(timeout)
+
+
+class _FirstUseRecorder:
+    """The ledger's recorder for a `FirstUse` journal: writes each record in the journal (made at the
+    first), then passes it on to `chain`, as `writer.JournalRecorder` does."""
+
+    def __init__(self, first_use: FirstUse, chain: ledger.Recorder) -> None:
+        self._first_use = first_use
+        self.chain = chain
+
+    def intent(self, intent: ledger.Intent) -> None:
+        journal = self._first_use.get()
+        if journal is not None:
+            journal.cloud_intent(intent)
+        self.chain.intent(intent)
+
+    def outcome(self, intent: ledger.Intent, outcome: ledger.Outcome) -> None:
+        journal = self._first_use.get()
+        if journal is not None:
+            journal.cloud_outcome(intent, outcome)
+        self.chain.outcome(intent, outcome)
 
 
 class UnconfirmedObserver:
