@@ -12,10 +12,7 @@ so no wrapper layer runs per item.
 
 CPython internals used (3.10 to 3.13): `ThreadPoolExecutor._work_queue`, `_threads`,
 `_thread_name_prefix`, `_max_workers`, `_shutdown`, `_broken`, `_shutdown_lock`, module `_worker`,
-`_shutdown`, `_WorkItem`.
-
-`INSTALLATION` switches it on and off, for `setup()` and for `stallwatch.instrument.executor`'s
-`ExecutorInstrumentor`.
+`_shutdown`, `_WorkItem`. `INSTALLATION` switches it (`setup()`, and `executor.ExecutorInstrumentor`).
 """
 
 from __future__ import annotations
