@@ -226,12 +226,12 @@ def _start(fork_safety: ForkSafety, overrides: dict[str, Any]) -> Session:
 HOST_PROVIDERS_GRACE = 30.0
 
 
-@dataclass
 class _HostProviders:
     """With STALLWATCH_PROVIDERS=host: whether the host's providers were looked for, and until when."""
 
-    deadline: float | None = None  # set at stallwatch's first record
-    decided: bool = False
+    def __init__(self) -> None:
+        self.deadline: float | None = None  # set at stallwatch's first record
+        self.decided = False
 
 
 _host_providers = _HostProviders()

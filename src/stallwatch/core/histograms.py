@@ -55,16 +55,18 @@ class BucketExemplar:
     span_id: int
 
 
-@dataclass(slots=True)
 class _Series:
     """One attribute set's cumulative state."""
 
-    start_ns: int
-    buckets: list[int]
-    count: int = 0
-    total: float = 0.0
-    low: float = math.inf
-    high: float = -math.inf
+    __slots__ = ("buckets", "count", "high", "low", "start_ns", "total")
+
+    def __init__(self, start_ns: int, buckets: list[int]) -> None:
+        self.start_ns = start_ns
+        self.buckets = buckets
+        self.count = 0
+        self.total = 0.0
+        self.low = math.inf
+        self.high = -math.inf
 
 
 @dataclass

@@ -21,7 +21,6 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry import trace
@@ -37,13 +36,13 @@ from ..instrument.work_item import ExecutorState, ItemRecord, WorkerDied
 _log = logging.getLogger("stallwatch")
 
 
-@dataclass
 class WedgeSettings:
     """How the detector runs; set by `setup()` from `STALLWATCH_*` settings."""
 
-    interval: float = 0.5
-    queue_stall_seconds: float = 5.0
-    heal: bool = False
+    def __init__(self, interval: float = 0.5, queue_stall_seconds: float = 5.0, heal: bool = False) -> None:
+        self.interval = interval
+        self.queue_stall_seconds = queue_stall_seconds
+        self.heal = heal
 
 
 SETTINGS = WedgeSettings()

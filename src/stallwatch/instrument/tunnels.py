@@ -22,7 +22,6 @@ import logging
 import sys
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from time import perf_counter
 from typing import Any
 
@@ -48,12 +47,12 @@ _TUNNEL_METHODS = "_stallwatch_tunnel_methods"  # on an instrumented tunnel clas
 Describe = Callable[[Any], Mapping[str, AttributeValue]]
 
 
-@dataclass
 class _Instruments:
-    tracer: trace.Tracer
-    durations: dict[str, Deferred]
-    active: Any
-    failures: Any
+    def __init__(self, tracer: trace.Tracer, durations: dict[str, Deferred], active: Any, failures: Any) -> None:
+        self.tracer = tracer
+        self.durations = durations
+        self.active = active
+        self.failures = failures
 
 
 # Module globals, not the instrumentor's: `instrument_tunnel()` works on a tunnel class without the instrumentor.
