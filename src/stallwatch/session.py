@@ -432,19 +432,34 @@ def _stop_unused_watchdog(watchdog: tuple[Any, subprocess.Popen[bytes]] | None) 
 
 
 def _instrument(settings: Settings) -> None:
-    """Install the instrumentations the settings ask for (they report through the global providers),
-    through their `Installation`s: an instrumentor's `is_instrumented_by_opentelemetry` then says so,
-    and one the host turned on already is left as it is."""
+    """Install the instrumentations the settings ask for (they report through the global providers);
+    one the host turned on already is left as it is. With the fast paths on, through their
+    `Installation`s, without loading `BaseInstrumentor` (an instrumentor's
+    `is_instrumented_by_opentelemetry` still says so: `sdk_compat.mirror_installation`); off, through
+    their instrumentors' `instrument()`."""
+    fast = sdk_compat.fast_paths()
     if settings.instrument_subprocess:
-        # footprint: loaded only when its instrumentation is on
-        from .instrument.subprocess import installation as spawns
+        if fast:
+            # footprint: loaded only when its instrumentation is on
+            from .instrument.subprocess import installation as spawns
 
-        spawns.INSTALLATION.instrument_once(settings=settings)
+            spawns.INSTALLATION.switch_on(settings=settings)
+        else:
+            # footprint: BaseInstrumentor's module, loaded at setup() only with the fast paths off
+            from .instrument.subprocess import SubprocessInstrumentor
+
+            _instrument_once(SubprocessInstrumentor(), settings=settings)
     if settings.instrument_ssh:
-        # footprint: loaded only when its instrumentation is on
-        from .instrument import tunnels
+        if fast:
+            # footprint: loaded only when its instrumentation is on
+            from .instrument import tunnels
 
-        tunnels.INSTALLATION.instrument_once()  # a host without dstack: nothing to wrap, nothing to log
+            tunnels.INSTALLATION.switch_on()  # a host without dstack: nothing to wrap, nothing to log
+        else:
+            # footprint: BaseInstrumentor's module, loaded at setup() only with the fast paths off
+            from .instrument.ssh import SSHTunnelInstrumentor
+
+            _instrument_once(SSHTunnelInstrumentor(), skip_dep_check=True)
         _when_imported("paramiko", _instrument_paramiko, settings, "ssh", "STALLWATCH_INSTRUMENT_SSH")
     if settings.instrument_nebius:
         _when_imported("nebius", _instrument_nebius, settings, "nebius", "STALLWATCH_INSTRUMENT_NEBIUS")
@@ -452,10 +467,17 @@ def _instrument(settings: Settings) -> None:
         # footprint: with the executor instrumentation only
         from .detect import wedge
 
-        # footprint: loaded only when its instrumentation is on
-        from .instrument import pools
+        if fast:
+            # footprint: loaded only when its instrumentation is on
+            from .instrument import pools
 
-        if pools.INSTALLATION.instrument_once(settings=settings):
+            installed = pools.INSTALLATION.switch_on(settings=settings)
+        else:
+            # footprint: BaseInstrumentor's module, loaded at setup() only with the fast paths off
+            from .instrument.executor import ExecutorInstrumentor
+
+            installed = _instrument_once(ExecutorInstrumentor(), settings=settings)
+        if installed:
             wedge.install(
                 wedge.WedgeSettings(settings.wedge_check_interval, settings.queue_stall_seconds, settings.executor_heal)
             )

@@ -8,11 +8,10 @@ instrument → uninstrument → instrument is wrapped once, and one imported whi
 Each `instrument()` also starts the same way: its settings and its meter, from `start_settings` and
 `start_meter`.
 
-`setup()` switches the instrumentations it installs at once (subprocess, executor, dstack's tunnels)
-through their `Installation`, not their instrumentor: `BaseInstrumentor`'s module loads `packaging`
-and the semantic conventions, which a host that never asks for an instrumentor does not need. The
-instrumentor, loaded when asked for, reads and sets the same `Installation` (`InstalledFlag`), so it
-says it is instrumented after `setup()` and its `uninstrument()` undoes what `setup()` installed.
+`setup()` switches the subprocess, executor and tunnel instrumentations through their `Installation`,
+without `BaseInstrumentor` (whose module loads `packaging` and the semantic conventions); their
+instrumentors switch the same one and, behind the SDK door (`sdk_compat.mirror_installation`), say
+they are instrumented while it is on. With `STALLWATCH_FAST_PATHS=false` `setup()` uses `instrument()`.
 """
 
 from __future__ import annotations
@@ -95,36 +94,30 @@ class ImportHooks:
 
 
 class Installation:
-    """Whether one instrumentation is on, and its `install(**kwargs)` and `uninstall(**kwargs)`: what its
-    instrumentor's `_instrument` and `_uninstrument` run, with `instrument()`'s keyword arguments."""
+    """Whether one instrumentation is on, and the `install(**kwargs)` and `uninstall(**kwargs)` that
+    switch it (with `instrument()`'s keyword arguments). `on` is true exactly while it is installed,
+    whoever switched it: `setup()` or its instrumentor."""
 
     def __init__(self, install: Callable[..., None], uninstall: Callable[..., None]) -> None:
-        self.install = install
-        self.uninstall = uninstall
+        self._install = install
+        self._uninstall = uninstall
         self.on = False
 
-    def instrument_once(self, **kwargs: Any) -> bool:
-        """Install it as `instrument(**kwargs)` would, unless it is on (by its instrumentor or an earlier
-        `setup()`); True when this call did."""
+    def switch_on(self, **kwargs: Any) -> bool:
+        """Install it unless it is on; True when this call did."""
         if self.on:
             return False
-        self.install(**kwargs)
+        self._install(**kwargs)
         self.on = True
         return True
 
-
-class InstalledFlag:
-    """An instrumentor's `_is_instrumented_by_opentelemetry` (what `BaseInstrumentor` reads, and sets
-    after `_instrument` and `_uninstrument`): its `Installation`'s `on`, which `setup()` sets too."""
-
-    def __init__(self, installation: Installation) -> None:
-        self._installation = installation
-
-    def __get__(self, instance: object, owner: type | None = None) -> bool:
-        return self._installation.on
-
-    def __set__(self, instance: object, value: bool) -> None:
-        self._installation.on = bool(value)
+    def switch_off(self, **kwargs: Any) -> bool:
+        """Uninstall it if it is on; True when this call did."""
+        if not self.on:
+            return False
+        self._uninstall(**kwargs)
+        self.on = False
+        return True
 
 
 class ForkReset:

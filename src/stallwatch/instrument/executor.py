@@ -9,7 +9,7 @@ from typing import Any
 
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]
 
-from ._lifecycle import InstalledFlag
+from .. import sdk_compat
 from .pools import (
     EXECUTORS,
     INSTALLATION,
@@ -30,16 +30,17 @@ class ExecutorInstrumentor(BaseInstrumentor):
     the raw `SetAsyncExc` guard. The wedge detector is started separately (`detect.wedge.install`).
     """
 
-    _is_instrumented_by_opentelemetry = InstalledFlag(INSTALLATION)
-
     def instrumentation_dependencies(self) -> Collection[str]:
         return ()
 
     def _instrument(self, **kwargs: Any) -> None:
-        INSTALLATION.install(**kwargs)
+        INSTALLATION.switch_on(**kwargs)
 
     def _uninstrument(self, **kwargs: Any) -> None:
-        INSTALLATION.uninstall(**kwargs)
+        INSTALLATION.switch_off(**kwargs)
+
+
+sdk_compat.mirror_installation(ExecutorInstrumentor, INSTALLATION)
 
 
 __all__ = [

@@ -9,7 +9,7 @@ from typing import Any
 
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]
 
-from ._lifecycle import InstalledFlag
+from .. import sdk_compat
 from .tunnels import (
     COMPONENT,
     DSTACK_TUNNEL_MODULE,
@@ -31,16 +31,17 @@ class SSHTunnelInstrumentor(BaseInstrumentor):
     Keyword arguments of `instrument()`: `meter_provider` (default: the global one).
     """
 
-    _is_instrumented_by_opentelemetry = InstalledFlag(INSTALLATION)
-
     def instrumentation_dependencies(self) -> Collection[str]:
         return ("dstack >= 0.22, < 0.23",)
 
     def _instrument(self, **kwargs: Any) -> None:
-        INSTALLATION.install(**kwargs)
+        INSTALLATION.switch_on(**kwargs)
 
     def _uninstrument(self, **kwargs: Any) -> None:
-        INSTALLATION.uninstall(**kwargs)
+        INSTALLATION.switch_off(**kwargs)
+
+
+sdk_compat.mirror_installation(SSHTunnelInstrumentor, INSTALLATION)
 
 
 __all__ = [

@@ -11,7 +11,7 @@ from typing import Any
 
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]
 
-from .._lifecycle import InstalledFlag
+from ... import sdk_compat
 from .installation import INSTALLATION
 
 
@@ -23,13 +23,14 @@ class SubprocessInstrumentor(BaseInstrumentor):
     to children; default: read from the environment).
     """
 
-    _is_instrumented_by_opentelemetry = InstalledFlag(INSTALLATION)
-
     def instrumentation_dependencies(self) -> Collection[str]:
         return ()  # the standard library's; uvloop's loop methods are wrapped when it is installed
 
     def _instrument(self, **kwargs: Any) -> None:
-        INSTALLATION.install(**kwargs)
+        INSTALLATION.switch_on(**kwargs)
 
     def _uninstrument(self, **kwargs: Any) -> None:
-        INSTALLATION.uninstall(**kwargs)
+        INSTALLATION.switch_off(**kwargs)
+
+
+sdk_compat.mirror_installation(SubprocessInstrumentor, INSTALLATION)
