@@ -407,9 +407,9 @@ module.{function} = broken
 """
 
 SUBPROCESS = ("subprocess", "STALLWATCH_INSTRUMENT_SUBPROCESS", ("stallwatch.core.scrub", "executable_name"))
-SSH = ("ssh", "STALLWATCH_INSTRUMENT_SSH", ("stallwatch.instrument.ssh", "describe_generic"))
+SSH = ("ssh", "STALLWATCH_INSTRUMENT_SSH", ("stallwatch.instrument.tunnels", "describe_generic"))
 NEBIUS_CALLS = ("nebius", "STALLWATCH_INSTRUMENT_NEBIUS", ("stallwatch.instrument.nebius", "_operation_ids"))
-EXECUTOR = ("executor", "STALLWATCH_INSTRUMENT_EXECUTOR", ("stallwatch.instrument.executor", "executor_name"))
+EXECUTOR = ("executor", "STALLWATCH_INSTRUMENT_EXECUTOR", ("stallwatch.instrument.pools", "executor_name"))
 TIMEOUTS = ("executor", "STALLWATCH_INSTRUMENT_EXECUTOR", ("stallwatch.timeout", "_call_site"))
 # wrapper: (the host's calls, component, setting that turns it off, (module, attribute builder),
 #           faults counted when the attribute builder raises: one per wrapped call)

@@ -227,3 +227,51 @@ def test_the_scrubbers_patterns_are_compiled_at_first_use_and_threads_first_usin
     assert not any(
         secret in " ".join(first) for secret in ("hunter2", "abcdefghijklmnopqrstuvwxyz0123", "p4ssw0rd", "sekrit")
     )
+
+
+_JOURNAL_FIRST_USE = """
+import json, sys, threading, stallwatch
+from opentelemetry import trace
+from stallwatch import journal
+stallwatch.setup()
+at_setup = sorted(m for m in sys.modules if m.startswith("stallwatch.journal"))
+tracer = trace.get_tracer("host")
+start = threading.Barrier(8)
+def open_tunnel(number):
+    span = tracer.start_span(f"ssh.tunnel.open {number}")
+    start.wait()
+    journal.span_started(span, "ssh", durable=True)
+threads = [threading.Thread(target=open_tunnel, args=(number,)) for number in range(8)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+print(json.dumps({"at_setup": at_setup, "writer": "stallwatch.journal.writer" in sys.modules}), flush=True)
+stallwatch.shutdown(timeout=5)
+"""
+
+
+def test_the_journal_loads_at_the_first_journaled_operation_and_threads_journaling_first_at_once_share_one(tmp_path):
+    env = clean_env(STALLWATCH_JOURNAL_DIR=str(tmp_path / "journal"), STALLWATCH_FILE_DIR=str(tmp_path),
+                    STALLWATCH_WATCHDOG="false", OTEL_TRACES_EXPORTER="file", OTEL_METRICS_EXPORTER="none",
+                    OTEL_LOGS_EXPORTER="none")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", _JOURNAL_FIRST_USE], env=env, capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+
+    assert proc.returncode == 0, proc.stderr
+    found = json.loads(proc.stdout.splitlines()[0])
+    assert found == {
+        "at_setup": [
+            "stallwatch.journal",
+            "stallwatch.journal.current",
+            "stallwatch.journal.ledger",
+            "stallwatch.journal.names",
+        ],
+        "writer": True,
+    }
+    from stallwatch.journal import scan
+
+    (journaled,) = scan(tmp_path / "journal")
+    starts = sorted(record["name"] for record in journaled.host if record["type"] == "start")
+    assert starts == [f"ssh.tunnel.open {number}" for number in range(8)]
+    assert len(journaled.paths) == 1 and journaled.host[-1]["type"] == "close"

@@ -46,14 +46,14 @@ CASES = {
             ("dstack._internal.core.services.ssh.tunnel.SSHTunnel", "open"),
             ("dstack._internal.core.services.ssh.tunnel.SSHTunnel", "aclose"),
         ],
-        "stallwatch.instrument.ssh",
+        "stallwatch.instrument.tunnels",
     ),
     "executor": (
         "stallwatch.instrument.executor:ExecutorInstrumentor",
         "concurrent",
         "import concurrent.futures",
         [("concurrent.futures.ThreadPoolExecutor", "__init__"), ("concurrent.futures.thread", "_worker")],
-        "stallwatch.instrument.executor",
+        "stallwatch.instrument.pools",
     ),
 }
 
@@ -207,3 +207,56 @@ def test_an_instrumentor_reading_an_invalid_setting_says_it_stays_off_and_wraps_
     (error,) = result["errors"]
     assert "STALLWATCH_RECORD_ARGS" in error and error.endswith(f"; {name} instrumentation stays off."), error
     assert result["layers"] == [0] * len(CASES[name][3])
+
+
+@pytest.mark.parametrize("fast_paths", ["true", "false"])
+def test_setup_installs_without_loading_base_instrumentor_and_each_instrumentor_then_says_so_and_can_undo_it(
+    fast_paths,
+):
+    """`setup()` installs the subprocess, executor and tunnel instrumentations without loading
+    `BaseInstrumentor` (its module loads `packaging`), or with the fast paths off through it; either
+    way their instrumentors report them as instrumented, and their `uninstrument()` takes off what
+    `setup()` put on, once."""
+    targets = [*CASES["subprocess"][3][2:], *CASES["executor"][3]]
+    proc = run_python(
+        f"""
+        import json, sys, stallwatch
+        from support.layers import wrapper_layers_at
+        stallwatch.setup(watchdog=False)
+        base_loaded = "opentelemetry.instrumentation.instrumentor" in sys.modules
+        from stallwatch.instrument.executor import ExecutorInstrumentor
+        from stallwatch.instrument.ssh import SSHTunnelInstrumentor
+        from stallwatch.instrument.subprocess import SubprocessInstrumentor
+        instrumentors = [SubprocessInstrumentor(), ExecutorInstrumentor(), SSHTunnelInstrumentor()]
+        said = [instrumentor.is_instrumented_by_opentelemetry for instrumentor in instrumentors]
+        on = wrapper_layers_at({targets[:1]!r}, "stallwatch.instrument.subprocess") + wrapper_layers_at(
+            {targets[1:]!r}, "stallwatch.instrument.pools")
+        for instrumentor in instrumentors:
+            instrumentor.instrument(skip_dep_check=True)  # already on: no second layer
+        twice = wrapper_layers_at({targets[:1]!r}, "stallwatch.instrument.subprocess") + wrapper_layers_at(
+            {targets[1:]!r}, "stallwatch.instrument.pools")
+        for instrumentor in instrumentors:
+            instrumentor.uninstrument()
+        off = wrapper_layers_at({targets[:1]!r}, "stallwatch.instrument.subprocess") + wrapper_layers_at(
+            {targets[1:]!r}, "stallwatch.instrument.pools")
+        print(json.dumps({{"base_loaded": base_loaded, "said": said, "on": on, "twice": twice, "off": off,
+                          "after": [i.is_instrumented_by_opentelemetry for i in instrumentors]}}))
+        stallwatch.shutdown(timeout=0.5)
+        """,
+        env=clean_env(
+            OTEL_TRACES_EXPORTER="none",
+            OTEL_METRICS_EXPORTER="none",
+            OTEL_LOGS_EXPORTER="none",
+            STALLWATCH_FAST_PATHS=fast_paths,
+        ),
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
+        "base_loaded": fast_paths == "false",
+        "said": [True, True, True],
+        "on": [1, 1, 1],
+        "twice": [1, 1, 1],
+        "off": [0, 0, 0],
+        "after": [False, False, False],
+    }

@@ -22,7 +22,7 @@ SOURCE = ROOT / "src"
 # Bottom to top. A module belongs to the layer of the longest name it matches (a package's name
 # matches its modules). Each may import its own layer and those below, never those above.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("contract", ("stallwatch.telemetry", "stallwatch._version", "stallwatch._private")),
+    ("contract", ("stallwatch.telemetry", "stallwatch._version", "stallwatch._private", "stallwatch._record")),
     ("core", ("stallwatch.core", "stallwatch.sentry", "stallwatch.sdk_compat")),
     ("settings", ("stallwatch.config",)),
     ("fork safety", ("stallwatch.forksafe",)),

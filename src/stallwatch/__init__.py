@@ -25,7 +25,7 @@ from ._version import __version__
 from .config import ConfigError, Settings
 from .doctor import Report, doctor
 from .forksafe.loop import uvicorn_loop
-from .instrument.ssh import instrument_tunnel
+from .instrument.tunnels import instrument_tunnel
 from .instrument.work_item import WorkerDied
 from .interrupt import Interrupted, Work, current_work, interrupt_thread
 from .session import Session, shutdown

@@ -25,6 +25,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ._private import make_directories
+from ._record import Record
 from .core.scrub import compile_patterns, scrub_text
 
 # Whether an OpenTelemetry SDK module was loaded before stallwatch's first module (this one, which
@@ -93,17 +94,20 @@ _FALSE = ("0", "false", "no", "off")
 _BOOLEANS = f"{', '.join(_TRUE)} or {', '.join(_FALSE)} (any case)"
 
 
-@dataclass(frozen=True)
-class Problem:
+class Problem(Record):
     """A setting stallwatch could not use, and what it does instead.
 
     `setting` is the variable or keyword; `error` says what it held (secrets redacted) and what it
     accepts; `fallback` what is used in its place: the default, another setting, or a part turned off.
     """
 
+    __slots__ = ("error", "fallback", "setting")
     setting: str
     error: str
     fallback: str
+
+    def __init__(self, setting: str, error: str, fallback: str) -> None:
+        self._set(setting=setting, error=error, fallback=fallback)
 
     def __str__(self) -> str:
         return f"{self.error}; {self.fallback}"
@@ -142,14 +146,17 @@ def withhold_from_sdk(problems: Iterable[Problem]) -> None:
             os.environ.pop(problem.setting, None)
 
 
-@dataclass(frozen=True)
-class Option:
+class Option(Record):
     """Documentation of one setting: environment variable, keyword, default and meaning."""
 
+    __slots__ = ("default", "description", "env", "keyword")
     env: str
     keyword: str | None
     default: str
     description: str
+
+    def __init__(self, env: str, keyword: str | None, default: str, description: str) -> None:
+        self._set(env=env, keyword=keyword, default=default, description=description)
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -907,14 +914,17 @@ def _otlp_timeouts_are_whole_seconds() -> bool:
     return (major, minor) < (1, 34)
 
 
-@dataclass(frozen=True)
-class Batching:
+class Batching(Record):
     """How a batch processor queues and exports, as the SDK's reads it from `OTEL_BSP_*` (spans) or
     `OTEL_BLRP_*` (log records)."""
 
+    __slots__ = ("batch", "delay_seconds", "queue")
     queue: int  # most items queued; one more is dropped
     batch: int  # most items per export; a queue this long is exported at once
     delay_seconds: float  # what is queued is exported at least this often
+
+    def __init__(self, queue: int, batch: int, delay_seconds: float) -> None:
+        self._set(queue=queue, batch=batch, delay_seconds=delay_seconds)
 
 
 def sdk_batching(prefix: str, env: Mapping[str, str] | None = None) -> Batching:

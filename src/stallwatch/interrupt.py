@@ -17,7 +17,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import telemetry
@@ -45,12 +44,12 @@ class Interrupted(BaseException):
     `except Exception` in the work does not swallow it; unlike SystemExit, asyncio does not re-raise it)."""
 
 
-@dataclass(eq=False)
 class _Pending:
-    exc_type: type[BaseException]
-    via: str  # "api" or "raw"
-    done: threading.Event = field(default_factory=threading.Event)
-    outcome: str | None = None
+    def __init__(self, exc_type: type[BaseException], via: str) -> None:
+        self.exc_type = exc_type
+        self.via = via  # "api" or "raw"
+        self.done = threading.Event()
+        self.outcome: str | None = None
 
 
 def _count(metric: telemetry.Metric, record: ItemRecord | None) -> None:

@@ -62,7 +62,7 @@ from .export.scrapes import ScrapeCounter
 from .export.shedding import SheddingTracerProvider, exemplar_filter
 from .forksafe import grpc_guard, guard, otel_compat
 from .forksafe.loop import package_version
-from .journal.ledger import LOGGER_NAME as LEDGER_LOGGER
+from .journal.names import LOGGER_NAME as LEDGER_LOGGER
 
 _log = logging.getLogger("stallwatch")
 _HTTP_PATHS = {"traces": "v1/traces", "metrics": "v1/metrics", "logs": "v1/logs"}

@@ -5,8 +5,8 @@ OTLP exporters, 1.27 to 1.45); what runs at fork time is in `forksafe.otel_compa
 Fast paths, each the same result as the public objects, cheaper: `LightSpan` for the SDK's span, span
 fields read without the properties, the OTLP exporters' encoders replaced, a gRPC batch encoded once
 per export, the context's `ContextVar` set directly, tracers that shed spans nobody would export,
-`opentelemetry.context.attach`/`detach` noted for the heartbeat. With `STALLWATCH_FAST_PATHS=false`
-(`fast_paths()` False) none is taken: stallwatch uses the public SDK objects.
+`opentelemetry.context.attach`/`detach` noted for the heartbeat, instrumentors switched without
+`BaseInstrumentor` (`mirror_installation`). With `STALLWATCH_FAST_PATHS=false` none is taken.
 
 Held in both modes, having no public equivalent: the exit check on log records (`checked_logger`, and
 `emit_through_record_loggers` up to SDK 1.27), whether a `BoundedAttributes` is closed (`immutable`),
@@ -50,6 +50,32 @@ def use_fast_paths(on: bool) -> None:
     """Take the fast paths from now on, or not (`setup()`, from its settings). Objects already built
     keep what they chose (a histogram its aggregation, an exporter its encoder)."""
     _FAST[0] = on
+
+
+# ---- BaseInstrumentor (opentelemetry-instrumentation 0.48b0 to 0.66b2) ----
+
+
+class _InstalledFlag:
+    """`BaseInstrumentor._is_instrumented_by_opentelemetry` (read by `instrument()` and `uninstrument()`,
+    set after `_instrument` and `_uninstrument`) as an installation's `on`."""
+
+    def __init__(self, installation: Any) -> None:
+        self._installation = installation
+
+    def __get__(self, instance: object, owner: type | None = None) -> bool:
+        return bool(self._installation.on)
+
+    def __set__(self, instance: object, value: bool) -> None:
+        self._installation.on = bool(value)
+
+
+def mirror_installation(instrumentor_class: type, installation: Any) -> None:
+    """With the fast paths on, `instrumentor_class` (a `BaseInstrumentor`) is instrumented exactly while
+    `installation.on`: `setup()`, which switches the installation without loading `BaseInstrumentor`,
+    leaves its instrumentor saying so, and that instrumentor's `uninstrument()` undoes it. Off, the flag
+    stays `BaseInstrumentor`'s own, and `setup()` goes through `instrument()`."""
+    if fast_paths():
+        instrumentor_class._is_instrumented_by_opentelemetry = _InstalledFlag(installation)  # type: ignore[attr-defined]
 
 
 # ---- SpanContext: a tuple (API 1.27 to 1.45) ----

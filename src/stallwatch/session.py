@@ -51,7 +51,7 @@ class Session:
     error: str | None = None
     _pipeline: Any = None
     _watchdog: Any = None  # (HeartbeatArea, subprocess.Popen) while the freeze watchdog runs
-    _journal: Any = None  # the crash-safe journal (STALLWATCH_JOURNAL)
+    _journal: Any = None  # the crash-safe journal (STALLWATCH_JOURNAL), made at its first use
 
     @property
     def watchdog_pid(self) -> int | None:
@@ -226,12 +226,12 @@ def _start(fork_safety: ForkSafety, overrides: dict[str, Any]) -> Session:
 HOST_PROVIDERS_GRACE = 30.0
 
 
-@dataclass
 class _HostProviders:
     """With STALLWATCH_PROVIDERS=host: whether the host's providers were looked for, and until when."""
 
-    deadline: float | None = None  # set at stallwatch's first record
-    decided: bool = False
+    def __init__(self) -> None:
+        self.deadline: float | None = None  # set at stallwatch's first record
+        self.decided = False
 
 
 _host_providers = _HostProviders()
@@ -309,28 +309,30 @@ def _register_instruments() -> None:
         )
 
 
-def _start_journal(settings: Settings) -> Any:
-    """Replay the journals of dead processes, then journal this one (STALLWATCH_JOURNAL)."""
+def _start_journal(settings: Settings) -> journal.FirstUse:
+    """Replay the journals of dead processes, then journal this one (STALLWATCH_JOURNAL) from its first
+    journaled operation on (`journal.FirstUse`)."""
     import functools
-
-    from opentelemetry import trace
-    from opentelemetry.sdk.trace import TracerProvider
 
     problem = (
         f"cannot use the journal in {settings.journal_dir}; the host goes on without the records it could not "
         "write (STALLWATCH_JOURNAL_DIR chooses another directory)"
     )
     report = functools.partial(FAULTS.record, "journal", "STALLWATCH_JOURNAL", problem)
-    provider = trace.get_tracer_provider()
-    journal.replay(  # it warns of each leak candidate and keeps it in the directory until it is confirmed
-        settings.journal_dir,
-        tracer_provider=provider if isinstance(provider, TracerProvider) else None,
-        on_error=report,
-    )
-    instrument(meter(), telemetry.CLOUD_RESOURCES_UNCONFIRMED, journal.Reporter(settings.journal_dir, report).observe)
-    current = journal.Journal(settings.journal_dir, on_error=report)
+    if journal.has_segments(settings.journal_dir):
+        from opentelemetry import trace
+        from opentelemetry.sdk.trace import TracerProvider
+
+        provider = trace.get_tracer_provider()
+        journal.replay(  # it warns of each leak candidate and keeps it in the directory until it is confirmed
+            settings.journal_dir,
+            tracer_provider=provider if isinstance(provider, TracerProvider) else None,
+            on_error=report,
+        )
+    observer = journal.UnconfirmedObserver(settings.journal_dir, report)
+    instrument(meter(), telemetry.CLOUD_RESOURCES_UNCONFIRMED, observer.observe)
+    current = journal.FirstUse(settings.journal_dir, report)
     journal.activate(current)
-    journal.install_recorder(current)
     return current
 
 
@@ -430,18 +432,34 @@ def _stop_unused_watchdog(watchdog: tuple[Any, subprocess.Popen[bytes]] | None) 
 
 
 def _instrument(settings: Settings) -> None:
-    """Install the instrumentors the settings ask for (they report through the global providers)."""
+    """Install the instrumentations the settings ask for (they report through the global providers);
+    one the host turned on already is left as it is. With the fast paths on, through their
+    `Installation`s, without loading `BaseInstrumentor` (an instrumentor's
+    `is_instrumented_by_opentelemetry` still says so: `sdk_compat.mirror_installation`); off, through
+    their instrumentors' `instrument()`."""
+    fast = sdk_compat.fast_paths()
     if settings.instrument_subprocess:
-        # footprint: loaded only when its instrumentation is on
-        from .instrument.subprocess import SubprocessInstrumentor
+        if fast:
+            # footprint: loaded only when its instrumentation is on
+            from .instrument.subprocess import installation as spawns
 
-        _instrument_once(SubprocessInstrumentor(), settings=settings)
+            spawns.INSTALLATION.switch_on(settings=settings)
+        else:
+            # footprint: BaseInstrumentor's module, loaded at setup() only with the fast paths off
+            from .instrument.subprocess import SubprocessInstrumentor
+
+            _instrument_once(SubprocessInstrumentor(), settings=settings)
     if settings.instrument_ssh:
-        # footprint: loaded only when its instrumentation is on
-        from .instrument.ssh import SSHTunnelInstrumentor
+        if fast:
+            # footprint: loaded only when its instrumentation is on
+            from .instrument import tunnels
 
-        # a host without dstack: nothing to wrap, nothing to log
-        _instrument_once(SSHTunnelInstrumentor(), skip_dep_check=True)
+            tunnels.INSTALLATION.switch_on()  # a host without dstack: nothing to wrap, nothing to log
+        else:
+            # footprint: BaseInstrumentor's module, loaded at setup() only with the fast paths off
+            from .instrument.ssh import SSHTunnelInstrumentor
+
+            _instrument_once(SSHTunnelInstrumentor(), skip_dep_check=True)
         _when_imported("paramiko", _instrument_paramiko, settings, "ssh", "STALLWATCH_INSTRUMENT_SSH")
     if settings.instrument_nebius:
         _when_imported("nebius", _instrument_nebius, settings, "nebius", "STALLWATCH_INSTRUMENT_NEBIUS")
@@ -449,10 +467,17 @@ def _instrument(settings: Settings) -> None:
         # footprint: with the executor instrumentation only
         from .detect import wedge
 
-        # footprint: loaded only when its instrumentation is on
-        from .instrument.executor import ExecutorInstrumentor
+        if fast:
+            # footprint: loaded only when its instrumentation is on
+            from .instrument import pools
 
-        if _instrument_once(ExecutorInstrumentor(), settings=settings):
+            installed = pools.INSTALLATION.switch_on(settings=settings)
+        else:
+            # footprint: BaseInstrumentor's module, loaded at setup() only with the fast paths off
+            from .instrument.executor import ExecutorInstrumentor
+
+            installed = _instrument_once(ExecutorInstrumentor(), settings=settings)
+        if installed:
             wedge.install(
                 wedge.WedgeSettings(settings.wedge_check_interval, settings.queue_stall_seconds, settings.executor_heal)
             )

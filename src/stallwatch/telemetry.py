@@ -8,22 +8,31 @@ that they match). Names follow the OpenTelemetry semantic conventions where one 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Literal
+
+from ._record import Record
 
 InstrumentKind = Literal[
     "counter", "updowncounter", "histogram", "observable_counter", "observable_updowncounter", "observable_gauge"
 ]
 
 
-@dataclass(frozen=True)
-class Attribute:
+AttributeType = Literal["string", "int", "double", "boolean", "string[]"]
+
+
+class Attribute(Record):
     """One attribute key with the values it may take and what it means."""
 
+    __slots__ = ("description", "name", "type", "values")
     name: str
     description: str
-    values: tuple[str, ...] = ()
-    type: Literal["string", "int", "double", "boolean", "string[]"] = "string"
+    values: tuple[str, ...]
+    type: AttributeType
+
+    def __init__(
+        self, name: str, description: str, values: tuple[str, ...] = (), type: AttributeType = "string"
+    ) -> None:
+        self._set(name=name, description=description, values=values, type=type)
 
 
 # Explicit boundaries in seconds for every duration histogram (the SDK's default ones are for milliseconds).
@@ -49,16 +58,27 @@ SSH_BUCKETS = fine_buckets(0.1)  # a tunnel opens or closes in a tenth of a seco
 NEBIUS_BUCKETS = fine_buckets(0.01)  # an API call answers in ten milliseconds at best
 
 
-@dataclass(frozen=True)
-class Metric:
+class Metric(Record):
     """One metric instrument: its name, kind, UCUM unit, meaning and attribute keys."""
 
+    __slots__ = ("attributes", "bounds", "description", "kind", "name", "unit")
     name: str
     kind: InstrumentKind
     unit: str
     description: str
-    attributes: tuple[Attribute, ...] = field(default_factory=tuple)
-    bounds: tuple[float, ...] = DURATION_BUCKETS  # a duration histogram's bucket boundaries
+    attributes: tuple[Attribute, ...]
+    bounds: tuple[float, ...]  # a duration histogram's bucket boundaries
+
+    def __init__(
+        self,
+        name: str,
+        kind: InstrumentKind,
+        unit: str,
+        description: str,
+        attributes: tuple[Attribute, ...] = (),
+        bounds: tuple[float, ...] = DURATION_BUCKETS,
+    ) -> None:
+        self._set(name=name, kind=kind, unit=unit, description=description, attributes=attributes, bounds=bounds)
 
     @property
     def buckets(self) -> tuple[float, ...] | None:
@@ -577,15 +597,28 @@ IDENTIFIERS = frozenset(
 last check before telemetry leaves the process (`core.scrub.scrub_attributes`) keeps them as they are."""
 
 
-@dataclass(frozen=True)
-class Span:
+SpanKindName = Literal["INTERNAL", "CLIENT"]
+
+
+class Span(Record):
     """One span stallwatch starts: its name, kind, meaning, attributes and events."""
 
+    __slots__ = ("attributes", "description", "events", "kind", "name")
     name: str
-    kind: Literal["INTERNAL", "CLIENT"]
+    kind: SpanKindName
     description: str
-    attributes: tuple[Attribute, ...] = ()
-    events: tuple[str, ...] = ()
+    attributes: tuple[Attribute, ...]
+    events: tuple[str, ...]
+
+    def __init__(
+        self,
+        name: str,
+        kind: SpanKindName,
+        description: str,
+        attributes: tuple[Attribute, ...] = (),
+        events: tuple[str, ...] = (),
+    ) -> None:
+        self._set(name=name, kind=kind, description=description, attributes=attributes, events=events)
 
 
 SUBPROCESS_SPAN = Span(
@@ -722,8 +755,11 @@ OTEL_TRACE_ID = Attribute(
 )
 
 
-@dataclass(frozen=True)
-class SentryEvent:
+SentryLevel = Literal["error", "warning"]
+SentrySender = Literal["host", "watchdog"]
+
+
+class SentryEvent(Record):
     """One kind of Sentry event: how it is grouped, what it says and which option turns it off.
 
     The fingerprint is `["stallwatch", kind, *values of grouping]`, and the title names only
@@ -731,15 +767,31 @@ class SentryEvent:
     keys of the event's `stallwatch` context (the variable facts: durations, counts, the log line).
     """
 
+    __slots__ = ("context", "description", "grouping", "kind", "level", "option", "sender", "tags", "title")
     kind: str
-    level: Literal["error", "warning"]
+    level: SentryLevel
     title: str
     grouping: tuple[Attribute, ...]
     tags: tuple[Attribute, ...]
     context: tuple[str, ...]
     option: str  # the `StallwatchIntegration` keyword that turns this kind off
-    sender: Literal["host", "watchdog"]
+    sender: SentrySender
     description: str
+
+    def __init__(
+        self,
+        kind: str,
+        level: SentryLevel,
+        title: str,
+        grouping: tuple[Attribute, ...],
+        tags: tuple[Attribute, ...],
+        context: tuple[str, ...],
+        option: str,
+        sender: SentrySender,
+        description: str,
+    ) -> None:
+        self._set(kind=kind, level=level, title=title, grouping=grouping, tags=tags, context=context, option=option,
+                  sender=sender, description=description)  # fmt: skip
 
 
 SENTRY_FREEZE = SentryEvent(

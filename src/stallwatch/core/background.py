@@ -19,28 +19,27 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 _log = logging.getLogger("stallwatch")
 IDLE_SECONDS = 1.0  # how long the thread sleeps when no task is due sooner (a job wakes it at once)
 
 
-@dataclass(eq=False)
 class Task:
     """A periodic task: `run()` every `seconds`, in process `pid` only."""
 
-    run: Callable[[], None]
-    seconds: float
-    pid: int = field(default_factory=os.getpid)
-    due: float = 0.0
+    def __init__(self, run: Callable[[], None], seconds: float, due: float = 0.0) -> None:
+        self.run = run
+        self.seconds = seconds
+        self.pid = os.getpid()
+        self.due = due
 
 
-@dataclass(eq=False)
 class Job:
     """A one-off job; `done` is set once it has run (whatever it raised)."""
 
-    run: Callable[[], None]
-    done: threading.Event = field(default_factory=threading.Event)
+    def __init__(self, run: Callable[[], None]) -> None:
+        self.run = run
+        self.done = threading.Event()
 
 
 _lock = threading.Lock()

@@ -37,6 +37,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from .. import telemetry
+from .._record import Record
 from .._version import __version__
 
 try:
@@ -45,26 +46,31 @@ except ImportError:  # SDK 1.27: no exemplars in its data points
     _SdkExemplar = None  # type: ignore[misc, assignment]  # the class exists from SDK 1.28 on
 
 
-@dataclass(frozen=True, slots=True)
-class BucketExemplar:
+class BucketExemplar(Record):
     """The last value recorded inside a sampled span into one bucket of one series."""
 
+    __slots__ = ("span_id", "time_ns", "trace_id", "value")
     value: float
     time_ns: int
     trace_id: int
     span_id: int
 
+    def __init__(self, value: float, time_ns: int, trace_id: int, span_id: int) -> None:
+        self._set(value=value, time_ns=time_ns, trace_id=trace_id, span_id=span_id)
 
-@dataclass(slots=True)
+
 class _Series:
     """One attribute set's cumulative state."""
 
-    start_ns: int
-    buckets: list[int]
-    count: int = 0
-    total: float = 0.0
-    low: float = math.inf
-    high: float = -math.inf
+    __slots__ = ("buckets", "count", "high", "low", "start_ns", "total")
+
+    def __init__(self, start_ns: int, buckets: list[int]) -> None:
+        self.start_ns = start_ns
+        self.buckets = buckets
+        self.count = 0
+        self.total = 0.0
+        self.low = math.inf
+        self.high = -math.inf
 
 
 @dataclass

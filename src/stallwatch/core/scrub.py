@@ -26,7 +26,6 @@ import os
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, cast
 
 from .. import telemetry
@@ -330,16 +329,16 @@ _QUOTED = _pattern(r"'[^']*'|\"(?:[^\"\\]|\\.)*\"", re.S)
 _KEY_PATH = _pattern(r".*(?:\.ssh/|(?:^|/)id_[^/]*$|key[^/]*$|\.(?:pem|ppk|p12|pfx)$)", re.S | re.I)
 
 
-@dataclass
 class _State:
     """What scrubbing one command line has learnt so far."""
 
-    extra: tuple[re.Pattern[str], ...]
-    program: str = ""  # context from the last known program word (`ssh`, `curl`, `login`, ...)
-    pending: str = ""  # action for the next word: the previous one was a secret option expecting a value
-    previous: str = ""  # previous word, lower-cased (for `set NAME VALUE`)
-    shell_next: bool = False  # the next argument is a shell command string (after `sh -c`)
-    redact_rest: bool = False  # `htpasswd -b`: the password is positional, so everything after goes
+    def __init__(self, extra: tuple[re.Pattern[str], ...]) -> None:
+        self.extra = extra
+        self.program = ""  # context from the last known program word (`ssh`, `curl`, `login`, ...)
+        self.pending = ""  # action for the next word: the previous one was a secret option expecting a value
+        self.previous = ""  # previous word, lower-cased (for `set NAME VALUE`)
+        self.shell_next = False  # the next argument is a shell command string (after `sh -c`)
+        self.redact_rest = False  # `htpasswd -b`: the password is positional, so everything after goes
 
     def kind(self, name: str, dashed: bool = False) -> str:
         """The action for the value of an option or key called `name` ('' when it is not secret)."""

@@ -1,6 +1,6 @@
 """Wedge detection for executors: the request that awaits forever while every counter is healthy.
 
-A worker's death is recorded the moment `_worker` returns abnormally (`instrument.executor`). A
+A worker's death is recorded the moment `_worker` returns abnormally (`instrument.pools`). A
 periodic check (a task on stallwatch's worker thread, added on first need, and again in a fork
 child that lives on) then finds what the death left behind:
 
@@ -21,7 +21,6 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry import trace
@@ -31,19 +30,19 @@ from .. import timeout as execution_timeouts
 from ..core import background
 from ..core.faults import FAULTS, to_sentry
 from ..core.scrub import MAX_NAME_CHARS, scrub_text
-from ..instrument import executor as ex
+from ..instrument import pools as ex
 from ..instrument.work_item import ExecutorState, ItemRecord, WorkerDied
 
 _log = logging.getLogger("stallwatch")
 
 
-@dataclass
 class WedgeSettings:
     """How the detector runs; set by `setup()` from `STALLWATCH_*` settings."""
 
-    interval: float = 0.5
-    queue_stall_seconds: float = 5.0
-    heal: bool = False
+    def __init__(self, interval: float = 0.5, queue_stall_seconds: float = 5.0, heal: bool = False) -> None:
+        self.interval = interval
+        self.queue_stall_seconds = queue_stall_seconds
+        self.heal = heal
 
 
 SETTINGS = WedgeSettings()

@@ -55,14 +55,16 @@ class _ForkState:
         self.drain_wanted = False  # telemetry was made after that: `drain_pending()` exports it
 
 
-@dataclass
 class _Deferred:
     """A worker restart deferred in a fork child: `restart(obj)` starts its thread; `drain(obj)`,
     when given, exports what `obj` holds on the calling thread instead."""
 
-    ref: weakref.ReferenceType[Any]
-    restart: Callable[[Any], object]
-    drain: Callable[[Any], object] | None
+    def __init__(
+        self, ref: weakref.ReferenceType[Any], restart: Callable[[Any], object], drain: Callable[[Any], object] | None
+    ) -> None:
+        self.ref = ref
+        self.restart = restart
+        self.drain = drain
 
 
 STATE = _ForkState()

@@ -25,7 +25,6 @@ import logging
 import re
 import threading
 from collections.abc import Callable, Collection, Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from .guard import STATE, defer, is_deferred, restart_pending
@@ -35,11 +34,11 @@ _log = logging.getLogger("stallwatch.forksafe")
 Method = Callable[..., Any]
 
 
-@dataclass
 class _Patch:
-    cls: type
-    name: str
-    original: Method
+    def __init__(self, cls: type, name: str, original: Method) -> None:
+        self.cls = cls
+        self.name = name
+        self.original = original
 
 
 _PATCHES: list[_Patch] = []

@@ -7,6 +7,11 @@ import), and the hook patches only while the instrumentor is on: a module import
 instrument → uninstrument → instrument is wrapped once, and one imported while it is off not at all.
 Each `instrument()` also starts the same way: its settings and its meter, from `start_settings` and
 `start_meter`.
+
+`setup()` switches the subprocess, executor and tunnel instrumentations through their `Installation`,
+without `BaseInstrumentor` (whose module loads `packaging` and the semantic conventions); their
+instrumentors switch the same one and, behind the SDK door (`sdk_compat.mirror_installation`), say
+they are instrumented while it is on. With `STALLWATCH_FAST_PATHS=false` `setup()` uses `instrument()`.
 """
 
 from __future__ import annotations
@@ -86,6 +91,33 @@ class ImportHooks:
         patch = self._patches.get(module.__name__)
         if patch is not None:
             patch(module)
+
+
+class Installation:
+    """Whether one instrumentation is on, and the `install(**kwargs)` and `uninstall(**kwargs)` that
+    switch it (with `instrument()`'s keyword arguments). `on` is true exactly while it is installed,
+    whoever switched it: `setup()` or its instrumentor."""
+
+    def __init__(self, install: Callable[..., None], uninstall: Callable[..., None]) -> None:
+        self._install = install
+        self._uninstall = uninstall
+        self.on = False
+
+    def switch_on(self, **kwargs: Any) -> bool:
+        """Install it unless it is on; True when this call did."""
+        if self.on:
+            return False
+        self._install(**kwargs)
+        self.on = True
+        return True
+
+    def switch_off(self, **kwargs: Any) -> bool:
+        """Uninstall it if it is on; True when this call did."""
+        if not self.on:
+            return False
+        self._uninstall(**kwargs)
+        self.on = False
+        return True
 
 
 class ForkReset:

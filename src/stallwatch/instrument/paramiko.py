@@ -40,7 +40,7 @@ from .._version import __version__
 from ..core import scrub
 from ..core.faults import FAULTS, Deferred, instrument, unwrap_method
 from ._lifecycle import ImportHooks, is_wrapper, start_meter, start_settings
-from .ssh import MAX_HOST_CHARS
+from .tunnels import MAX_HOST_CHARS
 
 _log = logging.getLogger("stallwatch")
 COMPONENT = "ssh"

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .names import SEGMENT_SUFFIX
+
 MAGIC = b"SWJ1"
 VERSION = 1
 HEADER_SIZE = 64
@@ -34,7 +36,6 @@ FRAME_MAGIC = b"\xa5J"
 _FRAME = struct.Struct("<2sII")
 FRAME_OVERHEAD = _FRAME.size
 MAX_RECORD_BYTES = 1 << 20
-SUFFIX = ".journal"
 # <host pid>-<host start time in clock ticks>.<role>.<segment number>.journal
 _NAME = re.compile(r"^(\d+)-(\d+)\.(host|watchdog)\.(\d+)\.journal$")
 
@@ -59,7 +60,7 @@ def encode(record: dict[str, Any]) -> bytes:
 
 
 def segment_name(pid: int, start_ticks: int, role: str, number: int) -> str:
-    return f"{pid}-{start_ticks}.{role}.{number:06d}{SUFFIX}"
+    return f"{pid}-{start_ticks}.{role}.{number:06d}{SEGMENT_SUFFIX}"
 
 
 @dataclass(frozen=True)

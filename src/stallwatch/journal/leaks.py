@@ -29,8 +29,8 @@ from opentelemetry.metrics import CallbackOptions, Observation
 
 from .. import telemetry
 from .._private import make_directories, opener
+from .names import UNCONFIRMED
 
-UNCONFIRMED = "unconfirmed"
 _LOCK = "reporter.lock"
 _KEY = re.compile(r"\d+-\d+-\d+")
 

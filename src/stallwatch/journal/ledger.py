@@ -28,8 +28,8 @@ from opentelemetry import context as context_api
 
 from .. import telemetry
 from ..core.scrub import clip_text
+from .names import LOGGER_NAME
 
-LOGGER_NAME = "stallwatch.cloud"
 _log = logging.getLogger(LOGGER_NAME)
 _log.setLevel(logging.INFO)
 _ids = itertools.count(1)

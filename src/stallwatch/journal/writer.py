@@ -583,35 +583,3 @@ def install_recorder(journal: Journal) -> JournalRecorder:
     recorder = JournalRecorder(journal, ledger.recorder())
     ledger.set_recorder(recorder)
     return recorder
-
-
-_active: Journal | None = None
-
-
-def activate(journal: Journal | None) -> Journal | None:
-    """Make `journal` the one `span_started`/`span_ended` write to (None: none); returns the previous."""
-    global _active
-    previous, _active = _active, journal
-    return previous
-
-
-def active() -> Journal | None:
-    """The journal instrumentations write to, if any."""
-    return _active
-
-
-def span_started(span: Any, component: str, *, durable: bool = False) -> dict[str, Any] | None:
-    """For instrumentations: record a started span in the active journal, if there is one; returns
-    the token to pass to `span_ended` (None when nothing was recorded)."""
-    journal = _active
-    if journal is not None:
-        return journal.span_started(span, component, durable=durable)
-    return None
-
-
-def span_ended(span: Any, *, durable: bool = False, started: dict[str, Any] | None = None) -> None:
-    """For instrumentations: record an ended span in the active journal, if there is one (see
-    `Journal.span_ended` for `started`)."""
-    journal = _active
-    if journal is not None:
-        journal.span_ended(span, durable=durable, started=started)

@@ -21,7 +21,6 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from time import perf_counter, time_ns
 from typing import Any
 
@@ -91,17 +90,27 @@ class Child:
         self.observer = SPAWN_OBSERVER.get()
 
 
-@dataclass
 class State:
     """What one `instrument()` made: the tracer, the instruments and the settings the wrappers read."""
 
-    tracer: trace.Tracer
-    spawn_duration: Deferred
-    exits: Counts
-    active: Any  # the observable instrument that reads `_open`
-    record_args: bool
-    patterns: tuple[Any, ...]
-    propagate: bool
+    def __init__(
+        self,
+        *,
+        tracer: trace.Tracer,
+        spawn_duration: Deferred,
+        exits: Counts,
+        active: Any,  # the observable instrument that reads `_open`
+        record_args: bool,
+        patterns: tuple[Any, ...],
+        propagate: bool,
+    ) -> None:
+        self.tracer = tracer
+        self.spawn_duration = spawn_duration
+        self.exits = exits
+        self.active = active
+        self.record_args = record_args
+        self.patterns = patterns
+        self.propagate = propagate
 
 
 ACTIVE: State | None = None
