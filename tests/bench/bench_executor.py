@@ -168,7 +168,9 @@ class ExportTap:
 
     def attach(self, provider: Any) -> None:
         for processor in provider._active_span_processor._span_processors:
-            exporter = processor.span_exporter
+            # the SDK's BatchSpanProcessor, or stallwatch's on its shared export thread (`export.batching`)
+            lane = getattr(processor, "lane", None)
+            exporter = processor.span_exporter if lane is None else lane.exporter
             exporter.export = self._tap(exporter.export)
 
     def _tap(self, export: Any) -> Any:
@@ -177,7 +179,7 @@ class ExportTap:
             try:
                 return export(spans)
             finally:
-                self.cpu += time.thread_time() - start  # one exporting thread per processor
+                self.cpu += time.thread_time() - start  # of the thread that exports
                 self.spans += len(spans)
 
         return tapped
