@@ -23,6 +23,8 @@ signals:
   children PSS that no watchdog running as a Python process can go below.
 - ``stock+asyncio`` and ``stallwatch+asyncio``: ``stock`` and ``stallwatch`` in a host that imported
   asyncio before (an async server does), outside the timed set-up.
+- ``stallwatch_no_fast_paths``: ``stallwatch`` with ``STALLWATCH_FAST_PATHS=false``: what the
+  start-up fast path (the instrumentations switched on without loading ``BaseInstrumentor``) saves.
 
 The workers run as a user's install does, with bytecode caches: ``PYTHONDONTWRITEBYTECODE`` is
 dropped from their environment and one unmeasured warm-up round writes the caches the sources lack
@@ -51,8 +53,12 @@ from typing import Any
 
 from _machine import LoopbackReceiver, clean_env, install_stock_otlp, machine_info, rotated, worker_result
 
-CONFIGS = ("bare", "stock", "stallwatch", "floor", "stock+asyncio", "stallwatch+asyncio")
-PAIRS = {"stallwatch": "stock", "stallwatch+asyncio": "stock+asyncio"}  # measured config: its baseline
+CONFIGS = ("bare", "stock", "stallwatch", "floor", "stock+asyncio", "stallwatch+asyncio", "stallwatch_no_fast_paths")
+PAIRS = {  # measured config: its baseline
+    "stallwatch": "stock",
+    "stallwatch+asyncio": "stock+asyncio",
+    "stallwatch_no_fast_paths": "stock",
+}
 IDLE_SECONDS = 3.0
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 VERSIONED = ("opentelemetry-api", "opentelemetry-sdk", "opentelemetry-exporter-otlp-proto-http", "stallwatch")
@@ -93,7 +99,7 @@ def worker(config: str) -> dict[str, Any]:
     start = time.perf_counter()
     if setup in ("stock", "floor"):
         install_stock_otlp(logging_handler=True)
-    elif setup == "stallwatch":
+    elif setup in ("stallwatch", "stallwatch_no_fast_paths"):
         import stallwatch.auto  # noqa: F401
     setup_ms = (time.perf_counter() - start) * 1000
     floor = None
@@ -132,6 +138,8 @@ def run_worker(config: str, endpoint: str) -> dict[str, Any]:
         "OTEL_METRICS_EXPORTER": "otlp",
         "OTEL_LOGS_EXPORTER": "otlp",
     }
+    if config == "stallwatch_no_fast_paths":
+        env["STALLWATCH_FAST_PATHS"] = "false"
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", config]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120, check=False)
     return worker_result(proc, f"worker {config}")
@@ -186,7 +194,8 @@ def render(summary: dict[str, dict[str, float]], runs: list[dict[str, Any]], inf
         "present, as in a user's install (an unmeasured warm-up round writes them). `floor` is `stock` "
         'plus the smallest Python process that could be a watchdog (`python -I -S -c "import time; '
         'time.sleep(...)"`) as its child. The `+asyncio` configurations import asyncio before their '
-        "set-up, as an async server does. USS counts the private pages only: PSS also divides the shared "
+        "set-up, as an async server does; `stallwatch_no_fast_paths` runs with `STALLWATCH_FAST_PATHS=false`. "
+        "USS counts the private pages only: PSS also divides the shared "
         "ones among every process that maps them, the other Python processes on the machine included, so "
         "it moves with what else runs there; USS does not.",
         "",
