@@ -275,3 +275,18 @@ def test_the_journal_loads_at_the_first_journaled_operation_and_threads_journali
     starts = sorted(record["name"] for record in journaled.host if record["type"] == "start")
     assert starts == [f"ssh.tunnel.open {number}" for number in range(8)]
     assert len(journaled.paths) == 1 and journaled.host[-1]["type"] == "close"
+
+
+@pytest.mark.parametrize("first", ["scan", "ReplayResult", "to_span", "replay"])
+def test_the_journals_replay_is_its_function_whichever_of_its_submodules_names_is_looked_up_first(first):
+    # The submodule is named `replay` too: loading it sets the package's `replay` to the module.
+    code = f"""
+import json, stallwatch.journal as journal
+getattr(journal, {first!r})
+from stallwatch.journal import replay
+print(json.dumps([callable(replay), type(replay).__name__]))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=60)
+
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == [True, "function"]

@@ -48,14 +48,16 @@ _SUBMODULE_OF = {name: submodule for submodule, names in _NAMES_OF.items() for n
 
 
 def __getattr__(name: str) -> Any:
-    """The package's names that live in a submodule, loading it on first lookup."""
+    """The package's names that live in a submodule, loading it on first lookup. All of that
+    submodule's names are bound at once: loading `replay` sets the package's `replay` to the
+    submodule, which the function of that name must replace whichever name was looked up first."""
     submodule = _SUBMODULE_OF.get(name)
     if submodule is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     # footprint: a submodule loads when one of its names is first looked up
-    value = getattr(importlib.import_module(f"{__name__}.{submodule}"), name)
-    globals()[name] = value
-    return value
+    module = importlib.import_module(f"{__name__}.{submodule}")
+    globals().update({each: getattr(module, each) for each in _NAMES_OF[submodule]})
+    return globals()[name]
 
 
 __all__ = [
