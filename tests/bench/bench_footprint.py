@@ -23,6 +23,9 @@ signals:
   children PSS that no watchdog running as a Python process can go below.
 - ``stock+asyncio`` and ``stallwatch+asyncio``: ``stock`` and ``stallwatch`` in a host that imported
   asyncio before (an async server does), outside the timed set-up.
+- ``stock+wrapt``: ``stock`` that also imports wrapt inside its timed set-up: the set-up time and RSS that
+  any wrapt-based instrumentation adds (wrapt 2's package imports asyncio), stallwatch's wrappers and the
+  OpenTelemetry contrib instrumentations alike: the floor of those two figures for stallwatch.
 - ``stallwatch_no_fast_paths``: ``stallwatch`` with ``STALLWATCH_FAST_PATHS=false``: what the
   start-up fast path (the instrumentations switched on without loading ``BaseInstrumentor``) saves.
 
@@ -53,7 +56,16 @@ from typing import Any
 
 from _machine import LoopbackReceiver, clean_env, install_stock_otlp, machine_info, rotated, worker_result
 
-CONFIGS = ("bare", "stock", "stallwatch", "floor", "stock+asyncio", "stallwatch+asyncio", "stallwatch_no_fast_paths")
+CONFIGS = (
+    "bare",
+    "stock",
+    "stallwatch",
+    "floor",
+    "stock+wrapt",
+    "stock+asyncio",
+    "stallwatch+asyncio",
+    "stallwatch_no_fast_paths",
+)
 PAIRS = {  # measured config: its baseline
     "stallwatch": "stock",
     "stallwatch+asyncio": "stock+asyncio",
@@ -99,6 +111,8 @@ def worker(config: str) -> dict[str, Any]:
     start = time.perf_counter()
     if setup in ("stock", "floor"):
         install_stock_otlp(logging_handler=True)
+        if host_kind == "wrapt":
+            import wrapt  # noqa: F401
     elif setup in ("stallwatch", "stallwatch_no_fast_paths"):
         import stallwatch.auto  # noqa: F401
     setup_ms = (time.perf_counter() - start) * 1000
@@ -164,8 +178,9 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 
 def judge(summary: dict[str, dict[str, float]]) -> list[tuple[str, str, float, str, str]]:
-    """(config, figure, its value, the goal, met or not) for every goal and measured config, and the
-    floor's host + children PSS against the same goal: what no Python watchdog process can go below."""
+    """(config, figure, its value, the goal, met or not) for every goal and measured config, the
+    floor's host + children PSS against the same goal (what no Python watchdog process can go below) and
+    ``stock+wrapt``'s set-up time and RSS against theirs (what no wrapt-based instrumentation can go below)."""
     verdicts = []
     for config, baseline in PAIRS.items():
         for figure, (kind, limit) in GOALS.items():
@@ -178,6 +193,10 @@ def judge(summary: dict[str, dict[str, float]]) -> list[tuple[str, str, float, s
     limit = GOALS["total_pss_mib"][1]
     floor = summary["floor"]["total_pss_mib"] / summary["stock"]["total_pss_mib"]
     verdicts.append(("floor", "total_pss_mib", floor, f"≤ {limit}x stock", "met" if floor <= limit else "**not met**"))
+    for figure in ("setup_ms", "host_rss_mib"):
+        limit = GOALS[figure][1]
+        floor = summary["stock+wrapt"][figure] / summary["stock"][figure]
+        verdicts.append(("stock+wrapt", figure, floor, f"≤ {limit}x stock", "met" if floor <= limit else "**not met**"))
     return verdicts
 
 
@@ -193,7 +212,9 @@ def render(summary: dict[str, dict[str, float]], runs: list[dict[str, Any]], inf
         "is the host's PSS plus its child processes' (stallwatch's freeze watchdog). Bytecode caches "
         "present, as in a user's install (an unmeasured warm-up round writes them). `floor` is `stock` "
         'plus the smallest Python process that could be a watchdog (`python -I -S -c "import time; '
-        'time.sleep(...)"`) as its child. The `+asyncio` configurations import asyncio before their '
+        'time.sleep(...)"`) as its child; `stock+wrapt` is `stock` that also imports wrapt in its timed '
+        "set-up (what every wrapt-based instrumentation loads; wrapt 2 imports asyncio). The `+asyncio` "
+        "configurations import asyncio before their "
         "set-up, as an async server does; `stallwatch_no_fast_paths` runs with `STALLWATCH_FAST_PATHS=false`. "
         "USS counts the private pages only: PSS also divides the shared "
         "ones among every process that maps them, the other Python processes on the machine included, so "
