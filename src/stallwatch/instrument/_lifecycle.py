@@ -10,8 +10,9 @@ Each `instrument()` also starts the same way: its settings and its meter, from `
 
 `setup()` switches the subprocess, executor and tunnel instrumentations through their `Installation`,
 without `BaseInstrumentor` (whose module loads `packaging` and the semantic conventions); their
-instrumentors switch the same one and, behind the SDK door (`sdk_compat.mirror_installation`), say
-they are instrumented while it is on. With `STALLWATCH_FAST_PATHS=false` `setup()` uses `instrument()`.
+instrumentors (`_instrumentor.InstallationInstrumentor`) switch the same one and, behind the SDK door
+(`sdk_compat.mirror_installation`), say they are instrumented while it is on. With
+`STALLWATCH_FAST_PATHS=false` `setup()` uses `instrument()`.
 """
 
 from __future__ import annotations

@@ -213,6 +213,19 @@ def _send_noted(
         raise
 
 
+def _note_on(
+    targets: Callable[[Any], Sequence[Fate]], target: Any, signum: int
+) -> list[tuple[Fate, tuple[int, int]]] | None:
+    """`signum` noted on each child `targets(target)` finds (None where it finds none); a failure is
+    counted and notes nothing."""
+    try:
+        fates = targets(target)
+        return _note(fates, signum) if fates else None
+    except Exception:
+        _fault()
+        return None
+
+
 def _sent(targets: Callable[[int], Sequence[Fate]]) -> Callable[..., Any]:
     """A wrapper for `os.kill`-like functions: `(target, signal, ...)`, positional only."""
 
@@ -221,21 +234,24 @@ def _sent(targets: Callable[[int], Sequence[Fate]]) -> Callable[..., Any]:
         if _by_pid and len(args) >= 2:
             target, signum = args[0], args[1]
             if type(target) is int and isinstance(signum, int) and signum > 0:
-                try:
-                    fates = targets(target)
-                    if fates:
-                        noted = _note(fates, signum)
-                except Exception:
-                    _fault()
+                noted = _note_on(targets, target, signum)
         return _send_noted(wrapped, args, kwargs, noted)
 
     return wrapper
 
 
+def _process_targets(process: asyncio.subprocess.Process) -> Sequence[Fate]:
+    """The child of `process` if its transport sends signals from C (uvloop's); none for the standard
+    library's transports, which reach `os.kill` or `signal.pidfd_send_signal` and are noted there, only
+    if the signal is really sent."""
+    if isinstance(process._transport, base_subprocess.BaseSubprocessTransport):  # type: ignore[attr-defined]
+        return ()
+    return _kill_targets(process.pid)
+
+
 def _process_signal(method: str) -> Callable[..., Any]:
-    """A wrapper for `asyncio.subprocess.Process.<method>`, which records the signal only where the
-    transport sends it from C (uvloop's): the standard library's transports reach `os.kill` or
-    `signal.pidfd_send_signal`, which record it themselves, and only if it is really sent."""
+    """A wrapper for `asyncio.subprocess.Process.<method>`, which records the signal where the process's
+    transport sends it from C (`_process_targets`)."""
     fixed = {"terminate": signal.SIGTERM, "kill": signal.SIGKILL}.get(method)
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -243,13 +259,7 @@ def _process_signal(method: str) -> Callable[..., Any]:
         if _by_pid:
             signum = fixed if fixed is not None else (args[0] if args else kwargs.get("signal"))
             if isinstance(signum, int) and signum > 0:
-                try:
-                    if not isinstance(instance._transport, base_subprocess.BaseSubprocessTransport):
-                        fates = _kill_targets(instance.pid)
-                        if fates:
-                            noted = _note(fates, signum)
-                except Exception:
-                    _fault()
+                noted = _note_on(_process_targets, instance, signum)
         return _send_noted(wrapped, args, kwargs, noted)
 
     return wrapper

@@ -5,11 +5,8 @@ on; `setup()` installs it through `pools.INSTALLATION`, without this module)."""
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import Any
 
-from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]
-
-from .. import sdk_compat
+from ._instrumentor import InstallationInstrumentor
 from .pools import (
     EXECUTORS,
     INSTALLATION,
@@ -22,7 +19,7 @@ from .pools import (
 )
 
 
-class ExecutorInstrumentor(BaseInstrumentor):
+class ExecutorInstrumentor(InstallationInstrumentor, installation=INSTALLATION):
     """Instruments every ThreadPoolExecutor built after `instrument()` (and the death hook for all).
 
     Keyword arguments of `instrument()`: `meter_provider`, `tracer_provider` (default: the global
@@ -32,15 +29,6 @@ class ExecutorInstrumentor(BaseInstrumentor):
 
     def instrumentation_dependencies(self) -> Collection[str]:
         return ()
-
-    def _instrument(self, **kwargs: Any) -> None:
-        INSTALLATION.switch_on(**kwargs)
-
-    def _uninstrument(self, **kwargs: Any) -> None:
-        INSTALLATION.switch_off(**kwargs)
-
-
-sdk_compat.mirror_installation(ExecutorInstrumentor, INSTALLATION)
 
 
 __all__ = [

@@ -5,11 +5,8 @@ this module passes on; `setup()` installs it through `tunnels.INSTALLATION`, wit
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import Any
 
-from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]
-
-from .. import sdk_compat
+from ._instrumentor import InstallationInstrumentor
 from .tunnels import (
     COMPONENT,
     DSTACK_TUNNEL_MODULE,
@@ -24,7 +21,7 @@ from .tunnels import (
 )
 
 
-class SSHTunnelInstrumentor(BaseInstrumentor):
+class SSHTunnelInstrumentor(InstallationInstrumentor, installation=INSTALLATION):
     """`ssh.tunnel.*` spans and metrics for dstack's `SSHTunnel`, wrapped when its module is imported
     (now, if it is); `uninstrument()` unwraps it.
 
@@ -33,15 +30,6 @@ class SSHTunnelInstrumentor(BaseInstrumentor):
 
     def instrumentation_dependencies(self) -> Collection[str]:
         return ("dstack >= 0.22, < 0.23",)
-
-    def _instrument(self, **kwargs: Any) -> None:
-        INSTALLATION.switch_on(**kwargs)
-
-    def _uninstrument(self, **kwargs: Any) -> None:
-        INSTALLATION.switch_off(**kwargs)
-
-
-sdk_compat.mirror_installation(SSHTunnelInstrumentor, INSTALLATION)
 
 
 __all__ = [

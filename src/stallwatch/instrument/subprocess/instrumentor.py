@@ -7,15 +7,12 @@ What it switches on and off is `installation`'s, which `setup()` switches withou
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import Any
 
-from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]
-
-from ... import sdk_compat
+from .._instrumentor import InstallationInstrumentor
 from .installation import INSTALLATION
 
 
-class SubprocessInstrumentor(BaseInstrumentor):
+class SubprocessInstrumentor(InstallationInstrumentor, installation=INSTALLATION):
     """Spans and metrics for every child process (see `stallwatch.instrument.subprocess`).
 
     Keyword arguments of `instrument()`: `tracer_provider`, `meter_provider` (default: the global
@@ -25,12 +22,3 @@ class SubprocessInstrumentor(BaseInstrumentor):
 
     def instrumentation_dependencies(self) -> Collection[str]:
         return ()  # the standard library's; uvloop's loop methods are wrapped when it is installed
-
-    def _instrument(self, **kwargs: Any) -> None:
-        INSTALLATION.switch_on(**kwargs)
-
-    def _uninstrument(self, **kwargs: Any) -> None:
-        INSTALLATION.switch_off(**kwargs)
-
-
-sdk_compat.mirror_installation(SubprocessInstrumentor, INSTALLATION)
