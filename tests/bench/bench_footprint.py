@@ -35,7 +35,9 @@ dropped from their environment and one unmeasured warm-up round writes the cache
 
 Each worker times its imports and set-up (``perf_counter`` around them, interpreter start-up
 excluded), then idles 3 s and reads its own RSS and PSS (``/proc/self/smaps_rollup``) and thread
-count (``/proc/self/task``), and the same for every child process (the watchdog). Rounds are
+count (``/proc/self/task``), and the same for every child process (the watchdog); then it records a
+span, a log record and a counter point, flushes the three signals and reads its RSS again (what it
+holds once it has exported: anything a set-up builds at its first export is counted there). Rounds are
 interleaved (the order rotated by one per round) and the figures are medians over rounds; the
 ratios are against ``stock`` (``stock+asyncio`` for ``stallwatch+asyncio``) from the same run. The
 load average is recorded before and after.
@@ -104,6 +106,22 @@ def children() -> list[int]:
     return [int(pid) for task in tasks for pid in Path(f"/proc/self/task/{task}/children").read_text().split()]
 
 
+def export_once() -> dict[str, float]:
+    """Record a span, a log record and a counter point through the global providers, flush all three
+    (each exporter sends one request), and read the host's memory then: what a set-up that builds
+    anything at its first export instead of at set-up holds once it has exported."""
+    import logging
+
+    from opentelemetry import _logs, metrics, trace
+
+    with trace.get_tracer("bench_footprint").start_as_current_span("export-once"):
+        logging.getLogger("bench_footprint").warning("export once")
+        metrics.get_meter("bench_footprint").create_counter("bench_footprint.exports").add(1)
+    for provider in (trace.get_tracer_provider(), metrics.get_meter_provider(), _logs.get_logger_provider()):
+        provider.force_flush()  # type: ignore[attr-defined]  # the SDK providers both set-ups install
+    return memory("self")
+
+
 def worker(config: str) -> dict[str, Any]:
     setup, _, host_kind = config.partition("+")
     if host_kind == "asyncio":
@@ -126,10 +144,12 @@ def worker(config: str) -> dict[str, Any]:
     if floor is not None:
         floor.kill()
         floor.wait()
+    exported = export_once() if setup != "bare" else host
     return {
         "config": config,
         "setup_ms": setup_ms,
         "host_rss_mib": host["rss_mib"],
+        "host_rss_exported_mib": exported["rss_mib"],
         "host_pss_mib": host["pss_mib"],
         "host_threads": host["threads"],
         "thread_names": sorted(thread.name for thread in threading.enumerate()),
@@ -162,6 +182,7 @@ def run_worker(config: str, endpoint: str) -> dict[str, Any]:
 FIGURES = (
     "setup_ms",
     "host_rss_mib",
+    "host_rss_exported_mib",
     "host_pss_mib",
     "host_threads",
     "total_pss_mib",
@@ -216,6 +237,9 @@ def render(summary: dict[str, dict[str, float]], runs: list[dict[str, Any]], inf
         "set-up (what every wrapt-based instrumentation loads; wrapt 2 imports asyncio). The `+asyncio` "
         "configurations import asyncio before their "
         "set-up, as an async server does; `stallwatch_no_fast_paths` runs with `STALLWATCH_FAST_PATHS=false`. "
+        "`host RSS after one export` is read after the idle figures, once the host has recorded a span, a "
+        "log record and a counter point and flushed each signal (one export each): what a set-up holds "
+        "once it has exported, including anything built at the first export rather than at set-up. "
         "USS counts the private pages only: PSS also divides the shared "
         "ones among every process that maps them, the other Python processes on the machine included, so "
         "it moves with what else runs there; USS does not.",
@@ -224,13 +248,14 @@ def render(summary: dict[str, dict[str, float]], runs: list[dict[str, Any]], inf
         f"commit {info['git_commit']}{' (dirty)' if info['git_dirty'] else ''}; {info['date']}; load average "
         f"{' '.join(info['loadavg'])} before, {' '.join(info['loadavg_after'])} after.",
         "",
-        "| config | setup ms | host RSS MiB | host PSS MiB | host threads | host + children PSS MiB "
-        "| host + children RSS MiB | host + children USS MiB |",
-        "|---|---|---|---|---|---|---|---|",
+        "| config | setup ms | host RSS MiB | host RSS after one export MiB | host PSS MiB | host threads "
+        "| host + children PSS MiB | host + children RSS MiB | host + children USS MiB |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for config, row in summary.items():
         lines.append(
-            f"| {config} | {row['setup_ms']:.0f} | {row['host_rss_mib']:.1f} | {row['host_pss_mib']:.1f} | "
+            f"| {config} | {row['setup_ms']:.0f} | {row['host_rss_mib']:.1f} | {row['host_rss_exported_mib']:.1f} | "
+            f"{row['host_pss_mib']:.1f} | "
             f"{row['host_threads']:.0f} | {row['total_pss_mib']:.1f} | {row['total_rss_mib']:.1f} | "
             f"{row['total_uss_mib']:.1f} |"
         )
