@@ -3,6 +3,7 @@ measures the rest)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -335,7 +336,7 @@ stallwatch.shutdown(timeout=5)
 
 @pytest.mark.parametrize("first", ["scan", "ReplayResult", "to_span", "replay"])
 def test_the_journals_replay_is_its_function_whichever_of_its_submodules_names_is_looked_up_first(first):
-    # The submodule is named `replay` too: loading it sets the package's `replay` to the module.
+    # Loading a submodule sets the package's attribute of its name to the module.
     code = f"""
 import json, stallwatch.journal as journal
 getattr(journal, {first!r})
@@ -346,3 +347,15 @@ print(json.dumps([callable(replay), type(replay).__name__]))
 
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == [True, "function"]
+
+
+@pytest.mark.parametrize("package", ["stallwatch", "stallwatch.journal"])
+def test_no_module_of_a_package_with_names_loaded_at_first_use_is_named_like_one_of_its_names(package):
+    # Loading `package.x` sets the package's `x` to that module, hiding a function or class named `x`.
+    module = importlib.import_module(package)
+    directory = Path(module.__file__).parent
+    submodules = {path.stem for path in directory.glob("*.py")} | {
+        path.parent.name for path in directory.glob("*/__init__.py")
+    }
+
+    assert submodules & set(module.__all__) == set()
