@@ -5,6 +5,7 @@ and pickling."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import pickle
 
 import pytest
@@ -71,3 +72,19 @@ def test_an_intents_and_an_outcomes_text_fields_are_clipped_and_a_missing_one_is
     assert intent.resource_type == "?" and len(intent.rpc) == ledger.MAX_FIELD_CHARS and intent.resource_id is None
     assert intent.number != ledger.Intent("create", "disk", "rpc", "1" * 32, "2" * 16).number
     assert outcome.status == "?" and outcome.operation_id is not None and "\udc80" not in outcome.operation_id
+
+
+def test_settings_compare_without_their_problems_and_replace_copy_pickle_and_show_as_a_frozen_dataclass():
+    settings = config.Settings.load(environ={"STALLWATCH_FREEZE_THRESHOLD": "oops"})
+    default = config.Settings.load(environ={})
+
+    assert settings.problems and settings == default and settings != dataclasses.replace(default, strict=True)
+    assert dataclasses.replace(settings, faulthandler=True).faulthandler is True
+    assert copy.deepcopy(settings) == settings == pickle.loads(pickle.dumps(settings))
+    assert repr(settings).startswith("Settings(disabled=False, service_name=None, ") and "problems=(" in repr(settings)
+    with pytest.raises(TypeError, match="unhashable type: 'dict'"):  # its mappings are dicts
+        hash(settings)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.strict = True  # type: ignore[misc]
+    with pytest.raises(TypeError, match="unexpected keyword argument 'colour'"):
+        config.Settings(colour="red")
