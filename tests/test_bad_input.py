@@ -460,7 +460,8 @@ LEDGER_FIELDS = st.one_of(
 def test_ledger_records_and_journal_frames_from_any_intent_and_outcome(intent_fields, outcome_fields):
     intent = ledger.Intent(*intent_fields)
     outcome = ledger.Outcome(*outcome_fields)
-    for value in (*vars(intent).values(), *vars(outcome).values()):
+    for value in (*(getattr(intent, name) for name in intent.__slots__),
+                  *(getattr(outcome, name) for name in outcome.__slots__)):  # fmt: skip
         assert value is None or isinstance(value, (bool, int)) or len(value) <= ledger.MAX_FIELD_CHARS
     cloud_log = logging.getLogger(ledger.LOGGER_NAME)
     records = _Records()

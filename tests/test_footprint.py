@@ -3,6 +3,7 @@ measures the rest)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -264,7 +265,6 @@ def test_the_journal_loads_at_the_first_journaled_operation_and_threads_journali
         "at_setup": [
             "stallwatch.journal",
             "stallwatch.journal.current",
-            "stallwatch.journal.ledger",
             "stallwatch.journal.names",
         ],
         "writer": True,
@@ -277,9 +277,66 @@ def test_the_journal_loads_at_the_first_journaled_operation_and_threads_journali
     assert len(journaled.paths) == 1 and journaled.host[-1]["type"] == "close"
 
 
+_LEDGER_FIRST_USE = """
+import json, sys, stallwatch
+stallwatch.setup()
+at_setup = "stallwatch.journal.ledger" in sys.modules
+from stallwatch.journal import ledger
+recorded = []
+class Host:
+    def __init__(self, chain):
+        self.chain = chain
+    def intent(self, intent):
+        recorded.append(intent.resource_type)
+        self.chain.intent(intent)
+    def outcome(self, intent, outcome):
+        self.chain.outcome(intent, outcome)
+ledger.set_recorder(Host(ledger.recorder()))
+ledger.recorder().intent(ledger.Intent("create", "compute.instance", "nebius.compute.v1.InstanceService/Create",
+                                       "0" * 32, "0" * 16))
+print(json.dumps({"at_setup": at_setup, "recorded": recorded}), flush=True)
+stallwatch.shutdown(timeout=5)
+"""
+
+
+def test_the_ledger_loads_at_its_first_use_after_setup_and_its_intents_are_journaled_then_passed_on(tmp_path):
+    env = clean_env(STALLWATCH_JOURNAL_DIR=str(tmp_path / "journal"), STALLWATCH_WATCHDOG="false",
+                    OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none", OTEL_LOGS_EXPORTER="none")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", _LEDGER_FIRST_USE], env=env, capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[0]) == {"at_setup": False, "recorded": ["compute.instance"]}
+    from stallwatch.journal import scan
+
+    (journaled,) = scan(tmp_path / "journal")
+    intents = [record for record in journaled.host if record["type"] == "intent"]
+    assert [(intent["action"], intent["resource_type"]) for intent in intents] == [("create", "compute.instance")]
+
+
+def test_doctor_and_its_report_load_at_first_use_and_stay_the_function_and_the_class_once_loaded():
+    code = """
+import json, sys, stallwatch
+stallwatch.setup()
+at_setup = set(sys.modules)
+report = stallwatch.doctor(probe=False)
+import stallwatch.checkup
+function = callable(stallwatch.doctor) and not isinstance(stallwatch.doctor, type(sys))
+print(json.dumps(["stallwatch.checkup" not in at_setup, type(report) is stallwatch.Report,
+                  type(stallwatch.audit()).__name__, function]), flush=True)
+stallwatch.shutdown(timeout=5)
+"""
+    env = clean_env(STALLWATCH_WATCHDOG="false", STALLWATCH_JOURNAL="false", OTEL_TRACES_EXPORTER="none",
+                    OTEL_METRICS_EXPORTER="none", OTEL_LOGS_EXPORTER="none")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[0]) == [True, True, "Report", True]
+
+
 @pytest.mark.parametrize("first", ["scan", "ReplayResult", "to_span", "replay"])
 def test_the_journals_replay_is_its_function_whichever_of_its_submodules_names_is_looked_up_first(first):
-    # The submodule is named `replay` too: loading it sets the package's `replay` to the module.
+    # Loading a submodule sets the package's attribute of its name to the module.
     code = f"""
 import json, stallwatch.journal as journal
 getattr(journal, {first!r})
@@ -290,3 +347,15 @@ print(json.dumps([callable(replay), type(replay).__name__]))
 
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == [True, "function"]
+
+
+@pytest.mark.parametrize("package", ["stallwatch", "stallwatch.journal"])
+def test_no_module_of_a_package_with_names_loaded_at_first_use_is_named_like_one_of_its_names(package):
+    # Loading `package.x` sets the package's `x` to that module, hiding a function or class named `x`.
+    module = importlib.import_module(package)
+    directory = Path(module.__file__).parent
+    submodules = {path.stem for path in directory.glob("*.py")} | {
+        path.parent.name for path in directory.glob("*/__init__.py")
+    }
+
+    assert submodules & set(module.__all__) == set()

@@ -37,7 +37,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "stallwatch",
             "stallwatch.auto",
             "stallwatch.cli",
-            "stallwatch.doctor",
+            "stallwatch.checkup",
             "stallwatch.demo",
             "stallwatch.demo_incidents",
             "stallwatch.postmortem",

@@ -17,19 +17,21 @@ before gRPC loads. The public surface:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import forksafe as _forksafe
 from . import session as _session
 from ._version import __version__
 from .config import ConfigError, Settings
-from .doctor import Report, doctor
 from .forksafe.loop import uvicorn_loop
 from .instrument.tunnels import instrument_tunnel
 from .instrument.work_item import WorkerDied
 from .interrupt import Interrupted, Work, current_work, interrupt_thread
 from .session import Session, shutdown
 from .timeout import execution_timeout
+
+if TYPE_CHECKING:
+    from .checkup import Report
 
 FORK_SAFETY = _forksafe.install()
 
@@ -51,9 +53,29 @@ def setup(**overrides: Any) -> Session:
     return _session.setup(FORK_SAFETY, **overrides)
 
 
+def doctor(probe: bool = True, journal: dict[str, Any] | None = None) -> Report:
+    """Report the fork hazards left in this process (`stallwatch.checkup.doctor`); `probe=False` skips the
+    test fork."""
+    # footprint: the checkup loads when a report is asked for, not at every start
+    from .checkup import doctor as checkup
+
+    return checkup(probe=probe, journal=journal)
+
+
 def audit() -> Report:
     """Same as `doctor()`: the structured fork-hazard report of this process."""
     return doctor()
+
+
+def __getattr__(name: str) -> Any:
+    """`Report`, the class of `doctor()`'s result, loading its module at first lookup."""
+    if name != "Report":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    # footprint: the checkup loads when a report is asked for, not at every start
+    from .checkup import Report
+
+    globals()["Report"] = Report
+    return Report
 
 
 __all__ = [

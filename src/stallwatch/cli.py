@@ -14,8 +14,8 @@ from pathlib import Path
 import stallwatch
 
 from . import journal
+from .checkup import Sandbox
 from .config import ConfigError, Settings
-from .doctor import Sandbox
 
 OVERVIEW = """\
 Keep an async Python server from freezing silently or wedging unseen: start stallwatch in it,

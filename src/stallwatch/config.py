@@ -460,11 +460,15 @@ def _default_journal_dir() -> Path:
     return _state_dir("journal")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False, repr=False, eq=False)
 class Settings:
     """Validated settings of one stallwatch session. Build with `Settings.load()`.
 
     `problems` lists the settings that were refused and what is used instead (not a keyword of `load`).
+    A frozen dataclass (`dataclasses.fields` and `replace` work on it) whose keyword-only `__init__`,
+    `__repr__`, `__eq__` and `__hash__` are written once below over its fields, not compiled from source
+    by `dataclass` when the class is made, at every start; they behave as the generated ones did (`problems`
+    takes no part in equality and hashing).
     """
 
     disabled: bool = False
@@ -510,6 +514,34 @@ class Settings:
     watchdog_prometheus_port: int = 9465
     watchdog_last_scrape_timeout: float = 35.0
     problems: tuple[Problem, ...] = field(default=(), compare=False)
+
+    def __init__(self, **values: Any) -> None:
+        for each in fields(self):
+            if each.name in values:
+                value = values.pop(each.name)
+            elif each.default_factory is not MISSING:
+                value = each.default_factory()
+            else:
+                value = each.default
+            object.__setattr__(self, each.name, value)
+        if values:
+            raise TypeError(f"Settings() got an unexpected keyword argument {next(iter(values))!r}")
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{each.name}={getattr(self, each.name)!r}" for each in fields(self))
+        return f"{type(self).__qualname__}({shown})"
+
+    def _compared(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, each.name) for each in fields(self) if each.compare)
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        assert isinstance(other, Settings)
+        return self._compared() == other._compared()
+
+    def __hash__(self) -> int:
+        return hash(self._compared())
 
     @classmethod
     def load(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:

@@ -36,8 +36,8 @@ from typing import Any
 from opentelemetry import _logs, metrics, trace
 
 from . import postmortem, setup, shutdown
+from .checkup import probe_fork_handlers
 from .demo_incidents import UnansweredCloud, command
-from .doctor import probe_fork_handlers
 from .export.file import FileLogExporter, FileMetricExporter, FileSpanExporter
 from .forksafe import guard
 from .forksafe.loop import loop_kind

@@ -21,7 +21,6 @@ import threading
 import time
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 from opentelemetry.sdk.metrics.export import (
@@ -73,19 +72,17 @@ class _Series:
         self.high = -math.inf
 
 
-@dataclass
 class OwnHistogram:
-    """A cumulative explicit-bucket histogram, aggregated as the SDK's default aggregation does."""
+    """A cumulative explicit-bucket histogram, aggregated as the SDK's default aggregation does, with
+    the metric's buckets (the duration buckets when it names none)."""
 
-    metric: telemetry.Metric
-    bounds: tuple[float, ...] = ()
-    _series: dict[tuple[tuple[str, Any], ...], _Series] = field(default_factory=dict)
-    _exemplars: dict[tuple[tuple[str, Any], ...], dict[int, BucketExemplar]] = field(default_factory=dict)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-    _pid: int = field(default_factory=os.getpid)
-
-    def __post_init__(self) -> None:
-        self.bounds = self.metric.buckets or telemetry.DURATION_BUCKETS
+    def __init__(self, metric: telemetry.Metric) -> None:
+        self.metric = metric
+        self.bounds: tuple[float, ...] = metric.buckets or telemetry.DURATION_BUCKETS
+        self._series: dict[tuple[tuple[str, Any], ...], _Series] = {}
+        self._exemplars: dict[tuple[tuple[str, Any], ...], dict[int, BucketExemplar]] = {}
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
 
     def _in_this_process(self) -> None:
         """In a fork child, start empty (the parent's values are the parent's) with a new lock (the

@@ -28,7 +28,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -611,17 +610,20 @@ _span_writer: HeartbeatArea | None = None  # the heartbeat this process writes i
 _lag_histogram: Any = None
 
 
-@dataclass(eq=False)
 class _LoopBeats:
     """One running event loop's heartbeat: at most one `_beat` callback is waiting on it at a time."""
 
-    loop: asyncio.AbstractEventLoop
-    area: HeartbeatArea
-    kind: str
-    sent: float = 0.0  # when the waiting callback was handed to the loop (monotonic)
-    waiting: bool = False
-    beaten: float = 0.0  # when the loop last beat (monotonic)
-    dumped: bool = False  # its stacks were written since (`_dump_blocked_loops`)
+    __slots__ = ("area", "beaten", "dumped", "kind", "loop", "sent", "waiting")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, area: HeartbeatArea, kind: str, sent: float,
+                 waiting: bool, beaten: float) -> None:  # fmt: skip
+        self.loop = loop
+        self.area = area
+        self.kind = kind
+        self.sent = sent  # when the waiting callback was handed to the loop (monotonic)
+        self.waiting = waiting
+        self.beaten = beaten  # when the loop last beat (monotonic)
+        self.dumped = False  # its stacks were written since (`_dump_blocked_loops`)
 
 
 _loops: dict[int, _LoopBeats] = {}

@@ -5,8 +5,8 @@ OpenTelemetry SDK classes, the gRPC fork guard and uvloop's spawns without fork.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
+from .._record import Record
 from ..config import IMPORT_PROBLEMS, SDK_LOADED_BEFORE_STALLWATCH, env_flag, load_opentelemetry, uvloop_spawn_at_import
 from . import grpc_guard, guard, otel_compat, uvloop_spawn
 
@@ -16,17 +16,33 @@ _log = logging.getLogger("stallwatch.forksafe")
 load_opentelemetry()
 
 
-@dataclass(frozen=True)
-class ForkSafety:
-    """What `import stallwatch` did to make forks safe, for `doctor` and `setup()`."""
+class ForkSafety(Record):
+    """What `import stallwatch` did to make forks safe, for `doctor` and `setup()`: `preexisting` counts
+    the OpenTelemetry objects built before it, by class; `error` names a bad `STALLWATCH_FORK_GUARD` or
+    `STALLWATCH_GRPC_FORK_GUARD` (then at its default); `uvloop_spawn` is `STALLWATCH_UVLOOP_SPAWN` as
+    read at import."""
 
+    __slots__ = ("error", "grpc", "guard_enabled", "patched", "preexisting", "sdk_loaded_before", "uvloop_spawn")
     guard_enabled: bool
     grpc: grpc_guard.GrpcGuardState
     sdk_loaded_before: bool
-    patched: tuple[str, ...] = ()
-    preexisting: dict[str, int] = field(default_factory=dict)
-    error: str | None = None  # a bad STALLWATCH_FORK_GUARD or STALLWATCH_GRPC_FORK_GUARD, then at its default
-    uvloop_spawn: str = "vfork"  # STALLWATCH_UVLOOP_SPAWN as read at import
+    patched: tuple[str, ...]
+    preexisting: dict[str, int]
+    error: str | None
+    uvloop_spawn: str
+
+    def __init__(self, guard_enabled: bool, grpc: grpc_guard.GrpcGuardState, sdk_loaded_before: bool,
+                 patched: tuple[str, ...] = (), preexisting: dict[str, int] | None = None, error: str | None = None,
+                 uvloop_spawn: str = "vfork") -> None:  # fmt: skip
+        self._set(
+            guard_enabled=guard_enabled,
+            grpc=grpc,
+            sdk_loaded_before=sdk_loaded_before,
+            patched=patched,
+            preexisting={} if preexisting is None else preexisting,
+            error=error,
+            uvloop_spawn=uvloop_spawn,
+        )
 
 
 INSTALLED: ForkSafety | None = None  # what `install()` did (`import stallwatch` calls it)

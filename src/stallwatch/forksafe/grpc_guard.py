@@ -14,7 +14,8 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass
+
+from .._record import Record
 
 VARIABLE = "GRPC_ENABLE_FORK_SUPPORT"
 GRPC_THREAD_NAMES = frozenset({"event_engine", "lifeguard", "grpc_global_tim"})
@@ -25,14 +26,19 @@ _ABSL_TRUE = ("1", "true", "t", "yes", "y")
 _log = logging.getLogger("stallwatch.forksafe")
 
 
-@dataclass(frozen=True)
-class GrpcGuardState:
+class GrpcGuardState(Record):
     """What the guard found and did at import time."""
 
+    __slots__ = ("enabled", "grpc_loaded_before", "grpc_running_before", "user_value")
     enabled: bool
     grpc_loaded_before: bool
     grpc_running_before: bool
     user_value: str | None
+
+    def __init__(self, enabled: bool, grpc_loaded_before: bool, grpc_running_before: bool,
+                 user_value: str | None) -> None:  # fmt: skip
+        self._set(enabled=enabled, grpc_loaded_before=grpc_loaded_before, grpc_running_before=grpc_running_before,
+                  user_value=user_value)  # fmt: skip
 
     @property
     def hazard(self) -> str | None:

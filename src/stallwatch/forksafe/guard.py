@@ -22,11 +22,11 @@ import subprocess
 import threading
 import weakref
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import wrapt
 
+from .._record import Record
 from ..core import scrub
 from . import uvloop_layers
 from .grpc_guard import GrpcActivity
@@ -71,13 +71,15 @@ STATE = _ForkState()
 _grpc_activity = GrpcActivity()
 
 
-@dataclass
 class Registration:
     """One `os.register_at_fork` call made after `import stallwatch`."""
 
-    before: Handler | None
-    after_in_parent: Handler | None
-    after_in_child: Handler | None
+    __slots__ = ("after_in_child", "after_in_parent", "before")
+
+    def __init__(self, before: Handler | None, after_in_parent: Handler | None, after_in_child: Handler | None) -> None:
+        self.before = before
+        self.after_in_parent = after_in_parent
+        self.after_in_child = after_in_child
 
     @property
     def description(self) -> str:
@@ -194,14 +196,23 @@ def _no_notes() -> SpawnNotes | None:
     return None
 
 
-@dataclass(frozen=True)
-class ForkListener:
-    """What the guard's own handlers call besides their bookkeeping; no-ops until `listen()`."""
+class ForkListener(Record):
+    """What the guard's own handlers call besides their bookkeeping; no-ops until `listen()`:
+    `before_fork` before a fork whose child may live on, `after_fork_in_parent` after that fork in the
+    parent, `in_child` first thing in every fork child, `spawn_notes` where to note a uvloop spawn (if
+    anywhere)."""
 
-    before_fork: Callable[[], None] = _nothing  # before a fork whose child may live on
-    after_fork_in_parent: Callable[[], None] = _nothing  # after that fork, in the parent
-    in_child: Callable[[], None] = _nothing  # first thing in every fork child
-    spawn_notes: Callable[[], SpawnNotes | None] = _no_notes  # where to note a uvloop spawn, if anywhere
+    __slots__ = ("after_fork_in_parent", "before_fork", "in_child", "spawn_notes")
+    before_fork: Callable[[], None]
+    after_fork_in_parent: Callable[[], None]
+    in_child: Callable[[], None]
+    spawn_notes: Callable[[], SpawnNotes | None]
+
+    def __init__(self, before_fork: Callable[[], None] = _nothing, after_fork_in_parent: Callable[[], None] = _nothing,
+                 in_child: Callable[[], None] = _nothing,
+                 spawn_notes: Callable[[], SpawnNotes | None] = _no_notes) -> None:  # fmt: skip
+        self._set(before_fork=before_fork, after_fork_in_parent=after_fork_in_parent, in_child=in_child,
+                  spawn_notes=spawn_notes)  # fmt: skip
 
 
 _listener = ForkListener()

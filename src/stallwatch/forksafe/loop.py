@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import importlib.metadata
 import importlib.util
-from dataclasses import dataclass
+
+from .._record import Record
 
 
 def loop_kind(loop: asyncio.AbstractEventLoop | None) -> str:
@@ -34,15 +35,20 @@ def package_version(name: str) -> str | None:
         return None
 
 
-@dataclass(frozen=True)
-class LoopReport:
+class LoopReport(Record):
     """Event-loop facts for `doctor`."""
 
+    __slots__ = ("libuv_version", "running", "uvicorn_auto_picks", "uvicorn_version", "uvloop_version")
     uvloop_version: str | None
     libuv_version: str | None
     uvicorn_version: str | None
     uvicorn_auto_picks: str | None
     running: str
+
+    def __init__(self, uvloop_version: str | None, libuv_version: str | None, uvicorn_version: str | None,
+                 uvicorn_auto_picks: str | None, running: str) -> None:  # fmt: skip
+        self._set(uvloop_version=uvloop_version, libuv_version=libuv_version, uvicorn_version=uvicorn_version,
+                  uvicorn_auto_picks=uvicorn_auto_picks, running=running)  # fmt: skip
 
 
 def loop_report() -> LoopReport:

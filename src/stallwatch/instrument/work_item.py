@@ -12,7 +12,6 @@ import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import thread as cf_thread
-from dataclasses import dataclass, field
 from typing import Any
 
 from opentelemetry import context as otel_context
@@ -68,23 +67,19 @@ class ItemRecord(_OriginalWorkItem):
     interrupt: Any = None  # the pending scoped interruption, see `interrupt`
 
 
-@dataclass(eq=False)
 class ExecutorState:
     """Per-executor accounting, reachable as `executor._stallwatch`."""
 
-    name: str
-    executor_ref: weakref.ReferenceType[ThreadPoolExecutor]
-    in_flight: list[ItemRecord] = field(default_factory=list)
-    deaths: list[tuple[threading.Thread, BaseException | None]] = field(default_factory=list)
-    orphans: list[ItemRecord] = field(default_factory=list)  # orphaned items whose futures may not be done yet
-    attributes: dict[str, str] = field(default_factory=dict)  # the metric attributes, built once
-    span_name: str = ""
-    # Where the queue and run durations of this pool's items wait for `drain_histograms()`.
-    durations: tuple[list[float], list[float]] = field(default_factory=lambda: ([], []))
-
-    def __post_init__(self) -> None:
-        self.attributes = {telemetry.EXECUTOR_NAME.name: self.name}
-        self.span_name = f"{self.name} work item"
+    def __init__(self, name: str, executor_ref: weakref.ReferenceType[ThreadPoolExecutor]) -> None:
+        self.name = name
+        self.executor_ref = executor_ref
+        self.in_flight: list[ItemRecord] = []
+        self.deaths: list[tuple[threading.Thread, BaseException | None]] = []
+        self.orphans: list[ItemRecord] = []  # orphaned items whose futures may not be done yet
+        self.attributes = {telemetry.EXECUTOR_NAME.name: name}  # the metric attributes, built once
+        self.span_name = f"{name} work item"
+        # Where the queue and run durations of this pool's items wait for `drain_histograms()`.
+        self.durations: tuple[list[float], list[float]] = ([], [])
         self.bind_histograms()
 
     def bind_histograms(self) -> None:

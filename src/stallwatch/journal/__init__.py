@@ -24,7 +24,7 @@ from .names import LOGGER_NAME, SEGMENT_SUFFIX, UNCONFIRMED
 if TYPE_CHECKING:
     from .frames import Corruption, Segment, read_segment
     from .leaks import Candidate, Reporter, candidates, confirm
-    from .replay import (
+    from .replaying import (
         INTERRUPTED,
         INTERRUPTED_REASON,
         InterruptedOperation,
@@ -40,17 +40,17 @@ if TYPE_CHECKING:
 _NAMES_OF = {
     "frames": ("Corruption", "Segment", "read_segment"),
     "leaks": ("Candidate", "Reporter", "candidates", "confirm"),
-    "replay": ("INTERRUPTED", "INTERRUPTED_REASON", "InterruptedOperation", "ProcessJournal", "ReplayResult",
-               "UnconfirmedResource", "replay", "scan", "to_span"),
+    "replaying": ("INTERRUPTED", "INTERRUPTED_REASON", "InterruptedOperation", "ProcessJournal", "ReplayResult",
+                  "UnconfirmedResource", "replay", "scan", "to_span"),
     "writer": ("Journal", "JournalRecorder", "install_recorder"),
 }  # fmt: skip
 _SUBMODULE_OF = {name: submodule for submodule, names in _NAMES_OF.items() for name in names}
 
 
 def __getattr__(name: str) -> Any:
-    """The package's names that live in a submodule, loading it on first lookup. All of that
-    submodule's names are bound at once: loading `replay` sets the package's `replay` to the
-    submodule, which the function of that name must replace whichever name was looked up first."""
+    """The package's names that live in a submodule, loading it on first lookup and binding all of its
+    names at once. No submodule is named like one of the package's names: loading a submodule sets the
+    package's attribute of that name to the module, which would hide the name (tests/test_footprint.py)."""
     submodule = _SUBMODULE_OF.get(name)
     if submodule is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

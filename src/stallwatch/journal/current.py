@@ -7,14 +7,17 @@ import os
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from . import ledger
+import wrapt
+
 from .names import SEGMENT_SUFFIX, UNCONFIRMED
 
 if TYPE_CHECKING:
     from opentelemetry.metrics import CallbackOptions, Observation
 
+    from . import ledger
     from .leaks import Reporter
     from .writer import Journal
 
@@ -35,7 +38,8 @@ class FirstUse:
     """The host's journal in `directory`, made at the first journaled operation (a span started, or a
     ledger intent or outcome) rather than at `setup()`; made, it is the active journal. From `setup()`
     on, the ledger's recorder journals each record in it, then passes it on to the recorder in place
-    before (as `install_recorder`'s does).
+    before (as `install_recorder`'s does); the ledger module, which a host that records no intent
+    never loads, is given that recorder when it loads.
 
     Making it opens no file (a segment opens at its first record). Threads that need it at once wait
     for the one making it; a fork child that finds it unmade makes its own, never waiting on a lock
@@ -47,8 +51,11 @@ class FirstUse:
         self._locks: dict[int, threading.Lock] = {}
         self._closed = False
         self.journal: Journal | None = None
-        self._recorder = _FirstUseRecorder(self, ledger.recorder())
-        ledger.set_recorder(self._recorder)
+        # footprint: the ledger loads when the host first records to it; runs now if it is loaded already
+        wrapt.register_post_import_hook(self._chain_ledger, f"{__package__}.ledger")
+
+    def _chain_ledger(self, ledger: ModuleType) -> None:
+        ledger.set_recorder(_FirstUseRecorder(self, ledger.recorder()))
 
     def get(self) -> Journal | None:
         """The journal, made now if this is its first use; None once closed."""

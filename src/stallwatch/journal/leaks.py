@@ -50,7 +50,7 @@ class Candidate:
 
 
 def record(journal_dir: Path, start_ticks: int, resources: Iterable[Any]) -> None:
-    """Keep each unconfirmed create of `resources` (`replay.UnconfirmedResource`s of one process,
+    """Keep each unconfirmed create of `resources` (`replaying.UnconfirmedResource`s of one process,
     whose start time is `start_ticks`) as an open candidate; writing one again changes nothing."""
     directory = journal_dir / UNCONFIRMED
     creates = [resource for resource in resources if resource.action == "create"]

@@ -21,12 +21,12 @@ import functools
 import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from opentelemetry import context as context_api
 
 from .. import telemetry
+from .._record import Record
 from ..core.scrub import clip_text
 from .names import LOGGER_NAME
 
@@ -41,45 +41,56 @@ EMIT_LATER: contextvars.ContextVar[Callable[[Callable[[], None]], None] | None] 
 callable that emits it in the span context it was recorded in, to this function instead of emitting it."""
 
 
-@dataclass(frozen=True)
-class Intent:
-    """A create/delete about to be sent: what, where, and the span that carries it."""
+class Intent(Record):
+    """A create/delete about to be sent: what (`action` "create" or "delete", `resource_type` e.g.
+    "compute.instance"), where (`rpc` e.g. "nebius.compute.v1.InstanceService/Create"), the span that
+    carries it, the resource's id when known before the call (a delete's), and its number in this
+    process. Text fields are normalised (`_required`, `_optional`)."""
 
-    action: str  # "create" or "delete"
-    resource_type: str  # e.g. "compute.instance"
-    rpc: str  # e.g. "nebius.compute.v1.InstanceService/Create"
+    __slots__ = ("action", "number", "resource_id", "resource_type", "rpc", "span_id", "trace_id")
+    action: str
+    resource_type: str
+    rpc: str
     trace_id: str
     span_id: str
-    resource_id: str | None = None  # known before the call for a delete
-    number: int = field(default_factory=lambda: next(_ids))
+    resource_id: str | None
+    number: int
 
-    def __post_init__(self) -> None:
-        _normalise(self, ("action", "resource_type", "rpc", "trace_id", "span_id"), ("resource_id",))
+    def __init__(self, action: str, resource_type: str, rpc: str, trace_id: str, span_id: str,
+                 resource_id: str | None = None, number: int | None = None) -> None:  # fmt: skip
+        self._set(action=_required(action), resource_type=_required(resource_type), rpc=_required(rpc),
+                  trace_id=_required(trace_id), span_id=_required(span_id), resource_id=_optional(resource_id),
+                  number=next(_ids) if number is None else number)  # fmt: skip
 
 
-@dataclass(frozen=True)
-class Outcome:
-    """What the cloud answered: the operation and resource ids, or the failure."""
+class Outcome(Record):
+    """What the cloud answered: the operation and resource ids, or the failure (`status`: a gRPC status
+    name, or `timeout` / `cancelled` / an exception class). Text fields are normalised (`_required`,
+    `_optional`)."""
 
+    __slots__ = ("ok", "operation_id", "request_id", "resource_id", "status")
     ok: bool
-    status: str  # gRPC status name, or `timeout` / `cancelled` / an exception class
-    operation_id: str | None = None
-    resource_id: str | None = None
-    request_id: str | None = None
+    status: str
+    operation_id: str | None
+    resource_id: str | None
+    request_id: str | None
 
-    def __post_init__(self) -> None:
-        _normalise(self, ("status",), ("operation_id", "resource_id", "request_id"))
+    def __init__(self, ok: bool, status: str, operation_id: str | None = None, resource_id: str | None = None,
+                 request_id: str | None = None) -> None:  # fmt: skip
+        self._set(ok=ok, status=_required(status), operation_id=_optional(operation_id),
+                  resource_id=_optional(resource_id), request_id=_optional(request_id))  # fmt: skip
 
 
-def _normalise(record: object, required: tuple[str, ...], optional: tuple[str, ...]) -> None:
-    """Make every text field of a frozen `record` fit for a log record, a journal frame and an attribute:
-    valid UTF-8 of at most `MAX_FIELD_CHARS` characters. A value that is no string (a buggy caller, a server
-    answering odd metadata) becomes "?" for a required field and None for an optional one: the record is
-    still written, since losing a create's intent is worse than losing one of its fields."""
-    for name in required:
-        object.__setattr__(record, name, clip_text(getattr(record, name), MAX_FIELD_CHARS) or "?")
-    for name in optional:
-        object.__setattr__(record, name, clip_text(getattr(record, name), MAX_FIELD_CHARS))
+# Every text field of an intent or outcome is made fit for a log record, a journal frame and an attribute:
+# valid UTF-8 of at most `MAX_FIELD_CHARS` characters. A value that is no string (a buggy caller, a server
+# answering odd metadata) becomes "?" for a required field and None for an optional one: the record is still
+# written, since losing a create's intent is worse than losing one of its fields.
+def _required(value: object) -> str:
+    return clip_text(value, MAX_FIELD_CHARS) or "?"
+
+
+def _optional(value: object) -> str | None:
+    return clip_text(value, MAX_FIELD_CHARS)
 
 
 class Recorder(Protocol):

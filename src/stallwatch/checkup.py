@@ -211,7 +211,13 @@ def doctor(probe: bool = True, journal: dict[str, Any] | None = None) -> Report:
         )
     return Report(
         versions=versions,
-        loop=asdict(loops),
+        loop={
+            "uvloop_version": loops.uvloop_version,
+            "libuv_version": loops.libuv_version,
+            "uvicorn_version": loops.uvicorn_version,
+            "uvicorn_auto_picks": loops.uvicorn_auto_picks,
+            "running": loops.running,
+        },
         grpc=grpc_info,
         fork_guard={
             "enabled": fork_safety.guard_enabled,
