@@ -12,7 +12,8 @@ Each `instrument()` also starts the same way: its settings and its meter, from `
 without `BaseInstrumentor` (whose module loads `packaging` and the semantic conventions); their
 instrumentors (`_instrumentor.InstallationInstrumentor`) switch the same one and, behind the SDK door
 (`sdk_compat.mirror_installation`), say they are instrumented while it is on. With
-`STALLWATCH_FAST_PATHS=false` `setup()` uses `instrument()`.
+`STALLWATCH_FAST_PATHS=false` `setup()` uses `instrument()`. `unwrap` takes a wrapper off at
+uninstall.
 """
 
 from __future__ import annotations
@@ -35,6 +36,15 @@ _log = logging.getLogger("stallwatch")
 Patch = Callable[[ModuleType], None]
 # Every wrapt proxy, FunctionWrapper included: wrapt 2's `ObjectProxy` is a subclass beside FunctionWrapper.
 _PROXY: type = getattr(wrapt, "BaseObjectProxy", wrapt.ObjectProxy)
+
+
+def unwrap(owner: object, name: str) -> None:
+    """`opentelemetry.instrumentation.utils.unwrap(owner, name)`: puts back what a wrapt wrapper wraps.
+
+    Footprint: that module loads the propagators when imported; only an uninstall needs it."""
+    from opentelemetry.instrumentation.utils import unwrap as unwrapped
+
+    unwrapped(owner, name)
 
 
 def start_settings(kwargs: Mapping[str, Any], part: str) -> Settings | None:

@@ -26,12 +26,11 @@ from time import time_ns
 from typing import Any
 
 import wrapt
-from opentelemetry.instrumentation.utils import unwrap
 
 from .. import telemetry
 from .._private import never_execed
 from ..core.faults import FAULTS, signal_name
-from ._lifecycle import ForkReset
+from ._lifecycle import ForkReset, unwrap
 
 COMPONENT = "subprocess"
 SETTING = "STALLWATCH_INSTRUMENT_SUBPROCESS"

@@ -31,7 +31,6 @@ from typing import Any
 import wrapt
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.instrumentation.utils import unwrap
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.trace import Status, StatusCode, TraceFlags
 
@@ -40,7 +39,7 @@ from .. import timeout as execution_timeouts
 from ..core import light_span
 from ..core.faults import FAULTS, Deferred, instrument
 from ..core.scrub import clip_text, scrub_text
-from ._lifecycle import Installation, start_meter, start_settings
+from ._lifecycle import Installation, start_meter, start_settings, unwrap
 from .work_item import DURATIONS, DURATIONS_LIMIT, SETTING, ExecutorState, ItemRecord, _OriginalWorkItem
 from .worker import WorkItem, _context_var, use_context
 

@@ -19,12 +19,12 @@ from time import perf_counter
 from typing import Any
 
 import wrapt
-from opentelemetry.instrumentation.utils import unwrap
 
 from ... import telemetry
 from ...core import scrub
 from ...forksafe import uvloop_layers, uvloop_spawn
 from .. import child_fate
+from .._lifecycle import unwrap
 from . import children
 from .children import (
     IN_LOOP_SPAWN,

@@ -15,9 +15,9 @@ from time import perf_counter
 from typing import Any
 
 import wrapt
-from opentelemetry.instrumentation.utils import unwrap
 
 from .. import child_fate
+from .._lifecycle import unwrap
 from . import children
 from .arguments import POPEN_POSITIONS, materialized, popen_command, popen_method
 from .children import (

@@ -14,8 +14,8 @@ from time import perf_counter
 from typing import Any
 
 import wrapt
-from opentelemetry.instrumentation.utils import unwrap
 
+from .._lifecycle import unwrap
 from . import children
 from .children import (
     IN_POPEN,
