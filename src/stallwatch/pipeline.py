@@ -33,7 +33,7 @@ from opentelemetry.sdk._logs import LoggerProvider, LoggingHandler
 from opentelemetry.sdk._logs import export as _log_export
 from opentelemetry.sdk._logs.export import LogExportResult
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, MetricReader
+from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, MetricExportResult, MetricReader
 from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider, sampling
@@ -360,7 +360,50 @@ def _exporter(settings: Settings, signal: str, name: str, pipeline: Pipeline) ->
         # The log exporter was renamed ConsoleLogRecordExporter in SDK 1.39; the old name warns there.
         console_log = getattr(_log_export, "ConsoleLogRecordExporter", None) or _log_export.ConsoleLogExporter
         return {"traces": ConsoleSpanExporter, "metrics": ConsoleMetricExporter, "logs": console_log}[signal]()
-    return _otlp_exporter(settings, signal)
+    if settings.protocol_for(signal) == "grpc" or not _builds_later(settings, signal):
+        return _otlp_exporter(settings, signal)
+    preferences = sdk_compat.otlp_http_metric_preferences() if signal == "metrics" else None
+    if signal == "metrics" and preferences is None:
+        return _otlp_exporter(settings, signal)
+    # footprint: the OTLP/HTTP exporter (its modules, protobuf, requests) is built at its first export
+    from .export.lazy import LazyExporter
+
+    failure = {"traces": SpanExportResult.FAILURE, "metrics": MetricExportResult.FAILURE}.get(signal)
+    return LazyExporter(
+        lambda: _otlp_exporter(settings, signal), LogExportResult.FAILURE if failure is None else failure, preferences
+    )
+
+
+# The OTLP variables an OTLP/HTTP exporter reads without ever refusing them: the endpoints and protocols
+# (checked by `config`), the timeouts (`config` refuses what the exporters would), the headers (the SDK
+# skips a malformed one with a warning). With any other set, the exporter is built at `setup()`, which
+# reports it if the exporter refuses it (`_otlp_exporter`).
+_NEVER_REFUSED = ("ENDPOINT", "PROTOCOL", "TIMEOUT", "HEADERS")
+_TEMPORALITY_PREFERENCE = "OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE"
+_HISTOGRAM_AGGREGATION = "OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION"
+_CHECKED_VALUES = {
+    _TEMPORALITY_PREFERENCE: ("cumulative", "delta", "lowmemory"),
+    _HISTOGRAM_AGGREGATION: ("explicit_bucket_histogram", "base2_exponential_bucket_histogram"),
+}
+
+
+def _builds_later(settings: Settings, signal: str) -> bool:
+    """Whether `signal`'s OTLP/HTTP exporter may be built at its first export: only in the host (the
+    watchdog builds its pipeline to export a freeze at once) and when building it now could neither
+    fail nor log a warning about the settings (see `_NEVER_REFUSED`)."""
+    if settings.resource_attributes.get(telemetry.RESOURCE_PROCESS_ROLE.name) == "watchdog":
+        return False
+    for name, value in os.environ.items():
+        if not name.startswith(("OTEL_EXPORTER_OTLP_", "OTEL_PYTHON_EXPORTER_OTLP_")):
+            continue
+        accepted = _CHECKED_VALUES.get(name)
+        if accepted is not None:
+            if signal == "metrics" and value.strip().lower() not in accepted:
+                return False
+            continue
+        if name.startswith("OTEL_PYTHON_") or not name.endswith(_NEVER_REFUSED):
+            return False
+    return True
 
 
 def _build_traces(settings: Settings, resource: Resource, pipeline: Pipeline) -> TracerProvider:

@@ -709,6 +709,24 @@ def exporter_preferences(exporter: Any) -> tuple[Any, Any]:
     return exporter._preferred_temporality, exporter._preferred_aggregation
 
 
+def otlp_http_metric_preferences() -> tuple[Any, Any] | None:
+    """(preferred temporality, preferred aggregation) the OTLP/HTTP metric exporter would be built with
+    from the environment, without building it (which loads its modules, protobuf and `requests`); None
+    where that is not known without building it. Exporter 1.45 computes both with the functions of
+    `opentelemetry.exporter.otlp.common._aggregation`; earlier ones with their own mixin's methods."""
+    try:
+        # footprint: the exporter package's __init__ and its version, not the exporter
+        from opentelemetry.exporter.otlp.proto.http import __version__ as http_version
+
+        major, minor = (int(part) for part in http_version.split(".")[:2])
+        if (major, minor) < (1, 45):
+            return None
+        from opentelemetry.exporter.otlp.common._aggregation import _get_aggregation, _get_temporality
+    except Exception:
+        return None
+    return _get_temporality(None), _get_aggregation(None)
+
+
 def immutable(attributes: BoundedAttributes) -> bool:
     """Whether a `BoundedAttributes` refuses changes: a log record's stay open to the processors after
     the one that reads them, a finished span's are closed (API 1.27 to 1.45; True if unknown)."""
