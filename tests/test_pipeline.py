@@ -412,3 +412,23 @@ def test_shutdown_returns_within_the_timeout_when_the_collector_hangs(silent_end
     assert "STALLWATCH_SHUTDOWN_TIMEOUT" in report["stderr"]
     # Interpreter exit is not held up by the export still stuck on the socket either.
     assert host_seconds < 30
+
+
+@pytest.mark.parametrize("imported_first", [False, True], ids=["uvloop-not-imported", "uvloop-imported"])
+def test_the_resource_carries_the_installed_uvloop_version_whether_or_not_the_host_imported_uvloop(imported_first):
+    pytest.importorskip("uvloop")
+    code = (
+        ("import uvloop\n" if imported_first else "") + "import importlib.metadata, json, sys, stallwatch\n"
+        "from opentelemetry import trace\n"
+        "stallwatch.setup()\n"
+        "attributes = trace.get_tracer_provider().resource.attributes\n"
+        "print(json.dumps([attributes.get('stallwatch.uvloop.version'), importlib.metadata.version('uvloop'),\n"
+        "                  'uvloop' in sys.modules]))\n"
+    )
+    proc = run_python(code, env={**clean_env(), "OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none",
+                                 "OTEL_LOGS_EXPORTER": "none", "STALLWATCH_WATCHDOG": "false"})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    carried, installed, loaded = json.loads(proc.stdout.splitlines()[-1])
+
+    assert carried == installed
+    assert loaded is imported_first  # the version is read without importing uvloop

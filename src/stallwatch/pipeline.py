@@ -17,9 +17,12 @@ hold the exit for every export timeout against a collector that never answers.
 from __future__ import annotations
 
 import errno
+import importlib.util
 import logging
 import os
+import re
 import signal
+import sys
 import threading
 import time
 import warnings
@@ -218,13 +221,38 @@ def build_resource(settings: Settings) -> Resource:
         telemetry.RESOURCE_VERSION.name: __version__,
         telemetry.RESOURCE_GRPC_FORK_SUPPORT.name: os.environ.get(grpc_guard.VARIABLE, "unset"),
     }
-    uvloop_version = package_version("uvloop")
+    uvloop_version = _uvloop_version()
     if uvloop_version:
         attributes[telemetry.RESOURCE_UVLOOP_VERSION.name] = uvloop_version
     attributes.update(settings.resource_attributes)
     if settings.service_name:
         attributes["service.name"] = settings.service_name
     return Resource.create(attributes)
+
+
+_VERSION_LINE = re.compile(r"""^__version__\s*=\s*['"]([^'"]+)['"]""", re.MULTILINE)
+
+
+def _uvloop_version() -> str | None:
+    """The installed uvloop's version, None if it is not installed, without reading the metadata of
+    every installed distribution: the module's `__version__` once it is imported, else the
+    `_version.py` it is imported from (uvloop's `__init__` takes its `__version__` from there), read
+    as text; the distribution's metadata only when neither says."""
+    module = sys.modules.get("uvloop")
+    version = getattr(module, "__version__", None)
+    if isinstance(version, str):
+        return version
+    try:
+        spec = importlib.util.find_spec("uvloop")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        return None
+    try:
+        found = _VERSION_LINE.search(Path(spec.origin or "").with_name("_version.py").read_text())
+    except (OSError, ValueError):
+        found = None
+    return found.group(1) if found else package_version("uvloop")
 
 
 def build(settings: Settings) -> Pipeline:
