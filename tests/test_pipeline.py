@@ -432,3 +432,22 @@ def test_the_resource_carries_the_installed_uvloop_version_whether_or_not_the_ho
 
     assert carried == installed
     assert loaded is imported_first  # the version is read without importing uvloop
+
+
+def test_a_session_equals_one_with_equal_fields_is_unhashable_and_shows_its_fields_as_its_dataclass_did():
+    from stallwatch import FORK_SAFETY
+    from stallwatch.config import Settings
+    from stallwatch.session import Session
+
+    settings = Settings.load(environ={})
+    session = Session(settings, FORK_SAFETY, error="off")
+
+    assert session == Session(settings, FORK_SAFETY, {}, "off")
+    assert session != Session(settings, FORK_SAFETY, error="other")
+    assert session.files == {} and session.files is not Session(None, FORK_SAFETY).files
+    assert repr(session) == (
+        f"Session(settings={settings!r}, fork_safety={FORK_SAFETY!r}, files={{}}, error='off', _pipeline=None, "
+        "_watchdog=None, _journal=None)"
+    )
+    with pytest.raises(TypeError):
+        hash(session)

@@ -27,7 +27,6 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -134,23 +133,22 @@ def _bounded_inline(work: Callable[[], None], timeout: float) -> bool:
             signal.setitimer(signal.ITIMER_REAL, remaining, host_interval)
 
 
-@dataclass
 class Pipeline:
-    """The providers stallwatch built and installed globally (None where the host owns one)."""
+    """The providers stallwatch built and installed globally (None where the host owns one); `build()`
+    fills it in."""
 
-    tracer_provider: TracerProvider | None = None
-    meter_provider: MeterProvider | None = None
-    logger_provider: LoggerProvider | None = None
-    log_handler: logging.Handler | None = None
-    files: dict[str, Path] = field(default_factory=dict)
-    prometheus_address: tuple[str, int] | None = None
-    scrapes: ScrapeCounter | None = None  # answered by the Prometheus endpoint
-    _closers: list[Callable[[], Any]] = field(default_factory=list)
-    _processors: list[CountingSpanProcessor | CountingLogProcessor] = field(default_factory=list)
-    _metric_exporters: list[GuardedMetricExporter] = field(default_factory=list)
-    _push_readers: list[MetricReader] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
+    def __init__(self) -> None:
+        self.tracer_provider: TracerProvider | None = None
+        self.meter_provider: MeterProvider | None = None
+        self.logger_provider: LoggerProvider | None = None
+        self.log_handler: logging.Handler | None = None
+        self.files: dict[str, Path] = {}
+        self.prometheus_address: tuple[str, int] | None = None
+        self.scrapes: ScrapeCounter | None = None  # answered by the Prometheus endpoint
+        self._closers: list[Callable[[], Any]] = []
+        self._processors: list[CountingSpanProcessor | CountingLogProcessor] = []
+        self._metric_exporters: list[GuardedMetricExporter] = []
+        self._push_readers: list[MetricReader] = []
         self._closer = _Closer(self._stop)
         self._gate = ExportGate(self._closer.start)
 
