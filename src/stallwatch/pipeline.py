@@ -225,7 +225,7 @@ def build_resource(settings: Settings) -> Resource:
     attributes.update(settings.resource_attributes)
     if settings.service_name:
         attributes["service.name"] = settings.service_name
-    return Resource.create(attributes)
+    return sdk_compat.create_resource(attributes)
 
 
 _VERSION_LINE = re.compile(r"""^__version__\s*=\s*['"]([^'"]+)['"]""", re.MULTILINE)
