@@ -65,13 +65,11 @@ class Session:
         self._watchdog = _watchdog  # (HeartbeatArea, subprocess.Popen) while the freeze watchdog runs
         self._journal = _journal  # the crash-safe journal (STALLWATCH_JOURNAL), made at its first use
 
-    def _values(self) -> tuple[Any, ...]:
-        return tuple(getattr(self, name) for name in self._FIELDS)
-
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Session) or type(other) is not type(self):
             return NotImplemented
-        return self._values() == other._values()
+        fields = self._FIELDS
+        return tuple(getattr(self, name) for name in fields) == tuple(getattr(other, name) for name in fields)
 
     __hash__ = None  # type: ignore[assignment]
 
