@@ -379,3 +379,17 @@ def test_a_fork_child_of_a_host_whose_otlp_http_exporters_were_never_built_build
 
     assert json.loads(proc.stdout.splitlines()[-1]) == {"child": 0, "built": False}, proc.stderr
     assert any(path == "/v1/traces" and b"in-the-child" in body for path, body in requests), requests
+
+
+def test_a_host_set_up_without_its_watchdog_or_prometheus_loads_neither_the_heartbeat_nor_the_scrape_counter():
+    code = (
+        "import json, sys, stallwatch\n"
+        "stallwatch.setup()\n"
+        "print(json.dumps(sorted(m for m in ('stallwatch.detect.heartbeat', 'stallwatch.export.scrapes') "
+        "if m in sys.modules)), flush=True)\n"
+    )
+    signals = {f"OTEL_{signal}_EXPORTER": "otlp" for signal in ("TRACES", "METRICS", "LOGS")}
+    env = clean_env(OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:9", STALLWATCH_WATCHDOG="false", **signals)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+
+    assert json.loads(proc.stdout.splitlines()[0]) == [], proc.stderr

@@ -28,7 +28,7 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import _logs, metrics, trace
 from opentelemetry.sdk._logs import LoggerProvider, LoggingHandler
@@ -47,7 +47,6 @@ from .config import ConfigError, Settings
 from .core import background, histograms
 from .core.faults import FAULTS, instrument, meter
 from .core.scrub import scrub_text
-from .detect import heartbeat
 from .export import exit_check, log_bridge
 from .export.batching import SharedThreadMetricReader
 from .export.guarded import (
@@ -60,11 +59,13 @@ from .export.guarded import (
     drop_early,
     leftovers,
 )
-from .export.scrapes import ScrapeCounter
 from .export.shedding import SheddingTracerProvider, exemplar_filter
 from .forksafe import grpc_guard, guard, otel_compat
 from .forksafe.loop import package_version
 from .journal.names import LOGGER_NAME as LEDGER_LOGGER
+
+if TYPE_CHECKING:
+    from .export.scrapes import ScrapeCounter
 
 _log = logging.getLogger("stallwatch")
 _HTTP_PATHS = {"traces": "v1/traces", "metrics": "v1/metrics", "logs": "v1/logs"}
@@ -436,6 +437,9 @@ def _build_traces(settings: Settings, resource: Resource, pipeline: Pipeline) ->
     provider_class = SheddingTracerProvider if sdk_compat.fast_paths() else TracerProvider
     provider = provider_class(resource=resource, sampler=_sampler(settings), shutdown_on_exit=False)
     if not sdk_compat.fast_paths() and settings.watchdog:  # the heartbeat's current span, from the spans
+        # footprint: with the watchdog only
+        from .detect import heartbeat
+
         provider.add_span_processor(heartbeat.current_span_processor())
     for name in settings.traces_exporter:
         exporter = _exporter(settings, "traces", name, pipeline)
@@ -533,6 +537,9 @@ def _prometheus_reader(settings: Settings, pipeline: Pipeline) -> MetricReader:
 def _serve(pipeline: Pipeline, server: Any) -> None:
     """Count the scrapes `server` (prometheus_client's, serving already) answers, and stop it at shutdown."""
     pipeline.prometheus_address = server.server_address[:2]
+    # footprint: with the prometheus exporter only
+    from .export.scrapes import ScrapeCounter
+
     pipeline.scrapes = ScrapeCounter(server.get_app())
     server.set_app(pipeline.scrapes)
     pipeline._closers += [server.shutdown, server.server_close]
