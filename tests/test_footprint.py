@@ -393,3 +393,58 @@ def test_a_host_set_up_without_its_watchdog_or_prometheus_loads_neither_the_hear
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
 
     assert json.loads(proc.stdout.splitlines()[0]) == [], proc.stderr
+
+
+_FORK_DURING_BUILD = """
+import json, os, sys, threading, time
+import stallwatch
+from opentelemetry import trace
+
+building = threading.Event()
+
+
+class SlowRequests:
+    # The export thread's first import of requests, made slow: it holds requests' import lock meanwhile.
+    def find_spec(self, name, path=None, target=None):
+        if name == "requests" and not building.is_set():
+            building.set()
+            time.sleep(0.5)
+        return None
+
+
+sys.meta_path.insert(0, SlowRequests())
+stallwatch.setup()
+with trace.get_tracer("probe").start_as_current_span("in-the-parent"):
+    pass
+lazy = stallwatch.session.current()._pipeline._processors[0].guard.inner
+threading.Thread(target=lazy.built, daemon=True).start()  # as the export thread's first export builds it
+assert building.wait(30)
+pid = os.fork()
+if pid == 0:
+    with trace.get_tracer("probe").start_as_current_span("in-the-child"):
+        pass
+    os._exit(0 if stallwatch.shutdown(timeout=20) else 1)
+deadline = time.monotonic() + 45
+while os.waitpid(pid, os.WNOHANG) == (0, 0):
+    if time.monotonic() > deadline:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        print(json.dumps({"child": "hung"}), flush=True)
+        sys.exit(0)
+    time.sleep(0.05)
+print(json.dumps({"child": "done"}), flush=True)
+"""
+
+
+def test_a_fork_while_the_export_thread_builds_its_exporter_waits_for_it_and_the_child_exports():
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.http", reason="the OTLP/HTTP exporter")
+    with otlp_http_collector() as (endpoint, requests):
+        env = clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
+                        OTEL_TRACES_EXPORTER="otlp", OTEL_METRICS_EXPORTER="none", OTEL_LOGS_EXPORTER="none",
+                        STALLWATCH_WATCHDOG="false")  # fmt: skip
+        proc = subprocess.run([sys.executable, "-c", _FORK_DURING_BUILD], env=env, capture_output=True, text=True,
+                              timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+
+    assert proc.stdout.splitlines()[-1] == '{"child": "done"}', proc.stderr
+    assert any(path == "/v1/traces" and b"in-the-child" in body for path, body in requests), (requests, proc.stderr)
