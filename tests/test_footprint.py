@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import clean_env
+from support.otlp_http import otlp_http_collector
 
 pytestmark = [
     pytest.mark.matrix,
@@ -359,3 +360,160 @@ def test_no_module_of_a_package_with_names_loaded_at_first_use_is_named_like_one
     }
 
     assert submodules & set(module.__all__) == set()
+
+
+_EXPORTER_MODULES = (
+    "requests",
+    "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+    "opentelemetry.exporter.otlp.proto.http.metric_exporter",
+    "opentelemetry.exporter.otlp.proto.http._log_exporter",
+)
+
+
+def test_the_otlp_http_exporters_are_built_at_their_first_export_and_export_what_was_recorded_before_it():
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.http", reason="the OTLP/HTTP exporter")
+    code = (
+        "import json, logging, sys, stallwatch\n"
+        "from opentelemetry import metrics, trace\n"
+        "stallwatch.setup()\n"
+        f"loaded = [m for m in {_EXPORTER_MODULES!r} if m in sys.modules]\n"
+        "with trace.get_tracer('probe').start_as_current_span('request'):\n"
+        "    logging.getLogger('stallwatch').warning('recorded before the first export')\n"
+        "metrics.get_meter('probe').create_counter('probe.requests').add(1)\n"
+        "print(json.dumps({'loaded': loaded, 'shutdown': stallwatch.shutdown(timeout=20)}), flush=True)\n"
+    )
+    signals = {f"OTEL_{signal}_EXPORTER": "otlp" for signal in ("TRACES", "METRICS", "LOGS")}
+    with otlp_http_collector() as (endpoint, requests):
+        env = clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
+                        STALLWATCH_WATCHDOG="false", **signals)  # fmt: skip
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout.splitlines()[-1])
+
+    assert seen == {"loaded": [], "shutdown": True}, proc.stderr
+    bodies = {path: body for path, body in requests}
+    assert set(bodies) == {"/v1/traces", "/v1/metrics", "/v1/logs"}, requests
+    assert b"request" in bodies["/v1/traces"]
+    assert b"recorded before the first export" in bodies["/v1/logs"]
+    assert b"probe.requests" in bodies["/v1/metrics"]
+
+
+def test_an_otlp_http_exporter_that_could_refuse_its_settings_is_built_at_setup_and_its_refusal_reported(
+    monkeypatch,
+):
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.http", reason="the OTLP/HTTP exporter")
+    with monkeypatch.context() as patched:  # the judge: this SDK's exporter refuses an unknown credential provider
+        patched.setenv("OTEL_PYTHON_EXPORTER_OTLP_HTTP_CREDENTIAL_PROVIDER", "no-such-provider")
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        try:
+            OTLPSpanExporter(endpoint="http://127.0.0.1:9").shutdown()
+        except Exception:
+            pass
+        else:
+            pytest.skip("this SDK's OTLP/HTTP exporter reads no credential provider")
+    code = "import json, stallwatch\nsession = stallwatch.setup()\nprint(json.dumps(session.error), flush=True)\n"
+    env = clean_env(OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:9", OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
+                    OTEL_TRACES_EXPORTER="otlp", OTEL_METRICS_EXPORTER="none", OTEL_LOGS_EXPORTER="none",
+                    OTEL_PYTHON_EXPORTER_OTLP_HTTP_CREDENTIAL_PROVIDER="no-such-provider",
+                    STALLWATCH_WATCHDOG="false")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    error = json.loads(proc.stdout.splitlines()[-1])
+
+    assert error is not None and error.startswith("the OTLP traces exporter (http/protobuf) cannot be built"), error
+    assert "OTEL_PYTHON_EXPORTER_OTLP_HTTP_CREDENTIAL_PROVIDER" in error
+
+
+def test_a_fork_child_of_a_host_whose_otlp_http_exporters_were_never_built_builds_its_own_and_exports():
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.http", reason="the OTLP/HTTP exporter")
+    code = (
+        "import json, os, sys, stallwatch\n"
+        "from opentelemetry import trace\n"
+        "stallwatch.setup()\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    with trace.get_tracer('probe').start_as_current_span('in-the-child'):\n"
+        "        pass\n"
+        "    sys.exit(0)\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "print(json.dumps({'child': os.waitstatus_to_exitcode(status), 'built': 'requests' in sys.modules}))\n"
+    )
+    with otlp_http_collector() as (endpoint, requests):
+        env = clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
+                        OTEL_TRACES_EXPORTER="otlp", OTEL_METRICS_EXPORTER="none", OTEL_LOGS_EXPORTER="none",
+                        STALLWATCH_WATCHDOG="false")  # fmt: skip
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+    assert json.loads(proc.stdout.splitlines()[-1]) == {"child": 0, "built": False}, proc.stderr
+    assert any(path == "/v1/traces" and b"in-the-child" in body for path, body in requests), requests
+
+
+def test_a_host_set_up_without_its_watchdog_or_prometheus_loads_neither_the_heartbeat_nor_the_scrape_counter():
+    code = (
+        "import json, sys, stallwatch\n"
+        "stallwatch.setup()\n"
+        "print(json.dumps(sorted(m for m in ('stallwatch.detect.heartbeat', 'stallwatch.export.scrapes') "
+        "if m in sys.modules)), flush=True)\n"
+    )
+    signals = {f"OTEL_{signal}_EXPORTER": "otlp" for signal in ("TRACES", "METRICS", "LOGS")}
+    env = clean_env(OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:9", STALLWATCH_WATCHDOG="false", **signals)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+
+    assert json.loads(proc.stdout.splitlines()[0]) == [], proc.stderr
+
+
+_FORK_DURING_BUILD = """
+import json, os, sys, threading, time
+import stallwatch
+from opentelemetry import trace
+
+building = threading.Event()
+
+
+class SlowRequests:
+    # The export thread's first import of requests, made slow: it holds requests' import lock meanwhile.
+    def find_spec(self, name, path=None, target=None):
+        if name == "requests" and not building.is_set():
+            building.set()
+            time.sleep(0.5)
+        return None
+
+
+sys.meta_path.insert(0, SlowRequests())
+stallwatch.setup()
+with trace.get_tracer("probe").start_as_current_span("in-the-parent"):
+    pass
+lazy = stallwatch.session.current()._pipeline._processors[0].guard.inner
+threading.Thread(target=lazy.built, daemon=True).start()  # as the export thread's first export builds it
+assert building.wait(30)
+pid = os.fork()
+if pid == 0:
+    with trace.get_tracer("probe").start_as_current_span("in-the-child"):
+        pass
+    os._exit(0 if stallwatch.shutdown(timeout=20) else 1)
+deadline = time.monotonic() + 45
+while os.waitpid(pid, os.WNOHANG) == (0, 0):
+    if time.monotonic() > deadline:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        print(json.dumps({"child": "hung"}), flush=True)
+        sys.exit(0)
+    time.sleep(0.05)
+print(json.dumps({"child": "done"}), flush=True)
+"""
+
+
+def test_a_fork_while_the_export_thread_builds_its_exporter_waits_for_it_and_the_child_exports():
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.http", reason="the OTLP/HTTP exporter")
+    with otlp_http_collector() as (endpoint, requests):
+        env = clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
+                        OTEL_TRACES_EXPORTER="otlp", OTEL_METRICS_EXPORTER="none", OTEL_LOGS_EXPORTER="none",
+                        STALLWATCH_WATCHDOG="false")  # fmt: skip
+        proc = subprocess.run([sys.executable, "-c", _FORK_DURING_BUILD], env=env, capture_output=True, text=True,
+                              timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+
+    assert proc.stdout.splitlines()[-1] == '{"child": "done"}', proc.stderr
+    assert any(path == "/v1/traces" and b"in-the-child" in body for path, body in requests), (requests, proc.stderr)

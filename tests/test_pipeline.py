@@ -412,3 +412,79 @@ def test_shutdown_returns_within_the_timeout_when_the_collector_hangs(silent_end
     assert "STALLWATCH_SHUTDOWN_TIMEOUT" in report["stderr"]
     # Interpreter exit is not held up by the export still stuck on the socket either.
     assert host_seconds < 30
+
+
+@pytest.mark.parametrize("imported_first", [False, True], ids=["uvloop-not-imported", "uvloop-imported"])
+def test_the_resource_carries_the_installed_uvloop_version_whether_or_not_the_host_imported_uvloop(imported_first):
+    pytest.importorskip("uvloop")
+    code = (
+        ("import uvloop\n" if imported_first else "") + "import importlib.metadata, json, sys, stallwatch\n"
+        "from opentelemetry import trace\n"
+        "stallwatch.setup()\n"
+        "attributes = trace.get_tracer_provider().resource.attributes\n"
+        "print(json.dumps([attributes.get('stallwatch.uvloop.version'), importlib.metadata.version('uvloop'),\n"
+        "                  'uvloop' in sys.modules]))\n"
+    )
+    proc = run_python(code, env={**clean_env(), "OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none",
+                                 "OTEL_LOGS_EXPORTER": "none", "STALLWATCH_WATCHDOG": "false"})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    carried, installed, loaded = json.loads(proc.stdout.splitlines()[-1])
+
+    assert carried == installed
+    assert loaded is imported_first  # the version is read without importing uvloop
+
+
+def test_a_session_equals_one_with_equal_fields_is_unhashable_and_shows_its_fields_as_its_dataclass_did():
+    from stallwatch import FORK_SAFETY
+    from stallwatch.config import Settings
+    from stallwatch.session import Session
+
+    settings = Settings.load(environ={})
+    session = Session(settings, FORK_SAFETY, error="off")
+
+    assert session == Session(settings, FORK_SAFETY, {}, "off")
+    assert session != Session(settings, FORK_SAFETY, error="other")
+    assert session.files == {} and session.files is not Session(None, FORK_SAFETY).files
+    assert repr(session) == (
+        f"Session(settings={settings!r}, fork_safety={FORK_SAFETY!r}, files={{}}, error='off', _pipeline=None, "
+        "_watchdog=None, _journal=None)"
+    )
+    with pytest.raises(TypeError):
+        hash(session)
+
+
+_RESOURCES_AND_THREADS = """
+import json, threading
+import stallwatch
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+
+started = []
+threading.setprofile(lambda *args: started.append(threading.current_thread().name) or threading.setprofile(None))
+stallwatch.setup()
+threading.setprofile(None)
+ours = dict(trace.get_tracer_provider().resource.attributes)
+own = {key: value for key, value in ours.items() if key.startswith("stallwatch.") or key == "service.instance.id"}
+stock = dict(Resource.create(own).attributes)
+print(json.dumps({"ours": ours, "stock": stock, "threads": sorted(set(started))}))
+"""
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast-paths", "no-fast-paths"])
+@pytest.mark.parametrize("named", [False, True], ids=["default-service-name", "OTEL_SERVICE_NAME"])
+def test_the_resource_is_the_one_resource_create_makes_and_setup_starts_no_thread_to_detect_it(fast, named):
+    env = {**clean_env(), "OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none",
+           "OTEL_LOGS_EXPORTER": "none", "STALLWATCH_WATCHDOG": "false", "STALLWATCH_INSTRUMENT_EXECUTOR": "false",
+           "STALLWATCH_FAST_PATHS": str(fast).lower(),
+           "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=test,a=b"}  # fmt: skip
+    if named:
+        env["OTEL_SERVICE_NAME"] = "billing"
+    proc = run_python(_RESOURCES_AND_THREADS, env=env)
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout.splitlines()[-1])
+
+    assert seen["ours"] == seen["stock"]
+    assert seen["ours"]["service.name"] == ("billing" if named else f"unknown_service:{Path(sys.executable).name}")
+    assert seen["ours"]["a"] == "b"
+    if fast:  # Resource.create runs its detectors on a thread pool of its own
+        assert all(name.startswith("stallwatch-") for name in seen["threads"]), seen["threads"]

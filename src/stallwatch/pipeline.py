@@ -17,23 +17,25 @@ hold the exit for every export timeout against a collector that never answers.
 from __future__ import annotations
 
 import errno
+import importlib.util
 import logging
 import os
+import re
 import signal
+import sys
 import threading
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import _logs, metrics, trace
 from opentelemetry.sdk._logs import LoggerProvider, LoggingHandler
 from opentelemetry.sdk._logs import export as _log_export
 from opentelemetry.sdk._logs.export import LogExportResult
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, MetricReader
+from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, MetricExportResult, MetricReader
 from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider, sampling
@@ -45,7 +47,6 @@ from .config import ConfigError, Settings
 from .core import background, histograms
 from .core.faults import FAULTS, instrument, meter
 from .core.scrub import scrub_text
-from .detect import heartbeat
 from .export import exit_check, log_bridge
 from .export.batching import SharedThreadMetricReader
 from .export.guarded import (
@@ -58,11 +59,13 @@ from .export.guarded import (
     drop_early,
     leftovers,
 )
-from .export.scrapes import ScrapeCounter
 from .export.shedding import SheddingTracerProvider, exemplar_filter
 from .forksafe import grpc_guard, guard, otel_compat
 from .forksafe.loop import package_version
 from .journal.names import LOGGER_NAME as LEDGER_LOGGER
+
+if TYPE_CHECKING:
+    from .export.scrapes import ScrapeCounter
 
 _log = logging.getLogger("stallwatch")
 _HTTP_PATHS = {"traces": "v1/traces", "metrics": "v1/metrics", "logs": "v1/logs"}
@@ -131,23 +134,22 @@ def _bounded_inline(work: Callable[[], None], timeout: float) -> bool:
             signal.setitimer(signal.ITIMER_REAL, remaining, host_interval)
 
 
-@dataclass
 class Pipeline:
-    """The providers stallwatch built and installed globally (None where the host owns one)."""
+    """The providers stallwatch built and installed globally (None where the host owns one); `build()`
+    fills it in."""
 
-    tracer_provider: TracerProvider | None = None
-    meter_provider: MeterProvider | None = None
-    logger_provider: LoggerProvider | None = None
-    log_handler: logging.Handler | None = None
-    files: dict[str, Path] = field(default_factory=dict)
-    prometheus_address: tuple[str, int] | None = None
-    scrapes: ScrapeCounter | None = None  # answered by the Prometheus endpoint
-    _closers: list[Callable[[], Any]] = field(default_factory=list)
-    _processors: list[CountingSpanProcessor | CountingLogProcessor] = field(default_factory=list)
-    _metric_exporters: list[GuardedMetricExporter] = field(default_factory=list)
-    _push_readers: list[MetricReader] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
+    def __init__(self) -> None:
+        self.tracer_provider: TracerProvider | None = None
+        self.meter_provider: MeterProvider | None = None
+        self.logger_provider: LoggerProvider | None = None
+        self.log_handler: logging.Handler | None = None
+        self.files: dict[str, Path] = {}
+        self.prometheus_address: tuple[str, int] | None = None
+        self.scrapes: ScrapeCounter | None = None  # answered by the Prometheus endpoint
+        self._closers: list[Callable[[], Any]] = []
+        self._processors: list[CountingSpanProcessor | CountingLogProcessor] = []
+        self._metric_exporters: list[GuardedMetricExporter] = []
+        self._push_readers: list[MetricReader] = []
         self._closer = _Closer(self._stop)
         self._gate = ExportGate(self._closer.start)
 
@@ -218,13 +220,38 @@ def build_resource(settings: Settings) -> Resource:
         telemetry.RESOURCE_VERSION.name: __version__,
         telemetry.RESOURCE_GRPC_FORK_SUPPORT.name: os.environ.get(grpc_guard.VARIABLE, "unset"),
     }
-    uvloop_version = package_version("uvloop")
+    uvloop_version = _uvloop_version()
     if uvloop_version:
         attributes[telemetry.RESOURCE_UVLOOP_VERSION.name] = uvloop_version
     attributes.update(settings.resource_attributes)
     if settings.service_name:
         attributes["service.name"] = settings.service_name
-    return Resource.create(attributes)
+    return sdk_compat.create_resource(attributes)
+
+
+_VERSION_LINE = re.compile(r"""^__version__\s*=\s*['"]([^'"]+)['"]""", re.MULTILINE)
+
+
+def _uvloop_version() -> str | None:
+    """The installed uvloop's version, None if it is not installed, without reading the metadata of
+    every installed distribution: the module's `__version__` once it is imported, else the
+    `_version.py` it is imported from (uvloop's `__init__` takes its `__version__` from there), read
+    as text; the distribution's metadata only when neither says."""
+    module = sys.modules.get("uvloop")
+    version = getattr(module, "__version__", None)
+    if isinstance(version, str):
+        return version
+    try:
+        spec = importlib.util.find_spec("uvloop")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        return None
+    try:
+        found = _VERSION_LINE.search(Path(spec.origin or "").with_name("_version.py").read_text())
+    except (OSError, ValueError):
+        found = None
+    return found.group(1) if found else package_version("uvloop")
 
 
 def build(settings: Settings) -> Pipeline:
@@ -360,13 +387,59 @@ def _exporter(settings: Settings, signal: str, name: str, pipeline: Pipeline) ->
         # The log exporter was renamed ConsoleLogRecordExporter in SDK 1.39; the old name warns there.
         console_log = getattr(_log_export, "ConsoleLogRecordExporter", None) or _log_export.ConsoleLogExporter
         return {"traces": ConsoleSpanExporter, "metrics": ConsoleMetricExporter, "logs": console_log}[signal]()
-    return _otlp_exporter(settings, signal)
+    if settings.protocol_for(signal) == "grpc" or not _builds_later(settings, signal):
+        return _otlp_exporter(settings, signal)
+    preferences = sdk_compat.otlp_http_metric_preferences() if signal == "metrics" else None
+    if signal == "metrics" and preferences is None:
+        return _otlp_exporter(settings, signal)
+    # footprint: the OTLP/HTTP exporter (its modules, protobuf, requests) is built at its first export
+    from .export.lazy import LazyExporter
+
+    failure = {"traces": SpanExportResult.FAILURE, "metrics": MetricExportResult.FAILURE}.get(signal)
+    return LazyExporter(
+        lambda: _otlp_exporter(settings, signal), LogExportResult.FAILURE if failure is None else failure, preferences
+    )
+
+
+# The OTLP variables an OTLP/HTTP exporter reads without ever refusing them: the endpoints and protocols
+# (checked by `config`), the timeouts (`config` refuses what the exporters would), the headers (the SDK
+# skips a malformed one with a warning). With any other set, the exporter is built at `setup()`, which
+# reports it if the exporter refuses it (`_otlp_exporter`).
+_NEVER_REFUSED = ("ENDPOINT", "PROTOCOL", "TIMEOUT", "HEADERS")
+_TEMPORALITY_PREFERENCE = "OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE"
+_HISTOGRAM_AGGREGATION = "OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION"
+_CHECKED_VALUES = {
+    _TEMPORALITY_PREFERENCE: ("cumulative", "delta", "lowmemory"),
+    _HISTOGRAM_AGGREGATION: ("explicit_bucket_histogram", "base2_exponential_bucket_histogram"),
+}
+
+
+def _builds_later(settings: Settings, signal: str) -> bool:
+    """Whether `signal`'s OTLP/HTTP exporter may be built at its first export: only in the host (the
+    watchdog builds its pipeline to export a freeze at once) and when building it now could neither
+    fail nor log a warning about the settings (see `_NEVER_REFUSED`)."""
+    if settings.resource_attributes.get(telemetry.RESOURCE_PROCESS_ROLE.name) == "watchdog":
+        return False
+    for name, value in os.environ.items():
+        if not name.startswith(("OTEL_EXPORTER_OTLP_", "OTEL_PYTHON_EXPORTER_OTLP_")):
+            continue
+        accepted = _CHECKED_VALUES.get(name)
+        if accepted is not None:
+            if signal == "metrics" and value.strip().lower() not in accepted:
+                return False
+            continue
+        if name.startswith("OTEL_PYTHON_") or not name.endswith(_NEVER_REFUSED):
+            return False
+    return True
 
 
 def _build_traces(settings: Settings, resource: Resource, pipeline: Pipeline) -> TracerProvider:
     provider_class = SheddingTracerProvider if sdk_compat.fast_paths() else TracerProvider
     provider = provider_class(resource=resource, sampler=_sampler(settings), shutdown_on_exit=False)
     if not sdk_compat.fast_paths() and settings.watchdog:  # the heartbeat's current span, from the spans
+        # footprint: with the watchdog only
+        from .detect import heartbeat
+
         provider.add_span_processor(heartbeat.current_span_processor())
     for name in settings.traces_exporter:
         exporter = _exporter(settings, "traces", name, pipeline)
@@ -464,6 +537,9 @@ def _prometheus_reader(settings: Settings, pipeline: Pipeline) -> MetricReader:
 def _serve(pipeline: Pipeline, server: Any) -> None:
     """Count the scrapes `server` (prometheus_client's, serving already) answers, and stop it at shutdown."""
     pipeline.prometheus_address = server.server_address[:2]
+    # footprint: with the prometheus exporter only
+    from .export.scrapes import ScrapeCounter
+
     pipeline.scrapes = ScrapeCounter(server.get_app())
     server.set_app(pipeline.scrapes)
     pipeline._closers += [server.shutdown, server.server_close]

@@ -14,7 +14,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +33,6 @@ if TYPE_CHECKING:
 _log = logging.getLogger("stallwatch")
 
 
-@dataclass
 class Session:
     """The running stallwatch session, returned by `setup()`.
 
@@ -43,15 +41,40 @@ class Session:
         fork_safety: what `import stallwatch` did to make forks safe.
         files: where the `file` exporter writes each signal (`traces`, `metrics`, `logs`).
         error: why telemetry is off, when building the pipeline failed without `strict`.
+
+    Equal to a session with equal fields, unhashable, shown by its fields (as a dataclass would be).
     """
 
-    settings: Settings | None
-    fork_safety: ForkSafety
-    files: dict[str, Path] = field(default_factory=dict)
-    error: str | None = None
-    _pipeline: Any = None
-    _watchdog: Any = None  # (HeartbeatArea, subprocess.Popen) while the freeze watchdog runs
-    _journal: Any = None  # the crash-safe journal (STALLWATCH_JOURNAL), made at its first use
+    _FIELDS = ("settings", "fork_safety", "files", "error", "_pipeline", "_watchdog", "_journal")
+
+    def __init__(
+        self,
+        settings: Settings | None,
+        fork_safety: ForkSafety,
+        files: dict[str, Path] | None = None,
+        error: str | None = None,
+        _pipeline: Any = None,
+        _watchdog: Any = None,
+        _journal: Any = None,
+    ) -> None:
+        self.settings = settings
+        self.fork_safety = fork_safety
+        self.files: dict[str, Path] = {} if files is None else files
+        self.error = error
+        self._pipeline = _pipeline
+        self._watchdog = _watchdog  # (HeartbeatArea, subprocess.Popen) while the freeze watchdog runs
+        self._journal = _journal  # the crash-safe journal (STALLWATCH_JOURNAL), made at its first use
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Session) or type(other) is not type(self):
+            return NotImplemented
+        fields = self._FIELDS
+        return tuple(getattr(self, name) for name in fields) == tuple(getattr(other, name) for name in fields)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Session({', '.join(f'{name}={getattr(self, name)!r}' for name in self._FIELDS)})"
 
     @property
     def watchdog_pid(self) -> int | None:

@@ -171,6 +171,9 @@ class ExportTap:
             # the SDK's BatchSpanProcessor, or stallwatch's on its shared export thread (`export.batching`)
             lane = getattr(processor, "lane", None)
             exporter = processor.span_exporter if lane is None else lane.exporter
+            lazy = getattr(getattr(exporter, "inner", None), "built", None)
+            if lazy is not None:  # stallwatch builds its OTLP exporter at its first export: not an export's cost
+                lazy()
             exporter.export = self._tap(exporter.export)
 
     def _tap(self, export: Any) -> Any:
