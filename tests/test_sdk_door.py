@@ -26,7 +26,7 @@ LOGS_SIGNAL = frozenset({"_logs", "_log_exporter"})
 NOT_THE_SDKS = {
     "executor._shutdown": "concurrent.futures' ThreadPoolExecutor",
     "cf_thread._shutdown": "concurrent.futures.thread's interpreter-shutdown flag",
-    "instance._transport": "asyncio's SubprocessStreamProtocol",
+    "process._transport": "asyncio's subprocess.Process",
 }
 
 
