@@ -517,3 +517,27 @@ def test_a_fork_while_the_export_thread_builds_its_exporter_waits_for_it_and_the
 
     assert proc.stdout.splitlines()[-1] == '{"child": "done"}', proc.stderr
     assert any(path == "/v1/traces" and b"in-the-child" in body for path, body in requests), (requests, proc.stderr)
+
+
+_PROPAGATE_AT_FIRST_USE = """
+import json, sys, stallwatch
+from opentelemetry import trace
+stallwatch.setup()
+loaded = "opentelemetry.propagate" in sys.modules
+from opentelemetry import propagate
+carrier = {}
+with trace.get_tracer("t").start_as_current_span("s"):
+    propagate.inject(carrier)
+print(json.dumps({"loaded_at_setup": loaded, "carrier": sorted(carrier)}))
+stallwatch.shutdown()
+"""
+
+
+def test_a_set_up_host_without_otel_propagators_loads_the_propagators_at_their_first_use_and_they_inject_the_defaults():
+    env = clean_env(OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none", OTEL_LOGS_EXPORTER="none")
+    env.pop("OTEL_PROPAGATORS", None)
+    proc = subprocess.run([sys.executable, "-c", _PROPAGATE_AT_FIRST_USE], env=env, capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == {"loaded_at_setup": False, "carrier": ["traceparent"]}

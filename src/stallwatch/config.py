@@ -780,7 +780,8 @@ def _strict_in_environment() -> bool:
 
 
 def load_opentelemetry() -> None:
-    """Import the OpenTelemetry modules that read a variable when they are imported.
+    """Import the OpenTelemetry modules that read a variable when they are imported, those of them
+    whose variables are set.
 
     They raise on a bad value (an unknown name in `OTEL_PROPAGATORS`, a negative
     `OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT`), which would fail `import stallwatch` and with it the host.
@@ -800,6 +801,8 @@ def load_opentelemetry() -> None:
         except ConfigError as exc:
             _remove_at_import([Problem("OTEL_RESOURCE_ATTRIBUTES", str(exc), _REMOVED_AT_IMPORT + " (none)")])
     for module, variables in _READ_AT_IMPORT:
+        if not any(variable in os.environ for variable in variables):
+            continue  # footprint: nothing it could refuse; it loads when the host or setup() first needs it
         while True:
             try:
                 importlib.import_module(module)

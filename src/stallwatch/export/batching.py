@@ -23,7 +23,6 @@ import time
 from collections import deque
 from typing import Any
 
-from opentelemetry.instrumentation.utils import suppress_instrumentation
 from opentelemetry.sdk.metrics.export import MetricExporter, PeriodicExportingMetricReader
 
 from ..config import Batching
@@ -95,6 +94,9 @@ class BatchLane(Lane):
         return len(self.queue) >= self.batch
 
     def drain(self, everything: bool) -> None:
+        # footprint: the module loads the propagators; only an export needs it, on the export thread
+        from opentelemetry.instrumentation.utils import suppress_instrumentation
+
         queue = self.queue
         with suppress_instrumentation():  # an instrumented HTTP client must not trace the exporter
             while queue and (everything or len(queue) >= self.batch):

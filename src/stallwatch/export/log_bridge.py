@@ -23,7 +23,6 @@ from collections.abc import Callable
 from typing import Any
 
 import wrapt
-from opentelemetry.instrumentation.utils import unwrap
 
 from ..forksafe import otel_compat
 
@@ -87,6 +86,9 @@ def uninstall() -> None:
     global _handler, _installed
     _handler = None
     if _installed:
+        # footprint: the module loads the propagators; only an uninstall needs it
+        from opentelemetry.instrumentation.utils import unwrap
+
         unwrap(logging.Logger, "callHandlers")
         _installed = False
 

@@ -25,7 +25,7 @@ from time import perf_counter, time_ns
 from typing import Any
 
 from opentelemetry import context as context_api
-from opentelemetry import propagate, trace
+from opentelemetry import trace
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
@@ -429,6 +429,9 @@ def end_open_spans() -> int:
 
 def environment_with_context(env: Mapping[Any, Any] | None, child: Child) -> dict[Any, Any]:
     """A copy of `env` (default `os.environ`) with the child span's W3C context as `TRACEPARENT`..."""
+    # footprint: loading the propagators reads OTEL_PROPAGATORS' entry points; only a propagating spawn needs them
+    from opentelemetry import propagate
+
     carrier: dict[str, str] = {}
     if child.span is not None:
         propagate.inject(carrier, context=trace.set_span_in_context(child.span))
