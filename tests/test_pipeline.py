@@ -488,3 +488,33 @@ def test_the_resource_is_the_one_resource_create_makes_and_setup_starts_no_threa
     assert seen["ours"]["a"] == "b"
     if fast:  # Resource.create runs its detectors on a thread pool of its own
         assert all(name.startswith("stallwatch-") for name in seen["threads"]), seen["threads"]
+
+
+def test_a_lazy_exporter_whose_first_build_fails_fails_that_batch_warns_once_and_builds_at_the_next_export(caplog):
+    from opentelemetry.sdk.trace import ReadableSpan
+    from opentelemetry.sdk.trace.export import SpanExportResult
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from stallwatch.export.lazy import LazyExporter
+
+    built = InMemorySpanExporter()
+    attempts = []
+
+    def build() -> InMemorySpanExporter:  # fails twice, as an import racing the host's may
+        attempts.append(len(attempts))
+        if len(attempts) <= 2:
+            raise ImportError("deadlock detected by _ModuleLock('requests')")
+        return built
+
+    lazy = LazyExporter(build, SpanExportResult.FAILURE)
+    spans = [ReadableSpan(name=f"s{n}") for n in range(4)]
+    with caplog.at_level("WARNING", logger="stallwatch"):
+        results = [lazy.export([span]) for span in spans]
+
+    assert results == [SpanExportResult.FAILURE, SpanExportResult.FAILURE, SpanExportResult.SUCCESS,
+                       SpanExportResult.SUCCESS]  # fmt: skip
+    assert [span.name for span in built.get_finished_spans()] == ["s2", "s3"]
+    assert len(attempts) == 3
+    assert [record.getMessage() for record in caplog.records if "can be built" in record.getMessage()] == [
+        "stallwatch: deadlock detected by _ModuleLock('requests'); this signal's batches fail until it can be built."
+    ]

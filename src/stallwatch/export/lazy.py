@@ -4,8 +4,9 @@ Building an OTLP/HTTP exporter loads the SDK's exporter modules, protobuf and `r
 which the host needs before the first export (`OTEL_BSP_SCHEDULE_DELAY`, `OTEL_BLRP_SCHEDULE_DELAY`,
 `OTEL_METRIC_EXPORT_INTERVAL` after `setup()` at the earliest, unless a batch fills first). The
 pipeline wraps one only when building it could not refuse the settings in force (`pipeline`), so a
-bad setting is still reported by `setup()`; should the build fail all the same, every batch fails
-(counted by the guarded exporter around it) and one WARNING says why.
+bad setting is still reported by `setup()`; should the build fail all the same, the batch fails
+(counted by the guarded exporter around it), one WARNING says why, and the next export tries again
+(a build that failed once, e.g. on an import racing the host's, may succeed then).
 
 Contract: built at most once per process, under `_BUILDING` (a flush may race the export thread),
 and never while the process forks: a fork waits for a build under way (at most `_FORK_WAIT`
@@ -49,21 +50,22 @@ class LazyExporter:
         self._build = build
         self._failure = failure
         self._built: Any = None
-        self._broken = False
+        self._warned = False
         if preferences is not None:
             self._preferred_temporality, self._preferred_aggregation = preferences
 
     def built(self) -> Any:
-        """The exporter, built now if it was not yet; None if it cannot be built."""
-        if self._built is not None or self._broken:
+        """The exporter, built now if it was not yet; None if it cannot be built (now)."""
+        if self._built is not None:
             return self._built
         with _BUILDING:
-            if self._built is None and not self._broken:
+            if self._built is None:
                 try:
                     self._built = self._build()
                 except Exception as exc:
-                    self._broken = True
-                    _log.warning("stallwatch: %s; nothing of this signal is exported.", exc)
+                    if not self._warned:
+                        self._warned = True
+                        _log.warning("stallwatch: %s; this signal's batches fail until it can be built.", exc)
         return self._built
 
     def export(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
