@@ -226,7 +226,7 @@ def build_resource(settings: Settings) -> Resource:
     attributes.update(settings.resource_attributes)
     if settings.service_name:
         attributes["service.name"] = settings.service_name
-    return sdk_compat.create_resource(attributes)
+    return Resource.create(attributes)
 
 
 _VERSION_LINE = re.compile(r"""^__version__\s*=\s*['"]([^'"]+)['"]""", re.MULTILINE)

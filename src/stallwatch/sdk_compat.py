@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextvars
 import os
-import sys
 import threading
 import traceback
 import types as pytypes
@@ -708,35 +707,6 @@ def exporter_preferences(exporter: Any) -> tuple[Any, Any]:
     """(preferred temporality, preferred aggregation) an SDK `MetricExporter` was built with: its
     reader reads them from these fields (1.27 to 1.45); the constructor takes them, nothing gives them."""
     return exporter._preferred_temporality, exporter._preferred_aggregation
-
-
-def create_resource(attributes: dict[str, Any]) -> Any:
-    """`Resource.create(attributes)`, without the thread pool `Resource.create` runs its detectors on
-    when they are only the SDK's own two (1.45: a `service.instance.id` and `OTEL_RESOURCE_ATTRIBUTES`
-    with `OTEL_SERVICE_NAME`), which never block: the same resource, merged in the same order, with
-    the same default `service.name`. Any other detector, an SDK without these names, a detector that
-    raises, or the fast paths off: `Resource.create` itself."""
-    from opentelemetry.sdk import resources
-
-    detectors_of = getattr(resources, "_build_resource_detectors", None)
-    default = getattr(resources, "_DEFAULT_RESOURCE", None)
-    own = getattr(resources, "ServiceInstanceIdResourceDetector", None), resources.OTELResourceDetector
-    if not _FAST[0] or detectors_of is None or default is None or None in own:
-        return resources.Resource.create(attributes)
-    detectors = detectors_of()
-    if [type(detector) for detector in detectors] != list(own):
-        return resources.Resource.create(attributes)
-    try:
-        merged = default
-        for detector in detectors:
-            merged = merged.merge(detector.detect())
-    except Exception:
-        return resources.Resource.create(attributes)
-    resource = merged.merge(resources.Resource(attributes))
-    if not resource.attributes.get(resources.SERVICE_NAME):
-        executable = f":{os.path.basename(sys.executable)}" if sys.executable else ""
-        resource = resource.merge(resources.Resource({resources.SERVICE_NAME: f"unknown_service{executable}"}))
-    return resource
 
 
 def otlp_http_metric_preferences() -> tuple[Any, Any] | None:
