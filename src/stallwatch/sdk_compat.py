@@ -713,7 +713,10 @@ def otlp_http_metric_preferences() -> tuple[Any, Any] | None:
     """(preferred temporality, preferred aggregation) the OTLP/HTTP metric exporter would be built with
     from the environment, without building it (which loads its modules, protobuf and `requests`); None
     where that is not known without building it. Exporter 1.45 computes both with the functions of
-    `opentelemetry.exporter.otlp.common._aggregation`; earlier ones with their own mixin's methods."""
+    `opentelemetry.exporter.otlp.common._aggregation`; earlier ones with their own mixin's methods.
+    A fast path (private functions): None with the fast paths off, and the exporter is built at once."""
+    if not _FAST[0]:
+        return None
     try:
         # footprint: the exporter package's __init__ and its version, not the exporter
         from opentelemetry.exporter.otlp.proto.http import __version__ as http_version
