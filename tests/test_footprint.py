@@ -544,11 +544,16 @@ stallwatch.shutdown()
 """
 
 
-def test_a_set_up_host_without_otel_propagators_loads_the_propagators_at_their_first_use_and_they_inject_the_defaults():
-    env = clean_env(OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none", OTEL_LOGS_EXPORTER="none")
+@pytest.mark.parametrize("fast", [True, False], ids=["fast-paths", "no-fast-paths"])
+def test_a_set_up_host_without_otel_propagators_loads_the_propagators_at_their_first_use_and_they_inject_the_defaults(
+    fast,
+):
+    env = clean_env(OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none", OTEL_LOGS_EXPORTER="none",
+                    STALLWATCH_FAST_PATHS=str(fast).lower())  # fmt: skip
     env.pop("OTEL_PROPAGATORS", None)
     proc = subprocess.run([sys.executable, "-c", _PROPAGATE_AT_FIRST_USE], env=env, capture_output=True, text=True,
                           timeout=60)  # fmt: skip
 
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout) == {"loaded_at_setup": False, "carrier": ["traceparent"]}
+    # Without the fast paths setup() instruments through BaseInstrumentor, whose module loads them.
+    assert json.loads(proc.stdout) == {"loaded_at_setup": not fast, "carrier": ["traceparent"]}

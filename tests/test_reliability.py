@@ -97,7 +97,7 @@ logging.getLogger().setLevel(logging.INFO)
 tracer, log = trace.get_tracer("host"), logging.getLogger("host")
 orders = metrics.get_meter("host").create_counter("host.orders")
 calls = {{"span": [], "log": [], "counter": []}}
-during_export = 0
+during_export = after_first = 0
 clock = time.perf_counter
 for _ in range({batches}):
     for _ in range(50):
@@ -112,9 +112,10 @@ for _ in range({batches}):
         calls["log"].append(t2 - t1)
         calls["counter"].append(t3 - t2)
         during_export += exports["in_flight"] > 0
+        after_first += exports["started"] > 0
     time.sleep(0.001)
 report = {{kind: {{"n": len(d), "max_ms": max(d) * 1e3}} for kind, d in calls.items()}}
-report["exports"] = {{"started": exports["started"], "during_export": during_export,
+report["exports"] = {{"started": exports["started"], "during_export": during_export, "after_first": after_first,
                       "on_host_thread": threading.get_ident() in exports["threads"]}}
 {metric_exports}
 metric_exports_after(2, {file_dir!r})  # the second one collected after the loop: it carries every drop counted in it
@@ -164,12 +165,15 @@ def test_host_calls_never_wait_on_a_collector_that_never_answers(protocol: str, 
 
     made = batches * 50
     exports = report.pop("exports")
-    # No export ran on the host's thread, and exports were waiting on the collector (which never
-    # answers) for nearly all of the host's calls: the first batch leaves after 64 spans or 50 ms, and
-    # holds the export thread; a spare one joins only after 0.25 s of it, which a quick loop may not last.
+    # No export ran on the host's thread, and once the first export began, exports were waiting on the
+    # collector (which never answers) for nearly all of the host's calls: the first batch leaves after
+    # 64 spans or 50 ms, once its exporter is built (at the first export, sharing the GIL with this loop:
+    # longer on a loaded machine), and holds the export thread; a spare one joins only after 0.25 s of
+    # it, which a quick loop may not last.
     assert not exports["on_host_thread"], report
     assert exports["started"] >= 1, exports
-    assert exports["during_export"] >= 0.8 * made, exports
+    assert exports["after_first"] >= 0.5 * made, exports
+    assert exports["during_export"] >= 0.8 * exports["after_first"], exports
     for kind, stats in report.items():
         # Waiting on export would take the collector's whole answer time: the 10 s export timeout.
         # What remains is the GIL handed to an export worker or the metric reader for up to the

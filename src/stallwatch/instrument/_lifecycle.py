@@ -12,8 +12,7 @@ Each `instrument()` also starts the same way: its settings and its meter, from `
 without `BaseInstrumentor` (whose module loads `packaging` and the semantic conventions); their
 instrumentors (`_instrumentor.InstallationInstrumentor`) switch the same one and, behind the SDK door
 (`sdk_compat.mirror_installation`), say they are instrumented while it is on. With
-`STALLWATCH_FAST_PATHS=false` `setup()` uses `instrument()`. `unwrap` takes a wrapper off at
-uninstall.
+`STALLWATCH_FAST_PATHS=false` `setup()` uses `instrument()`. `unwrap` takes a wrapper off.
 """
 
 from __future__ import annotations
