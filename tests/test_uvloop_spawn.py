@@ -197,6 +197,23 @@ def test_signal_after_exit_raises_process_lookup_error(mode):
     run(mode, main)
 
 
+@pytest.mark.parametrize("mode", ["vfork", "asyncio"])  # uvloop's own spawn raises RuntimeError here too
+def test_writing_to_the_stdin_of_a_child_whose_exit_closed_its_pipe_drops_the_data_as_the_standard_loop_does(mode):
+    # Only stdin is piped, so the exit closes the transport and with it the stdin pipe: communicate() ignores the
+    # broken pipe, and a write is dropped while drain() raises ConnectionResetError, as on the standard loop.
+    async def main():
+        proc = await spawn(sys.executable, "-c", "pass", stdin=PIPE)
+        await proc.wait()
+        communicated = await proc.communicate(b"x" * 4_000_000)
+        proc.stdin.write(b"more")
+        with pytest.raises(ConnectionResetError):
+            await proc.stdin.drain()
+        proc.stdin.close()
+        return communicated, proc.returncode, proc.stdin.transport.is_closing()
+
+    assert run(mode, main) == ((None, None), 0, True)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_child_pid_and_parent(mode):
     async def main():
