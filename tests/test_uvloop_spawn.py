@@ -214,6 +214,29 @@ def test_writing_to_the_stdin_of_a_child_whose_exit_closed_its_pipe_drops_the_da
     assert run(mode, main) == ((None, None), 0, True)
 
 
+def test_a_write_pipe_the_host_connects_itself_stays_uvloops_and_raises_after_close():
+    # Only the stdin of a routed child drops writes once closing; what the host connects itself is uvloop's.
+    async def main():
+        lost = asyncio.get_running_loop().create_future()
+
+        class Protocol(asyncio.Protocol):
+            def connection_lost(self, exc: Exception | None) -> None:
+                lost.set_result(exc)
+
+        read_end, write_end = os.pipe()
+        try:
+            transport, _ = await asyncio.get_running_loop().connect_write_pipe(Protocol, os.fdopen(write_end))
+            transport.close()
+            await asyncio.wait_for(lost, 30)
+            with pytest.raises(RuntimeError, match="closed"):
+                transport.write(b"x")
+            return type(transport).__name__
+        finally:
+            os.close(read_end)
+
+    assert run("vfork", main) == "WriteUnixTransport"
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_child_pid_and_parent(mode):
     async def main():
