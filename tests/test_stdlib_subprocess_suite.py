@@ -42,10 +42,6 @@ PER_TEST = 30.0
 DIFFERENCES = {
     "test_pause_reading": "the test replaces `pause_reading` on the pipe transport: uvloop's are read-only",
 }
-if sys.version_info < (3, 11):
-    DIFFERENCES["test_stdin_broken_pipe"] = (
-        "writing to a pipe uvloop closed raises RuntimeError, not BrokenPipeError/ConnectionResetError"
-    )
 
 
 @dataclass

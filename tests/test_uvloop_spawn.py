@@ -197,6 +197,46 @@ def test_signal_after_exit_raises_process_lookup_error(mode):
     run(mode, main)
 
 
+@pytest.mark.parametrize("mode", ["vfork", "asyncio"])  # uvloop's own spawn raises RuntimeError here too
+def test_writing_to_the_stdin_of_a_child_whose_exit_closed_its_pipe_drops_the_data_as_the_standard_loop_does(mode):
+    # Only stdin is piped, so the exit closes the transport and with it the stdin pipe: communicate() ignores the
+    # broken pipe, and a write is dropped while drain() raises ConnectionResetError, as on the standard loop.
+    async def main():
+        proc = await spawn(sys.executable, "-c", "pass", stdin=PIPE)
+        await proc.wait()
+        communicated = await proc.communicate(b"x" * 4_000_000)
+        proc.stdin.write(b"more")
+        with pytest.raises(ConnectionResetError):
+            await proc.stdin.drain()
+        proc.stdin.close()
+        return communicated, proc.returncode, proc.stdin.transport.is_closing()
+
+    assert run(mode, main) == ((None, None), 0, True)
+
+
+def test_a_write_pipe_the_host_connects_itself_stays_uvloops_and_raises_after_close():
+    # Only the stdin of a routed child drops writes once closing; what the host connects itself is uvloop's.
+    async def main():
+        lost = asyncio.get_running_loop().create_future()
+
+        class Protocol(asyncio.Protocol):
+            def connection_lost(self, exc: Exception | None) -> None:
+                lost.set_result(exc)
+
+        read_end, write_end = os.pipe()
+        try:
+            transport, _ = await asyncio.get_running_loop().connect_write_pipe(Protocol, os.fdopen(write_end))
+            transport.close()
+            await asyncio.wait_for(lost, 30)
+            with pytest.raises(RuntimeError, match="closed"):
+                transport.write(b"x")
+            return type(transport).__name__
+        finally:
+            os.close(read_end)
+
+    assert run("vfork", main) == "WriteUnixTransport"
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_child_pid_and_parent(mode):
     async def main():

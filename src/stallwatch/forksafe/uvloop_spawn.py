@@ -5,10 +5,12 @@ posix_spawn, where no at-fork handler runs) instead of libuv's ``fork()``. docs/
 Contract: the transport is the standard library's ``_UnixSubprocessTransport``, so pipes, streams,
 ``communicate``, flow control and the callback order are the stdlib loop's; the argument checks and their
 exceptions copy ``BaseEventLoop``'s. Each pipe reaches uvloop as a `_LibuvPipe`, so every descriptor is closed
-exactly once. The exit is watched with a pidfd on the loop (no child watcher: uvloop refuses asyncio's), and
-signals go through the pidfd, so a recycled pid is never hit. A call the route cannot honour (`unsupported_reason`:
-``preexec_fn``/``user``/``group``/``extra_groups``, a keyword ``Popen`` lacks, no pidfds, changed stdlib
-internals) goes to uvloop's own spawn unchanged, with `FALLBACK` set and one INFO line per reason.
+exactly once; a write to the child's stdin once its pipe is closing (as the exit may close it) is dropped as on
+the stdlib loop, not a `RuntimeError` (`_StdinPipe`). The exit is watched with a pidfd on the loop (no child
+watcher: uvloop refuses asyncio's), and signals go through the pidfd, so a recycled pid is never hit. A call
+the route cannot honour (`unsupported_reason`: ``preexec_fn``/``user``/``group``/``extra_groups``, a keyword
+``Popen`` lacks, no pidfds, changed stdlib internals) goes to uvloop's own spawn unchanged, with `FALLBACK` set
+and one INFO line per reason.
 `install()` puts this module's layer on uvloop's methods through `uvloop_layers` (innermost, see there).
 """
 
@@ -152,6 +154,32 @@ class _LibuvPipe:
         return f"<pipe for the loop: {self._file!r}{'' if self._fd is None else f' handed over as fd {self._fd}'}>"
 
 
+class _StdinPipe:
+    """The child's stdin pipe transport as `get_pipe_transport(0)` hands it out (to the streams' `StreamWriter`):
+    uvloop's `WriteUnixTransport`, except that `write()`/`writelines()` once it is closing drop the data, as the
+    stdlib's pipe transport does, instead of raising `RuntimeError` on the closed handle. Everything else is
+    uvloop's own; a pipe the host connects with `connect_write_pipe` is never wrapped."""
+
+    __slots__ = ("_pipe",)
+
+    def __init__(self, pipe: asyncio.WriteTransport) -> None:
+        self._pipe = pipe
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if not self._pipe.is_closing():
+            self._pipe.write(data)
+
+    def writelines(self, list_of_data: Any) -> None:
+        if not self._pipe.is_closing():
+            self._pipe.writelines(list_of_data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pipe, name)
+
+    def __repr__(self) -> str:
+        return f"<stdin pipe of a routed spawn: {self._pipe!r}>"
+
+
 class _PidfdSubprocessTransport(_STDLIB_TRANSPORT or base_subprocess.BaseSubprocessTransport):  # type: ignore[misc]
     """The stdlib transport, told of the child's exit by a pidfd on the loop instead of a child
     watcher, with the child's pipes handed to uvloop as `_LibuvPipe` objects."""
@@ -160,6 +188,7 @@ class _PidfdSubprocessTransport(_STDLIB_TRANSPORT or base_subprocess.BaseSubproc
     _release_pidfd: weakref.finalize
     _exited: asyncio.Future[int]
     """Resolved with the return code at exit, whether or not the pipes ever connected."""
+    _stdin: _StdinPipe | None = None
 
     def _start(self, args: Any, shell: bool, stdin: Any, stdout: Any, stderr: Any, bufsize: int, **kwargs: Any) -> None:
         self._exited = self._loop.create_future()
@@ -173,6 +202,14 @@ class _PidfdSubprocessTransport(_STDLIB_TRANSPORT or base_subprocess.BaseSubproc
         # Closes the pidfd once: on exit, or when a loop closed without running us drops the transport.
         self._release_pidfd = weakref.finalize(self, os.close, self._pidfd)
         self._loop.add_reader(self._pidfd, self._child_exited)
+
+    def get_pipe_transport(self, fd: int) -> Any:
+        pipe = super().get_pipe_transport(fd)
+        if fd != 0 or pipe is None:
+            return pipe
+        if self._stdin is None:
+            self._stdin = _StdinPipe(pipe)
+        return self._stdin
 
     def _child_exited(self) -> None:
         try:
