@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import clean_env
-from support.otlp_http import otlp_http_collector
+from otlp_receiver import serving
 
 pytestmark = [
     pytest.mark.matrix,
@@ -392,7 +392,8 @@ def test_the_otlp_http_exporters_are_built_at_their_first_export_and_export_what
         "print(json.dumps({'loaded': loaded, 'shutdown': stallwatch.shutdown(timeout=20)}), flush=True)\n"
     )
     signals = {f"OTEL_{signal}_EXPORTER": "otlp" for signal in ("TRACES", "METRICS", "LOGS")}
-    with otlp_http_collector() as (endpoint, requests):
+    with serving() as collector:
+        endpoint, requests = collector.url, collector.requests
         env = clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
                         STALLWATCH_WATCHDOG="false", STALLWATCH_FAST_PATHS=str(fast).lower(), **signals)  # fmt: skip
         proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
@@ -450,7 +451,8 @@ def test_a_fork_child_of_a_host_whose_otlp_http_exporters_were_never_built_build
         "_, status = os.waitpid(pid, 0)\n"
         "print(json.dumps({'child': os.waitstatus_to_exitcode(status), 'built': 'requests' in sys.modules}))\n"
     )
-    with otlp_http_collector() as (endpoint, requests):
+    with serving() as collector:
+        endpoint, requests = collector.url, collector.requests
         env = clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
                         OTEL_TRACES_EXPORTER="otlp", OTEL_METRICS_EXPORTER="none", OTEL_LOGS_EXPORTER="none",
                         STALLWATCH_WATCHDOG="false")  # fmt: skip
@@ -518,7 +520,8 @@ print(json.dumps({"child": "done"}), flush=True)
 
 def test_a_fork_while_the_export_thread_builds_its_exporter_waits_for_it_and_the_child_exports():
     pytest.importorskip("opentelemetry.exporter.otlp.proto.http", reason="the OTLP/HTTP exporter")
-    with otlp_http_collector() as (endpoint, requests):
+    with serving() as collector:
+        endpoint, requests = collector.url, collector.requests
         env = clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
                         OTEL_TRACES_EXPORTER="otlp", OTEL_METRICS_EXPORTER="none", OTEL_LOGS_EXPORTER="none",
                         STALLWATCH_WATCHDOG="false")  # fmt: skip
