@@ -406,6 +406,7 @@ HOLDS = {
 KILLED = {("killed", "freeze")}
 FREEZE_KIND = telemetry.FREEZE_KIND.name.replace(".", "_")
 SHORT_FREEZE = ("loop_blocked", 3.0)  # dash_freeze.py's event-loop block, shorter than a scrape interval
+STEP = 5.0  # seconds between the points of the range queries, as a Grafana panel a few minutes wide asks
 
 
 def _numbers(result: list[dict]) -> list[float]:
@@ -504,6 +505,10 @@ def test_every_panel_shows_numbers_and_every_alert_fires_on_a_real_prometheus_wi
                     break  # reported below, alert by alert
                 time.sleep(1)  # SpawnBlockedHigh: the spawn's duration is recorded when the freeze ends
             end = time.time()
+            # Range queries evaluate at start + k * STEP <= end: with `start` on end's grid, the last point is
+            # `end`, after the last scrapes. Off the grid, the last point could fall between the scrape that
+            # carries the final values (an overrun recorded at the end) and `end`, and no point would see them.
+            start = end - STEP * math.ceil((end - start) / STEP)
             problems += [p for p in (s.stop() for s in scenarios.values()) if p]
 
             checked: set[str] = set()
@@ -522,7 +527,7 @@ def test_every_panel_shows_numbers_and_every_alert_fires_on_a_real_prometheus_wi
                     continue
                 scenario = scenarios[PANEL_SCENARIOS[key]]
                 query = concrete(expr, scenario, prometheus.scrape_interval)
-                result = prometheus.query_range(query, start, end, step=5)
+                result = prometheus.query_range(query, start, end, step=STEP)
                 if key == "Scrapes answered (up)":
                     by_job = {series["metric"]["job"]: dict(series["values"]) for series in result}
                     host, watchdog = by_job.get(HOST_JOB, {}), by_job.get(WATCHDOG_JOB, {})
@@ -561,7 +566,7 @@ def _durations_read_back(prometheus: Prometheus, freeze: Scenario, start: float,
     of one observation reads near the upper bound of its bucket (at most 20 % wide), and the held time is
     measured from outside the host."""
     (expr,) = [e for where, e in promql() if where.endswith(": Freeze duration p50/p99 by kind and cause")][1:2]
-    result = prometheus.query_range(concrete(expr, freeze, prometheus.scrape_interval), start, end, step=5)
+    result = prometheus.query_range(concrete(expr, freeze, prometheus.scrape_interval), start, end, step=STEP)
     held = freeze.released["freeze"] - freeze.held["freeze"]
     problems = []
     for kind, seconds in (("gil_held", held), SHORT_FREEZE):
