@@ -72,7 +72,7 @@ declare -A QUICK=(
   [alert_timeline]="alert_timeline.py --quick"
   [connection_errors]="bench_connection_errors.py --quick --requests 100"
 )
-declare -A MINUTES=([spawn]=5 [spawn-incident]=6 [footprint]=3 [subprocess]=3 [executor]=3 [nebius]=2
+declare -A MINUTES=([spawn]=5 [spawn-incident]=6 [footprint]=3 [subprocess]=3 [executor]=6 [nebius]=2
   [journal]=1 [watchdog]=2 [backend_faults]=5 [backend_faults_paired]=22 [fast_paths]=6 [scrubbing]=1
   [alert_timeline]=31 [connection_errors]=16)
 
