@@ -1,7 +1,7 @@
 """What the benchmarks share: the machine description written next to every result, a clean environment
 for the fresh interpreters they start, the interleaved order they run them in and how they read their
-results, the loopback receiver their exporters send to and the stock OpenTelemetry set-up they compare
-with."""
+results, the spans a worker reads back from a traces file, the loopback receiver their exporters send to
+and the stock OpenTelemetry set-up they compare with."""
 
 from __future__ import annotations
 
@@ -120,6 +120,32 @@ def machine_info(versioned: tuple[str, ...]) -> dict[str, Any]:
         ),
         "versions": versions,
     }
+
+
+def attribute_value(value: dict[str, Any]) -> Any:
+    """The Python value of an OTLP/JSON AnyValue ({"doubleValue": 0.1}, {"intValue": "3"}, ...)."""
+    for key, item in value.items():
+        return int(item) if key == "intValue" else item
+    return None
+
+
+def read_spans(path: Path, name: str) -> list[dict[str, Any]]:
+    """Spans called `name` in an OTLP/JSON-lines traces file, sorted by start time, as
+    {"start": ns, **attributes}."""
+    spans = []
+    if not path.exists():
+        return spans
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        for resource_spans in json.loads(line).get("resourceSpans", []):
+            for scope_spans in resource_spans.get("scopeSpans", []):
+                for span in scope_spans.get("spans", []):
+                    if span.get("name") != name:
+                        continue
+                    attributes = {a["key"]: attribute_value(a.get("value", {})) for a in span.get("attributes", [])}
+                    spans.append({"start": int(span.get("startTimeUnixNano", 0)), **attributes})
+    return sorted(spans, key=lambda span: span["start"])
 
 
 class _Answer200(BaseHTTPRequestHandler):

@@ -93,7 +93,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _machine import clean_env, command_line, machine_info, p99, raw_path, rotated, worker_result
+from _machine import clean_env, command_line, machine_info, p99, raw_path, read_spans, rotated, worker_result
 from _paired import run_blocks, run_processes, switch_for, table, verdict
 from bench_spawn import Ticker, touch_memory, vm_rss_mb
 
@@ -235,32 +235,6 @@ def run_series(samples: int) -> dict[str, Any]:
     times = [run_once() * 1000 for _ in range(samples)]
     cpu_ms = (time.process_time() - cpu) * 1000
     return {"sync_run_ms": times, **cpu_figures("sync_run", samples, cpu_ms, flush_spans())}
-
-
-def attribute_value(value: dict[str, Any]) -> Any:
-    """The Python value of an OTLP/JSON AnyValue ({"doubleValue": 0.1}, {"intValue": "3"}, ...)."""
-    for key, item in value.items():
-        return int(item) if key == "intValue" else item
-    return None
-
-
-def read_spans(path: Path, name: str) -> list[dict[str, Any]]:
-    """Spans called `name` in an OTLP/JSON-lines traces file, sorted by start time, as
-    {"start": ns, **attributes}."""
-    spans = []
-    if not path.exists():
-        return spans
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        for resource_spans in json.loads(line).get("resourceSpans", []):
-            for scope_spans in resource_spans.get("scopeSpans", []):
-                for span in scope_spans.get("spans", []):
-                    if span.get("name") != name:
-                        continue
-                    attributes = {a["key"]: attribute_value(a.get("value", {})) for a in span.get("attributes", [])}
-                    spans.append({"start": int(span.get("startTimeUnixNano", 0)), **attributes})
-    return sorted(spans, key=lambda span: span["start"])
 
 
 def span_summary(spans: list[dict[str, Any]]) -> dict[str, Any]:
