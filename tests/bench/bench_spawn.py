@@ -4,6 +4,7 @@ Run from the repository root, in the bench environment (tests/bench/README.md: t
 installed there)::
 
     .venvs/bench/bin/python tests/bench/bench_spawn.py --load incident   # against the peers, ~6 min
+    .venvs/bench/bin/python tests/bench/bench_spawn.py --load roundtrip  # spawn + wait, the peers, ~2 min
     .venvs/bench/bin/python tests/bench/bench_spawn.py                   # one spawn at a time, 1 GiB too
     .venvs/bench/bin/python tests/bench/bench_spawn.py --quick           # smoke test, < 30 s, temp dir
 
@@ -26,6 +27,35 @@ answers 200):
 - ``asyncio``: the standard asyncio loop, no telemetry.
 
 Results go to ``spawn-incident.md`` (committed) and ``raw/spawn-incident.json``.
+
+``--load roundtrip`` is the round trip of one spawn on uvloop, against the peers: ``await
+asyncio.create_subprocess_exec("/bin/true", ...DEVNULL)`` + ``await proc.wait()``, one at a time,
+timed from entering the arm's own wrapper (its span or transaction) to leaving it, and the call
+alone; the ticker below records the loop's longest stall. ``--spawns`` (default 200, 30 with
+``--quick``) per run after 10 warm-ups, ``--rounds`` (default 5, 2 with ``--quick``) interleaved
+rounds, each arm in a fresh interpreter:
+
+- ``no_otel``: bare uvloop (the baseline).
+- ``stallwatch``: ``import stallwatch`` first, ``setup(file_dir=<tmp>, watchdog=False)``: its default
+  vfork spawn and its span per spawn, counted (with their ``stallwatch.spawn.method``) from the
+  traces file after ``shutdown()``.
+- ``stallwatch_fork``: the same with ``STALLWATCH_UVLOOP_SPAWN=fork``.
+- ``stock_otel``: the stock SDK (OTLP/HTTP for the three signals to a loopback receiver that answers
+  200) and a hand-made span around each create + wait, as a user would write.
+- ``sentry``: ``sentry_sdk.init(traces_sample_rate=1.0)``, default integrations, a transport that
+  counts the subprocess spans of each transaction and drops it; a transaction per spawn.
+- ``ddtrace``: ``import ddtrace.auto`` with ``DD_APPSEC_ENABLED=true`` (its subprocess integration
+  makes no span without it), a trace filter counting its ``command_execution`` spans; a span per
+  spawn.
+
+uvloop spawns with its own fork and exec, not through ``subprocess.Popen``, so the peers'
+subprocess integrations see nothing of it; each peer worker therefore ends with a control, one
+``subprocess.run`` inside its wrapper, to show that its counter does see Popen's spans. This is a
+mode of this script rather than a section of ``bench_subprocess.py``: it needs the bench
+environment's peers and the per-interpreter arms this script has; on uvloop a peer's cost lies in
+what its SDK does at uvloop's fork (at-fork handlers, a bigger process), which only separate
+interpreters can compare, not ``bench_subprocess``'s on/off switch of a Popen wrapper in one
+interpreter. Results go to ``spawn-roundtrip.md`` (committed) and ``raw/spawn-roundtrip.json``.
 
 Options: ``--spawns N`` measured spawns per run (default 200, after 10 warm-ups), ``--rounds R``
 (default 3), ``--quick`` (20 spawns, 1 round, ``rss0`` only), ``--out DIR`` (default
@@ -68,12 +98,14 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -87,6 +119,7 @@ from _machine import (
     machine_info,
     p99,
     raw_path,
+    read_spans,
     rotated,
     worker_result,
 )
@@ -515,17 +548,290 @@ def render_incident(rows: dict[str, dict[str, Any]], info: dict[str, Any], setti
     return "\n".join(lines) + "\n"
 
 
+# ---- the round trip on uvloop: one spawn and its wait at a time, against the peers -------------
+
+ROUNDTRIP_CONFIGS = ("no_otel", "stallwatch", "stallwatch_fork", "stock_otel", "sentry", "ddtrace")
+ROUNDTRIP_PEERS = ("stock_otel", "sentry", "ddtrace")
+STALLWATCH_SPAN = "true"  # stallwatch names a spawn's span after the program
+METHOD_KEY = "stallwatch.spawn.method"
+SENTRY_SPAWN_OP = "subprocess"  # sentry-sdk's StdlibIntegration: subprocess, subprocess.wait, ...
+DDTRACE_SPAWN_SPAN = "command_execution"  # ddtrace's subprocess integration
+UVLOOP_FORK = "uvloop's fork"
+ROUNDTRIP_GIVES = {
+    "no_otel": "no",
+    "stallwatch": "yes: stallwatch's own",
+    "stallwatch_fork": "yes: stallwatch's own",
+    "stock_otel": "yes: a hand-made SDK span",
+    "sentry": "yes: the transaction per spawn",
+    "ddtrace": "yes: a hand-made ddtrace span",
+}
+
+
+def roundtrip_env(config: str, receiver: str) -> dict[str, str]:
+    """What each configuration adds to the clean environment of its worker."""
+    if config == "stallwatch_fork":
+        return {"STALLWATCH_UVLOOP_SPAWN": "fork"}
+    if config == "stock_otel":
+        return {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver}
+    if config == "ddtrace":
+        return {
+            "DD_TRACE_AGENT_URL": receiver,
+            "DD_APPSEC_ENABLED": "true",  # without it ddtrace's subprocess integration makes no span
+            "DD_INSTRUMENTATION_TELEMETRY_ENABLED": "false",
+            "DD_REMOTE_CONFIGURATION_ENABLED": "false",
+        }
+    return {}
+
+
+def roundtrip_setup(config: str) -> tuple[Any, Any]:
+    """What each configuration does before uvloop is imported. Returns a context manager factory to
+    wrap each spawn and its wait in (or None), and a function to call after the loop that returns
+    {"records": how many spans the instrumentation itself made for the spawns, "spawn_methods": ...
+    (stallwatch), "popen_records": ... (the peers' control)}, an empty dict where the host's wrapper
+    is the only record."""
+    if config.startswith("stallwatch"):
+        import stallwatch  # first, as a server's first import: before OpenTelemetry and uvloop
+
+        file_dir = Path(tempfile.mkdtemp(prefix="bench_spawn_"))
+        stallwatch.setup(file_dir=str(file_dir), watchdog=False)
+
+        def stallwatch_records() -> dict[str, Any]:
+            stallwatch.shutdown(10)
+            spans = read_spans(file_dir / "traces.jsonl", STALLWATCH_SPAN)
+            shutil.rmtree(file_dir, ignore_errors=True)
+            return {"records": len(spans), "spawn_methods": dict(Counter(str(s.get(METHOD_KEY)) for s in spans))}
+
+        return None, stallwatch_records
+    if config == "stock_otel":
+        from opentelemetry import trace
+
+        install_stock_otlp()
+        tracer = trace.get_tracer("bench_spawn")
+        return lambda: tracer.start_as_current_span("spawn"), dict
+    if config == "sentry":
+        import sentry_sdk
+        from sentry_sdk.transport import Transport
+
+        seen = [0]
+
+        class CountAndDiscard(Transport):  # type: ignore[misc]
+            def capture_envelope(self, envelope: Any) -> None:
+                event = envelope.get_transaction_event() or {}
+                spans = event.get("spans", [])
+                seen[0] += sum(str(span.get("op", "")).startswith(SENTRY_SPAWN_OP) for span in spans)
+
+        sentry_sdk.init(dsn="http://public@127.0.0.1:9/1", traces_sample_rate=1.0, transport=CountAndDiscard)
+
+        def transaction() -> Any:
+            return sentry_sdk.start_transaction(name="spawn", op="bench")
+
+        def sentry_count() -> int:
+            sentry_sdk.flush(10)
+            return seen[0]
+
+        return transaction, lambda: with_popen_control(transaction, sentry_count)
+    if config == "ddtrace":
+        import ddtrace.auto  # noqa: F401 - subprocess patched
+        from ddtrace.trace import TraceFilter, tracer
+
+        spawn_spans = [0]
+
+        class Count(TraceFilter):  # type: ignore[misc]
+            def process_trace(self, trace: list[Any]) -> list[Any]:
+                spawn_spans[0] += sum(span.name == DDTRACE_SPAWN_SPAN for span in trace)
+                return trace
+
+        tracer.configure(trace_processors=[Count()])
+
+        def span() -> Any:
+            return tracer.trace("spawn")
+
+        return span, lambda: with_popen_control(span, lambda: spawn_spans[0])
+    return None, dict
+
+
+def with_popen_control(wrap: Any, count: Any) -> dict[str, Any]:
+    """The spans a peer's subprocess integration made (`count()`) for the uvloop spawns, and then for
+    one `subprocess.run(["/bin/true"])` inside `wrap()`: the control that shows the count works."""
+    seen = count()
+    with wrap():
+        subprocess.run(["/bin/true"], check=True)
+    return {"records": seen, "popen_records": count() - seen}
+
+
+async def roundtrip_once(wrap: Any) -> tuple[float, float, int]:
+    """One spawn and its wait, inside `wrap()` when set: the seconds of the whole (the wrapper
+    included), of the spawn call alone, and the exit code."""
+    start = time.perf_counter()
+    with wrap() if wrap else contextlib.nullcontext():
+        call_start = time.perf_counter()
+        proc = await asyncio.create_subprocess_exec(
+            "/bin/true", stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        call = time.perf_counter() - call_start
+        code = await proc.wait()
+    return time.perf_counter() - start, call, code
+
+
+async def roundtrip_series(wrap: Any, spawns: int, ticker: Ticker) -> dict[str, Any]:
+    for _ in range(WARMUPS):
+        await roundtrip_once(wrap)
+    ticker.max_gap = 0.0
+    samples = [await roundtrip_once(wrap) for _ in range(spawns)]
+    return {
+        "loop": type(asyncio.get_running_loop()).__module__,
+        "roundtrip_ms": [whole * 1000 for whole, _, _ in samples],
+        "call_ms": [call * 1000 for _, call, _ in samples],
+        "failed": sum(code != 0 for _, _, code in samples),
+        "ticker_max_gap_ms": ticker.max_gap * 1000,
+    }
+
+
+def roundtrip_worker(config: str, spawns: int) -> dict[str, Any]:
+    wrap, records = roundtrip_setup(config)
+    import uvloop
+
+    ticker = Ticker()
+    ticker.start()
+    result = uvloop.run(roundtrip_series(wrap, spawns, ticker))
+    return {"config": config, "spawns_total": spawns + WARMUPS, "vm_rss_mb": vm_rss_mb(), **result, **records()}
+
+
+def spread(values: list[float]) -> float:
+    """(largest - smallest) / median, in percent."""
+    return (max(values) - min(values)) / statistics.median(values) * 100
+
+
+def run_roundtrip(spawns: int, rounds: int, out: Path) -> str:
+    """Run every round, write raw/spawn-roundtrip.json and spawn-roundtrip.md into `out`, return the markdown."""
+    info = machine_info((*VERSIONED, "sentry-sdk", "ddtrace"))
+    receiver = LoopbackReceiver()
+    runs = []
+    try:
+        for number, config in rotated(ROUNDTRIP_CONFIGS, rounds):
+            command = [sys.executable, str(Path(__file__).resolve()), "--roundtrip-worker", config, str(spawns)]
+            env = clean_env() | roundtrip_env(config, receiver.url)
+            proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, check=False)
+            run = worker_result(proc, f"worker {config}") | {"round": number}
+            runs.append(run)
+            print(f"round {number} {config:<15} p50 {statistics.median(run['roundtrip_ms']):6.2f} ms", file=sys.stderr)
+    finally:
+        receiver.close()
+    info["loadavg_after"] = Path("/proc/loadavg").read_text().split()[:3]
+    rows = {}
+    for config in ROUNDTRIP_CONFIGS:
+        mine = [run for run in runs if run["config"] == config]
+        samples = [ms for run in mine for ms in run["roundtrip_ms"]]
+        round_p50 = [statistics.median(run["roundtrip_ms"]) for run in mine]
+        methods = Counter[str]()
+        for run in mine:
+            methods.update(run.get("spawn_methods", {}))
+        rows[config] = {
+            "p50_ms": statistics.median(samples),
+            "p99_ms": p99(samples),
+            "mean_ms": statistics.fmean(samples),
+            "call_p50_ms": statistics.median(ms for run in mine for ms in run["call_ms"]),
+            "ticker_max_gap_ms": max(run["ticker_max_gap_ms"] for run in mine),
+            "records": sum(run["records"] for run in mine) if "records" in mine[0] else None,
+            "popen_records": sum(run.get("popen_records", 0) for run in mine),
+            "popen_runs": len(mine),
+            "spawns_total": sum(run["spawns_total"] for run in mine),
+            "spawn_methods": dict(methods),
+            "failed": sum(run["failed"] for run in mine),
+            "round_p50_ms": round_p50,
+            "round_spread_pct": spread(round_p50),
+        }
+    fastest_peer = min(rows[peer]["p50_ms"] for peer in ROUNDTRIP_PEERS)
+    for row in rows.values():
+        row["p50_ratio"] = row["p50_ms"] / rows[BASELINE]["p50_ms"]
+        row["p99_ratio"] = row["p99_ms"] / rows[BASELINE]["p99_ms"]
+        row["p50_to_fastest_peer"] = row["p50_ms"] / fastest_peer
+    settings = {"spawns": spawns, "warmups": WARMUPS, "rounds": rounds}
+    markdown = render_roundtrip(rows, info, settings)
+    report = {"machine": info, "settings": settings, "summary": rows, "runs": runs}
+    raw_path(out, "spawn-roundtrip.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "spawn-roundtrip.md").write_text(markdown)
+    return markdown
+
+
+def roundtrip_span_text(config: str, row: dict[str, Any]) -> str:
+    """What the arm records per spawn, with the count its instrumentation itself made."""
+    gives = ROUNDTRIP_GIVES[config]
+    if row["records"] is None:
+        return gives
+    if config.startswith("stallwatch"):
+        return f"{gives} ({row['records']} for {row['spawns_total']} spawns)"
+    return (
+        f"{gives}; its subprocess integration's spans: {row['records']} for {row['spawns_total']} spawns "
+        f"(control: {row['popen_records']} for {row['popen_runs']} `subprocess.run`)"
+    )
+
+
+def render_roundtrip(rows: dict[str, dict[str, Any]], info: dict[str, Any], settings: dict[str, Any]) -> str:
+    versions = ", ".join(f"{name} {version}" for name, version in info["versions"].items())
+    lines = [
+        "# uvloop spawn + wait against the peers: the round trip of one `/bin/true`",
+        "",
+        f"Generated by `.venvs/bench/bin/python tests/bench/bench_spawn.py --load roundtrip --rounds "
+        f"{settings['rounds']} --spawns {settings['spawns']}` ({settings['warmups']} warm-ups per run): on a "
+        "uvloop loop, one `await asyncio.create_subprocess_exec('/bin/true', ...DEVNULL)` + `await "
+        "proc.wait()` at a time, timed from entering the arm's own wrapper (its span or transaction) to "
+        "leaving it; `call p50` is the `create_subprocess_exec` call alone. Each arm in a fresh interpreter, "
+        "interleaved (order rotated per round), samples pooled over the rounds; ratios against `no_otel` "
+        "(bare uvloop) from this run. `ticker max gap` is the longest wake-up gap of a thread sleeping 1 ms "
+        "(the loop's longest stall with the GIL held). Spans per spawn are counted in the worker: "
+        "stallwatch's from its traces file, sentry-sdk's by its transport, ddtrace's by a trace filter "
+        "(warm-ups included); for the peers, a control after the timed spawns: the spans the same counter "
+        'sees for one `subprocess.run(["/bin/true"])` inside the arm\'s wrapper.',
+        "",
+        f"Machine: {info['nproc']} CPUs, Linux {info['kernel']}, Python {info['python']}; {versions}; "
+        f"commit {info['git_commit']}{' (dirty)' if info['git_dirty'] else ''}; {info['date']}; load average "
+        f"{' '.join(info['loadavg'])} before, {' '.join(info['loadavg_after'])} after.",
+        "",
+        "| arm | p50 ms | p99 ms | mean ms | call p50 ms | ticker max gap ms | p50 / no_otel | p99 / no_otel "
+        "| p50 / fastest peer | span per spawn | spawn method | rounds' p50 ms (spread) | failed spawns |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for config, row in rows.items():
+        methods = ", ".join(f"{name} {n}" for name, n in sorted(row["spawn_methods"].items())) or UVLOOP_FORK
+        to_peer = f"{row['p50_to_fastest_peer']:.2f}x" if config.startswith("stallwatch") else ""
+        rounds = ", ".join(f"{ms:.2f}" for ms in row["round_p50_ms"])
+        lines.append(
+            f"| {config} | {row['p50_ms']:.2f} | {row['p99_ms']:.2f} | {row['mean_ms']:.2f} | "
+            f"{row['call_p50_ms']:.2f} | {row['ticker_max_gap_ms']:.1f} | {row['p50_ratio']:.2f}x | "
+            f"{row['p99_ratio']:.2f}x | {to_peer} | {roundtrip_span_text(config, row)} | {methods} | "
+            f"{rounds} ({row['round_spread_pct']:.0f} %) | {row['failed']} |"
+        )
+    lines += [
+        "",
+        "Arms: `no_otel` bare uvloop; `stallwatch` `import stallwatch` first, `setup(file_dir=<tmp>, "
+        "watchdog=False)`, its default spawn and its span per spawn; `stallwatch_fork` the same with "
+        "`STALLWATCH_UVLOOP_SPAWN=fork`; `stock_otel` the stock SDK (OTLP/HTTP for the three signals to a "
+        "loopback receiver) and a hand-made span around each create + wait; `sentry` `sentry_sdk.init("
+        "traces_sample_rate=1.0)` with its default integrations and a discarding transport, a transaction "
+        "per spawn; `ddtrace` `import ddtrace.auto` with `DD_APPSEC_ENABLED=true` (its subprocess "
+        'integration makes no span without it), a span per spawn. "fastest peer": the lowest p50 of '
+        '`stock_otel`, `sentry` and `ddtrace` in this run. "spread": (largest - smallest) / median of the '
+        "rounds' p50s.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--spawns", type=int, help="measured spawns per run (default 200; 20 with --quick)")
-    parser.add_argument("--rounds", type=int, help="interleaved rounds (default 3; 1 with --quick)")
+    parser.add_argument("--spawns", type=int, help="measured spawns per run (default 200; 20 with --quick, "
+                        "30 with --load roundtrip --quick)")  # fmt: skip
+    parser.add_argument("--rounds", type=int, help="interleaved rounds (default 3, 5 with --load roundtrip; "
+                        "1 with --quick, 2 with --load roundtrip --quick)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="smoke test: few spawns, one round, rss0 only")
     parser.add_argument("--out", type=Path, help="output directory (default tests/bench/results; temp with --quick)")
-    parser.add_argument("--load", choices=("sequential", "incident"), default="sequential",
-                        help="one spawn at a time (default), or the incident's load against the peers")  # fmt: skip
+    parser.add_argument("--load", choices=("sequential", "incident", "roundtrip"), default="sequential",
+                        help="one spawn at a time (default), the incident's load against the peers, or one "
+                             "spawn + wait at a time on uvloop against the peers")  # fmt: skip
     parser.add_argument("--seconds", type=float, default=20.0, help="with --load incident: seconds per run")
     parser.add_argument("--worker", nargs=3, metavar=("CONFIG", "RSS", "N"), help=argparse.SUPPRESS)
     parser.add_argument("--incident-worker", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--roundtrip-worker", nargs=2, metavar=("CONFIG", "N"), help=argparse.SUPPRESS)
     parser.add_argument("--echo-server", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -538,6 +844,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.incident_worker:
         config, port, seconds, receiver = args.incident_worker
         print(json.dumps(incident_worker(config, int(port), float(seconds), receiver)))
+        return
+    if args.roundtrip_worker:
+        config, spawns = args.roundtrip_worker
+        print(json.dumps(roundtrip_worker(config, int(spawns))))
+        return
+    if args.load == "roundtrip":
+        out = args.out or (Path(tempfile.mkdtemp(prefix="bench_spawn_")) if args.quick else DEFAULT_OUT)
+        spawns = args.spawns or (30 if args.quick else 200)
+        print(run_roundtrip(spawns, args.rounds or (2 if args.quick else 5), out))
+        print(f"results: {raw_path(out, 'spawn-roundtrip.json')}, {out / 'spawn-roundtrip.md'}", file=sys.stderr)
         return
     if args.load == "incident":
         out = args.out or (Path(tempfile.mkdtemp(prefix="bench_spawn_")) if args.quick else DEFAULT_OUT)

@@ -37,12 +37,13 @@ while [ $# -gt 0 ]; do
 done
 
 # name | venv | arguments | arguments with --quick | full-run time (minutes, on the 2-core machine)
-ORDER=(spawn spawn-incident footprint subprocess executor nebius journal watchdog backend_faults
+ORDER=(spawn spawn-incident spawn-roundtrip footprint subprocess executor nebius journal watchdog backend_faults
        backend_faults_paired fast_paths scrubbing alert_timeline connection_errors)
-declare -A VENV=([spawn]=bench [spawn-incident]=bench)
+declare -A VENV=([spawn]=bench [spawn-incident]=bench [spawn-roundtrip]=bench)
 declare -A ARGS=(
   [spawn]="bench_spawn.py"
   [spawn-incident]="bench_spawn.py --load incident"
+  [spawn-roundtrip]="bench_spawn.py --load roundtrip"
   [footprint]="bench_footprint.py"
   [subprocess]="bench_subprocess.py"
   [executor]="bench_executor.py"
@@ -59,6 +60,7 @@ declare -A ARGS=(
 declare -A QUICK=(
   [spawn]="bench_spawn.py --quick"
   [spawn-incident]="bench_spawn.py --load incident --quick"
+  [spawn-roundtrip]="bench_spawn.py --load roundtrip --quick"
   [footprint]="bench_footprint.py --rounds 1"
   [subprocess]="bench_subprocess.py --quick"
   [executor]="bench_executor.py --quick"
@@ -72,7 +74,7 @@ declare -A QUICK=(
   [alert_timeline]="alert_timeline.py --quick"
   [connection_errors]="bench_connection_errors.py --quick --requests 100"
 )
-declare -A MINUTES=([spawn]=5 [spawn-incident]=6 [footprint]=3 [subprocess]=3 [executor]=6 [nebius]=2
+declare -A MINUTES=([spawn]=5 [spawn-incident]=6 [spawn-roundtrip]=2 [footprint]=3 [subprocess]=3 [executor]=6 [nebius]=2
   [journal]=1 [watchdog]=2 [backend_faults]=5 [backend_faults_paired]=22 [fast_paths]=6 [scrubbing]=1
   [alert_timeline]=31 [connection_errors]=16)
 
