@@ -21,7 +21,12 @@ CASES = {
         "stallwatch.instrument.subprocess:SubprocessInstrumentor",
         "uvloop",
         "import uvloop",
-        [("uvloop.Loop", "subprocess_exec"), ("uvloop.Loop", "subprocess_shell"), ("subprocess.Popen", "__init__")],
+        [
+            ("uvloop.Loop", "subprocess_exec"),
+            ("uvloop.Loop", "subprocess_shell"),
+            ("subprocess.Popen", "__init__"),
+            ("asyncio.subprocess.Process", "wait"),
+        ],
         "stallwatch.instrument.subprocess",
     ),
     "nebius": (
@@ -83,6 +88,33 @@ def test_three_instrument_uninstrument_cycles_then_a_late_import_leave_one_wrapp
 
     targets = len(CASES[name][3])
     assert layers == {"on": [1] * targets, "off": [0] * targets}, (name, layers)
+
+
+_RETURNCODE_CYCLES = """
+import asyncio.subprocess, json
+import stallwatch
+from stallwatch.instrument.subprocess import SubprocessInstrumentor
+
+stock = asyncio.subprocess.Process.__dict__["returncode"]
+instrumentor = SubprocessInstrumentor()
+settings = stallwatch.Settings.load()
+for _ in range(3):
+    instrumentor.instrument(settings=settings, skip_dep_check=True)
+    instrumentor.uninstrument()
+instrumentor.instrument(settings=settings, skip_dep_check=True)
+on = asyncio.subprocess.Process.__dict__["returncode"]
+instrumentor.uninstrument()
+print(json.dumps({"on": on.fget.__module__, "on_is_stock": on is stock,
+                  "off_is_stock": asyncio.subprocess.Process.__dict__["returncode"] is stock}))
+"""
+
+
+def test_the_subprocess_instrumentor_replaces_the_returncode_property_of_asyncio_processes_once_and_restores_it():
+    proc = run_python(_RETURNCODE_CYCLES)
+
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1]) == {
+        "on": "stallwatch.instrument.subprocess.loops", "on_is_stock": False, "off_is_stock": True}  # fmt: skip
 
 
 def run_case(script: str, name: str, env: dict[str, str] | None = None) -> dict:
@@ -217,7 +249,9 @@ def test_setup_installs_without_loading_base_instrumentor_and_each_instrumentor_
     `BaseInstrumentor` (its module loads `packaging`), or with the fast paths off through it; either
     way their instrumentors report them as instrumented, and their `uninstrument()` takes off what
     `setup()` put on, once."""
-    targets = [*CASES["subprocess"][3][2:], *CASES["executor"][3]]
+    spawning = CASES["subprocess"][3][2:]  # the targets that exist without uvloop
+    targets = [*spawning, *CASES["executor"][3]]
+    n = len(spawning)
     proc = run_python(
         f"""
         import json, sys, stallwatch
@@ -229,16 +263,16 @@ def test_setup_installs_without_loading_base_instrumentor_and_each_instrumentor_
         from stallwatch.instrument.subprocess import SubprocessInstrumentor
         instrumentors = [SubprocessInstrumentor(), ExecutorInstrumentor(), SSHTunnelInstrumentor()]
         said = [instrumentor.is_instrumented_by_opentelemetry for instrumentor in instrumentors]
-        on = wrapper_layers_at({targets[:1]!r}, "stallwatch.instrument.subprocess") + wrapper_layers_at(
-            {targets[1:]!r}, "stallwatch.instrument.pools")
+        on = wrapper_layers_at({targets[:n]!r}, "stallwatch.instrument.subprocess") + wrapper_layers_at(
+            {targets[n:]!r}, "stallwatch.instrument.pools")
         for instrumentor in instrumentors:
             instrumentor.instrument(skip_dep_check=True)  # already on: no second layer
-        twice = wrapper_layers_at({targets[:1]!r}, "stallwatch.instrument.subprocess") + wrapper_layers_at(
-            {targets[1:]!r}, "stallwatch.instrument.pools")
+        twice = wrapper_layers_at({targets[:n]!r}, "stallwatch.instrument.subprocess") + wrapper_layers_at(
+            {targets[n:]!r}, "stallwatch.instrument.pools")
         for instrumentor in instrumentors:
             instrumentor.uninstrument()
-        off = wrapper_layers_at({targets[:1]!r}, "stallwatch.instrument.subprocess") + wrapper_layers_at(
-            {targets[1:]!r}, "stallwatch.instrument.pools")
+        off = wrapper_layers_at({targets[:n]!r}, "stallwatch.instrument.subprocess") + wrapper_layers_at(
+            {targets[n:]!r}, "stallwatch.instrument.pools")
         print(json.dumps({{"base_loaded": base_loaded, "said": said, "on": on, "twice": twice, "off": off,
                           "after": [i.is_instrumented_by_opentelemetry for i in instrumentors]}}))
         stallwatch.shutdown(timeout=0.5)
@@ -255,8 +289,8 @@ def test_setup_installs_without_loading_base_instrumentor_and_each_instrumentor_
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
         "base_loaded": fast_paths == "false",
         "said": [True, True, True],
-        "on": [1, 1, 1],
-        "twice": [1, 1, 1],
-        "off": [0, 0, 0],
+        "on": [1] * len(targets),
+        "twice": [1] * len(targets),
+        "off": [0] * len(targets),
         "after": [False, False, False],
     }

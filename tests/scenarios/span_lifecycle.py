@@ -150,6 +150,14 @@ def subprocess_calls():
 # ---- a loop's subprocess_exec / subprocess_shell ------------------------------------------------------
 
 
+async def next_turn_with(condition):
+    """Yield one loop turn at a time until `condition()` holds (at most 30 s)."""
+    deadline = time.monotonic() + 30
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never held"
+        await asyncio.sleep(0)
+
+
 async def loop_calls():
     with Case("exec_wait") as case:
         child = await asyncio.create_subprocess_exec("sh", "-c", "exit 4")
@@ -162,6 +170,17 @@ async def loop_calls():
     with Case("shell_wait") as case:
         child = await asyncio.create_subprocess_shell("exit 6")
         await child.wait()
+        case.read()
+    # The exit seen on the loop turn that set the return code, before the loop's `process_exited`: a
+    # loop turn at a time (`sleep(0)`) until the transport has it, then `wait()`, or `returncode` itself.
+    with Case("wait_after_exit") as case:
+        child = await asyncio.create_subprocess_exec("sh", "-c", "exit 7")
+        await next_turn_with(lambda: child._transport.get_returncode() is not None)
+        await child.wait()
+        case.read()
+    with Case("returncode_read") as case:
+        child = await asyncio.create_subprocess_exec("sh", "-c", "exit 8")
+        await next_turn_with(lambda: child.returncode is not None)
         case.read()
     with Case("never_waited") as case:  # nobody waits: the span ends when the loop hears of the exit
         child = await asyncio.create_subprocess_exec("true")

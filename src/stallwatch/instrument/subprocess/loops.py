@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio.base_events
 import asyncio.base_subprocess
+import asyncio.subprocess
 import logging
 from collections.abc import Callable, Coroutine, Generator
 from time import perf_counter
@@ -44,16 +45,57 @@ _LOOP_METHODS = ("subprocess_exec", "subprocess_shell")
 
 
 def install() -> None:
+    global _returncode_before
     for name in _LOOP_METHODS:
         wrapper = _loop_wrapper("asyncio", name == "subprocess_shell")
         wrapt.wrap_function_wrapper(asyncio.base_events.BaseEventLoop, name, wrapper)
     uvloop_layers.add("record", _loop_wrapper("uvloop", shell=False), _loop_wrapper("uvloop", shell=True))
+    wrapt.wrap_function_wrapper(asyncio.subprocess.Process, "wait", _process_wait)
+    found = asyncio.subprocess.Process.__dict__["returncode"]
+    if found.fget is not _process_returncode:
+        _returncode_before = found
+        asyncio.subprocess.Process.returncode = property(_process_returncode)  # type: ignore[method-assign,assignment]
 
 
 def uninstall() -> None:
+    global _returncode_before
     uvloop_layers.remove("record")
     for name in _LOOP_METHODS:
         unwrap(asyncio.base_events.BaseEventLoop, name)
+    unwrap(asyncio.subprocess.Process, "wait")
+    if _returncode_before is not None:
+        asyncio.subprocess.Process.returncode = _returncode_before  # type: ignore[method-assign,assignment]
+        _returncode_before = None
+
+
+_returncode_before: property | None = None  # `asyncio.subprocess.Process.returncode` as found at `install()`
+
+
+def _seen_exit(process: asyncio.subprocess.Process, returncode: int) -> None:
+    """The host has seen `process` exit (its `wait()` returned, or its `returncode` was read set): end
+    the child's span now if the loop has not called the protocol's `process_exited` yet."""
+    try:
+        child = getattr(process._protocol, "_stallwatch_child", None)  # type: ignore[attr-defined]
+        if child is not None and not child.done:
+            exited(child, returncode)
+    except Exception:
+        fault()
+
+
+async def _process_wait(
+    wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    returncode = await wrapped(*args, **kwargs)
+    _seen_exit(instance, returncode)
+    return returncode
+
+
+def _process_returncode(process: asyncio.subprocess.Process) -> int | None:
+    before = _returncode_before
+    returncode = before.fget(process) if before is not None else process._transport.get_returncode()  # type: ignore[misc,attr-defined]
+    if returncode is not None:
+        _seen_exit(process, returncode)
+    return returncode
 
 
 class _TimedSteps:
@@ -95,15 +137,16 @@ class _TimedSteps:
 
 
 def _watch_protocol(protocol: Any, child: Child, transports: list[Any]) -> None:
-    """Learn the exit from the protocol's `process_exited`, which both loops call after reaping.
-
-    The standard library's transports (the standard loop's, and the vfork route's under uvloop)
-    call it on a later loop turn, and their `_wait()` returns at once once the return code is set,
-    so `Process.wait()` can return before it: there the transport's `_process_exited`, which sets
-    the return code, ends the span first. uvloop's own transport wakes its waiters after
-    `process_exited` has run."""
+    """Learn the exit from the protocol's `process_exited`, which both loops call a loop turn or more
+    after the return code is set, while `Process.wait()` returns, and `Process.returncode` reads it, as
+    soon as it is set. So the span also ends where the host can see the exit first: the standard
+    library transport's `_process_exited`, which sets it (hooked once the transport is connected), and
+    `Process.wait()` and `Process.returncode` (`_seen_exit`, through the `_stallwatch_child` the
+    protocol carries), for uvloop's own transport, a Cython object, and for an exit the standard
+    library's child watcher reported before the transport was connected."""
     made = protocol.connection_made
     hosts_process_exited = protocol.process_exited
+    protocol._stallwatch_child = child
 
     def connection_made(transport: Any) -> Any:
         transports.append(transport)
