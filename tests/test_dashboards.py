@@ -454,6 +454,22 @@ def _release_what_prometheus_has_seen(prometheus: Prometheus, scenarios: dict[st
     return finished
 
 
+def _stuck(prometheus: Prometheus, scenarios: dict[str, Scenario]) -> str:
+    """What a run that never released everything shows: each scenario's holds, the alerts its unreleased
+    holds wait for, its targets' last scrape, and the end of its stderr."""
+    health = prometheus.target_health()
+    lines = []
+    for scenario in scenarios.values():
+        lines.append(f"{scenario.name}: held {scenario.held}, released {scenario.released}, done {scenario.done}")
+        for name in set(scenario.held) - set(scenario.released):
+            for alert in HOLDS[(scenario.name, name)]:
+                states = [a["state"] for a in prometheus.alerts(alert, service_instance_id=scenario.identity)]
+                lines.append(f"  waits for {alert}: {states or 'inactive'}")
+            lines += [f"  target {target}: {health.get(target, 'unknown')}" for target in scenario.targets]
+            lines.append(f"  stderr: {scenario.stderr[-2000:]}")
+    return "\n".join(lines)
+
+
 @needs_prometheus
 def test_every_panel_shows_numbers_and_every_alert_fires_on_a_real_prometheus_with_the_shipped_settings(
     sshd, http_server, tmp_path
@@ -494,7 +510,7 @@ def test_every_panel_shows_numbers_and_every_alert_fires_on_a_real_prometheus_wi
                     assert scenario.proc is not None
                     if scenario.proc.poll() is not None and not scenario.killed:
                         raise AssertionError(f"dash_{scenario.name}.py exited early:\n{scenario.stop()}")
-                assert time.monotonic() < deadline, {s.name: (s.held, s.released, s.done) for s in scenarios.values()}
+                assert time.monotonic() < deadline, _stuck(prometheus, scenarios)
                 time.sleep(0.5)
             # The last scrapes (what happened at the end) and the rule evaluations after them.
             last = max(max([s.done, *s.released.values()]) for s in scenarios.values())

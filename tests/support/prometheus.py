@@ -55,6 +55,7 @@ class Scenario:
         self.name, self.args, self.extra_env = name, args, dict(env or {})
         self.port, self.watchdog_port = free_port(), free_port() if watchdog else None
         self.lines: list[dict[str, Any]] = []
+        self.errors: list[str] = []  # stderr, read as it comes: a full pipe would block the scenario (or its watchdog)
         self.started = self.done = 0.0
         self.proc: subprocess.Popen[str] | None = None
         self.release_dir = Path(tempfile.mkdtemp(prefix=f"dash-release-{name}-"))
@@ -98,6 +99,8 @@ class Scenario:
             env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         threading.Thread(target=self._read, daemon=True).start()
+        self._errors_reader = threading.Thread(target=self._read_errors, daemon=True)
+        self._errors_reader.start()
 
     def _read(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
@@ -108,6 +111,16 @@ class Scenario:
                     self.done = time.time()
                 if self.lines[-1].get("holding"):
                     self.held[self.lines[-1]["holding"]] = time.time()
+
+    def _read_errors(self) -> None:
+        assert self.proc is not None and self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.errors.append(line)
+
+    @property
+    def stderr(self) -> str:
+        """What the scenario (and its watchdog, which inherits the stream) wrote to stderr so far."""
+        return "".join(self.errors)
 
     def line(self, key: str) -> dict[str, Any] | None:
         """The first JSON line the scenario printed with `key` set, if any yet."""
@@ -120,8 +133,8 @@ class Scenario:
             assert self.proc is not None
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.proc.kill()
-                stderr = self.proc.stderr.read() if self.proc.stderr else ""
-                raise AssertionError(f"dash_{self.name}.py: no {key!r} line:\n{stderr[-3000:]}")
+                self.proc.wait(30)
+                raise AssertionError(f"dash_{self.name}.py: no {key!r} line:\n{self.stderr[-3000:]}")
             time.sleep(0.05)
         return found
 
@@ -152,11 +165,11 @@ class Scenario:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(30)
-        stderr = self.proc.stderr.read() if self.proc.stderr else ""
+        self._errors_reader.join(10)  # to the end of the stream
         return (
             ""
             if self.proc.returncode in (0, -signal.SIGKILL)
-            else f"dash_{self.name}.py exited {self.proc.returncode}:\n{stderr}"
+            else f"dash_{self.name}.py exited {self.proc.returncode}:\n{self.stderr}"
         )
 
     def ensure_dead(self) -> None:
@@ -265,6 +278,15 @@ class Prometheus:
         assert answer["status"] == "success", answer
         return {
             target["discoveredLabels"]["__address__"]: _unix_time(target["lastScrape"])
+            for target in answer["data"]["activeTargets"]
+        }
+
+    def target_health(self) -> dict[str, str]:
+        """Scrape URL's host:port -> its last scrape's health, and error if any (what a stuck test reports)."""
+        answer = self.api("targets", state="active")
+        assert answer["status"] == "success", answer
+        return {
+            target["discoveredLabels"]["__address__"]: f"{target['health']} {target.get('lastError', '')}".strip()
             for target in answer["data"]["activeTargets"]
         }
 
