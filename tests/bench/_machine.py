@@ -149,14 +149,21 @@ def read_spans(path: Path, name: str) -> list[dict[str, Any]]:
 
 
 class _Answer200(BaseHTTPRequestHandler):
-    """Reads any POST or PUT (OTLP/HTTP exports, Sentry envelopes, ddtrace payloads) and answers 200, empty."""
+    """Reads any POST or PUT (OTLP/HTTP exports, Sentry envelopes, ddtrace payloads) and answers 200: empty,
+    or to a ddtrace payload (`/v0.N/traces`) the JSON its agent answers, without which ddtrace logs an error
+    and drops the payload. Counts the ddtrace payloads in the server's `payloads`."""
 
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        body, kind = b"", "application/x-protobuf"
+        if self.path.endswith("/traces") and self.path.startswith("/v0."):
+            self.server.payloads += 1  # type: ignore[attr-defined]
+            body, kind = b'{"rate_by_service": {}}', "application/json"
         self.send_response(200)
-        self.send_header("Content-Type", "application/x-protobuf")
-        self.send_header("Content-Length", "0")
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
         self.end_headers()
+        self.wfile.write(body)
 
     do_PUT = do_POST
 
@@ -170,6 +177,7 @@ class LoopbackReceiver(ThreadingHTTPServer):
 
     def __init__(self) -> None:
         super().__init__(("127.0.0.1", 0), _Answer200)
+        self.payloads = 0  # ddtrace payloads
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
     @property

@@ -55,7 +55,7 @@ submission inside a request (``ARM_traced``: the arm's own root span, around eac
   clients, none of which runs here); the request is a transaction.
 - ``ddtrace``: ``ddtrace.patch(futures=True)``, which propagates the trace context into each item
   (no span); the request is ``tracer.trace("request")``. It sends to an agent stand-in run by the
-  benchmark on loopback (``AgentStandIn``), which answers as the agent does, so ddtrace neither
+  benchmark on loopback (``_machine.LoopbackReceiver``), which answers as the agent does, so ddtrace neither
   retries nor logs; telemetry and remote configuration off.
 
 Each traced run ends with a probe outside the timed repeats: one item, inside a request, that reads
@@ -129,11 +129,10 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import thread as cf_thread
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from _machine import clean_env, command_line, machine_info, raw_path, rotated, worker_result
+from _machine import LoopbackReceiver, clean_env, command_line, machine_info, raw_path, rotated, worker_result
 from _paired import run_blocks, run_processes, switch_for
 
 ARMS = ("bare", "stallwatch", "sdk_span", "otel_threading", "sentry", "ddtrace")
@@ -613,44 +612,6 @@ def worker(config: str, workload: str, items: int, repeats: int, cpu: int, agent
 
 
 # ---- runner: interleaved rounds of workers, aggregation, report -------------------------------
-
-
-class _AgentAnswer(BaseHTTPRequestHandler):
-    """Answers a payload as ddtrace's agent does: 200 and a JSON body (to an empty answer ddtrace
-    logs an error and drops the payload)."""
-
-    def do_PUT(self) -> None:
-        self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        self.server.payloads += 1  # type: ignore[attr-defined]
-        body = b'{"rate_by_service": {}}'
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    do_POST = do_PUT
-
-    def log_message(self, format: str, *args: object) -> None:
-        return
-
-
-class AgentStandIn(ThreadingHTTPServer):
-    """ddtrace's agent for the workers: on 127.0.0.1, served by a thread of this process from
-    construction until `close()`; counts the payloads it was sent."""
-
-    def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), _AgentAnswer)
-        self.payloads = 0
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
-
-    def close(self) -> None:
-        self.shutdown()
-        self.server_close()
 
 
 def available_arms() -> tuple[list[str], dict[str, str]]:
@@ -1162,7 +1123,7 @@ def benchmark(items: int, repeats: int, rounds: int, cpu: int, out: Path, pairs:
     """Run every round, write raw/executor.json and executor.md into `out`, return the markdown."""
     info = {**machine_info(VERSIONED), "source_digest": source_digest()}
     arms, left_out = available_arms()
-    agent = AgentStandIn()
+    agent = LoopbackReceiver()
     try:
         paired = run_paired(pairs, processes, arms, agent.url)
         runs = []
