@@ -33,9 +33,11 @@ interpreters then switch, with the instrumentor off, what a user would write ins
 ended when the call returns, through the same provider; series ``get_sdk_span`` and
 ``create_sdk_span``), so the two can be read side by side. The peers a user would pick instead run
 likewise, K fresh interpreters each without stallwatch set up (``peer_worker``): sentry-sdk (series
-``get_sentry``) and ddtrace (``get_ddtrace``), each alternating blocks of ``get`` on an SDK client with
-a plain channel and one carrying the peer's gRPC client interceptors; each checks that its peer
-recorded exactly one span per traced call and none on the plain one. The per-configuration runs
+``get_sentry``), ddtrace (``get_ddtrace``) and opentelemetry-instrumentation-grpc's `grpc.aio` client
+interceptors on a stock SDK set-up (``get_otel_grpc``: a `TracerProvider` with a `BatchSpanProcessor`
+whose exporter counts and drops), each alternating blocks of ``get`` on an SDK client with a plain
+channel and one carrying the peer's gRPC client interceptors; each checks that its peer recorded
+exactly one span per traced call and none on the plain one. The per-configuration runs
 above take the cost apart (journal, export), with the noise of comparing separate processes.
 """
 
@@ -69,7 +71,8 @@ WARMUPS = 20
 BLOCK = 25
 TARGET = 1.05
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
-VERSIONED = ("nebius", "grpcio", "opentelemetry-sdk", "stallwatch", "sentry-sdk", "ddtrace")
+VERSIONED = ("nebius", "grpcio", "opentelemetry-sdk", "stallwatch", "sentry-sdk", "ddtrace",
+             "opentelemetry-instrumentation-grpc")  # fmt: skip
 
 
 async def drive(address: str, measure: Callable[[Callable[[], Awaitable[Any]]], Awaitable[Any]]) -> dict[str, Any]:
@@ -193,7 +196,7 @@ def paired_worker(address: str, pairs: int, block: int, seed: int) -> dict[str, 
         shutil.rmtree(file_dir, ignore_errors=True)
 
 
-PEERS = ("sentry", "ddtrace")
+PEERS = ("sentry", "ddtrace", "otel_grpc")
 
 
 def enable_peer(peer: str, address: str) -> tuple[list[Any], Callable[[bool], None], Callable[[], int]]:
@@ -201,6 +204,10 @@ def enable_peer(peer: str, address: str) -> tuple[list[Any], Callable[[bool], No
     `interceptors=`; `block(on)`, called before each block: for sentry, finishes the open transaction
     and starts the next, since its spans need one; `recorded()`, the peer's client spans finished so
     far, counted, then dropped before any network).
+
+    The SDK's channels are `grpc.aio` ones, so the OpenTelemetry arm takes the contrib package's aio
+    client interceptors (`aio_client_interceptors()`, what `GrpcAioInstrumentorClient` adds to each
+    `grpc.aio` channel) on the stock `TracerProvider` + `BatchSpanProcessor`, set as the global one.
 
     The peers' documented switches (sentry's `GRPCIntegration`, `ddtrace.patch(grpc=True)`) wrap
     `grpc.aio.insecure_channel`, which breaks the SDK's channels: sentry passes `interceptors=` by
@@ -235,6 +242,27 @@ def enable_peer(peer: str, address: str) -> tuple[list[Any], Callable[[bool], No
             return count[0]
 
         return [SentryUnaryUnaryClientInterceptor(), SentryUnaryStreamClientInterceptor()], block, recorded
+    if peer == "otel_grpc":
+        from opentelemetry import trace
+        from opentelemetry.instrumentation.grpc import aio_client_interceptors
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+        from opentelemetry.trace import SpanKind
+
+        class CountAndDrop(SpanExporter):
+            def export(self, spans: Any) -> SpanExportResult:
+                count[0] += sum(span.kind is SpanKind.CLIENT for span in spans)
+                return SpanExportResult.SUCCESS
+
+        provider = TracerProvider()
+        provider.add_span_processor(BatchSpanProcessor(CountAndDrop()))
+        trace.set_tracer_provider(provider)
+
+        def flushed() -> int:
+            provider.force_flush()
+            return count[0]
+
+        return aio_client_interceptors(), (lambda on: None), flushed
     os.environ.update(
         DD_TRACE_ENABLED="true",
         DD_TRACE_AGENT_URL="http://127.0.0.1:9",
@@ -354,10 +382,10 @@ def render_markdown(
         f"**Paired** ({settings['processes']} interpreters x {settings['pairs']} pairs of blocks of {BLOCK} calls, "
         "the Nebius instrumentor switched on and off inside each; see `_paired.py`): median per-pair ratio "
         "on / off, its 95 % bootstrap interval, and the median added per call. `*_sdk_span`: a hand-made "
-        "OpenTelemetry SDK span per call instead, same interpreters. `get_sentry`, `get_ddtrace`: "
-        f"{settings['processes']} more interpreters each, no stallwatch, blocks alternating between an SDK "
-        "client with a plain channel and one with the peer's gRPC client interceptors (one span per call, "
-        "counted and dropped).",
+        "OpenTelemetry SDK span per call instead, same interpreters. `get_sentry`, `get_ddtrace`, "
+        f"`get_otel_grpc` (opentelemetry-instrumentation-grpc on a stock SDK set-up): {settings['processes']} "
+        "more interpreters each, no stallwatch, blocks alternating between an SDK client with a plain channel "
+        "and one with the peer's gRPC aio client interceptors (one span per call, counted and dropped).",
         "",
         f"| series | off p50 ms | on p50 ms | ratio | 95 % interval | added ms | ≤ {TARGET} |",
         "|---|---|---|---|---|---|---|",
