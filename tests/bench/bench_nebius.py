@@ -5,6 +5,12 @@ Run from the repository root (a full run takes about a minute)::
     .venvs/main/bin/python tests/bench/bench_nebius.py            # tests/bench/results/nebius.md, raw/nebius.json
     .venvs/main/bin/python tests/bench/bench_nebius.py --quick    # smoke test, writes to a temp dir
 
+The peers must be installed in that environment (the bench stops first, naming what is missing)::
+
+    .venvs/main/bin/pip install sentry-sdk ddtrace
+    # its releases lag the SDK's and pin an older opentelemetry-instrumentation: without its dependencies
+    .venvs/main/bin/pip install --no-deps opentelemetry-instrumentation-grpc
+
 Options: ``--calls N`` timed calls per series and run (default 300, after 20 warm-ups), ``--rounds R``
 (default 5), ``--pairs P`` and ``--processes K`` for the paired part (default 30 and 4), ``--quick``
 (40 calls, 1 round, 4 pairs in 1 process), ``--out DIR``.
@@ -45,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import shutil
@@ -197,6 +204,12 @@ def paired_worker(address: str, pairs: int, block: int, seed: int) -> dict[str, 
 
 
 PEERS = ("sentry", "ddtrace", "otel_grpc")
+# peer: (the module it needs, how to install it)
+PEER_PACKAGES = {
+    "sentry": ("sentry_sdk", "pip install sentry-sdk"),
+    "ddtrace": ("ddtrace", "pip install ddtrace"),
+    "otel_grpc": ("opentelemetry.instrumentation.grpc", "pip install --no-deps opentelemetry-instrumentation-grpc"),
+}
 
 
 def enable_peer(peer: str, address: str) -> tuple[list[Any], Callable[[bool], None], Callable[[], int]]:
@@ -411,6 +424,9 @@ def render_markdown(
 
 
 def benchmark(calls: int, rounds: int, pairs: int, processes: int, block: int, out: Path) -> str:
+    missing = [install for module, install in PEER_PACKAGES.values() if importlib.util.find_spec(module) is None]
+    if missing:
+        raise SystemExit(f"bench_nebius: peers missing from {sys.prefix}: {'; '.join(missing)}")
     import stallwatch  # noqa: F401 - the gRPC fork guard before grpc loads in this process
     from support.fake_nebius import FakeNebius
 
