@@ -45,6 +45,16 @@ EARLY_SIGNAL_SECONDS = 1.0
 could not tell, gets the `early_signal` event (see `child_fate`)."""
 
 
+# The attribute keys, read once: the reaping thread runs with the caches cold, where each lookup costs.
+_BLOCKED = telemetry.SPAWN_BLOCKED.name
+_METHOD = telemetry.SPAWN_METHOD.name
+_PID = telemetry.PROCESS_PID.name
+_EXIT_CODE = telemetry.PROCESS_EXIT_CODE.name
+_EXIT_SIGNAL = telemetry.EXIT_SIGNAL.name
+_ERROR_TYPE = telemetry.ERROR_TYPE.name
+_SIGNALLED_BY_HOST = telemetry.SIGNALLED_BY_HOST.name
+
+
 class Child:
     """One spawned child: what its span will say, gathered from the spawn call until it is reaped.
 
@@ -156,7 +166,7 @@ class _Unmeasured:
 
     def __init__(self) -> None:
         self.children: dict[int, Child] = {}  # id(child) -> child: one dict operation each, atomic under the GIL
-        self._lock = threading.Lock()  # taken around each measuring: a reaper waits for a collection's
+        self._lock = threading.Lock()  # taken around a collection's measuring: a reaper waits for it
         self._pid = os.getpid()
 
     def lock(self) -> threading.Lock:
@@ -165,10 +175,16 @@ class _Unmeasured:
         return self._lock
 
     def measure(self, child: Child) -> None:
-        """Measure `child` now unless that is done or under way (then wait for it)."""
-        with self.lock():
-            if self.children.pop(id(child), None) is not None:
-                _measure(child)
+        """Measure `child` now unless that is done or under way (then wait for it).
+
+        The one caller that takes the child out of the map measures it (one dict operation, atomic
+        under the GIL); a collection takes it out and measures it under the lock, so a reaper that
+        finds it gone and not measured waits for that lock."""
+        if self.children.pop(id(child), None) is not None:
+            _measure(child)
+        elif not child.measured:
+            with self.lock():
+                pass
 
     def measure_all(self) -> None:
         """Measure every child spawned and not reaped yet (before a collection: durations and names)."""
@@ -191,10 +207,10 @@ def _measure(child: Child) -> None:
     _describe(child, state)
     attributes = child.attributes
     if child.spawned or child.error is not None:
-        attributes[telemetry.SPAWN_BLOCKED.name] = child.blocked
-        attributes[telemetry.SPAWN_METHOD.name] = child.method
+        attributes[_BLOCKED] = child.blocked
+        attributes[_METHOD] = child.method
         if child.pid is not None:
-            attributes[telemetry.PROCESS_PID.name] = child.pid
+            attributes[_PID] = child.pid
         if state is not None:
             state.spawn_duration.record(child.blocked, _duration_attributes(child))
     _spawned_names.add(child.name)
@@ -205,9 +221,17 @@ def _end(child: Child) -> None:
     """The child is over (reaped, failed to spawn, or still running at shutdown): measure it if no
     collection did, then build and end its span (named "?" if measuring failed). Runs once per
     child (see `_claim`)."""
-    # A failed spawn was never offered to a collection.
-    safely(_UNMEASURED.measure if child.spawned else _measure, child)
-    safely(_build, child)
+    try:
+        if child.spawned:
+            _UNMEASURED.measure(child)
+        else:  # a failed spawn was never offered to a collection
+            _measure(child)
+    except Exception:
+        fault()
+    try:
+        _build(child)
+    except Exception:
+        fault()
 
 
 def _build(child: Child) -> None:
@@ -215,14 +239,20 @@ def _build(child: Child) -> None:
     if fate is not None:
         child_fate.annotate(fate, child.attributes, child.end_ns)
     _exit_attributes(child)
+    returncode = child.returncode
     span = child.span
+    if span is None and child.error is None and (returncode is None or returncode >= 0) and not (fate and fate.signals):
+        # No event and no span yet (the usual exit): the span is built ended, and handed on.
+        status = Status(StatusCode.ERROR, f"exit code {returncode}") if returncode else None
+        light_span.finish(child.tracer, child.name, child.parent, SpanKind.CLIENT, child.start_ns, child.end_ns,
+                          child.attributes, status)  # fmt: skip
+        return
     if span is None:
         span = light_span.start(child.tracer, child.name, child.parent, {}, SpanKind.CLIENT, child.start_ns, shed=True)
     if isinstance(span, light_span.LightSpan):
         span.set_own_attributes(child.attributes)  # built by this module: valid and bounded
     else:
         span.set_attributes(child.attributes)
-    returncode = child.returncode
     child_fate.add_events(span, fate, child.start_ns, child.end_ns, returncode, child.lived, EARLY_SIGNAL_SECONDS)
     if child.error is not None:
         span.record_exception(child.error, timestamp=child.end_ns)
@@ -240,16 +270,16 @@ def _exit_attributes(child: Child) -> None:
     if returncode is None:
         return
     attributes = child.attributes
-    attributes[telemetry.PROCESS_EXIT_CODE.name] = returncode
+    attributes[_EXIT_CODE] = returncode
     signal = None
     if returncode < 0:
         signal = signal_name(-returncode)
-        attributes[telemetry.EXIT_SIGNAL.name] = attributes[telemetry.ERROR_TYPE.name] = signal
+        attributes[_EXIT_SIGNAL] = attributes[_ERROR_TYPE] = signal
     elif returncode:
-        attributes[telemetry.ERROR_TYPE.name] = str(returncode)
+        attributes[_ERROR_TYPE] = str(returncode)
     state = ACTIVE
     if state is not None:
-        host = attributes.get(telemetry.SIGNALLED_BY_HOST.name)
+        host = attributes.get(_SIGNALLED_BY_HOST)
         state.exits.add(1, child.name, "signal" if signal else "code", signal, host)
 
 

@@ -119,5 +119,9 @@ def _popen_reaped(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, .
 
 
 def _exec_seen(child: Child, pid: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Right after `Popen.__init__` spawned `pid`: whether the child exec'd."""
-    child.fate = child_fate.exec_seen(pid, lambda: popen_method(args, kwargs) == "fork")
+    """Right after `Popen.__init__` spawned `pid`: how it spawned (unless `posix_spawn` said so during
+    the spawn), and whether the child exec'd."""
+    method = child.method
+    if method is None:
+        method = child.method = popen_method(args, kwargs)
+    child.fate = child_fate.exec_seen(pid, forked=method == "fork")
