@@ -2,7 +2,8 @@
 
 A `LightSpan` takes the same decisions as the SDK's span from the same parts of the tracer (its
 sampler, id generator, resource, scope, limits and span processor), keeps only what is set on it,
-and is itself the `ReadableSpan` the SDK would hand the processors at `end()`.
+and is itself the `ReadableSpan` the SDK would hand the processors at `end()`. `finish` makes the span
+of work already over (start, attributes, status and end known at once) as one built ended.
 
 Contract: used only where that is exactly equivalent, an SDK `Tracer` that records no self-metrics
 and whose processors all have the stock no-op `on_start`; anywhere else `start()` returns the

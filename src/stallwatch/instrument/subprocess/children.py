@@ -35,7 +35,7 @@ from ...core.faults import FAULTS, SPAWN_OBSERVER, Counts, Deferred, first_recor
 from ...forksafe import guard
 from ...forksafe.loop import loop_kind
 from .. import child_fate
-from .arguments import popen_command, popen_method
+from .arguments import popen_command
 
 _log = logging.getLogger("stallwatch")
 COMPONENT = "subprocess"
@@ -74,10 +74,10 @@ class Child:
         "start_ns", "started", "tracer",
     )  # fmt: skip
 
-    def __init__(self, tracer: trace.Tracer, loop: str | asyncio.AbstractEventLoop | None, method: str | None) -> None:
+    def __init__(self, tracer: trace.Tracer, loop: str | asyncio.AbstractEventLoop | None, method: str) -> None:
         self.tracer = tracer  # the span is built with it even if the instrumentor is turned off meanwhile
         self.loop = loop  # its kind (`uvloop`, `asyncio`, `none`) once measured
-        self.method = method  # None: worked out from `popen_args` once the spawn is over
+        self.method = method  # `posix_spawn` once a Popen's spawn says so
         self.command: tuple[object, Sequence[object]] | None = None  # (program, argv) until described
         self.popen_args: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # a Popen's arguments, likewise
         self.parent = context_api.get_current()
@@ -301,7 +301,7 @@ def forget_all() -> None:
 # ---- the child's life: begin, spawned, exited ----------------------------------------------------
 
 
-def begin(state: State, loop: str | asyncio.AbstractEventLoop | None, method: str | None) -> Child:
+def begin(state: State, loop: str | asyncio.AbstractEventLoop | None, method: str) -> Child:
     """Before the spawn: the clock and the parent context (the caller sets `command` or `popen_args`)."""
     child = Child(state.tracer, loop, method)
     _open[id(child)] = child
@@ -333,14 +333,12 @@ def describe(program: object, argv: Sequence[object], loop: str, record_args: bo
 
 
 def _describe(child: Child, state: State | None) -> None:
-    """Fill in the child's name, attributes, loop kind and method from the references the calling
+    """Fill in the child's name, attributes and loop kind from the references the calling
     thread kept, then drop them (the host's argument lists are not held for the child's life)."""
     command, popen_args = child.command, child.popen_args
     child.command = child.popen_args = None
     if command is None:
         command = popen_command(*popen_args) if popen_args is not None else ("?", ())
-    if child.method is None:
-        child.method = popen_method(*popen_args) if popen_args is not None else "vfork"
     if not isinstance(child.loop, str):
         child.loop = loop_kind(child.loop)
     record_args = state is not None and state.record_args
@@ -353,7 +351,7 @@ _DURATION_KEYS: dict[tuple[str, str, str], dict[str, Any]] = {}  # attribute dic
 
 
 def _duration_attributes(child: Child) -> dict[str, Any]:
-    key = (child.name, str(child.loop), child.method or "?")
+    key = (child.name, str(child.loop), child.method)
     attributes = _DURATION_KEYS.get(key)
     if attributes is None:
         attributes = {
@@ -372,7 +370,7 @@ def spawned(child: Child, pid: int, blocked: float) -> None:
     child.blocked = blocked
     child.spawned = True
     if child.fate is None:
-        child.fate = child_fate.exec_seen(pid)
+        child.fate = child_fate.exec_seen(pid, forked=child.method == "fork")
     child_fate.watch(child.fate)
     if not child.done:  # not ended meanwhile by the shutdown
         _UNMEASURED.children[id(child)] = child
