@@ -291,7 +291,7 @@ def host_signals(fate: Fate, end_ns: int) -> list[tuple[int, int]]:
 def annotate(fate: Fate, attributes: dict[str, Any], end_ns: int) -> None:
     """The span's exec verdict and, when the host signalled the child, that fact."""
     attributes[telemetry.SUBPROCESS_EXEC.name] = fate.exec
-    if host_signals(fate, end_ns):
+    if fate.signals and host_signals(fate, end_ns):  # most children get no signal from the host
         attributes[telemetry.SIGNALLED_BY_HOST.name] = True
 
 
