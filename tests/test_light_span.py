@@ -277,6 +277,56 @@ def test_a_root_client_span_with_its_own_start_time_matches_the_sdks():
     assert dict(light_out.attributes) == dict(stock_out.attributes)
 
 
+class TaggingSampler(sdk_sampling.Sampler):
+    """Samples every span and adds an attribute of its own, which the span's own attributes follow."""
+
+    def should_sample(self, *args: Any, **kwargs: Any) -> sdk_sampling.SamplingResult:
+        attributes = {"sampler.tag": "t", "process.pid": 0}
+        return sdk_sampling.SamplingResult(sdk_sampling.Decision.RECORD_AND_SAMPLE, attributes)
+
+    def get_description(self) -> str:
+        return "TaggingSampler"
+
+
+@pytest.mark.parametrize("parented", [False, True], ids=["root", "in_a_trace"])
+@pytest.mark.parametrize("sampler", [None, TaggingSampler(), sdk_sampling.ALWAYS_OFF], ids=["default", "tags", "off"])
+@pytest.mark.parametrize("status", [None, Status(StatusCode.ERROR, "exit code 3")], ids=["unset", "error"])
+def test_a_finished_span_is_what_the_sdks_span_started_set_and_ended_gives(parented, sampler, status):
+    """The subprocess spans of children with no event: built ended at once (`finish`)."""
+    tracer_provider, exporter = provider(sampler)
+    tracer = tracer_provider.get_tracer("test")
+    with tracer.start_as_current_span("request") as parent:
+        context = trace.set_span_in_context(parent) if parented else otel_context.Context()
+        light_span.finish(tracer, "true", context, SpanKind.CLIENT, 1_000, 2_000, {"process.pid": 42}, status)
+        stock = tracer.start_span("true", context=context, kind=SpanKind.CLIENT, start_time=1_000)
+        stock.set_attributes({"process.pid": 42})
+        if status is not None:
+            stock.set_status(status)
+        stock.end(end_time=2_000)
+    finished = [s for s in exporter.get_finished_spans() if s.name == "true"]
+    if sampler is sdk_sampling.ALWAYS_OFF:
+        assert not finished
+        return
+    light, stock_out = finished
+    if parented:
+        same(light, stock_out)
+    else:  # each a new trace: all else the same
+        assert light.parent is None and stock_out.parent is None
+        assert light.context.trace_id != stock_out.context.trace_id
+        assert light.context.trace_flags == stock_out.context.trace_flags
+        assert (light.name, light.kind, dict(light.attributes)) == (
+            stock_out.name,
+            stock_out.kind,
+            dict(stock_out.attributes),
+        )
+        assert light.status.status_code == stock_out.status.status_code
+        assert light.status.description == stock_out.status.description
+        assert light.resource is stock_out.resource and not light.events
+    assert type(light) is light_span.LightSpan
+    assert list(light.attributes) == list(stock_out.attributes)  # the sampler's first, then the span's own
+    assert (light.start_time, light.end_time) == (stock_out.start_time, stock_out.end_time) == (1_000, 2_000)
+
+
 def test_a_live_light_span_reads_like_the_sdks_span():
     """The journal records a live span's name, kind, parent, start, attributes, status and end."""
     tracer_provider, _ = provider()

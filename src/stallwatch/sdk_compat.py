@@ -352,6 +352,19 @@ class LightSpan(trace.Span, ReadableSpan):
                 return
             self._ended = True
         self._end_time = end_time if end_time is not None else time_ns()
+        self._hand_off()
+
+    def end_as_built(self, end_time: int, status: Status | None) -> None:
+        """End a span nothing else has seen yet (just built, never handed out) with `status` (None: unset):
+        what `set_status(status)` then `end(end_time)` do, without the lock."""
+        self._ended = True
+        self._end_time = end_time
+        if status is not None:
+            self._status = status
+        self._hand_off()
+
+    def _hand_off(self) -> None:
+        """The ended span to every span processor, its attributes bounded first if they must be."""
         tracer = self._tracer
         limits = tracer._span_limits
         if self._foreign or limits.max_span_attribute_length is not None:
@@ -421,6 +434,11 @@ def own_attributes(span: Any) -> dict[str, Any] | None:
     """The attribute dict a `LightSpan` was started with (stallwatch may add valid values to it
     before `end()`), or None for any other span."""
     return cast("dict[str, Any]", span._attributes) if type(span) is LightSpan else None
+
+
+def take_attributes(span: LightSpan, attributes: dict[str, Any]) -> None:
+    """Make `attributes` (valid values, set by stallwatch) the attribute dict of a `LightSpan` not ended yet."""
+    span._attributes = attributes
 
 
 def replaced_span(

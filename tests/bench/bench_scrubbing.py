@@ -70,13 +70,22 @@ def _span(name: str, attributes: dict[str, Any]) -> ReadableSpan:
                         instrumentation_scope=SCOPE, start_time=1, end_time=2)  # fmt: skip
 
 
+def _forget_names(module: ModuleType) -> None:
+    """Empty a scrub module's cache of executable names (a dict now, an lru_cache in older revisions)."""
+    names = getattr(module, "_NAMES_OF_PATHS", None)
+    if names is not None:
+        names.clear()
+    else:
+        module._executable_name_of_path.cache_clear()
+
+
 def _forget() -> None:
     scrub._clean_values.clear()
     scrub._clean_lists.clear()
-    scrub._executable_name_of_path.cache_clear()
+    _forget_names(scrub)
     before = sys.modules.get("scrub_before")
     if before is not None:
-        before._executable_name_of_path.cache_clear()
+        _forget_names(before)
 
 
 def _median_us(call: Callable[[], object], repeat: int, cold: bool) -> float:

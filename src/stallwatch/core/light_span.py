@@ -2,7 +2,8 @@
 
 A `LightSpan` takes the same decisions as the SDK's span from the same parts of the tracer (its
 sampler, id generator, resource, scope, limits and span processor), keeps only what is set on it,
-and is itself the `ReadableSpan` the SDK would hand the processors at `end()`.
+and is itself the `ReadableSpan` the SDK would hand the processors at `end()`. `finish` makes the span
+of work already over (start, attributes, status and end known at once) as one built ended.
 
 Contract: used only where that is exactly equivalent, an SDK `Tracer` that records no self-metrics
 and whose processors all have the stock no-op `on_start`; anywhere else `start()` returns the
@@ -24,14 +25,14 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk import trace as sdk_trace
 from opentelemetry.sdk.trace import sampling
-from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
+from opentelemetry.trace import SpanContext, SpanKind, Status, TraceFlags
 from opentelemetry.util import types
 
 from .. import sdk_compat
 from ..sdk_compat import LightSpan
 from .faults import first_record
 
-__all__ = ["LightSpan", "ShedSpan", "decide", "non_recording", "start"]
+__all__ = ["LightSpan", "ShedSpan", "decide", "finish", "non_recording", "start"]
 
 _RANDOM = getattr(TraceFlags, "RANDOM_TRACE_ID", 0)  # W3C trace-context level 2 flag, SDK 1.45+
 _SAMPLED = TraceFlags.SAMPLED
@@ -124,6 +125,9 @@ def start(
         return tracer.start_span(name, context=context, kind=kind, attributes=attributes, start_time=start_time)
     sampler = sdk.sampler
     trace_state: trace.TraceState | None
+    if parent is None:  # the context's span, read as `trace.get_current_span(context)` does, without its calls
+        holder = sdk_compat.span_in(context) if context is not None else trace.get_current_span()
+        parent = holder.get_span_context() if holder is not None else trace.INVALID_SPAN_CONTEXT
     if parent is not None:
         parent_trace_id, _, parent_remote, parent_flags, parent_state, parent_valid = sdk_compat.span_context_fields(
             parent
@@ -146,3 +150,32 @@ def start(
         return non_recording(sdk, (trace_id, flags, parent, trace_state, span_attributes, True), shed=True)
     span_context = sdk_compat.new_span_context(trace_id, sdk.id_generator.generate_span_id(), flags, trace_state)
     return LightSpan(sdk, name, kind, span_context, parent, span_attributes, start_time or time_ns())
+
+
+def finish(
+    tracer: trace.Tracer,
+    name: str,
+    context: otel_context.Context | None,
+    kind: SpanKind,
+    start_time: int,
+    end_time: int,
+    attributes: dict[str, Any],
+    status: Status | None,
+) -> None:
+    """A span of work already over: `start(tracer, name, context, {}, kind, start_time, shed=True)`, then
+    `attributes` set (valid values, the caller's own, never used by it again: a `LightSpan` keeps the
+    dict), `status` set (None: unset) and `end(end_time)`, in one go: a `LightSpan` is handed to the
+    span processors as it is built."""
+    span = start(tracer, name, context, {}, kind, start_time, shed=True)
+    if type(span) is LightSpan:
+        own = sdk_compat.own_attributes(span)
+        if own:  # what the sampler added comes first, as `set_own_attributes` would leave it
+            own.update(attributes)
+            attributes = own
+        sdk_compat.take_attributes(span, attributes)
+        span.end_as_built(end_time, status)
+        return
+    span.set_attributes(attributes)
+    if status is not None:
+        span.set_status(status)
+    span.end(end_time=end_time)

@@ -373,9 +373,16 @@ def executable_name(program: object) -> str:
     command's leading `NAME=value` words are skipped, so `PGPASSWORD=x psql -h db` gives "psql". A string
     with white space is read as a shell command, so an executable path containing spaces gives its first word.
     """
+    if type(program) is str:
+        name = _NAMES_OF_PATHS.get(program)
+        if name is not None:
+            return name
     try:
         if type(program) is str and _PLAIN_PATH.fullmatch(program):  # the usual case, the same few paths
-            return _executable_name_of_path(program)
+            name = _executable_name(program)
+            if len(_NAMES_OF_PATHS) < _NAMES_OF_PATHS_MAX:
+                _NAMES_OF_PATHS[program] = name
+            return name
         return _executable_name(program)
     except Exception:  # not cached: a failure is not the name
         return "?"
@@ -394,10 +401,10 @@ def args_count(argv: Sequence[object]) -> int:
     return len(argv)
 
 
-@functools.lru_cache(maxsize=256)
-def _executable_name_of_path(program: str) -> str:
-    """Cached only for bare paths: a shell command line may hold secrets, which no cache keeps."""
-    return _executable_name(program)
+# Bare paths only (`_PLAIN_PATH`): a shell command line may hold secrets, which no cache keeps. The first
+# paths seen stay: a server spawns the same few programs, each looked up with one dict read.
+_NAMES_OF_PATHS: dict[str, str] = {}
+_NAMES_OF_PATHS_MAX = 256
 
 
 def _executable_name(program: object) -> str:

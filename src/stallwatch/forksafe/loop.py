@@ -12,14 +12,20 @@ import importlib.util
 
 from .._record import Record
 
+_KINDS: dict[type, str] = {}  # loop class -> kind: a process has a few loop classes, read once per spawn
+
 
 def loop_kind(loop: asyncio.AbstractEventLoop | None) -> str:
     """`uvloop`, `asyncio` or `none` for a loop object (or no loop)."""
     if loop is None:
         return "none"
-    if any(cls.__module__.startswith("uvloop") for cls in type(loop).__mro__):
-        return "uvloop"
-    return "asyncio"
+    cls = type(loop)
+    kind = _KINDS.get(cls)
+    if kind is None:
+        kind = "uvloop" if any(base.__module__.startswith("uvloop") for base in cls.__mro__) else "asyncio"
+        if len(_KINDS) < 64:
+            _KINDS[cls] = kind
+    return kind
 
 
 def running_loop_kind() -> str:

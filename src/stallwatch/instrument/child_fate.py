@@ -66,11 +66,7 @@ def _fault() -> None:
 # ---- exec ---------------------------------------------------------------------------------------
 
 
-def _not_forked() -> bool:
-    return False
-
-
-def exec_seen(pid: int, forked: Callable[[], bool] = _not_forked) -> Fate:
+def exec_seen(pid: int, forked: bool = False) -> Fate:
     """Right after the spawn call that returned `pid`: did the child exec.
 
     Every spawn call returns once its child has exec'd or is dying (a close-on-exec pipe's end of
@@ -82,13 +78,13 @@ def exec_seen(pid: int, forked: Callable[[], bool] = _not_forked) -> Fate:
     for a vfork/`posix_spawn` child already dead when its spawn returned; one still running (seen
     with `WNOWAIT`, which leaves it for whoever reaps it) ran no host code and is taken as exec'd.
 
-    `forked()` says whether the spawn was a real fork; it is called only when the child is alive.
+    `forked`: whether the spawn was a real fork.
     """
     try:
         dead = os.waitid(os.P_PID, pid, _PEEK)
     except OSError:  # reaped by someone else already
         return Fate(UNKNOWN, pid)
-    return Fate(DONE if dead is None and not forked() else _flags(pid), pid)
+    return Fate(DONE if dead is None and not forked else _flags(pid), pid)
 
 
 def new_children() -> dict[int, Fate]:
@@ -295,7 +291,7 @@ def host_signals(fate: Fate, end_ns: int) -> list[tuple[int, int]]:
 def annotate(fate: Fate, attributes: dict[str, Any], end_ns: int) -> None:
     """The span's exec verdict and, when the host signalled the child, that fact."""
     attributes[telemetry.SUBPROCESS_EXEC.name] = fate.exec
-    if host_signals(fate, end_ns):
+    if fate.signals and host_signals(fate, end_ns):  # most children get no signal from the host
         attributes[telemetry.SIGNALLED_BY_HOST.name] = True
 
 

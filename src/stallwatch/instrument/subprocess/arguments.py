@@ -37,6 +37,10 @@ def popen_method(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
 
 def popen_command(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[object, list[object]]:
     """The program and argv a Popen with these arguments runs (for a shell, the command line)."""
+    if len(args) == 1 and not kwargs.get("shell") and kwargs.get("executable") is None:
+        command = args[0]
+        if type(command) is list:  # the usual call, `run([program, ...], ...)`: read as given
+            return (command[0] if command else "?"), command
     command = _popen_arg(args, kwargs, "args")
     shell = bool(_popen_arg(args, kwargs, "shell"))
     if type(command) is not list and isinstance(command, (str, bytes, os.PathLike)):

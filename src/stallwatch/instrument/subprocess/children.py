@@ -35,7 +35,7 @@ from ...core.faults import FAULTS, SPAWN_OBSERVER, Counts, Deferred, first_recor
 from ...forksafe import guard
 from ...forksafe.loop import loop_kind
 from .. import child_fate
-from .arguments import popen_command, popen_method
+from .arguments import popen_command
 
 _log = logging.getLogger("stallwatch")
 COMPONENT = "subprocess"
@@ -43,6 +43,16 @@ SETTING = "STALLWATCH_INSTRUMENT_SUBPROCESS"
 EARLY_SIGNAL_SECONDS = 1.0
 """A child killed this soon after its spawn by a signal the host did not send, whose exec stallwatch
 could not tell, gets the `early_signal` event (see `child_fate`)."""
+
+
+# The attribute keys, read once: the reaping thread runs with the caches cold, where each lookup costs.
+_BLOCKED = telemetry.SPAWN_BLOCKED.name
+_METHOD = telemetry.SPAWN_METHOD.name
+_PID = telemetry.PROCESS_PID.name
+_EXIT_CODE = telemetry.PROCESS_EXIT_CODE.name
+_EXIT_SIGNAL = telemetry.EXIT_SIGNAL.name
+_ERROR_TYPE = telemetry.ERROR_TYPE.name
+_SIGNALLED_BY_HOST = telemetry.SIGNALLED_BY_HOST.name
 
 
 class Child:
@@ -64,10 +74,10 @@ class Child:
         "start_ns", "started", "tracer",
     )  # fmt: skip
 
-    def __init__(self, tracer: trace.Tracer, loop: str | asyncio.AbstractEventLoop | None, method: str | None) -> None:
+    def __init__(self, tracer: trace.Tracer, loop: str | asyncio.AbstractEventLoop | None, method: str) -> None:
         self.tracer = tracer  # the span is built with it even if the instrumentor is turned off meanwhile
         self.loop = loop  # its kind (`uvloop`, `asyncio`, `none`) once measured
-        self.method = method  # None: worked out from `popen_args` once the spawn is over
+        self.method = method  # `posix_spawn` once a Popen's spawn says so
         self.command: tuple[object, Sequence[object]] | None = None  # (program, argv) until described
         self.popen_args: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # a Popen's arguments, likewise
         self.parent = context_api.get_current()
@@ -156,7 +166,7 @@ class _Unmeasured:
 
     def __init__(self) -> None:
         self.children: dict[int, Child] = {}  # id(child) -> child: one dict operation each, atomic under the GIL
-        self._lock = threading.Lock()  # taken around each measuring: a reaper waits for a collection's
+        self._lock = threading.Lock()  # taken around a collection's measuring: a reaper waits for it
         self._pid = os.getpid()
 
     def lock(self) -> threading.Lock:
@@ -165,10 +175,16 @@ class _Unmeasured:
         return self._lock
 
     def measure(self, child: Child) -> None:
-        """Measure `child` now unless that is done or under way (then wait for it)."""
-        with self.lock():
-            if self.children.pop(id(child), None) is not None:
-                _measure(child)
+        """Measure `child` now unless that is done or under way (then wait for it).
+
+        The one caller that takes the child out of the map measures it (one dict operation, atomic
+        under the GIL); a collection takes it out and measures it under the lock, so a reaper that
+        finds it gone and not measured waits for that lock."""
+        if self.children.pop(id(child), None) is not None:
+            _measure(child)
+        elif not child.measured:
+            with self.lock():
+                pass
 
     def measure_all(self) -> None:
         """Measure every child spawned and not reaped yet (before a collection: durations and names)."""
@@ -191,10 +207,10 @@ def _measure(child: Child) -> None:
     _describe(child, state)
     attributes = child.attributes
     if child.spawned or child.error is not None:
-        attributes[telemetry.SPAWN_BLOCKED.name] = child.blocked
-        attributes[telemetry.SPAWN_METHOD.name] = child.method
+        attributes[_BLOCKED] = child.blocked
+        attributes[_METHOD] = child.method
         if child.pid is not None:
-            attributes[telemetry.PROCESS_PID.name] = child.pid
+            attributes[_PID] = child.pid
         if state is not None:
             state.spawn_duration.record(child.blocked, _duration_attributes(child))
     _spawned_names.add(child.name)
@@ -205,9 +221,17 @@ def _end(child: Child) -> None:
     """The child is over (reaped, failed to spawn, or still running at shutdown): measure it if no
     collection did, then build and end its span (named "?" if measuring failed). Runs once per
     child (see `_claim`)."""
-    # A failed spawn was never offered to a collection.
-    safely(_UNMEASURED.measure if child.spawned else _measure, child)
-    safely(_build, child)
+    try:
+        if child.spawned:
+            _UNMEASURED.measure(child)
+        else:  # a failed spawn was never offered to a collection
+            _measure(child)
+    except Exception:
+        fault()
+    try:
+        _build(child)
+    except Exception:
+        fault()
 
 
 def _build(child: Child) -> None:
@@ -215,14 +239,20 @@ def _build(child: Child) -> None:
     if fate is not None:
         child_fate.annotate(fate, child.attributes, child.end_ns)
     _exit_attributes(child)
+    returncode = child.returncode
     span = child.span
+    if span is None and child.error is None and (returncode is None or returncode >= 0) and not (fate and fate.signals):
+        # No event and no span yet (the usual exit): the span is built ended, and handed on.
+        status = Status(StatusCode.ERROR, f"exit code {returncode}") if returncode else None
+        light_span.finish(child.tracer, child.name, child.parent, SpanKind.CLIENT, child.start_ns, child.end_ns,
+                          child.attributes, status)  # fmt: skip
+        return
     if span is None:
         span = light_span.start(child.tracer, child.name, child.parent, {}, SpanKind.CLIENT, child.start_ns, shed=True)
     if isinstance(span, light_span.LightSpan):
         span.set_own_attributes(child.attributes)  # built by this module: valid and bounded
     else:
         span.set_attributes(child.attributes)
-    returncode = child.returncode
     child_fate.add_events(span, fate, child.start_ns, child.end_ns, returncode, child.lived, EARLY_SIGNAL_SECONDS)
     if child.error is not None:
         span.record_exception(child.error, timestamp=child.end_ns)
@@ -240,16 +270,16 @@ def _exit_attributes(child: Child) -> None:
     if returncode is None:
         return
     attributes = child.attributes
-    attributes[telemetry.PROCESS_EXIT_CODE.name] = returncode
+    attributes[_EXIT_CODE] = returncode
     signal = None
     if returncode < 0:
         signal = signal_name(-returncode)
-        attributes[telemetry.EXIT_SIGNAL.name] = attributes[telemetry.ERROR_TYPE.name] = signal
+        attributes[_EXIT_SIGNAL] = attributes[_ERROR_TYPE] = signal
     elif returncode:
-        attributes[telemetry.ERROR_TYPE.name] = str(returncode)
+        attributes[_ERROR_TYPE] = str(returncode)
     state = ACTIVE
     if state is not None:
-        host = attributes.get(telemetry.SIGNALLED_BY_HOST.name)
+        host = attributes.get(_SIGNALLED_BY_HOST)
         state.exits.add(1, child.name, "signal" if signal else "code", signal, host)
 
 
@@ -271,7 +301,7 @@ def forget_all() -> None:
 # ---- the child's life: begin, spawned, exited ----------------------------------------------------
 
 
-def begin(state: State, loop: str | asyncio.AbstractEventLoop | None, method: str | None) -> Child:
+def begin(state: State, loop: str | asyncio.AbstractEventLoop | None, method: str) -> Child:
     """Before the spawn: the clock and the parent context (the caller sets `command` or `popen_args`)."""
     child = Child(state.tracer, loop, method)
     _open[id(child)] = child
@@ -303,14 +333,12 @@ def describe(program: object, argv: Sequence[object], loop: str, record_args: bo
 
 
 def _describe(child: Child, state: State | None) -> None:
-    """Fill in the child's name, attributes, loop kind and method from the references the calling
+    """Fill in the child's name, attributes and loop kind from the references the calling
     thread kept, then drop them (the host's argument lists are not held for the child's life)."""
     command, popen_args = child.command, child.popen_args
     child.command = child.popen_args = None
     if command is None:
         command = popen_command(*popen_args) if popen_args is not None else ("?", ())
-    if child.method is None:
-        child.method = popen_method(*popen_args) if popen_args is not None else "vfork"
     if not isinstance(child.loop, str):
         child.loop = loop_kind(child.loop)
     record_args = state is not None and state.record_args
@@ -323,7 +351,7 @@ _DURATION_KEYS: dict[tuple[str, str, str], dict[str, Any]] = {}  # attribute dic
 
 
 def _duration_attributes(child: Child) -> dict[str, Any]:
-    key = (child.name, str(child.loop), child.method or "?")
+    key = (child.name, str(child.loop), child.method)
     attributes = _DURATION_KEYS.get(key)
     if attributes is None:
         attributes = {
@@ -342,7 +370,7 @@ def spawned(child: Child, pid: int, blocked: float) -> None:
     child.blocked = blocked
     child.spawned = True
     if child.fate is None:
-        child.fate = child_fate.exec_seen(pid)
+        child.fate = child_fate.exec_seen(pid, forked=child.method == "fork")
     child_fate.watch(child.fate)
     if not child.done:  # not ended meanwhile by the shutdown
         _UNMEASURED.children[id(child)] = child

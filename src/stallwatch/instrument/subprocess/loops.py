@@ -228,7 +228,7 @@ def _loop_wrapper(loop: str, shell: bool) -> Callable[..., Coroutine[Any, Any, A
                 child.attributes[telemetry.SPAWN_FALLBACK.name] = reason
             pid = result[0].get_pid()
             if child.fate is None:  # uvloop's own fork
-                child.fate = forked.get(pid) or child_fate.exec_seen(pid, lambda: True)
+                child.fate = forked.get(pid) or child_fate.exec_seen(pid, forked=True)
             spawned(child, pid, timed.blocked)
         except Exception:
             fault()

@@ -56,20 +56,20 @@ def _popen_init(wrapped: Callable[..., None], instance: Any, args: tuple[Any, ..
         return wrapped(*args, **kwargs)
     outer = IN_LOOP_SPAWN.get()
     if outer is not None:  # a loop's spawn (standard loop, or uvloop's vfork route): the loop's span counts
-        outer.method, outer.popen_args = None, (args, kwargs)  # the method is worked out after the spawn
+        outer.method, outer.popen_args = popen_method(args, kwargs), (args, kwargs)  # posix_spawn may say otherwise
         token = IN_POPEN.set(outer)
         try:
             wrapped(*args, **kwargs)
         finally:
             IN_POPEN.reset(token)
-        safely(_exec_seen, outer, instance.pid, args, kwargs)
+        safely(_exec_seen, outer, instance.pid)
         return None
     state = children.ACTIVE
     child = None
     if state is not None:
         args, kwargs = materialized(args, kwargs)
         try:
-            child = begin(state, asyncio.events._get_running_loop(), None)
+            child = begin(state, asyncio.events._get_running_loop(), popen_method(args, kwargs))
             child.popen_args = (args, kwargs)
             if state.propagate:
                 start_span_now(state, child, popen_command(args, kwargs)[0])
@@ -91,7 +91,6 @@ def _popen_init(wrapped: Callable[..., None], instance: Any, args: tuple[Any, ..
         raise
     blocked = perf_counter() - start
     IN_POPEN.reset(token)
-    safely(_exec_seen, child, instance.pid, args, kwargs)
     try:
         # An attribute, not a WeakKeyDictionary entry (cheaper per child), set and read with
         # setattr/getattr: touching `__dict__` would make CPython 3.11+ build a dict for the object.
@@ -118,6 +117,6 @@ def _popen_reaped(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, .
     return result
 
 
-def _exec_seen(child: Child, pid: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Right after `Popen.__init__` spawned `pid`: whether the child exec'd."""
-    child.fate = child_fate.exec_seen(pid, lambda: popen_method(args, kwargs) == "fork")
+def _exec_seen(child: Child, pid: int) -> None:
+    """Right after a loop's `Popen` spawned `pid`: whether the child exec'd."""
+    child.fate = child_fate.exec_seen(pid, forked=child.method == "fork")
