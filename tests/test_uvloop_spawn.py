@@ -334,6 +334,7 @@ def test_shell_stderr_to_stdout_and_devnull(mode, tmp_path):
 )
 @pytest.mark.parametrize("mode", MODES)
 def test_spawn_errors_have_uvloops_exception_types(mode, args, kwargs, error):
+    new_loop(mode).close()  # libuv opens a process-wide pipe (its signal lock) with the first loop, and keeps it
     fds = open_fds()
 
     async def main():
