@@ -717,8 +717,8 @@ def test_a_child_seen_dumping_core_stays_the_cause_after_its_dump_until_it_is_re
 def test_a_diagnosis_while_the_hosts_children_come_and_go_leaves_the_gone_ones_out_and_never_raises():
     """A child the diagnosis lists may be reaped before its own /proc entries are read (a host blocked in
     `os.waitpid`, or thawed at once, reaps it meanwhile). That raised FileNotFoundError out of the watchdog's
-    poll and ended the watchdog: every later freeze of its host went unreported, and under CI load the
-    dashboards test's held freeze never fired FreezeActive. Before the fix, 4 to 10 of these 3000 raised."""
+    poll and ended the watchdog: every later freeze of its host went unreported (FreezeActive cannot fire
+    without the watchdog's scrape). Before the fix, 4 to 10 of these 3000 raised."""
     from stallwatch.detect.freeze_report import diagnose
 
     stop = threading.Event()
