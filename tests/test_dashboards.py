@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from stallwatch import telemetry
+from support.processes import is_gone
 from support.prometheus import HAVE_PROMETHEUS, HOST_JOB, WATCHDOG_JOB, Prometheus, Scenario, concrete
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -510,6 +511,10 @@ def test_every_panel_shows_numbers_and_every_alert_fires_on_a_real_prometheus_wi
                     assert scenario.proc is not None
                     if scenario.proc.poll() is not None and not scenario.killed:
                         raise AssertionError(f"dash_{scenario.name}.py exited early:\n{scenario.stop()}")
+                    watchdog = scenario.watchdog_pid
+                    if watchdog and not scenario.killed and is_gone(watchdog):  # no alert of its can fire now
+                        raise AssertionError(f"dash_{scenario.name}.py's freeze watchdog (pid {watchdog}) left "
+                                             f"while its host runs:\n{scenario.stderr[-3000:]}")  # fmt: skip
                 assert time.monotonic() < deadline, _stuck(prometheus, scenarios)
                 time.sleep(0.5)
             # The last scrapes (what happened at the end) and the rule evaluations after them.
