@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from stallwatch import telemetry
+from support.loopback import scrape
 from support.processes import is_gone
 from support.prometheus import HAVE_PROMETHEUS, HOST_JOB, WATCHDOG_JOB, Prometheus, Scenario, concrete
 
@@ -455,6 +456,16 @@ def _release_what_prometheus_has_seen(prometheus: Prometheus, scenarios: dict[st
     return finished
 
 
+def _frozen_series(scraped: str) -> str:
+    """The freeze-active series at 1 in a scrape of a freeze watchdog, "none" if it answered without
+    one, else why it did not answer."""
+    if scraped.startswith("no answer"):
+        return scraped
+    active = telemetry.FREEZE_ACTIVE.prometheus_name
+    frozen = [line for line in scraped.splitlines() if line.startswith(active) and line.split()[-1] != "0.0"]
+    return "; ".join(frozen) or f"no {active} series at 1"
+
+
 def _stuck(prometheus: Prometheus, scenarios: dict[str, Scenario]) -> str:
     """What a run that never released everything shows: each scenario's holds, the alerts its unreleased
     holds wait for, its targets' last scrape, and the end of its stderr."""
@@ -467,6 +478,8 @@ def _stuck(prometheus: Prometheus, scenarios: dict[str, Scenario]) -> str:
                 states = [a["state"] for a in prometheus.alerts(alert, service_instance_id=scenario.identity)]
                 lines.append(f"  waits for {alert}: {states or 'inactive'}")
             lines += [f"  target {target}: {health.get(target, 'unknown')}" for target in scenario.targets]
+            if scenario.watchdog_port is not None:  # what the watchdog says now: has it seen the freeze?
+                lines.append(f"  its watchdog now: {_frozen_series(scrape(scenario.watchdog_port))}")
             lines.append(f"  stderr: {scenario.stderr[-2000:]}")
     return "\n".join(lines)
 
