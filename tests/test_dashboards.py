@@ -23,6 +23,8 @@ import pytest
 import yaml
 
 from stallwatch import telemetry
+from support.loopback import scrape
+from support.processes import is_gone
 from support.prometheus import HAVE_PROMETHEUS, HOST_JOB, WATCHDOG_JOB, Prometheus, Scenario, concrete
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -454,6 +456,16 @@ def _release_what_prometheus_has_seen(prometheus: Prometheus, scenarios: dict[st
     return finished
 
 
+def _frozen_series(scraped: str) -> str:
+    """The freeze-active series at 1 in a scrape of a freeze watchdog, "none" if it answered without
+    one, else why it did not answer."""
+    if scraped.startswith("no answer"):
+        return scraped
+    active = telemetry.FREEZE_ACTIVE.prometheus_name
+    frozen = [line for line in scraped.splitlines() if line.startswith(active) and line.split()[-1] != "0.0"]
+    return "; ".join(frozen) or f"no {active} series at 1"
+
+
 def _stuck(prometheus: Prometheus, scenarios: dict[str, Scenario]) -> str:
     """What a run that never released everything shows: each scenario's holds, the alerts its unreleased
     holds wait for, its targets' last scrape, and the end of its stderr."""
@@ -466,6 +478,8 @@ def _stuck(prometheus: Prometheus, scenarios: dict[str, Scenario]) -> str:
                 states = [a["state"] for a in prometheus.alerts(alert, service_instance_id=scenario.identity)]
                 lines.append(f"  waits for {alert}: {states or 'inactive'}")
             lines += [f"  target {target}: {health.get(target, 'unknown')}" for target in scenario.targets]
+            if scenario.watchdog_port is not None:  # what the watchdog says now: has it seen the freeze?
+                lines.append(f"  its watchdog now: {_frozen_series(scrape(scenario.watchdog_port))}")
             lines.append(f"  stderr: {scenario.stderr[-2000:]}")
     return "\n".join(lines)
 
@@ -510,6 +524,10 @@ def test_every_panel_shows_numbers_and_every_alert_fires_on_a_real_prometheus_wi
                     assert scenario.proc is not None
                     if scenario.proc.poll() is not None and not scenario.killed:
                         raise AssertionError(f"dash_{scenario.name}.py exited early:\n{scenario.stop()}")
+                    watchdog = scenario.watchdog_pid
+                    if watchdog and not scenario.killed and is_gone(watchdog):  # no alert of its can fire now
+                        raise AssertionError(f"dash_{scenario.name}.py's freeze watchdog (pid {watchdog}) left "
+                                             f"while its host runs:\n{scenario.stderr[-3000:]}")  # fmt: skip
                 assert time.monotonic() < deadline, _stuck(prometheus, scenarios)
                 time.sleep(0.5)
             # The last scrapes (what happened at the end) and the rule evaluations after them.

@@ -81,6 +81,12 @@ class Scenario:
         return None if self.watchdog_port is None else f"127.0.0.1:{self.watchdog_port}"
 
     @property
+    def watchdog_pid(self) -> int | None:
+        """The freeze watchdog's pid, from the "ready" line of a scenario that has one (None before it)."""
+        ready = self.line("ready")
+        return ready.get("watchdog_pid") if ready else None
+
+    @property
     def targets(self) -> list[str]:
         return [t for t in (self.host_target, self.watchdog_target) if t is not None]
 

@@ -64,18 +64,25 @@ def _status_field(pid: int, name: str) -> str | None:
     return None
 
 
+def _listdir(path: str) -> list[str]:
+    """The entries of a `/proc` directory, none once its process is gone or where `/proc` refuses: a
+    child listed a moment ago may have been reaped since (the host runs between two reads), which a
+    check before the read cannot rule out."""
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
 def _children(pid: int) -> list[int]:
     kids: list[int] = []
-    for tid in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else []:
+    for tid in _listdir(f"/proc/{pid}/task"):
         kids += [int(c) for c in (_read(f"/proc/{pid}/task/{tid}/children") or "").split()]
     return kids
 
 
 def _thread_names(pid: int) -> list[str]:
-    names = []
-    for tid in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else []:
-        names.append((_read(f"/proc/{pid}/task/{tid}/comm") or "?").strip())
-    return sorted(names)
+    return sorted((_read(f"/proc/{pid}/task/{tid}/comm") or "?").strip() for tid in _listdir(f"/proc/{pid}/task"))
 
 
 @dataclass
@@ -138,10 +145,9 @@ def diagnose(pid: int, dumped: frozenset[int] = frozenset()) -> Diagnosis:
             "execed": _execed(child, exe, host_exe),
             "threads": _thread_names(child),
         }
-        if found.waits_on and found.waits_on.startswith("pipe:"):
-            fds = os.listdir(f"/proc/{child}/fd") if os.path.isdir(f"/proc/{child}/fd") else []
-            if any(_link(f"/proc/{child}/fd/{fd}") == found.waits_on for fd in fds):
-                found.waits_on_child = child
+        fds = _listdir(f"/proc/{child}/fd") if found.waits_on and found.waits_on.startswith("pipe:") else []
+        if any(_link(f"/proc/{child}/fd/{fd}") == found.waits_on for fd in fds):
+            found.waits_on_child = child
         found.children.append(info)
     found.cause = _cause(found, dumped)
     return found
