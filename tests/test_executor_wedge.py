@@ -308,7 +308,7 @@ def runtime_context(request, tmp_path) -> dict[str, str]:
 def test_submission_span_only_inside_a_trace_and_context_reaches_the_worker(telemetry_dir, runtime_context):
     proc = run_python(
         f"""
-        import asyncio, json, os
+        import asyncio, contextvars, functools, json, os
         import stallwatch
         stallwatch.setup(file_dir={str(telemetry_dir)!r})
         from opentelemetry import trace
@@ -334,11 +334,18 @@ def test_submission_span_only_inside_a_trace_and_context_reaches_the_worker(tele
                 inside, inside_span, inside_baggage = await asyncio.to_thread(seen_from_worker)
                 # run_in_executor runs the function in the worker's own contextvars, unlike to_thread
                 _, plain_span, plain_baggage = await asyncio.get_running_loop().run_in_executor(None, seen_from_worker)
+                # a contextvars copy of the caller's own, as to_thread runs its function in, and again afterwards
+                held = contextvars.copy_context()
+                held_run = functools.partial(held.run, seen_from_worker)
+                _, held_span, _ = await asyncio.get_running_loop().run_in_executor(None, held_run)
+                _, held_after, _ = held.run(seen_from_worker)
                 context.detach(token)
                 trace_id = format(request.get_span_context().trace_id, "032x")
+                request_span = format(request.get_span_context().span_id, "016x")
             outside, _, outside_baggage = await asyncio.to_thread(seen_from_worker)  # no trace: no span, no context
             return {{"inside": inside, "trace_id": trace_id, "outside": outside,
-                     "item_spans": [inside_span, plain_span],
+                     "item_spans": [inside_span, plain_span, held_span],
+                     "held_after": held_after, "request_span": request_span,
                      "baggage": [inside_baggage, plain_baggage, outside_baggage]}}
 
         result = asyncio.run(main())
@@ -358,13 +365,15 @@ def test_submission_span_only_inside_a_trace_and_context_reaches_the_worker(tele
     assert result["outside"] == "0" * 32
     spans = otlp_items(telemetry_dir / "traces.jsonl", "spans")
     work = [s for s in spans if s["name"] == "asyncio-default work item"]
-    assert len(work) == 2
+    assert len(work) == 3
     parent = next(s for s in spans if s["name"] == "request")
     for item in work:
         assert item["traceId"] == result["trace_id"]
         assert item["parentSpanId"] == parent["spanId"]
-    # each item's span is the current span in its worker, for either way of running the function
+    # each item's span is the current span in its worker, for every way of running the function
     assert sorted(item["spanId"] for item in work) == sorted(result["item_spans"])
+    # and no longer in the caller's context the item ran its function in, once the item is over
+    assert result["held_after"] == result["request_span"] == parent["spanId"]
     assert result["baggage"] == ["t-1", "t-1", None]  # the rest of the submitter's context came along, and only there
     for item in work:  # durations of whole nanoseconds (monotonic_ns), written as such: 0.000102933, not 0.00010293299…
         durations = [attrs(item)[f"stallwatch.executor.{name}_seconds"] for name in ("queue", "run")]
