@@ -475,3 +475,41 @@ def test_a_worker_death_is_reported_without_the_secrets_its_exception_carries(ca
     (record,) = [r for r in caplog.records if "wedge worker_died" in r.getMessage()]
     assert "SystemExit" in record.getMessage() and "[REDACTED]" in record.getMessage()
     assert not leaked(record.getMessage()), record.getMessage()
+
+
+def test_a_finished_item_keeps_nothing_it_was_given_alive():
+    proc = run_python(
+        """
+        import asyncio, json, weakref
+        import stallwatch
+        stallwatch.setup(traces_exporter="none", metrics_exporter="none", logs_exporter="none")
+        from concurrent.futures import ThreadPoolExecutor
+
+        class Payload:
+            pass
+
+        def work(payload, *, also):
+            return type(payload).__name__
+
+        pool = ThreadPoolExecutor(max_workers=1)
+        payload, also = Payload(), Payload()
+        refs = [weakref.ref(payload), weakref.ref(also)]
+        result = pool.submit(work, payload, also=also).result()
+        del payload, also
+        # The item is still the last one the pool's accounting logged: no submit or check came since.
+        alive = {"submit": [ref() is not None for ref in refs]}
+
+        async def main():
+            payload = Payload()
+            ref = weakref.ref(payload)
+            await asyncio.to_thread(work, payload, also=None)
+            del payload
+            return ref() is not None
+
+        alive["to_thread"] = asyncio.run(main())
+        print(json.dumps({"result": result, "alive": alive}))
+        """
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == {"result": "Payload", "alive": {"submit": [False, False], "to_thread": False}}

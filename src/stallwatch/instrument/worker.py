@@ -165,6 +165,10 @@ class WorkItem(ItemRecord):
                     _reset_context(token)
                 else:  # in there: the copy may outlive the item
                     entered.run(_reset_context, token)
+                    self.entered = None
+            # The item stays in its pool's accounting log until the next submit or wedge check: what
+            # it was given to run must not stay alive with it, as it does not without stallwatch.
+            self.fn = self.args = self.kwargs = None  # type: ignore[assignment]
             self.finished = True
             if execution_timeouts.OVERDUE:
                 execution_timeouts.item_finished(self)
