@@ -343,7 +343,12 @@ def test_submission_span_only_inside_a_trace_and_context_reaches_the_worker(tele
                 trace_id = format(request.get_span_context().trace_id, "032x")
                 request_span = format(request.get_span_context().span_id, "016x")
             outside, _, outside_baggage = await asyncio.to_thread(seen_from_worker)  # no trace: no span, no context
+            token = context.attach(baggage.set_baggage("tenant", "t-2"))  # a context without a trace: no span
+            _, _, to_thread_baggage = await asyncio.to_thread(seen_from_worker)
+            _, _, plain_baggage_only = await asyncio.get_running_loop().run_in_executor(None, seen_from_worker)
+            context.detach(token)
             return {{"inside": inside, "trace_id": trace_id, "outside": outside,
+                     "context_only": [to_thread_baggage, plain_baggage_only],
                      "item_spans": [inside_span, plain_span, held_span],
                      "held_after": held_after, "request_span": request_span,
                      "baggage": [inside_baggage, plain_baggage, outside_baggage]}}
@@ -375,6 +380,7 @@ def test_submission_span_only_inside_a_trace_and_context_reaches_the_worker(tele
     # and no longer in the caller's context the item ran its function in, once the item is over
     assert result["held_after"] == result["request_span"] == parent["spanId"]
     assert result["baggage"] == ["t-1", "t-1", None]  # the rest of the submitter's context came along, and only there
+    assert result["context_only"] == ["t-2", "t-2"]  # to_thread's in its contextvars copy, the other set by the worker
     for item in work:  # durations of whole nanoseconds (monotonic_ns), written as such: 0.000102933, not 0.00010293299…
         durations = [attrs(item)[f"stallwatch.executor.{name}_seconds"] for name in ("queue", "run")]
         assert all(0 < value < 60 and value == round(value * 1e9) / 1e9 for value in durations), durations

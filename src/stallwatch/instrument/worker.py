@@ -211,23 +211,25 @@ def current_item(ident: int) -> ItemRecord | None:
 
 
 def _attach(item: ItemRecord) -> object:
-    """In the worker: make the submitter's context (and the item's span in it) current. Returns the
-    token `_finish` resets it with, inside `item.entered` when that is set."""
+    """In the worker: make the submitter's context (and the item's span in it) current where the item's
+    function runs. Returns the token `_finish` resets it with (inside `item.entered` when that is set),
+    or None when nothing was set."""
     try:
-        if item.span is None:
-            return _set_context(item.context)
-        context = sdk_compat.with_span(item.context, item.span)  # type: ignore[arg-type]  # set: it has a span
         fn = item.fn
         if type(fn) is partial and type(entered := getattr(fn.func, "__self__", None)) is contextvars.Context:
-            # `asyncio.to_thread`: the function runs in a copy of the submitter's contextvars
-            # (`partial(ctx.run, func)`), where a context set in the worker's own is not seen.
-            # Set it in that copy, for the item's span to be current in there too. The copy goes on
-            # the item, not in a wrapper around the token: building one per item (a named tuple and
-            # its method call) cost more than the two `Context.run` calls.
-            token = entered.run(_set_context, context)
+            # `asyncio.to_thread` (or a caller's own `Context.run`): the function runs in that context,
+            # never in the worker's own, and sees the context it holds, as without stallwatch. Only the
+            # item's span is set, in there. The context goes on the item, not in a wrapper around the
+            # token: building one per item (a named tuple and its method call) cost more than the two
+            # `Context.run` calls.
+            if item.span is None:
+                return None
+            token = entered.run(_set_context, sdk_compat.with_span(item.context, item.span))  # type: ignore[arg-type]
             item.entered = entered
             return token
-        return _set_context(context)
+        if item.span is None:
+            return _set_context(item.context)
+        return _set_context(sdk_compat.with_span(item.context, item.span))  # type: ignore[arg-type]
     except Exception:
         FAULTS.record("executor", SETTING)
         return None
