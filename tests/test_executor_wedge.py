@@ -308,7 +308,7 @@ def runtime_context(request, tmp_path) -> dict[str, str]:
 def test_submission_span_only_inside_a_trace_and_context_reaches_the_worker(telemetry_dir, runtime_context):
     proc = run_python(
         f"""
-        import asyncio, json, os
+        import asyncio, contextvars, functools, json, os
         import stallwatch
         stallwatch.setup(file_dir={str(telemetry_dir)!r})
         from opentelemetry import trace
@@ -334,11 +334,23 @@ def test_submission_span_only_inside_a_trace_and_context_reaches_the_worker(tele
                 inside, inside_span, inside_baggage = await asyncio.to_thread(seen_from_worker)
                 # run_in_executor runs the function in the worker's own contextvars, unlike to_thread
                 _, plain_span, plain_baggage = await asyncio.get_running_loop().run_in_executor(None, seen_from_worker)
+                # a contextvars copy of the caller's own, as to_thread runs its function in, and again afterwards
+                held = contextvars.copy_context()
+                held_run = functools.partial(held.run, seen_from_worker)
+                _, held_span, _ = await asyncio.get_running_loop().run_in_executor(None, held_run)
+                _, held_after, _ = held.run(seen_from_worker)
                 context.detach(token)
                 trace_id = format(request.get_span_context().trace_id, "032x")
+                request_span = format(request.get_span_context().span_id, "016x")
             outside, _, outside_baggage = await asyncio.to_thread(seen_from_worker)  # no trace: no span, no context
+            token = context.attach(baggage.set_baggage("tenant", "t-2"))  # a context without a trace: no span
+            _, _, to_thread_baggage = await asyncio.to_thread(seen_from_worker)
+            _, _, plain_baggage_only = await asyncio.get_running_loop().run_in_executor(None, seen_from_worker)
+            context.detach(token)
             return {{"inside": inside, "trace_id": trace_id, "outside": outside,
-                     "item_spans": [inside_span, plain_span],
+                     "context_only": [to_thread_baggage, plain_baggage_only],
+                     "item_spans": [inside_span, plain_span, held_span],
+                     "held_after": held_after, "request_span": request_span,
                      "baggage": [inside_baggage, plain_baggage, outside_baggage]}}
 
         result = asyncio.run(main())
@@ -358,14 +370,17 @@ def test_submission_span_only_inside_a_trace_and_context_reaches_the_worker(tele
     assert result["outside"] == "0" * 32
     spans = otlp_items(telemetry_dir / "traces.jsonl", "spans")
     work = [s for s in spans if s["name"] == "asyncio-default work item"]
-    assert len(work) == 2
+    assert len(work) == 3
     parent = next(s for s in spans if s["name"] == "request")
     for item in work:
         assert item["traceId"] == result["trace_id"]
         assert item["parentSpanId"] == parent["spanId"]
-    # each item's span is the current span in its worker, for either way of running the function
+    # each item's span is the current span in its worker, for every way of running the function
     assert sorted(item["spanId"] for item in work) == sorted(result["item_spans"])
+    # and no longer in the caller's context the item ran its function in, once the item is over
+    assert result["held_after"] == result["request_span"] == parent["spanId"]
     assert result["baggage"] == ["t-1", "t-1", None]  # the rest of the submitter's context came along, and only there
+    assert result["context_only"] == ["t-2", "t-2"]  # to_thread's in its contextvars copy, the other set by the worker
     for item in work:  # durations of whole nanoseconds (monotonic_ns), written as such: 0.000102933, not 0.00010293299…
         durations = [attrs(item)[f"stallwatch.executor.{name}_seconds"] for name in ("queue", "run")]
         assert all(0 < value < 60 and value == round(value * 1e9) / 1e9 for value in durations), durations
@@ -466,3 +481,41 @@ def test_a_worker_death_is_reported_without_the_secrets_its_exception_carries(ca
     (record,) = [r for r in caplog.records if "wedge worker_died" in r.getMessage()]
     assert "SystemExit" in record.getMessage() and "[REDACTED]" in record.getMessage()
     assert not leaked(record.getMessage()), record.getMessage()
+
+
+def test_a_finished_item_keeps_nothing_it_was_given_alive():
+    proc = run_python(
+        """
+        import asyncio, json, weakref
+        import stallwatch
+        stallwatch.setup(traces_exporter="none", metrics_exporter="none", logs_exporter="none")
+        from concurrent.futures import ThreadPoolExecutor
+
+        class Payload:
+            pass
+
+        def work(payload, *, also):
+            return type(payload).__name__
+
+        pool = ThreadPoolExecutor(max_workers=1)
+        payload, also = Payload(), Payload()
+        refs = [weakref.ref(payload), weakref.ref(also)]
+        result = pool.submit(work, payload, also=also).result()
+        del payload, also
+        # The item is still the last one the pool's accounting logged: no submit or check came since.
+        alive = {"submit": [ref() is not None for ref in refs]}
+
+        async def main():
+            payload = Payload()
+            ref = weakref.ref(payload)
+            await asyncio.to_thread(work, payload, also=None)
+            del payload
+            return ref() is not None
+
+        alive["to_thread"] = asyncio.run(main())
+        print(json.dumps({"result": result, "alive": alive}))
+        """
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == {"result": "Payload", "alive": {"submit": [False, False], "to_thread": False}}

@@ -325,9 +325,7 @@ class CountingSpanProcessor(SpanProcessor):
         EXPORTS.add(self.lane)
 
     def on_end(self, span: Any) -> None:
-        context = span.context
-        # A span given no context is dropped, or raises where the SDK's own processors do.
-        if not ((context or sdk_compat.CONTEXTLESS_SPAN_RAISES) and context.trace_flags.sampled):
+        if not sdk_compat.span_sampled(span):
             return
         if self.closed or self.guard.breaker.down_until or len(self._bounded) >= self._limit:
             if self.closed:  # a span after shutdown is not exported

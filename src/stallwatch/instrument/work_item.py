@@ -8,6 +8,7 @@ on, adds the run). `ExecutorState` is a pool's accounting, reachable as `executo
 
 from __future__ import annotations
 
+import contextvars
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -49,7 +50,7 @@ class ItemRecord(_OriginalWorkItem):
 
     Set in the submitting thread by the accounting queue's `put`: `executor` (None: the item went
     to a pool built before `instrument()`, which is not accounted), `submitted`, `context`, `span`;
-    then in the worker: `started`, `thread`, `finished`; by the wedge check: `dequeued_seen`,
+    then in the worker: `started`, `thread`, `entered`, `finished`; by the wedge check: `dequeued_seen`,
     `orphaned`; by `interrupt`: `interrupt`. Class attributes are the defaults: a field costs
     nothing until it is set. `submitted` and `started` are `time.monotonic_ns()` readings: a
     duration made from two of them is a whole number of ns, which the span encoders write fastest.
@@ -62,6 +63,8 @@ class ItemRecord(_OriginalWorkItem):
     dequeued_seen: float | None = None  # when the wedge check first saw it handed out
     started: int | None = None
     thread: threading.Thread | None = None
+    # The contextvars copy the item's function runs in (`asyncio.to_thread`), when its context was set in there
+    entered: contextvars.Context | None = None
     finished: bool = False
     orphaned: bool = False
     interrupt: Any = None  # the pending scoped interruption, see `interrupt`

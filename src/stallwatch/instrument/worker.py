@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry.trace import Span
@@ -44,15 +44,19 @@ class _ContextApi:
 
 
 # OpenTelemetry's current context: its ContextVar, read and set directly (`sdk_compat.context_var`),
-# or the API's functions (fast paths off, another runtime context); chosen at `instrument()`.
+# or the API's functions (fast paths off, another runtime context); chosen at `instrument()`. Its
+# `set` and `reset`, bound once: a worker calls them per item, some through `Context.run`.
 _context_var: Any = _ContextApi
+_set_context: Any = _ContextApi.set
+_reset_context: Any = _ContextApi.reset
 
 
 def use_context() -> Any:
     """Choose how work items read and set OpenTelemetry's current context, as `setup()` chose the fast
     paths; the choice, for the submitting side (`executor`) to use too."""
-    global _context_var
+    global _context_var, _set_context, _reset_context
     _context_var = sdk_compat.context_var() or _ContextApi
+    _set_context, _reset_context = _context_var.set, _context_var.reset
     return _context_var
 
 
@@ -156,10 +160,15 @@ class WorkItem(ItemRecord):
         """The item is over: context back, durations, span, and what `execution_timeout` watches."""
         try:
             if token is not None:
-                if type(token) is _InContext:
-                    token.reset()
-                else:
-                    _context_var.reset(token)
+                entered = self.entered
+                if entered is None:
+                    _reset_context(token)
+                else:  # in there: the copy may outlive the item
+                    entered.run(_reset_context, token)
+                    self.entered = None
+            # The item stays in its pool's accounting log until the next submit or wedge check: what
+            # it was given to run must not stay alive with it, as it does not without stallwatch.
+            self.fn = self.args = self.kwargs = None  # type: ignore[assignment]
             self.finished = True
             if execution_timeouts.OVERDUE:
                 execution_timeouts.item_finished(self)
@@ -202,32 +211,28 @@ def current_item(ident: int) -> ItemRecord | None:
 
 
 def _attach(item: ItemRecord) -> object:
-    """In the worker: make the submitter's context (and the item's span in it) current."""
+    """In the worker: make the submitter's context (and the item's span in it) current where the item's
+    function runs. Returns the token `_finish` resets it with (inside `item.entered` when that is set),
+    or None when nothing was set."""
     try:
-        if item.span is None:
-            return _context_var.set(item.context)
-        context = sdk_compat.with_span(item.context, item.span)  # type: ignore[arg-type]  # set: it has a span
         fn = item.fn
         if type(fn) is partial and type(entered := getattr(fn.func, "__self__", None)) is contextvars.Context:
-            # `asyncio.to_thread`: the function runs in a copy of the submitter's contextvars
-            # (`partial(ctx.run, func)`), where a context set in the worker's own is not seen.
-            # Set it in that copy, for the item's span to be current in there too.
-            return _InContext(entered, entered.run(_context_var.set, context))
-        return _context_var.set(context)
+            # `asyncio.to_thread` (or a caller's own `Context.run`): the function runs in that context,
+            # never in the worker's own, and sees the context it holds, as without stallwatch. Only the
+            # item's span is set, in there. The context goes on the item, not in a wrapper around the
+            # token: building one per item (a named tuple and its method call) cost more than the two
+            # `Context.run` calls.
+            if item.span is None:
+                return None
+            token = entered.run(_set_context, sdk_compat.with_span(item.context, item.span))  # type: ignore[arg-type]
+            item.entered = entered
+            return token
+        if item.span is None:
+            return _set_context(item.context)
+        return _set_context(sdk_compat.with_span(item.context, item.span))  # type: ignore[arg-type]
     except Exception:
         FAULTS.record("executor", SETTING)
         return None
-
-
-class _InContext(NamedTuple):
-    """A context set inside the contextvars `Context` a work item runs its function in (a tuple:
-    a frozen dataclass takes a microsecond to build, through `object.__setattr__`)."""
-
-    entered: contextvars.Context
-    token: contextvars.Token[Any]
-
-    def reset(self) -> None:
-        self.entered.run(_context_var.reset, self.token)  # in there: the copy may outlive the item
 
 
 def _end_span(span: Span, queue_seconds: float, run_seconds: float) -> None:
