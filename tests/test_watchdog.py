@@ -295,6 +295,9 @@ from stallwatch._watchdog import main
     [
         ("watchdog", "Watchdog.check", "True", 0),  # the first poll: the watchdog's telemetry is not set up
         ("watchdog", "Watchdog.check", "args[0].freeze is not None", 1),  # a freeze reported: set up
+        # The first diagnosis of the freeze, as the /proc race did: the telemetry is set up then if the
+        # pipeline has loaded within the threshold (not on a loaded machine), so the count is not checked.
+        ("freeze_report", "diagnose", "True", None),
     ],
 )
 def test_a_poll_of_the_watchdog_that_raises_is_logged_once_and_it_reports_the_freeze_and_its_thaw(

@@ -241,9 +241,10 @@ class Watchdog:
             last = snapshot["interpreter_ns"] if kind == "gil_held" else snapshot["loop_ns"]
             wall = time.time_ns() - (now - last)
             report = _report()
-            self.freeze = report.Freeze(kind, last, wall, report.Diagnosis(), snapshot)
-            self.freeze.rediagnose(self.pid)
-            self.telemetry.frozen(self.freeze, now)
+            freeze = report.Freeze(kind, last, wall, report.Diagnosis(), snapshot)
+            freeze.rediagnose(self.pid)  # before it is taken as reported: one that raises is detected next poll
+            self.freeze = freeze
+            self.telemetry.frozen(freeze, now)
         elif time.monotonic() - self.freeze.diagnosed_at >= REDIAGNOSE_SECONDS or (
             self.freeze.diagnosis.cause != "child_core_dump" and _report().core_dumping_child(self.pid)
         ):  # a core dump that began after the last look is reported now: it may be over before the next
