@@ -18,7 +18,17 @@ from typing import Any
 
 import pytest
 
-from conftest import SCENARIOS, attrs, clean_env, metric_points, otlp_items, read_jsonl, run_python, run_scenario
+from conftest import (
+    SCENARIOS,
+    attrs,
+    clean_env,
+    latest_total,
+    metric_points,
+    otlp_items,
+    read_jsonl,
+    run_python,
+    run_scenario,
+)
 from support.loopback import free_port, prometheus_env, scrape
 from support.processes import is_gone
 from support.served import Served
@@ -264,6 +274,75 @@ def test_a_host_exporting_through_its_own_providers_still_has_its_freeze_exporte
         if "freeze detected" in record["body"]["stringValue"]
     ]
     assert [resource.get("stallwatch.process.role") for resource in detected] == ["watchdog"], proc.stderr
+
+
+# The watchdog's bootstrap with a fault injected into one poll: `module.name` raises once, when `when` holds
+# for its arguments (`args`).
+_FAILING_ONCE = """from stallwatch.detect import {module}
+original, raised = {module}.{name}, []
+def failing_once(*args):
+    if not raised and ({when}):
+        raised.append(True)
+        raise RuntimeError("injected into one poll")
+    return original(*args)
+{module}.{name} = failing_once
+from stallwatch._watchdog import main
+"""
+
+
+@pytest.mark.parametrize(
+    ("module", "name", "when", "counted"),
+    [
+        ("watchdog", "Watchdog.check", "True", 0),  # the first poll: the watchdog's telemetry is not set up
+        ("watchdog", "Watchdog.check", "args[0].freeze is not None", 1),  # a freeze reported: set up
+        # The first diagnosis of the freeze, as the /proc race did: the telemetry is set up then if the
+        # pipeline has loaded within the threshold (not on a loaded machine), so the count is not checked.
+        ("freeze_report", "diagnose", "True", None),
+    ],
+)
+def test_a_poll_of_the_watchdog_that_raises_is_logged_once_and_it_reports_the_freeze_and_its_thaw(
+    telemetry_dir, module, name, when, counted
+):
+    """A bug cannot be produced on demand (the /proc race of a child reaped while it was read was one): the
+    host hands its watchdog a bootstrap in which a part of its poll raises once (`_FAILING_ONCE`), in a real
+    watchdog process that watches a real freeze of the host. Such a poll used to end the watchdog."""
+    code = f"""
+        import asyncio, pathlib, time
+        import stallwatch
+        from stallwatch.detect import heartbeat
+        heartbeat._BOOTSTRAP = heartbeat._BOOTSTRAP.replace(
+            "from stallwatch._watchdog import main\\n", {_FAILING_ONCE.format(module=module, name=name, when=when)!r}
+        )
+        session = stallwatch.setup(file_dir={str(telemetry_dir)!r}, freeze_threshold=1.0)
+        async def main():
+            assert await asyncio.to_thread(session.wait_for_watchdog, 30)
+            time.sleep(2.5)  # the loop blocked
+        asyncio.run(main())
+        traces, deadline = pathlib.Path({str(telemetry_dir / "traces.jsonl")!r}), time.monotonic() + 30
+        while time.monotonic() < deadline:  # until the watchdog has seen the thaw: its freeze span, exported at once
+            if traces.exists() and '"stallwatch.freeze"' in traces.read_text():
+                break
+            time.sleep(0.02)
+        stallwatch.shutdown(timeout=5)
+        """
+    proc = run_python(code)  # returns once the watchdog has left: it holds the stderr pipe
+
+    assert proc.returncode == 0, proc.stderr
+    detected = [r for r in log_records(telemetry_dir / "logs.jsonl") if "freeze detected" in r["body"]["stringValue"]]
+    assert [attrs(record)["stallwatch.freeze.kind"] for record in detected] == ["loop_blocked"]
+    (span,) = freeze_spans(telemetry_dir / "traces.jsonl")
+    assert attrs(span)["stallwatch.freeze.outcome"] == "thawed"
+    lines = proc.stderr.splitlines()
+    failed = [line for line in lines if "a poll of the freeze watchdog" in line]
+    assert len(failed) == 1, proc.stderr
+    assert failed[0].endswith("it goes on watching. Set STALLWATCH_WATCHDOG=false to turn this part off.")
+    assert any(line.endswith("RuntimeError: injected into one poll") for line in lines), proc.stderr  # its traceback
+    prefix = re.match(r"stallwatch watchdog \(host pid \d+\): ", failed[0])
+    assert prefix is not None and all(line.startswith(prefix[0]) for line in lines), proc.stderr
+    metrics = telemetry_dir / "metrics.jsonl"
+    errors = latest_total(metrics, "stallwatch.instrumentation.errors", **{"stallwatch.component": "watchdog"})
+    assert latest_total(metrics, "stallwatch.instrumentation.errors") == errors  # no other part's
+    assert errors == counted if counted is not None else errors in (0, 1)  # counted once its telemetry is set up
 
 
 _HOST = """

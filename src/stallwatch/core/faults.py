@@ -100,6 +100,11 @@ class Faults:
                 off,
                 exc_info=sys.exc_info()[0] is not None,
             )
+        self.count(component, count)
+
+    def count(self, component: str, count: int = 1) -> None:
+        """Count failures of `component` without logging them: for a part that logs its failures
+        itself (the freeze watchdog's polls, on its own stderr lines)."""
         counter = self._counter
         if counter is not None:
             try:

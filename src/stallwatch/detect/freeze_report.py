@@ -490,6 +490,20 @@ def name_the_source(host_pid: int) -> None:
     sys.excepthook = lambda kind, error, trace: log.critical("stallwatch: failed", exc_info=(kind, error, trace))
 
 
+def poll_failed(host_pid: int, first: bool, counted: bool) -> None:
+    """In the watchdog's `except Exception` around one poll (`Watchdog.run`), which goes on watching:
+    the `first` failure is logged with its traceback on the watchdog's stderr lines, and each one is
+    counted as a fault of the watchdog's (`stallwatch.instrumentation.errors`) when its telemetry is
+    set up (`counted`)."""
+    if first:
+        log.warning("stallwatch: a poll of the freeze watchdog of host %d failed; it goes on watching. Set %s=false "
+                    "to turn this part off.", host_pid, heartbeat.SETTING, exc_info=True)  # fmt: skip
+    if counted:
+        from ..core.faults import FAULTS  # footprint: not in the idle watchdog (loads wrapt and the SDK)
+
+        FAULTS.count(heartbeat.COMPONENT)
+
+
 def serve_last_word(session: Any, host_pid: int) -> None:
     """Keep the Prometheus endpoint up until a scrape has carried the host's death (OTLP has it
     already), for `STALLWATCH_WATCHDOG_LAST_SCRAPE_TIMEOUT` seconds at most."""

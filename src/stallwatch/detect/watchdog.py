@@ -7,9 +7,10 @@ interpreter loads at start (`time`, `_signal`); a heartbeat late by `PREPARE_NS`
 the telemetry pipeline (`freeze_report.Reporting`) from the host's `sys.path`, ready before the lateness
 becomes a freeze (at once with a Prometheus exporter, to serve scrapes). Every `POLL_SECONDS` it reads the
 heartbeats: an interpreter heartbeat older than the threshold is `gil_held`, a loop heartbeat alone
-`loop_blocked`. A freeze is reported while it lasts and at the thaw (`freeze_report`). It leaves when the
-host exits or execs another program, and at SIGTERM once the host's shutdown has removed the heartbeat
-file; it runs in a session of its own, and its stderr lines start `stallwatch watchdog (host pid N):`.
+`loop_blocked`. A freeze is reported while it lasts and at the thaw (`freeze_report`). A poll that raises
+an `Exception` is logged (the first) and counted (`freeze_report.poll_failed`), and the next poll runs. It
+leaves when the host exits or execs another program, and at SIGTERM once the host's shutdown has removed the
+heartbeat file; it runs in a session of its own, and its stderr lines start `stallwatch watchdog (host pid N):`.
 """
 
 from __future__ import annotations
@@ -163,6 +164,7 @@ class Watchdog:
         self._beating = False  # the host has begun to beat: its set-up is over
         self.host_left = False  # the host exec'd another program: nothing of stallwatch's is left to watch
         self._stopping = False  # a SIGTERM came while a freeze was being reported
+        self.failed_polls = 0  # polls that raised (`freeze_report.poll_failed`)
         _signal.signal(_signal.SIGTERM, self._on_sigterm)  # before any setup(): this one, not its flush-and-die
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
@@ -180,7 +182,11 @@ class Watchdog:
         pidfd = os.pidfd_open(self.pid)
         try:
             while not self.host_left and not self._stopping and not select.select([pidfd], [], [], POLL_SECONDS)[0]:
-                self.check()
+                try:
+                    self.check()
+                except Exception:  # a bug, or a race with the host no check rules out: the next poll runs
+                    self.failed_polls += 1
+                    _report().poll_failed(self.pid, self.failed_polls == 1, self._telemetry is not None)
         finally:
             os.close(pidfd)
         if self._stopping:  # the freeze is reported: now leave as the SIGTERM asked
@@ -235,9 +241,10 @@ class Watchdog:
             last = snapshot["interpreter_ns"] if kind == "gil_held" else snapshot["loop_ns"]
             wall = time.time_ns() - (now - last)
             report = _report()
-            self.freeze = report.Freeze(kind, last, wall, report.Diagnosis(), snapshot)
-            self.freeze.rediagnose(self.pid)
-            self.telemetry.frozen(self.freeze, now)
+            freeze = report.Freeze(kind, last, wall, report.Diagnosis(), snapshot)
+            freeze.rediagnose(self.pid)  # before it is taken as reported: one that raises is detected next poll
+            self.freeze = freeze
+            self.telemetry.frozen(freeze, now)
         elif time.monotonic() - self.freeze.diagnosed_at >= REDIAGNOSE_SECONDS or (
             self.freeze.diagnosis.cause != "child_core_dump" and _report().core_dumping_child(self.pid)
         ):  # a core dump that began after the last look is reported now: it may be over before the next
