@@ -387,7 +387,8 @@ TELEMETRY_DROPPED = Metric(
 )  # fmt: skip
 INSTRUMENTATION_ERRORS = Metric(
     "stallwatch.instrumentation.errors", "counter", "{error}",
-    "Failures inside stallwatch's own wrappers; the wrapped call went ahead unchanged.", (INSTRUMENTATION_COMPONENT,),
+    "Failures inside stallwatch (its wrappers, heartbeat, freeze watchdog); the host's calls went ahead unchanged.",
+    (INSTRUMENTATION_COMPONENT,),
 )  # fmt: skip
 
 SUBPROCESS_SPAWN_DURATION = Metric(
