@@ -14,7 +14,7 @@ import httpx
 import pytest
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 
-from conftest import attrs, clean_env, latest_total, otlp_items, run_python
+from conftest import attrs, clean_env, latest_total, metric_points, otlp_items, run_python
 from otlp_receiver import Receiver, otlp_attributes, otlp_received, otlp_received_from
 from stallwatch.detect import heartbeat
 from support.processes import descendants
@@ -424,6 +424,30 @@ def test_with_delta_temporality_a_process_exports_at_its_exit_only_what_it_recor
     stops = _host_stops(receiver)
     assert stops == ([1, after_stop] if after_stop else [1])  # deltas: 1 and 2 add up to what was recorded
     assert len(receiver.bodies("/v1/metrics")) == (2 if after_stop else 1)
+
+
+def test_a_flush_at_uvicorns_stop_that_outlasts_its_wait_counts_no_asyncio_timeout_of_the_host(tmp_path):
+    # The shutdown awaits the flush up to its budget (0.2 s here, plus 0.5 s); a span export to a collector
+    # that answers after 2 s outlasts that wait. The wait is stallwatch's: not a host's expired timeout.
+    telemetry = tmp_path / "telemetry"
+    code = """
+        import stallwatch
+        from opentelemetry import trace
+        from support.uvicorn_stop import serve_then_stop
+
+        stallwatch.setup(watchdog=False, metrics_exporter="file", logs_exporter="none")
+        serve_then_stop(before_stop=lambda: trace.get_tracer("host").start_span("before-stop").end())
+        assert stallwatch.shutdown(30)
+        """
+    with serve("slow") as endpoint:
+        env = clean_env(
+            OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, STALLWATCH_FILE_DIR=str(telemetry), STALLWATCH_SHUTDOWN_TIMEOUT="0.2"
+        )
+        result = run_python(code, env=env)
+
+    assert result.returncode == 0, result.stderr
+    assert metric_points(telemetry / "metrics.jsonl", "stallwatch.fork.count")  # the exit's metrics are there
+    assert metric_points(telemetry / "metrics.jsonl", "stallwatch.asyncio.timeouts") == []
 
 
 def test_a_scrape_after_uvicorns_stop_has_each_series_once():
