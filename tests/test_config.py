@@ -181,7 +181,7 @@ def test_keyword_override_accepts_the_fields_own_type(keyword, value, expected):
 def test_an_unknown_keyword_is_reported_with_the_closest_setting_and_ignored():
     settings = Settings.load(environ={}, shutdown_timout=2, traces_exporter="console")
 
-    assert settings.traces_exporter == ("console",) and settings.shutdown_timeout == 3.0
+    assert settings.traces_exporter == ("console",) and settings.shutdown_timeout == 1.0
     assert [str(problem) for problem in settings.problems] == [
         "setup() keyword 'shutdown_timout' is not a setting (did you mean shutdown_timeout?); ignored"
     ]

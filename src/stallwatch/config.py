@@ -275,7 +275,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "STALLWATCH_SHUTDOWN_TIMEOUT",
         "shutdown_timeout",
-        "`3.0`",
+        "`1.0`",
         "Seconds `shutdown()` and interpreter exit may spend flushing telemetry.",
     ),
     Option(
@@ -490,7 +490,7 @@ class Settings:
     providers: str = "stallwatch"
     file_dir: Path = field(default_factory=_default_file_dir)
     log_level: int = logging.WARNING
-    shutdown_timeout: float = 3.0
+    shutdown_timeout: float = 1.0
     slow_export_seconds: float = 1.0
     strict: bool = False
     instrument_executor: bool = True

@@ -550,7 +550,7 @@ def _instrument_once(instrumentor: BaseInstrumentor, **kwargs: Any) -> bool:
 def shutdown(timeout: float | None = None) -> bool:
     """Flush and stop stallwatch's providers within `timeout` seconds.
 
-    Defaults to `STALLWATCH_SHUTDOWN_TIMEOUT` (3 s). Returns True when everything finished in
+    Defaults to `STALLWATCH_SHUTDOWN_TIMEOUT` (1 s). Returns True when everything finished in
     time; telemetry still queued after the timeout is dropped, the host is never held up.
     """
     global _session, _shut_down
@@ -560,7 +560,7 @@ def shutdown(timeout: float | None = None) -> bool:
     if session is None:
         return True
     if timeout is None:
-        timeout = session.settings.shutdown_timeout if session.settings else 3.0
+        timeout = session.settings.shutdown_timeout if session.settings else 1.0
     deadline = time.monotonic() + timeout  # one budget for everything below
     if session._watchdog is not None:
         # footprint: with the watchdog only
