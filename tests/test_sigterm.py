@@ -228,6 +228,37 @@ def test_a_plain_script_ended_by_sigterm_exports_its_queued_spans_and_dies_by_si
     assert sorted(span["name"] for span in spans) == sorted(f"step {n}" for n in range(150))
 
 
+def test_a_script_whose_first_export_is_at_sigterm_builds_its_exporter_outside_the_budget_and_exports(receiver):
+    # The exporter is built at the SIGTERM, slowly: an import finder sleeps 1.5 s before the first
+    # import of `requests` (which the OTLP/HTTP exporter loads), longer than the 1 s budget, as a
+    # cold disk or a contended CPU would make that build; a sleep loads no CPU beside the other tests.
+    code = """
+import importlib.abc, sys, time
+
+class SlowDisk(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "requests":
+            time.sleep(1.5)
+        return None
+
+"""
+    slowed = 'sys.meta_path.insert(0, SlowDisk())\nprint("requests" in sys.modules, "recorded"'
+    code += _SCRIPT.replace('print("recorded"', slowed)
+    env = clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.url, NO_PROXY="127.0.0.1", STALLWATCH_SHUTDOWN_TIMEOUT="1",
+                    OTEL_BSP_SCHEDULE_DELAY="60000", OTEL_LOGS_EXPORTER="none")  # fmt: skip
+    with subprocess.Popen(
+        [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as script:
+        assert script.stdout.readline() == "False recorded\n"  # nothing exported (nor built) before the SIGTERM
+        script.send_signal(signal.SIGTERM)
+        _, stderr = script.communicate(timeout=60)
+
+    assert script.returncode == -signal.SIGTERM, stderr
+    assert stderr == ""
+    spans = otlp_received(receiver, "/v1/traces")
+    assert sorted(span.name for span in spans) == sorted(f"step {n}" for n in range(150))
+
+
 def test_a_sigterm_handler_the_host_installed_first_is_left_in_place(tmp_path):
     telemetry = tmp_path / "telemetry"
     host_handler = "import signal, sys\nsignal.signal(signal.SIGTERM, lambda *a: sys.exit(7))\n"
