@@ -9,12 +9,10 @@ Export timeouts stay the SDK's (10 s per OTLP request, `OTEL_EXPORTER_OTLP[_<SIG
 seconds): they only bound how long a background worker waits, never the host. What bounds the host
 is the shutdown: `Pipeline.shutdown()` runs the providers' shutdowns on stallwatch's worker thread,
 started while the host runs (`_Closer`, `background`), and waits for it `STALLWATCH_SHUTDOWN_TIMEOUT`
-seconds at most, plus the time spent meanwhile building the exporters that are built at their first
-export (`export.lazy`, up to its `BUILD_CAP`): the budget bounds the wait on the collector, and a
-process whose first export is its exit builds them then (local work, some 0.1 s of CPU). The
-thread is started beforehand because Python 3.12+ refuses new threads at interpreter exit, which is
-when `atexit` calls us; a flush run inline on the exiting thread would hold the exit for every
-export timeout against a collector that never answers.
+seconds at most on the collector: building exporters made at their first export is local work left
+out of it (`export.lazy.wait`). The thread is started beforehand because Python 3.12+ refuses new
+threads at interpreter exit, which is when `atexit` calls us; a flush run inline on the exiting
+thread would hold the exit for every export timeout against a collector that never answers.
 """
 
 from __future__ import annotations

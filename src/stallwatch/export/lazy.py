@@ -11,10 +11,8 @@ bad setting is still reported by `setup()`; should the build fail all the same, 
 Contract: built at most once per process, under `_BUILDING` (a flush may race the export thread),
 and never while the process forks: a fork waits for a build under way (at most `_FORK_WAIT`
 seconds), so that no child inherits a module half imported by a thread it does not have. A shutdown
-or flush before the first build builds nothing (there is nothing to send).
-
-A build is local work (imports, protobuf), not a wait on the collector: the time spent building
-(`build_seconds`) is left out of the shutdown's budget, up to `BUILD_CAP` seconds (`wait`).
+or flush before the first build builds nothing (there is nothing to send). A build is local work,
+left out of the shutdown's budget on the collector up to `BUILD_CAP` seconds more (`wait`).
 """
 
 from __future__ import annotations
@@ -30,9 +28,9 @@ _log = logging.getLogger("stallwatch")
 _BUILDING = threading.Lock()  # held while an exporter is built, and across a fork
 _FORK_WAIT = 5.0  # seconds a fork waits for a build under way, then goes ahead
 _held_across_fork = [False]
-# The longest a shutdown waits for exporter builds beyond its budget: the builds took up to 2.2 s of
-# wall time on 2 cores at load ~13 with CPU hogs beside them (120 ms of CPU), so 5 s is twice that;
-# with the default 1 s budget the exit still ends within docker stop's 10 s grace.
+# The longest a shutdown waits for exporter builds beyond its budget: twice the slowest build seen on
+# a loaded 2-core machine, and short enough that an exit with the default budget ends within docker
+# stop's grace period.
 BUILD_CAP = 5.0
 # (seconds spent on finished builds, monotonic start of the build under way or 0), replaced whole
 _clock = [(0.0, 0.0)]
