@@ -526,11 +526,16 @@ def test_processes_writing_concurrently_get_one_file_each_all_readable(tmp_path)
 def test_replay_leaves_a_live_process_alone_and_detects_a_reused_pid(tmp_path):
     alive = spawn("ops", str(tmp_path), "hang")
     wait_ready(alive)
+    # Its flusher stamps a heartbeat into its journal every 0.1 s; stopped (still alive), it writes
+    # nothing, so a change in its journal while it is stopped would be the replay's.
+    os.kill(alive.pid, signal.SIGSTOP)
+    os.waitpid(alive.pid, os.WUNTRACED)
     before = {p: p.stat().st_mtime_ns for p in tmp_path.glob("*.journal")}
     try:
         result = replay(tmp_path)
         assert result.replayed == [] and [j.state for j in result.skipped] == ["alive"]
         assert {p: p.stat().st_mtime_ns for p in tmp_path.glob("*.journal")} == before
+        os.kill(alive.pid, signal.SIGCONT)
 
         # A journal named for a pid that now belongs to another process (ours, other start time).
         dead = spawn("ops", str(tmp_path / "dead"), "exit")

@@ -7,6 +7,7 @@ import json
 import socket
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +18,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportM
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from conftest import SCENARIOS, clean_env, read_jsonl, run_python, span_names
-from otlp_receiver import Receiver
+from otlp_receiver import Receiver, serving
 from support.fast_paths import FAST_PATHS
 
 sys.path.insert(0, str(SCENARIOS))
@@ -412,6 +413,100 @@ def test_shutdown_returns_within_the_timeout_when_the_collector_hangs(silent_end
     assert "STALLWATCH_SHUTDOWN_TIMEOUT" in report["stderr"]
     # Interpreter exit is not held up by the export still stuck on the socket either.
     assert host_seconds < 30
+
+
+# The host's exporters are built at its shutdown, slowly: an import finder that sleeps before the first
+# import of `requests` (the OTLP/HTTP exporters load it), as a cold disk or a contended CPU would make
+# that build slow. A sleep, not CPU hogs: it makes the build outlast the budget on any machine, without
+# loading the CPU of the tests beside it.
+_SLOW_BUILD_AT_SHUTDOWN = """
+    import importlib.abc, json, sys, time
+    import stallwatch
+
+    class SlowDisk(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name == "requests":
+                time.sleep(BUILD_SECONDS)
+            return None  # the import itself is left to the stock finders
+
+    stallwatch.setup()
+    charge_card()
+    sys.meta_path.insert(0, SlowDisk())
+    built_before = "requests" in sys.modules
+    started = time.monotonic()
+    finished = stallwatch.shutdown()
+    print(json.dumps({"finished": finished, "seconds": time.monotonic() - started, "built_before": built_before,
+                      "built": "requests" in sys.modules}))
+"""
+_NO_EXPORT_BEFORE_SHUTDOWN = {  # the first export is the shutdown's
+    "OTEL_BSP_SCHEDULE_DELAY": "60000",
+    "OTEL_BLRP_SCHEDULE_DELAY": "60000",
+    "OTEL_METRIC_EXPORT_INTERVAL": "60000",
+}
+
+
+def test_a_host_whose_first_export_is_its_shutdown_builds_its_exporters_outside_the_budget_and_exports():
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.http", reason="the OTLP/HTTP exporter")
+    with serving() as collector:
+        report = run_host(
+            _SLOW_BUILD_AT_SHUTDOWN.replace("BUILD_SECONDS", "1.5"),
+            OTEL_EXPORTER_OTLP_ENDPOINT=collector.url,
+            STALLWATCH_SHUTDOWN_TIMEOUT="1",
+            STALLWATCH_WATCHDOG="false",
+            **_NO_EXPORT_BEFORE_SHUTDOWN,
+        )
+        paths = {path for path, _ in collector.requests}
+
+    assert report["built_before"] is False  # the exporters were built by the shutdown
+    assert report["finished"] is True, report["stderr"]
+    assert report["built"] is True
+    assert report["seconds"] >= 1.5  # the build alone outlasted the 1 s budget
+    assert "STALLWATCH_SHUTDOWN_TIMEOUT" not in report["stderr"]
+    assert paths >= {"/v1/traces", "/v1/logs", "/v1/metrics"}, paths
+    assert any(b"charge-card" in body for body in collector.bodies("/v1/traces"))
+
+
+@pytest.mark.serial  # a time bound: not beside the other tests' load
+def test_a_host_whose_first_export_is_its_shutdown_still_waits_only_the_budget_on_a_collector_that_never_answers(
+    silent_endpoint: str,
+):
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.http", reason="the OTLP/HTTP exporter")
+    report = run_host(
+        _SLOW_BUILD_AT_SHUTDOWN.replace("BUILD_SECONDS", "1.5"),
+        OTEL_EXPORTER_OTLP_ENDPOINT=silent_endpoint,
+        OTEL_EXPORTER_OTLP_TIMEOUT="60",  # what an unbounded shutdown would wait: far above the bounds below
+        STALLWATCH_SHUTDOWN_TIMEOUT="1",
+        STALLWATCH_WATCHDOG="false",
+        **_NO_EXPORT_BEFORE_SHUTDOWN,
+    )
+
+    assert report["built_before"] is False  # the exporters were built by the shutdown
+    assert report["finished"] is False
+    # The 1.5 s build, then the 1 s budget on the collector; the bound leaves room for a loaded machine
+    # and stays far below the 60 s export timeout and the 1.5 + 5 s the build cap would allow.
+    assert 2.4 <= report["seconds"] < 6
+    assert report["built"] is True
+    assert "telemetry shutdown did not finish within 1.0s" in report["stderr"]
+
+
+def test_the_inline_shutdown_of_a_process_that_can_start_no_thread_leaves_the_build_out_of_its_budget():
+    # Python 3.12+ at exit in a fork child: the shutdown runs on the exiting thread, cut by SIGALRM.
+    from opentelemetry.sdk.trace.export import SpanExportResult
+
+    from stallwatch.export.lazy import LazyExporter
+    from stallwatch.pipeline import _bounded_inline
+
+    def slow_build() -> object:
+        time.sleep(0.6)  # the build's imports on a loaded machine: three times the budget below
+        return object()
+
+    building = LazyExporter(slow_build, SpanExportResult.FAILURE)
+    assert _bounded_inline(building.built, 0.2) is True
+
+    never_answered = threading.Event()
+    stuck = LazyExporter(slow_build, SpanExportResult.FAILURE)
+    assert _bounded_inline(lambda: (stuck.built(), never_answered.wait(60)), 0.2) is False
+    assert stuck.built() is not None  # built once, by the shutdown cut off while it waited
 
 
 @pytest.mark.parametrize("imported_first", [False, True], ids=["uvloop-not-imported", "uvloop-imported"])

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 
-from conftest import attrs, clean_env, latest_total, otlp_items, run_python
+from conftest import attrs, clean_env, latest_total, metric_points, otlp_items, run_python
 from otlp_receiver import Receiver, otlp_attributes, otlp_received, otlp_received_from
 from stallwatch.detect import heartbeat
 from support.processes import descendants
@@ -228,6 +228,37 @@ def test_a_plain_script_ended_by_sigterm_exports_its_queued_spans_and_dies_by_si
     assert sorted(span["name"] for span in spans) == sorted(f"step {n}" for n in range(150))
 
 
+def test_a_script_whose_first_export_is_at_sigterm_builds_its_exporter_outside_the_budget_and_exports(receiver):
+    # The exporter is built at the SIGTERM, slowly: an import finder sleeps 1.5 s before the first
+    # import of `requests` (which the OTLP/HTTP exporter loads), longer than the 1 s budget, as a
+    # cold disk or a contended CPU would make that build; a sleep loads no CPU beside the other tests.
+    code = """
+import importlib.abc, sys, time
+
+class SlowDisk(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "requests":
+            time.sleep(1.5)
+        return None
+
+"""
+    slowed = 'sys.meta_path.insert(0, SlowDisk())\nprint("requests" in sys.modules, "recorded"'
+    code += _SCRIPT.replace('print("recorded"', slowed)
+    env = clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.url, NO_PROXY="127.0.0.1", STALLWATCH_SHUTDOWN_TIMEOUT="1",
+                    OTEL_BSP_SCHEDULE_DELAY="60000", OTEL_LOGS_EXPORTER="none")  # fmt: skip
+    with subprocess.Popen(
+        [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as script:
+        assert script.stdout.readline() == "False recorded\n"  # nothing exported (nor built) before the SIGTERM
+        script.send_signal(signal.SIGTERM)
+        _, stderr = script.communicate(timeout=60)
+
+    assert script.returncode == -signal.SIGTERM, stderr
+    assert stderr == ""
+    spans = otlp_received(receiver, "/v1/traces")
+    assert sorted(span.name for span in spans) == sorted(f"step {n}" for n in range(150))
+
+
 def test_a_sigterm_handler_the_host_installed_first_is_left_in_place(tmp_path):
     telemetry = tmp_path / "telemetry"
     host_handler = "import signal, sys\nsignal.signal(signal.SIGTERM, lambda *a: sys.exit(7))\n"
@@ -424,6 +455,30 @@ def test_with_delta_temporality_a_process_exports_at_its_exit_only_what_it_recor
     stops = _host_stops(receiver)
     assert stops == ([1, after_stop] if after_stop else [1])  # deltas: 1 and 2 add up to what was recorded
     assert len(receiver.bodies("/v1/metrics")) == (2 if after_stop else 1)
+
+
+def test_a_flush_at_uvicorns_stop_that_outlasts_its_wait_counts_no_asyncio_timeout_of_the_host(tmp_path):
+    # The shutdown awaits the flush up to its budget (0.2 s here, plus 0.5 s); a span export to a collector
+    # that answers after 2 s outlasts that wait. The wait is stallwatch's: not a host's expired timeout.
+    telemetry = tmp_path / "telemetry"
+    code = """
+        import stallwatch
+        from opentelemetry import trace
+        from support.uvicorn_stop import serve_then_stop
+
+        stallwatch.setup(watchdog=False, metrics_exporter="file", logs_exporter="none")
+        serve_then_stop(before_stop=lambda: trace.get_tracer("host").start_span("before-stop").end())
+        assert stallwatch.shutdown(30)
+        """
+    with serve("slow") as endpoint:
+        env = clean_env(
+            OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, STALLWATCH_FILE_DIR=str(telemetry), STALLWATCH_SHUTDOWN_TIMEOUT="0.2"
+        )
+        result = run_python(code, env=env)
+
+    assert result.returncode == 0, result.stderr
+    assert metric_points(telemetry / "metrics.jsonl", "stallwatch.fork.count")  # the exit's metrics are there
+    assert metric_points(telemetry / "metrics.jsonl", "stallwatch.asyncio.timeouts") == []
 
 
 def test_a_scrape_after_uvicorns_stop_has_each_series_once():

@@ -9,9 +9,10 @@ Export timeouts stay the SDK's (10 s per OTLP request, `OTEL_EXPORTER_OTLP[_<SIG
 seconds): they only bound how long a background worker waits, never the host. What bounds the host
 is the shutdown: `Pipeline.shutdown()` runs the providers' shutdowns on stallwatch's worker thread,
 started while the host runs (`_Closer`, `background`), and waits for it `STALLWATCH_SHUTDOWN_TIMEOUT`
-seconds at most. The thread is started beforehand because Python 3.12+ refuses new threads at
-interpreter exit, which is when `atexit` calls us; a flush run inline on the exiting thread would
-hold the exit for every export timeout against a collector that never answers.
+seconds at most on the collector: building exporters made at their first export is local work left
+out of it (`export.lazy.wait`). The thread is started beforehand because Python 3.12+ refuses new
+threads at interpreter exit, which is when `atexit` calls us; a flush run inline on the exiting
+thread would hold the exit for every export timeout against a collector that never answers.
 """
 
 from __future__ import annotations
@@ -88,10 +89,23 @@ class _Closer:
         return background.ensure()
 
     def finish(self, timeout: float) -> bool:
-        """Run the shutdown on the worker; True if it finished within `timeout` seconds."""
+        """Run the shutdown on the worker; True if it finished within `timeout` seconds, not counting
+        the time its exporters took to be built (`_wait`)."""
         if self._job is None or self._job_pid != os.getpid():
             self._job, self._job_pid = background.submit(self._work), os.getpid()
-        return self._job is not None and self._job.done.wait(timeout)
+        return self._job is not None and _wait(self._job.done, timeout)
+
+
+def _lazy() -> Any:
+    """`export.lazy` if this process may have exporters built at their first export, else None."""
+    return sys.modules.get("stallwatch.export.lazy")
+
+
+def _wait(done: threading.Event, timeout: float) -> bool:
+    """Wait for `done` `timeout` seconds, and beyond for the exporters being built meanwhile
+    (`export.lazy.wait`): the budget is for the collector, a build is local work."""
+    lazy = _lazy()
+    return done.wait(timeout) if lazy is None else bool(lazy.wait(done, timeout))
 
 
 class _Deadline(BaseException):
@@ -105,16 +119,27 @@ def _bounded_inline(work: Callable[[], None], timeout: float) -> bool:
     nothing yet (its parent's shutdown thread is not inherited). Its flush is then bounded by the
     exporters' own timeouts and retries (10 s per OTLP request, up to a minute of backoff on SDK
     1.27-1.33), so a timer signal stops it; atexit handlers run on the main thread, where the
-    signal lands. The host's SIGALRM handler and timer are put back afterwards.
+    signal lands. The time spent building exporters meanwhile re-arms the timer (up to
+    `export.lazy.BUILD_CAP` in all), as `_wait` does. The host's SIGALRM handler and timer are put
+    back afterwards.
     """
     if threading.current_thread() is not threading.main_thread():
         work()
         return True
     armed = True
+    lazy = _lazy()
+    built_before = lazy.build_seconds() if lazy else 0.0
+    granted = [0.0]
 
     def on_alarm(signum: int, frame: object) -> None:
-        if armed:
-            raise _Deadline
+        if not armed:
+            return
+        owed = min(lazy.build_seconds() - built_before, lazy.BUILD_CAP) - granted[0] if lazy else 0.0
+        if owed > 0.001:  # the builds since the last alarm: local work, not the budget's
+            granted[0] += owed
+            signal.setitimer(signal.ITIMER_REAL, owed)
+            return
+        raise _Deadline
 
     started = time.monotonic()
     previous = signal.signal(signal.SIGALRM, on_alarm)

@@ -690,18 +690,35 @@ async def _flush_off_the_loop(timeout: float) -> None:
         threading.Thread(target=flush, name="stallwatch-uvicorn-flush", daemon=True).start()
     except RuntimeError:  # no thread can start (the interpreter is exiting): on the loop, as bounded
         flush()
-    with contextlib.suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(asyncio.shield(done), timeout + 0.5)
+    # A timer, not asyncio.wait_for: stallwatch counts the host's wait_for expiries by call site, and
+    # this wait running out (a flush slower than its budget) is none of the host's.
+    timer = loop.call_later(timeout + 0.5, finish)
+    try:
+        await done
+    finally:
+        timer.cancel()
 
 
 def _flush_then_die(signum: int, timeout: float) -> None:
     signal.signal(signum, signal.SIG_DFL)  # a second SIGTERM ends the process at once
     try:
         # On a thread of its own: the handler runs between two bytecodes of the main thread, which
-        # may hold a lock the shutdown needs; the wait is bounded either way.
-        flusher = threading.Thread(target=_flush_at_sigterm, args=(timeout,), name="stallwatch-sigterm", daemon=True)
-        flusher.start()
-        flusher.join(timeout + 0.5)
+        # may hold a lock the shutdown needs; the wait is bounded either way (the shutdown's own
+        # wait leaves out the exporters' build, so this one does too).
+        finished = threading.Event()
+
+        def flush() -> None:
+            try:
+                _flush_at_sigterm(timeout)
+            finally:
+                finished.set()
+
+        threading.Thread(target=flush, name="stallwatch-sigterm", daemon=True).start()
+        lazy = sys.modules.get("stallwatch.export.lazy")  # loaded where exporters are built at first export
+        if lazy is None:
+            finished.wait(timeout + 0.5)
+        else:
+            lazy.wait(finished, timeout + 0.5)
     finally:
         signal.raise_signal(signum)
 

@@ -11,7 +11,8 @@ bad setting is still reported by `setup()`; should the build fail all the same, 
 Contract: built at most once per process, under `_BUILDING` (a flush may race the export thread),
 and never while the process forks: a fork waits for a build under way (at most `_FORK_WAIT`
 seconds), so that no child inherits a module half imported by a thread it does not have. A shutdown
-or flush before the first build builds nothing (there is nothing to send).
+or flush before the first build builds nothing (there is nothing to send). A build is local work,
+left out of the shutdown's budget on the collector up to `BUILD_CAP` seconds more (`wait`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +28,12 @@ _log = logging.getLogger("stallwatch")
 _BUILDING = threading.Lock()  # held while an exporter is built, and across a fork
 _FORK_WAIT = 5.0  # seconds a fork waits for a build under way, then goes ahead
 _held_across_fork = [False]
+# The longest a shutdown waits for exporter builds beyond its budget: twice the slowest build seen on
+# a loaded 2-core machine, and short enough that an exit with the default budget ends within docker
+# stop's grace period.
+BUILD_CAP = 5.0
+# (seconds spent on finished builds, monotonic start of the build under way or 0), replaced whole
+_clock = [(0.0, 0.0)]
 
 
 def _before_fork() -> None:
@@ -36,6 +44,28 @@ def _after_fork() -> None:
     if _held_across_fork[0]:
         _held_across_fork[0] = False
         _BUILDING.release()
+
+
+def build_seconds() -> float:
+    """Seconds this process has spent building exporters, the build under way included."""
+    spent, since = _clock[0]
+    return spent + (time.monotonic() - since if since else 0.0)
+
+
+def wait(done: threading.Event, timeout: float) -> bool:
+    """Wait for `done` `timeout` seconds plus the time exporters spend being built meanwhile (up to
+    `BUILD_CAP`); True if it was set. A build under way when the time is up is waited for on its
+    lock, not polled: the poll would take CPU from the build."""
+    started, built_before = time.monotonic(), build_seconds()
+    while True:
+        building = min(build_seconds() - built_before, BUILD_CAP)
+        left = started + timeout + building - time.monotonic()
+        if left <= 0:
+            return done.is_set()
+        if done.wait(left):
+            return True
+        if _clock[0][1] and _BUILDING.acquire(timeout=max(BUILD_CAP - building, 0.0)):
+            _BUILDING.release()
 
 
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork, after_in_child=_after_fork)
@@ -60,12 +90,16 @@ class LazyExporter:
             return self._built
         with _BUILDING:
             if self._built is None:
+                spent = _clock[0][0]
+                _clock[0] = (spent, time.monotonic())
                 try:
                     self._built = self._build()
                 except Exception as exc:
                     if not self._warned:
                         self._warned = True
                         _log.warning("stallwatch: %s; this signal's batches fail until it can be built.", exc)
+                finally:
+                    _clock[0] = (spent + time.monotonic() - _clock[0][1], 0.0)
         return self._built
 
     def export(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
