@@ -228,11 +228,10 @@ def test_a_plain_script_ended_by_sigterm_exports_its_queued_spans_and_dies_by_si
     assert sorted(span["name"] for span in spans) == sorted(f"step {n}" for n in range(150))
 
 
-def test_a_script_whose_first_export_is_at_sigterm_builds_its_exporter_outside_the_budget_and_exports(receiver):
-    # The exporter is built at the SIGTERM, slowly: an import finder sleeps 1.5 s before the first
-    # import of `requests` (which the OTLP/HTTP exporter loads), longer than the 1 s budget, as a
-    # cold disk or a contended CPU would make that build; a sleep loads no CPU beside the other tests.
-    code = """
+# An import finder that sleeps 1.5 s before the first import of `requests` (which the OTLP/HTTP
+# exporter loads), longer than a 1 s budget, as a cold disk or a contended CPU would make an exporter's
+# build; a sleep loads no CPU beside the other tests.
+_SLOW_DISK = """
 import importlib.abc, sys, time
 
 class SlowDisk(importlib.abc.MetaPathFinder):
@@ -242,8 +241,12 @@ class SlowDisk(importlib.abc.MetaPathFinder):
         return None
 
 """
+
+
+def test_a_script_whose_first_export_is_at_sigterm_builds_its_exporter_outside_the_budget_and_exports(receiver):
+    # The exporter is built at the SIGTERM, slowly (`_SLOW_DISK`).
     slowed = 'sys.meta_path.insert(0, SlowDisk())\nprint("requests" in sys.modules, "recorded"'
-    code += _SCRIPT.replace('print("recorded"', slowed)
+    code = _SLOW_DISK + _SCRIPT.replace('print("recorded"', slowed)
     env = clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.url, NO_PROXY="127.0.0.1", STALLWATCH_SHUTDOWN_TIMEOUT="1",
                     OTEL_BSP_SCHEDULE_DELAY="60000", OTEL_LOGS_EXPORTER="none")  # fmt: skip
     with subprocess.Popen(
@@ -401,6 +404,43 @@ def test_a_server_stopped_by_sigterm_exports_each_processs_metrics_once_with_eve
         if otlp_attributes(point).get("process.executable.name") == "true"
     ]
     assert sum(exits) == REQUESTS
+
+
+def test_a_worker_whose_first_export_is_the_flush_at_uvicorns_stop_builds_its_exporters_outside_the_budget(
+    receiver,
+):
+    # As a `uvicorn --workers` worker: its first export is the flush at uvicorn's stop, whose exporter
+    # builds slowly (`_SLOW_DISK`), and then uvicorn's re-raised SIGTERM ends it at the default action,
+    # with no exit handler to export what the flush left.
+    code = (
+        _SLOW_DISK
+        + """
+import os, signal
+import stallwatch
+from opentelemetry import metrics, trace
+from support.uvicorn_stop import serve_then_stop
+
+stallwatch.setup(watchdog=False, metric_export_interval_ms=3600000)
+sys.meta_path.insert(0, SlowDisk())
+
+def before_stop():
+    metrics.get_meter("host").create_counter("host.stops").add(1)
+    trace.get_tracer("host").start_span("before-stop").end()
+
+serve_then_stop(before_stop=before_stop)
+print("requests" in sys.modules, flush=True)
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
+signal.raise_signal(signal.SIGTERM)
+"""
+    )
+    env = clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.url, NO_PROXY="127.0.0.1", STALLWATCH_SHUTDOWN_TIMEOUT="1",
+                    OTEL_BSP_SCHEDULE_DELAY="60000", OTEL_LOGS_EXPORTER="none")  # fmt: skip
+    result = run_python(code, env=env)
+
+    assert result.returncode == -signal.SIGTERM, result.stderr
+    assert result.stdout == "True\n"  # the flush built the exporters
+    assert [span.name for span in otlp_received(receiver, "/v1/traces")] == ["before-stop"]
+    assert _host_stops(receiver) == [1]
 
 
 def test_what_a_process_records_after_uvicorns_stop_is_exported_at_its_exit_too(receiver):

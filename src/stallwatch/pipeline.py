@@ -10,7 +10,7 @@ seconds): they only bound how long a background worker waits, never the host. Wh
 is the shutdown: `Pipeline.shutdown()` runs the providers' shutdowns on stallwatch's worker thread,
 started while the host runs (`_Closer`, `background`), and waits for it `STALLWATCH_SHUTDOWN_TIMEOUT`
 seconds at most on the collector: building exporters made at their first export is local work left
-out of it (`export.lazy.wait`). The thread is started beforehand because Python 3.12+ refuses new
+out of it (`export.budget`). The thread is started beforehand because Python 3.12+ refuses new
 threads at interpreter exit, which is when `atexit` calls us; a flush run inline on the exiting
 thread would hold the exit for every export timeout against a collector that never answers.
 """
@@ -50,6 +50,7 @@ from .core.faults import FAULTS, instrument, meter
 from .core.scrub import scrub_text
 from .export import exit_check, log_bridge
 from .export.batching import SharedThreadMetricReader
+from .export.budget import Budget
 from .export.guarded import (
     SHUTDOWN_TIMEOUT,
     CountingLogProcessor,
@@ -90,22 +91,10 @@ class _Closer:
 
     def finish(self, timeout: float) -> bool:
         """Run the shutdown on the worker; True if it finished within `timeout` seconds, not counting
-        the time its exporters took to be built (`_wait`)."""
+        the time its exporters took to be built (`Budget`)."""
         if self._job is None or self._job_pid != os.getpid():
             self._job, self._job_pid = background.submit(self._work), os.getpid()
-        return self._job is not None and _wait(self._job.done, timeout)
-
-
-def _lazy() -> Any:
-    """`export.lazy` if this process may have exporters built at their first export, else None."""
-    return sys.modules.get("stallwatch.export.lazy")
-
-
-def _wait(done: threading.Event, timeout: float) -> bool:
-    """Wait for `done` `timeout` seconds, and beyond for the exporters being built meanwhile
-    (`export.lazy.wait`): the budget is for the collector, a build is local work."""
-    lazy = _lazy()
-    return done.wait(timeout) if lazy is None else bool(lazy.wait(done, timeout))
+        return self._job is not None and Budget(timeout).wait(self._job.done)
 
 
 class _Deadline(BaseException):
@@ -119,24 +108,20 @@ def _bounded_inline(work: Callable[[], None], timeout: float) -> bool:
     nothing yet (its parent's shutdown thread is not inherited). Its flush is then bounded by the
     exporters' own timeouts and retries (10 s per OTLP request, up to a minute of backoff on SDK
     1.27-1.33), so a timer signal stops it; atexit handlers run on the main thread, where the
-    signal lands. The time spent building exporters meanwhile re-arms the timer (up to
-    `export.lazy.BUILD_CAP` in all), as `_wait` does. The host's SIGALRM handler and timer are put
-    back afterwards.
+    signal lands. The time spent building exporters meanwhile re-arms the timer (`Budget`). The
+    host's SIGALRM handler and timer are put back afterwards.
     """
     if threading.current_thread() is not threading.main_thread():
         work()
         return True
     armed = True
-    lazy = _lazy()
-    built_before = lazy.build_seconds() if lazy else 0.0
-    granted = [0.0]
+    budget = Budget(timeout)
 
     def on_alarm(signum: int, frame: object) -> None:
         if not armed:
             return
-        owed = min(lazy.build_seconds() - built_before, lazy.BUILD_CAP) - granted[0] if lazy else 0.0
-        if owed > 0.001:  # the builds since the last alarm: local work, not the budget's
-            granted[0] += owed
+        owed = budget.left()
+        if owed > 0.001:  # builds since the timer was set: local work, not the budget's
             signal.setitimer(signal.ITIMER_REAL, owed)
             return
         raise _Deadline
@@ -195,16 +180,16 @@ class Pipeline:
         for close in self._closers:
             close()
 
-    def flush(self, deadline: float) -> None:
-        """Export what is queued and the metric readers' collections, until `deadline` (monotonic
-        seconds), stopping nothing. A pull reader (Prometheus) is left to its scrapes: a collection
+    def flush(self, budget: Budget) -> None:
+        """Export what is queued and the metric readers' collections within `budget`, stopping
+        nothing. A pull reader (Prometheus) is left to its scrapes: a collection
         there would be served beside the next scrape's own, every series twice."""
         flushes: list[Callable[..., Any]] = [self.tracer_provider.force_flush] if self.tracer_provider else []
         flushes += [reader.force_flush for reader in self._push_readers]
         if self.logger_provider is not None:
             flushes.append(self.logger_provider.force_flush)
         for flush in flushes:
-            left = deadline - time.monotonic()
+            left = budget.left()
             if left <= 0:
                 return
             try:

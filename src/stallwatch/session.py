@@ -25,6 +25,7 @@ from . import config, journal, sdk_compat, telemetry
 from ._version import __version__
 from .config import ConfigError, Problem, Settings
 from .core.faults import FAULTS, instrument, meter, on_first_record
+from .export.budget import Budget
 from .forksafe import ForkSafety, guard, otel_compat, uvloop_spawn
 
 if TYPE_CHECKING:
@@ -661,13 +662,14 @@ def _flush_when_uvicorn_stops(timeout: float) -> None:
 
 
 async def _flush_off_the_loop(timeout: float) -> None:
-    """Flush the global providers on a thread of its own within `timeout` seconds, and wait for it
-    (a little longer, as `_flush_then_die` does) without blocking the running event loop."""
+    """Flush the global providers on a thread of its own within `timeout` seconds (`Budget`), and
+    wait for it (half a second longer, as `_flush_then_die` does) without blocking the running
+    event loop."""
     import asyncio
 
     loop = asyncio.get_running_loop()
     done = loop.create_future()
-    deadline = time.monotonic() + timeout
+    budget = Budget(timeout)
 
     def finish() -> None:
         if not done.done():
@@ -677,8 +679,8 @@ async def _flush_off_the_loop(timeout: float) -> None:
         try:
             pipeline = _session._pipeline if _session is not None else None
             if pipeline is not None:
-                pipeline.flush(deadline)
-            _flush_host_providers(_providers_of(pipeline), deadline)
+                pipeline.flush(budget)
+            _flush_host_providers(_providers_of(pipeline), budget)
         except Exception as exc:  # uvicorn's shutdown keeps its own outcome
             _log.warning("stallwatch: flushing telemetry after uvicorn's shutdown failed (%s: %s); what was "
                          "queued is exported at exit, if the process gets there.", type(exc).__name__, exc)  # fmt: skip
@@ -686,25 +688,33 @@ async def _flush_off_the_loop(timeout: float) -> None:
             with contextlib.suppress(RuntimeError):  # the loop has closed: no one waits any more
                 loop.call_soon_threadsafe(finish)
 
+    # A timer, not asyncio.wait_for: stallwatch counts the host's wait_for expiries by call site, and
+    # this wait running out (a flush slower than its budget) is none of the host's. An exporter built
+    # meanwhile extends the budget, so the timer is set again until what is left is spent.
+    def time_up() -> None:
+        left = budget.left() + 0.5
+        if left > 0.001 and not done.done():
+            timers[0] = loop.call_later(left, time_up)
+        else:
+            finish()
+
     try:
         threading.Thread(target=flush, name="stallwatch-uvicorn-flush", daemon=True).start()
     except RuntimeError:  # no thread can start (the interpreter is exiting): on the loop, as bounded
         flush()
-    # A timer, not asyncio.wait_for: stallwatch counts the host's wait_for expiries by call site, and
-    # this wait running out (a flush slower than its budget) is none of the host's.
-    timer = loop.call_later(timeout + 0.5, finish)
+    timers = [loop.call_later(timeout + 0.5, time_up)]
     try:
         await done
     finally:
-        timer.cancel()
+        timers[0].cancel()
 
 
 def _flush_then_die(signum: int, timeout: float) -> None:
     signal.signal(signum, signal.SIG_DFL)  # a second SIGTERM ends the process at once
     try:
         # On a thread of its own: the handler runs between two bytecodes of the main thread, which
-        # may hold a lock the shutdown needs; the wait is bounded either way (the shutdown's own
-        # wait leaves out the exporters' build, so this one does too).
+        # may hold a lock the shutdown needs; the wait is bounded either way, and an exporter built
+        # meanwhile extends it as it extends the shutdown's own wait (`Budget`).
         finished = threading.Event()
 
         def flush() -> None:
@@ -714,21 +724,17 @@ def _flush_then_die(signum: int, timeout: float) -> None:
                 finished.set()
 
         threading.Thread(target=flush, name="stallwatch-sigterm", daemon=True).start()
-        lazy = sys.modules.get("stallwatch.export.lazy")  # loaded where exporters are built at first export
-        if lazy is None:
-            finished.wait(timeout + 0.5)
-        else:
-            lazy.wait(finished, timeout + 0.5)
+        Budget(timeout + 0.5).wait(finished)
     finally:
         signal.raise_signal(signum)
 
 
 def _flush_at_sigterm(timeout: float) -> None:
-    deadline = time.monotonic() + timeout
+    budget = Budget(timeout)
     session = _session
     ours = _providers_of(session._pipeline if session is not None else None)
     _shutdown_at_exit()
-    _flush_host_providers(ours, deadline)
+    _flush_host_providers(ours, budget)
 
 
 def _providers_of(pipeline: Any) -> set[int]:
@@ -737,8 +743,8 @@ def _providers_of(pipeline: Any) -> set[int]:
     return {id(provider) for provider in built if provider is not None}
 
 
-def _flush_host_providers(ours: set[int], deadline: float) -> None:
-    """Flush, until `deadline`, every OpenTelemetry SDK provider the host made that is not one of `ours`:
+def _flush_host_providers(ours: set[int], budget: Budget) -> None:
+    """Flush, within `budget`, every OpenTelemetry SDK provider the host made that is not one of `ours`:
     the global ones and those of OpenTelemetry logging handlers on the root logger (dstack's handler keeps
     a logger provider of its own when stallwatch's is the global one). Each failure is logged and skipped."""
     from opentelemetry import _logs, trace
@@ -748,7 +754,7 @@ def _flush_host_providers(ours: set[int], deadline: float) -> None:
     seen = set(ours)
     for provider in found:
         flush = getattr(provider, "force_flush", None)  # the API's proxies and no-op providers have none
-        left = deadline - time.monotonic()
+        left = budget.left()
         if id(provider) in seen or flush is None or left <= 0:
             continue
         seen.add(id(provider))

@@ -12,7 +12,7 @@ Contract: built at most once per process, under `_BUILDING` (a flush may race th
 and never while the process forks: a fork waits for a build under way (at most `_FORK_WAIT`
 seconds), so that no child inherits a module half imported by a thread it does not have. A shutdown
 or flush before the first build builds nothing (there is nothing to send). A build is local work,
-left out of the shutdown's budget on the collector up to `BUILD_CAP` seconds more (`wait`).
+left out of a shutdown's budget on the collector up to `BUILD_CAP` seconds more (`export.budget`).
 """
 
 from __future__ import annotations
@@ -52,20 +52,10 @@ def build_seconds() -> float:
     return spent + (time.monotonic() - since if since else 0.0)
 
 
-def wait(done: threading.Event, timeout: float) -> bool:
-    """Wait for `done` `timeout` seconds plus the time exporters spend being built meanwhile (up to
-    `BUILD_CAP`); True if it was set. A build under way when the time is up is waited for on its
-    lock, not polled: the poll would take CPU from the build."""
-    started, built_before = time.monotonic(), build_seconds()
-    while True:
-        building = min(build_seconds() - built_before, BUILD_CAP)
-        left = started + timeout + building - time.monotonic()
-        if left <= 0:
-            return done.is_set()
-        if done.wait(left):
-            return True
-        if _clock[0][1] and _BUILDING.acquire(timeout=max(BUILD_CAP - building, 0.0)):
-            _BUILDING.release()
+def wait_for_build(timeout: float) -> None:
+    """Wait up to `timeout` seconds for a build under way (none: return at once)."""
+    if _clock[0][1] and _BUILDING.acquire(timeout=max(timeout, 0.0)):
+        _BUILDING.release()
 
 
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork, after_in_child=_after_fork)
