@@ -276,8 +276,9 @@ OPTIONS: tuple[Option, ...] = (
         "STALLWATCH_SHUTDOWN_TIMEOUT",
         "shutdown_timeout",
         "`1.0`",
-        "Seconds `shutdown()` and interpreter exit may spend flushing telemetry, not counting the building of "
-        "OTLP/HTTP exporters that had not exported yet (local work, up to 5 s more).",
+        "Seconds `shutdown()`, interpreter exit, a SIGTERM at its default action and the flush after a uvicorn "
+        "server's stop may spend flushing telemetry, not counting the building of OTLP/HTTP exporters that had not "
+        "exported yet (local work, up to 5 s more).",
     ),
     Option(
         "STALLWATCH_STRICT",
