@@ -15,11 +15,13 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 
 class Receiver(ThreadingHTTPServer):
-    """An OTLP/HTTP endpoint on 127.0.0.1 that records every request it answers."""
+    """An OTLP/HTTP endpoint on 127.0.0.1 that records every request it answers: with 200, or on the
+    paths in `refused` with 400 (an error the exporters do not retry)."""
 
-    def __init__(self) -> None:
+    def __init__(self, refused: tuple[str, ...] = ()) -> None:
         super().__init__(("127.0.0.1", 0), ReceiverHandler)
         self.requests: list[tuple[str, bytes]] = []
+        self.refused = refused
 
     @property
     def url(self) -> str:
@@ -35,7 +37,7 @@ class ReceiverHandler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers["Content-Length"]))
         self.server.requests.append((self.path, body))
-        self.send_response(200)
+        self.send_response(400 if self.path in self.server.refused else 200)
         self.send_header("Content-Type", "application/x-protobuf")
         self.send_header("Content-Length", "0")
         self.end_headers()
@@ -45,9 +47,9 @@ class ReceiverHandler(BaseHTTPRequestHandler):
 
 
 @contextmanager
-def serving() -> Iterator[Receiver]:
+def serving(refused: tuple[str, ...] = ()) -> Iterator[Receiver]:
     """A `Receiver` answering on its own thread until the block ends."""
-    server = Receiver()
+    server = Receiver(refused)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:

@@ -15,7 +15,7 @@ import pytest
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 
 from conftest import attrs, clean_env, latest_total, metric_points, otlp_items, run_python
-from otlp_receiver import Receiver, otlp_attributes, otlp_received, otlp_received_from
+from otlp_receiver import Receiver, otlp_attributes, otlp_received, otlp_received_from, serving
 from stallwatch.detect import heartbeat
 from support.processes import descendants
 from support.served import SCENARIOS, Served
@@ -542,3 +542,38 @@ def test_a_scrape_after_uvicorns_stop_has_each_series_once():
     assert [line.split("{")[0] for line in result.stdout.splitlines() if line.startswith("host_stops")] == [
         "host_stops_total"
     ], result.stdout
+
+
+@pytest.mark.parametrize("end", ["exit", "sigterm"])
+def test_the_metrics_a_flush_at_uvicorns_stop_exports_once_count_what_that_flush_failed_to_export(end):
+    # The collector refuses the flush's log export. The flush's metrics must count that failure: a process
+    # that then exits sends them once (its last collection repeats them), and one that uvicorn's re-raised
+    # SIGTERM ends at the default action (a `uvicorn --workers` worker) sends nothing after the flush.
+    code = f"""
+        import logging, signal
+        import stallwatch
+        from support.uvicorn_stop import serve_then_stop
+
+        stallwatch.setup(watchdog=False, metric_export_interval_ms=3600000)
+        serve_then_stop(before_stop=lambda: logging.getLogger("host").warning("stopping"))
+        if {end!r} == "sigterm":
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.raise_signal(signal.SIGTERM)
+        """
+    with serving(refused=("/v1/logs",)) as collector:
+        env = clean_env(  # the record waits for the flush
+            OTEL_EXPORTER_OTLP_ENDPOINT=collector.url, NO_PROXY="127.0.0.1", OTEL_BLRP_SCHEDULE_DELAY="60000"
+        )
+        result = run_python(code, env=env)
+
+    assert result.returncode == (0 if end == "exit" else -signal.SIGTERM), result.stderr
+    assert collector.bodies("/v1/logs")  # the flush's log export, refused
+    assert len(collector.bodies("/v1/metrics")) == 1
+    points = [
+        (otlp_attributes(point), point.as_int)
+        for metric in otlp_received(collector, "/v1/metrics")
+        if metric.name == "stallwatch.telemetry.dropped"
+        for point in metric.sum.data_points
+    ]
+    dropped = {(key["stallwatch.telemetry.signal"], key["stallwatch.telemetry.drop_reason"]): n for key, n in points}
+    assert dropped["logs", "export_failed"] == 1
