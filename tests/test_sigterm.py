@@ -471,6 +471,43 @@ def _host_stops(receiver: Receiver) -> list[int]:
     ]
 
 
+@pytest.mark.parametrize("collector", ["slow", "refusing_once"])
+def test_a_processs_last_metric_collection_is_sent_unless_the_flush_at_uvicorns_stop_delivered_the_same(collector):
+    # slow: the flush's metric export outlasts the loop's wait for it (1 s + 0.5 s), so the exit's shutdown
+    # starts while it is in flight; the exit's collection waits for it and, repeating it, is not sent.
+    # refusing_once: the flush's export never reached the backend, so the exit's collection is sent.
+    code = """
+        import stallwatch
+        from opentelemetry import metrics
+        from support.uvicorn_stop import serve_then_stop
+
+        stallwatch.setup(watchdog=False, metric_export_interval_ms=3600000)
+        stops = metrics.get_meter("host").create_counter("host.stops")
+        serve_then_stop(before_stop=lambda: stops.add(1))
+        """
+    fault = {"slow": {"slow": {"/v1/metrics": 2.0}}, "refusing_once": {"refused": {"/v1/metrics": 1}}}[collector]
+    with serving(**fault) as receiver:
+        env = clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.url, NO_PROXY="127.0.0.1", STALLWATCH_SHUTDOWN_TIMEOUT="1")
+        result = run_python(code, env=env)
+
+    assert result.returncode == 0, result.stderr
+    if collector == "slow":
+        assert _host_stops(receiver) == [1]
+        return
+    assert _host_stops(receiver) == [1, 1]  # the refused export, then the exit's
+    last = ExportMetricsServiceRequest.FromString(receiver.bodies("/v1/metrics")[-1])
+    failed = [
+        point.as_int
+        for scope in last.resource_metrics[0].scope_metrics
+        for metric in scope.metrics
+        if metric.name == "stallwatch.telemetry.dropped"
+        for point in metric.sum.data_points
+        if otlp_attributes(point)["stallwatch.telemetry.signal"] == "metrics"
+        and otlp_attributes(point)["stallwatch.telemetry.drop_reason"] == "export_failed"
+    ]
+    assert failed == [1]
+
+
 @pytest.mark.parametrize("after_stop", [0, 2])
 def test_with_delta_temporality_a_process_exports_at_its_exit_only_what_it_recorded_after_uvicorns_stop(
     receiver, after_stop
@@ -560,7 +597,7 @@ def test_the_metrics_a_flush_at_uvicorns_stop_exports_once_count_what_that_flush
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.raise_signal(signal.SIGTERM)
         """
-    with serving(refused=("/v1/logs",)) as collector:
+    with serving(refused={"/v1/logs": sys.maxsize}) as collector:
         env = clean_env(  # the record waits for the flush
             OTEL_EXPORTER_OTLP_ENDPOINT=collector.url, NO_PROXY="127.0.0.1", OTEL_BLRP_SCHEDULE_DELAY="60000"
         )

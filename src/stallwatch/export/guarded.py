@@ -195,7 +195,8 @@ class GuardedMetricExporter(MetricExporter):
     Once `final` is set (the pipeline's shutdown, before its reader's last collection), an export
     that would only repeat the last one delivered (every point the same but for its timestamp, or a
     zero delta) is not sent: a flush at a server's stop followed by the process's shutdown exports
-    each worker's metrics once, and more than once only when something changed in between.
+    each worker's metrics once, and more than once only when something changed in between. Any
+    other is sent, during a back-off too: no later export would carry what it holds.
     """
 
     def __init__(self, inner: MetricExporter, gate: ExportGate) -> None:
@@ -212,7 +213,8 @@ class GuardedMetricExporter(MetricExporter):
     def export(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> MetricExportResult:
         if self.gate.cut_off:
             return MetricExportResult.FAILURE
-        if self.breaker.down():  # cumulative sums: the next export after the back-off carries it all
+        # Cumulative sums: the next export after the back-off carries it all; the last collection has none.
+        if self.breaker.down() and not self.final:
             self.gate.drop("metrics", BACKEND_DOWN, 1)
             return MetricExportResult.FAILURE
         self.gate.entering_export()
