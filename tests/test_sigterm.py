@@ -471,6 +471,36 @@ def _host_stops(receiver: Receiver) -> list[int]:
     ]
 
 
+def test_a_stopping_process_whose_first_export_builds_its_exporters_slowly_exports_its_metrics_once(receiver):
+    # As test_a_server_stopped_by_sigterm_exports_each_processs_metrics_once...[gunicorn] at load ~22: the
+    # first log export builds the exporters (slowly, `_SLOW_DISK`) while the server stops, and must neither
+    # back off from the collector as if it were slow (the next record dropped as backend_slow) nor make the
+    # exit's last collection differ from the flush's (the metrics sent twice).
+    code = (
+        _SLOW_DISK
+        + """
+import logging
+import stallwatch
+from support.uvicorn_stop import serve_then_stop
+
+stallwatch.setup(watchdog=False, metric_export_interval_ms=3600000)
+sys.meta_path.insert(0, SlowDisk())
+
+def before_stop():
+    logging.getLogger("host").warning("first")
+    logging.getLogger("host").warning("second")  # the next batch, queued while the first is exported
+
+serve_then_stop(before_stop=before_stop)
+"""
+    )
+    env = clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.url, NO_PROXY="127.0.0.1", OTEL_BLRP_MAX_EXPORT_BATCH_SIZE="1")
+    result = run_python(code, env=env)
+
+    assert result.returncode == 0, result.stderr
+    assert [log.body.string_value for log in otlp_received(receiver, "/v1/logs")] == ["first", "second"]
+    assert len(receiver.bodies("/v1/metrics")) == 1
+
+
 @pytest.mark.parametrize("collector", ["slow", "refusing_once"])
 def test_a_processs_last_metric_collection_is_sent_unless_the_flush_at_uvicorns_stop_delivered_the_same(collector):
     # slow: the flush's metric export outlasts the loop's wait for it (1 s + 0.5 s), so the exit's shutdown
