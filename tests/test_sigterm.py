@@ -484,6 +484,7 @@ import stallwatch
 from support.uvicorn_stop import serve_then_stop
 
 stallwatch.setup(watchdog=False, metric_export_interval_ms=3600000)
+print("requests" in sys.modules, flush=True)
 sys.meta_path.insert(0, SlowDisk())
 
 def before_stop():
@@ -496,6 +497,8 @@ serve_then_stop(before_stop=before_stop)
     env = clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.url, NO_PROXY="127.0.0.1", OTEL_BLRP_MAX_EXPORT_BATCH_SIZE="1")
     result = run_python(code, env=env)
 
+    if result.stdout == "True\n":  # SDKs without the metric exporter's preferences door, or the fast paths off
+        pytest.skip("the OTLP/HTTP metric exporter is built at setup() here: no build is left for the first export")
     assert result.returncode == 0, result.stderr
     assert [log.body.string_value for log in otlp_received(receiver, "/v1/logs")] == ["first", "second"]
     assert len(receiver.bodies("/v1/metrics")) == 1
