@@ -25,6 +25,7 @@ class Receiver(ThreadingHTTPServer):
         self.requests: list[tuple[str, bytes]] = []
         self.refused = dict(refused)
         self.slow = slow
+        self.lock = threading.Lock()  # the handlers' threads count the refusals
 
     @property
     def url(self) -> str:
@@ -40,8 +41,9 @@ class ReceiverHandler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers["Content-Length"]))
         self.server.requests.append((self.path, body))
-        refused = self.server.refused.get(self.path, 0)
-        self.server.refused[self.path] = refused - 1
+        with self.server.lock:
+            refused = self.server.refused.get(self.path, 0)
+            self.server.refused[self.path] = refused - 1
         time.sleep(self.server.slow.get(self.path, 0.0))
         self.send_response(400 if refused > 0 else 200)
         self.send_header("Content-Type", "application/x-protobuf")

@@ -4,8 +4,8 @@ extended by exporter builds.
 Exporters built at their first export (`export.lazy`) may be built inside a shutdown, a flush or an
 export: that is local work (imports, protobuf), not the collector's time, so every wait of a
 shutdown or flush measures its budget with one of these, and so does the slow-export back-off
-(`export.guarded`). Reads `export.lazy` only where it is loaded: a process that
-builds its exporters at `setup()` gets a plain deadline, and no fork hook of `export.lazy`.
+(`export.guarded`). Reads `export.lazy` only where it is loaded: a process that builds its
+exporters at `setup()` gets a plain deadline, and no fork hook of `export.lazy`.
 """
 
 from __future__ import annotations
