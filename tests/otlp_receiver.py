@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -15,11 +16,16 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 
 class Receiver(ThreadingHTTPServer):
-    """An OTLP/HTTP endpoint on 127.0.0.1 that records every request it answers."""
+    """An OTLP/HTTP endpoint on 127.0.0.1 that records every request it answers, on receipt. It answers
+    200, but 400 (an error the exporters do not retry) to the first `refused[path]` requests on a path,
+    and only after `slow[path]` seconds on a path."""
 
-    def __init__(self) -> None:
+    def __init__(self, refused: Mapping[str, int] = {}, slow: Mapping[str, float] = {}) -> None:
         super().__init__(("127.0.0.1", 0), ReceiverHandler)
         self.requests: list[tuple[str, bytes]] = []
+        self.refused = dict(refused)
+        self.slow = slow
+        self.lock = threading.Lock()  # the handlers' threads count the refusals
 
     @property
     def url(self) -> str:
@@ -35,7 +41,11 @@ class ReceiverHandler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers["Content-Length"]))
         self.server.requests.append((self.path, body))
-        self.send_response(200)
+        with self.server.lock:
+            refused = self.server.refused.get(self.path, 0)
+            self.server.refused[self.path] = refused - 1
+        time.sleep(self.server.slow.get(self.path, 0.0))
+        self.send_response(400 if refused > 0 else 200)
         self.send_header("Content-Type", "application/x-protobuf")
         self.send_header("Content-Length", "0")
         self.end_headers()
@@ -45,9 +55,9 @@ class ReceiverHandler(BaseHTTPRequestHandler):
 
 
 @contextmanager
-def serving() -> Iterator[Receiver]:
+def serving(refused: Mapping[str, int] = {}, slow: Mapping[str, float] = {}) -> Iterator[Receiver]:
     """A `Receiver` answering on its own thread until the block ends."""
-    server = Receiver()
+    server = Receiver(refused, slow)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:

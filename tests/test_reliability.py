@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from conftest import SCENARIOS, clean_env, latest_total, run_python
+from otlp_receiver import otlp_logs
 from stallwatch.export import log_protobuf
 from support.sample_spans import sdk_spans
 
@@ -413,6 +414,41 @@ def test_a_slow_collector_is_backed_off_from_like_a_failing_one(slow_export_seco
     assert all(spans <= PROBE_ITEMS for spans in slow[1:]), collector.requests
     assert fast[0] <= PROBE_ITEMS, collector.requests  # the probe that finds it fast again
     assert report["dropped"].get("backend_slow", 0) > 0, report
+
+
+_SLOW_BUILD_HOST = """
+import importlib.abc, json, logging, sys, time
+import stallwatch
+
+class SlowDisk(importlib.abc.MetaPathFinder):  # building the exporter as on a loaded machine: 1.5 s
+    def find_spec(self, name, path, target=None):
+        if name == "requests":
+            time.sleep(1.5)
+        return None
+
+session = stallwatch.setup()
+built_before = "requests" in sys.modules
+sys.meta_path.insert(0, SlowDisk())
+log = logging.getLogger("host")
+log.warning("first")  # its export builds the exporter
+log.warning("second")  # the next batch, queued while the first is exported
+stallwatch.shutdown(5)
+dropped = {reason: n for (signal, reason), n in session._pipeline._gate.dropped.items() if signal == "logs"}
+print(json.dumps({"built_before": built_before, "built": "requests" in sys.modules, "dropped": dropped}), flush=True)
+"""
+
+
+def test_building_the_exporter_at_its_first_export_is_not_a_slow_backend(receiver):
+    # The build (imports, protobuf) is the host's own work: counted as the export's time, it made a loaded
+    # machine's first export of each signal "slow" and dropped what came next as backend_slow.
+    environment = env(
+        receiver.url, OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none", OTEL_BLRP_MAX_EXPORT_BATCH_SIZE="1"
+    )  # log records only, one per batch
+    report, stderr, _ = host_report(_SLOW_BUILD_HOST, environment)
+
+    assert report["built_before"] is False and report["built"] is True, stderr  # built by the first export
+    assert [log.body.string_value for log in otlp_logs(receiver)] == ["first", "second"]
+    assert report["dropped"] == {}
 
 
 # ---- 3. shutdown is bounded however the host exits ----------------------------------------------

@@ -15,7 +15,7 @@ import pytest
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 
 from conftest import attrs, clean_env, latest_total, metric_points, otlp_items, run_python
-from otlp_receiver import Receiver, otlp_attributes, otlp_received, otlp_received_from
+from otlp_receiver import Receiver, otlp_attributes, otlp_received, otlp_received_from, serving
 from stallwatch.detect import heartbeat
 from support.processes import descendants
 from support.served import SCENARIOS, Served
@@ -471,6 +471,76 @@ def _host_stops(receiver: Receiver) -> list[int]:
     ]
 
 
+def test_a_stopping_process_whose_first_export_builds_its_exporters_slowly_exports_its_metrics_once(receiver):
+    # As test_a_server_stopped_by_sigterm_exports_each_processs_metrics_once...[gunicorn] at load ~22: the
+    # first log export builds the exporters (slowly, `_SLOW_DISK`) while the server stops, and must neither
+    # back off from the collector as if it were slow (the next record dropped as backend_slow) nor make the
+    # exit's last collection differ from the flush's (the metrics sent twice).
+    code = (
+        _SLOW_DISK
+        + """
+import logging
+import stallwatch
+from support.uvicorn_stop import serve_then_stop
+
+stallwatch.setup(watchdog=False, metric_export_interval_ms=3600000)
+print("requests" in sys.modules, flush=True)
+sys.meta_path.insert(0, SlowDisk())
+
+def before_stop():
+    logging.getLogger("host").warning("first")
+    logging.getLogger("host").warning("second")  # the next batch, queued while the first is exported
+
+serve_then_stop(before_stop=before_stop)
+"""
+    )
+    env = clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.url, NO_PROXY="127.0.0.1", OTEL_BLRP_MAX_EXPORT_BATCH_SIZE="1")
+    result = run_python(code, env=env)
+
+    if result.stdout == "True\n":  # SDKs without the metric exporter's preferences door, or the fast paths off
+        pytest.skip("the OTLP/HTTP metric exporter is built at setup() here: no build is left for the first export")
+    assert result.returncode == 0, result.stderr
+    assert [log.body.string_value for log in otlp_received(receiver, "/v1/logs")] == ["first", "second"]
+    assert len(receiver.bodies("/v1/metrics")) == 1
+
+
+@pytest.mark.parametrize("collector", ["slow", "refusing_once"])
+def test_a_processs_last_metric_collection_is_sent_unless_the_flush_at_uvicorns_stop_delivered_the_same(collector):
+    # slow: the flush's metric export outlasts the loop's wait for it (1 s + 0.5 s), so the exit's shutdown
+    # starts while it is in flight; the exit's collection waits for it and, repeating it, is not sent.
+    # refusing_once: the flush's export never reached the backend, so the exit's collection is sent.
+    code = """
+        import stallwatch
+        from opentelemetry import metrics
+        from support.uvicorn_stop import serve_then_stop
+
+        stallwatch.setup(watchdog=False, metric_export_interval_ms=3600000)
+        stops = metrics.get_meter("host").create_counter("host.stops")
+        serve_then_stop(before_stop=lambda: stops.add(1))
+        """
+    fault = {"slow": {"slow": {"/v1/metrics": 2.0}}, "refusing_once": {"refused": {"/v1/metrics": 1}}}[collector]
+    with serving(**fault) as receiver:
+        env = clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.url, NO_PROXY="127.0.0.1", STALLWATCH_SHUTDOWN_TIMEOUT="1")
+        result = run_python(code, env=env)
+
+    assert result.returncode == 0, result.stderr
+    if collector == "slow":
+        assert _host_stops(receiver) == [1]
+        return
+    assert _host_stops(receiver) == [1, 1]  # the refused export, then the exit's
+    last = ExportMetricsServiceRequest.FromString(receiver.bodies("/v1/metrics")[-1])
+    failed = [
+        point.as_int
+        for scope in last.resource_metrics[0].scope_metrics
+        for metric in scope.metrics
+        if metric.name == "stallwatch.telemetry.dropped"
+        for point in metric.sum.data_points
+        if otlp_attributes(point)["stallwatch.telemetry.signal"] == "metrics"
+        and otlp_attributes(point)["stallwatch.telemetry.drop_reason"] == "export_failed"
+    ]
+    assert failed == [1]
+
+
 @pytest.mark.parametrize("after_stop", [0, 2])
 def test_with_delta_temporality_a_process_exports_at_its_exit_only_what_it_recorded_after_uvicorns_stop(
     receiver, after_stop
@@ -542,3 +612,38 @@ def test_a_scrape_after_uvicorns_stop_has_each_series_once():
     assert [line.split("{")[0] for line in result.stdout.splitlines() if line.startswith("host_stops")] == [
         "host_stops_total"
     ], result.stdout
+
+
+@pytest.mark.parametrize("end", ["exit", "sigterm"])
+def test_the_metrics_a_flush_at_uvicorns_stop_exports_once_count_what_that_flush_failed_to_export(end):
+    # The collector refuses the flush's log export. The flush's metrics must count that failure: a process
+    # that then exits sends them once (its last collection repeats them), and one that uvicorn's re-raised
+    # SIGTERM ends at the default action (a `uvicorn --workers` worker) sends nothing after the flush.
+    code = f"""
+        import logging, signal
+        import stallwatch
+        from support.uvicorn_stop import serve_then_stop
+
+        stallwatch.setup(watchdog=False, metric_export_interval_ms=3600000)
+        serve_then_stop(before_stop=lambda: logging.getLogger("host").warning("stopping"))
+        if {end!r} == "sigterm":
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.raise_signal(signal.SIGTERM)
+        """
+    with serving(refused={"/v1/logs": sys.maxsize}) as collector:
+        env = clean_env(  # the record waits for the flush
+            OTEL_EXPORTER_OTLP_ENDPOINT=collector.url, NO_PROXY="127.0.0.1", OTEL_BLRP_SCHEDULE_DELAY="60000"
+        )
+        result = run_python(code, env=env)
+
+    assert result.returncode == (0 if end == "exit" else -signal.SIGTERM), result.stderr
+    assert collector.bodies("/v1/logs")  # the flush's log export, refused
+    assert len(collector.bodies("/v1/metrics")) == 1
+    points = [
+        (otlp_attributes(point), point.as_int)
+        for metric in otlp_received(collector, "/v1/metrics")
+        if metric.name == "stallwatch.telemetry.dropped"
+        for point in metric.sum.data_points
+    ]
+    dropped = {(key["stallwatch.telemetry.signal"], key["stallwatch.telemetry.drop_reason"]): n for key, n in points}
+    assert dropped["logs", "export_failed"] == 1

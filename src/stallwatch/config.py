@@ -246,10 +246,10 @@ OPTIONS: tuple[Option, ...] = (
         "STALLWATCH_SLOW_EXPORT_SECONDS",
         "slow_export_seconds",
         "`1.0`",
-        "A span or log export that succeeds but takes longer than this takes the backend to be "
-        "overloaded: it is backed off from as from a failing one (new items dropped at once, counted "
-        "as `backend_slow`, then a small probe). `0` turns this off: a slow backend then gets every "
-        "batch, at the cost of recording them on the host's threads.",
+        "A span or log export that succeeds but takes longer than this (leaving out the exporter's build "
+        "at its first export) takes the backend to be overloaded: it is backed off from as from a failing "
+        "one (new items dropped at once, counted as `backend_slow`, then a small probe). `0` turns this "
+        "off: a slow backend then gets every batch, at the cost of recording them on the host's threads.",
     ),
     Option(
         "STALLWATCH_PROVIDERS",

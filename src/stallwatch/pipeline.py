@@ -181,13 +181,15 @@ class Pipeline:
             close()
 
     def flush(self, budget: Budget) -> None:
-        """Export what is queued and the metric readers' collections within `budget`, stopping
-        nothing. A pull reader (Prometheus) is left to its scrapes: a collection
-        there would be served beside the next scrape's own, every series twice."""
+        """Export what is queued, then the metric readers' collections, within `budget`, stopping
+        nothing. The collections come last so that they count what the spans' and log records'
+        exports dropped: the process's last collection then repeats them, and is not sent
+        (`GuardedMetricExporter.final`). A pull reader (Prometheus) is left to its scrapes: a
+        collection there would be served beside the next scrape's own, every series twice."""
         flushes: list[Callable[..., Any]] = [self.tracer_provider.force_flush] if self.tracer_provider else []
-        flushes += [reader.force_flush for reader in self._push_readers]
         if self.logger_provider is not None:
             flushes.append(self.logger_provider.force_flush)
+        flushes += [reader.force_flush for reader in self._push_readers]
         for flush in flushes:
             left = budget.left()
             if left <= 0:

@@ -1,9 +1,11 @@
-"""`Budget`: the time a shutdown or flush gives the collector, extended by exporter builds.
+"""`Budget`: the time a shutdown or flush gives the collector, or an export before it counts as slow,
+extended by exporter builds.
 
-Exporters built at their first export (`export.lazy`) may be built inside a shutdown or flush: that
-is local work (imports, protobuf), not the collector's time, so every wait of a shutdown or flush
-measures its budget with one of these. Reads `export.lazy` only where it is loaded: a process that
-builds its exporters at `setup()` gets a plain deadline, and no fork hook of `export.lazy`.
+Exporters built at their first export (`export.lazy`) may be built inside a shutdown, a flush or an
+export: that is local work (imports, protobuf), not the collector's time, so every wait of a
+shutdown or flush measures its budget with one of these, and so does the slow-export back-off
+(`export.guarded`). Reads `export.lazy` only where it is loaded: a process that builds its
+exporters at `setup()` gets a plain deadline, and no fork hook of `export.lazy`.
 """
 
 from __future__ import annotations

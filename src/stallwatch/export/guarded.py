@@ -6,10 +6,10 @@ is lost, by reason, in integers an observable counter reads:
 - `queue_full`: on a full queue the item being added is dropped and counted (as the Java and Go
   SDKs do), never the oldest one silently.
 - `export_failed`: the items of a batch the exporter fails or raises on; a metric export counts 1.
-- `backend_down`, `backend_slow`: after a failed export, or one slower than
-  `STALLWATCH_SLOW_EXPORT_SECONDS`, a back-off (1 s, doubled per failed probe up to 30 s, reset by
-  a success) drops items before they are queued or encoded; then at most `PROBE_ITEMS` items are
-  queued until a probe of them answers (half-open). The SDK's retries within one export stay.
+- `backend_down`, `backend_slow`: after a failed export, or one slower than `STALLWATCH_SLOW_EXPORT_SECONDS`
+  but for building its exporter (`export.budget`), a back-off (1 s, doubled per failed probe up to 30 s,
+  reset by a success) drops items before they are queued or encoded; then at most `PROBE_ITEMS` items
+  are queued until a probe of them answers (half-open). The SDK's retries within one export stay.
 - `shutdown_timeout`: what was queued or in flight when the shutdown budget ran out (`leftovers()`).
 
 `shedding()` says which processors would drop a span about to start; `ExportGate` is what they share.
@@ -34,6 +34,7 @@ from ..core import histograms, light_span
 from ..core.faults import dropped_values
 from . import exit_check
 from .batching import EXPORTS, BatchLane
+from .budget import Budget
 
 if TYPE_CHECKING:
     from opentelemetry.sdk._logs.export import LogRecordExporter
@@ -158,7 +159,7 @@ class GuardedExporter:
             batch = batch[:PROBE_ITEMS]
         batch = exit_check.checked(self.signal, batch)  # what stallwatch recorded from the host, checked once more
         self.in_flight = len(batch)
-        started = time.monotonic()
+        allowed = Budget(self.slow_seconds)
         try:
             result = self.inner.export(batch)
         except Exception:
@@ -170,7 +171,7 @@ class GuardedExporter:
         self.in_flight = 0
         if _failed(result):
             self._count_failure(len(batch))
-        elif 0 < self.slow_seconds < time.monotonic() - started:
+        elif self.slow_seconds > 0 and allowed.left() < 0:
             self.breaker.failed(BACKEND_SLOW)  # delivered: nothing of this batch is counted as lost
         else:
             self.breaker.succeeded()
@@ -194,7 +195,8 @@ class GuardedMetricExporter(MetricExporter):
     Once `final` is set (the pipeline's shutdown, before its reader's last collection), an export
     that would only repeat the last one delivered (every point the same but for its timestamp, or a
     zero delta) is not sent: a flush at a server's stop followed by the process's shutdown exports
-    each worker's metrics once, and more than once only when something changed in between.
+    each worker's metrics once, and more than once only when something changed in between. Any
+    other is sent, during a back-off too: no later export would carry what it holds.
     """
 
     def __init__(self, inner: MetricExporter, gate: ExportGate) -> None:
@@ -211,7 +213,8 @@ class GuardedMetricExporter(MetricExporter):
     def export(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> MetricExportResult:
         if self.gate.cut_off:
             return MetricExportResult.FAILURE
-        if self.breaker.down():  # cumulative sums: the next export after the back-off carries it all
+        # Cumulative sums: the next export after the back-off carries it all; the last collection has none.
+        if self.breaker.down() and not self.final:
             self.gate.drop("metrics", BACKEND_DOWN, 1)
             return MetricExportResult.FAILURE
         self.gate.entering_export()
