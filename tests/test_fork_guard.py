@@ -111,6 +111,41 @@ def test_a_fork_child_whose_first_telemetry_happens_at_exit_exports_it_and_print
     assert '"child"' in (telemetry_dir / "metrics.jsonl").read_text()
 
 
+_MULTIPROCESSING_WORKER = """
+import multiprocessing, sys
+import stallwatch
+from opentelemetry import metrics, trace
+
+stallwatch.setup(file_dir={file_dir!r}, watchdog=False, metric_export_interval_ms=3600000)
+
+def work():
+    trace.get_tracer("worker").start_span("worker's span").end()
+    metrics.get_meter("worker").create_counter("worker.items").add(1)
+
+if __name__ == "__main__":
+    worker = multiprocessing.get_context(sys.argv[1]).Process(target=work)
+    worker.start()
+    worker.join()
+    sys.exit(worker.exitcode)
+"""
+
+
+@pytest.mark.parametrize("context", ["fork", "forkserver", "spawn"])
+def test_a_multiprocessing_worker_exports_what_it_recorded_though_its_context_ends_it_with_os_exit(
+    tmp_path, telemetry_dir, context
+):
+    # The fork and forkserver contexts end a worker with os._exit once its target returns: no atexit.
+    script = tmp_path / "worker.py"
+    script.write_text(_MULTIPROCESSING_WORKER.format(file_dir=str(telemetry_dir)))
+    proc = subprocess.run(
+        [sys.executable, str(script), context], env=clean_env(), capture_output=True, text=True, timeout=120
+    )
+
+    assert (proc.returncode, proc.stderr) == (0, "")
+    assert span_names(telemetry_dir / "traces.jsonl") == ["worker's span"]
+    assert '"worker.items"' in (telemetry_dir / "metrics.jsonl").read_text()
+
+
 def test_stock_sdk_starts_threads_in_forked_child(telemetry_dir):
     child = run_scenario("fork_child_probe.py", "stock", str(telemetry_dir))
 

@@ -242,6 +242,7 @@ def _start(fork_safety: ForkSafety, overrides: dict[str, Any]) -> Session:
     atexit.register(_shutdown_at_exit)
     _keep_the_tail_on_sigterm(settings.shutdown_timeout)
     _flush_when_uvicorn_stops(settings.shutdown_timeout)
+    _shut_down_when_multiprocessing_workers_end()
     return Session(settings, fork_safety, dict(pipeline.files) if pipeline else {}, None, pipeline, watchdog, journal)
 
 
@@ -658,6 +659,35 @@ def _flush_when_uvicorn_stops(timeout: float) -> None:
 
     wrapt.register_post_import_hook(  # runs now if uvicorn is imported already
         lambda module: wrapt.wrap_function_wrapper(module, "Server.shutdown", flush_after), "uvicorn.server"
+    )
+
+
+_worker_end_hooked = False  # once per process
+
+
+def _shut_down_when_multiprocessing_workers_end() -> None:
+    """Shut stallwatch down (`_shutdown_at_exit`) in a multiprocessing worker once its target returned.
+
+    The fork and forkserver contexts end a worker with `os._exit` right after its
+    `BaseProcess._bootstrap` returns, which skips `atexit`: a worker forked from a set-up host
+    (`multiprocessing.Process`, a `ProcessPoolExecutor` on Linux up to Python 3.13) would lose what it
+    recorded since its last export. A spawned worker exits normally afterwards, and `atexit` then
+    finds nothing left to do.
+    """
+    global _worker_end_hooked
+    if _worker_end_hooked:
+        return
+    _worker_end_hooked = True
+
+    def shut_down_after(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            _shutdown_at_exit()
+
+    wrapt.register_post_import_hook(  # runs now if multiprocessing is imported already
+        lambda module: wrapt.wrap_function_wrapper(module, "BaseProcess._bootstrap", shut_down_after),
+        "multiprocessing.process",
     )
 
 
