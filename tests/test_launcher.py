@@ -84,6 +84,85 @@ def test_python_processes_the_command_starts_do_not_load_stallwatch_again(tmp_pa
     assert (run.returncode, run.stdout) == (0, "False 1\n"), run.stderr
 
 
+def _instances_of_spans(telemetry: Path, name: str) -> Counter[str]:
+    """How many spans named `name` each process (its `service.instance.id`) exported to the traces file."""
+    return Counter(
+        attrs(resource["resource"])["service.instance.id"]
+        for request in read_jsonl(telemetry / "traces.jsonl")
+        for resource in request["resourceSpans"]
+        for scope in resource["scopeSpans"]
+        for span in scope["spans"]
+        if span["name"] == name
+    )
+
+
+_SPAWNING_APP = """\
+import asyncio
+
+async def app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    child = await asyncio.create_subprocess_exec("true")
+    await child.wait()
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": str(__import__("os").getpid()).encode()})
+"""
+
+
+def test_uvicorn_workers_started_as_fresh_interpreters_start_stallwatch_too(tmp_path):
+    # `uvicorn --workers` spawns each worker (multiprocessing's spawn context): a fresh interpreter
+    # that runs the app, not a fork of the stallwatch-set-up parent. The app itself never imports stallwatch.
+    (tmp_path / "spawning_app.py").write_text(_SPAWNING_APP)
+    port = _free_port()
+    command = [STALLWATCH, "run", "--", "uvicorn", "spawning_app:app", "--workers", "2", "--port", str(port)]
+    served = Served(command, env=launcher_env(tmp_path), cwd=tmp_path)
+    try:
+        served.wait_for(r"Application startup complete", count=2, timeout=120)
+        workers = set()
+        for _ in range(20):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=30) as response:
+                workers.add(int(response.read()))
+        served.process.send_signal(signal.SIGTERM)
+        assert served.finish() == 0, served.stderr()
+    finally:
+        served.kill()
+
+    spawns = _instances_of_spans(tmp_path / "telemetry", "true")
+    assert sum(spawns.values()) == 20  # every request's child, recorded by the worker that served it
+    assert len(spawns) == len(workers)  # one exporting process per worker that served requests
+    exporters = {attrs(resource["resource"])["service.instance.id"]
+                 for request in read_jsonl(tmp_path / "telemetry" / "metrics.jsonl")
+                 for resource in request["resourceMetrics"]}  # fmt: skip
+    assert len(exporters) == 3, served.stderr()  # the parent and both workers, each set up
+
+
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_multiprocessing_workers_of_either_fresh_context_start_stallwatch_too(tmp_path, context):
+    script = tmp_path / "pool.py"
+    script.write_text(
+        CHECK_SETUP
+        + textwrap.dedent(f"""\
+        import multiprocessing, subprocess
+
+        def work():
+            assert "stallwatch.auto" in sys.modules  # before the script's own module was imported here
+            subprocess.run(["true"], check=True)
+
+        if __name__ == "__main__":
+            worker = multiprocessing.get_context("{context}").Process(target=work)
+            worker.start()
+            worker.join()
+            sys.exit(worker.exitcode)
+    """)
+    )
+    run = subprocess.run(
+        [STALLWATCH, "run", "--", "python", str(script)],
+        env=launcher_env(tmp_path), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert list(_instances_of_spans(tmp_path / "telemetry", "true").values()) == [1]  # the worker's own
+
+
 def test_the_environments_own_sitecustomize_still_runs_after_stallwatch(tmp_path):
     site = tmp_path / "site"
     site.mkdir()

@@ -4,14 +4,21 @@ Python imports `sitecustomize` once site-packages are on the path and before `__
 command's own process does `import stallwatch.auto` (fork guard, then `setup()` from the environment)
 before any of its modules. The launcher's PYTHONPATH entry is removed again first, so Python
 processes the command starts (and stallwatch's own watchdog) do not load stallwatch a second time;
-forked workers keep the parent's session through the fork guard. A `sitecustomize` further down the
-path (the environment's own) still runs, after stallwatch.
+forked workers keep the parent's session through the fork guard. The interpreters multiprocessing
+starts afresh run the command's own code (`uvicorn --workers`, a process pool of the spawn or
+forkserver context), so their command line imports `stallwatch.auto` before it (`_in_fresh_workers`);
+its resource tracker is left alone. A `sitecustomize` further down the path (the environment's own)
+still runs, after stallwatch.
 """
+
+from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SAVED = "STALLWATCH_RUN_PYTHONPATH"  # the command's PYTHONPATH as the launcher found it ("" for unset)
@@ -28,7 +35,7 @@ def _restore_pythonpath() -> None:
     sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != _HERE]
 
 
-def _start_stallwatch() -> None:
+def _start_stallwatch() -> bool:
     try:
         import stallwatch.auto  # noqa: F401  # optional: the command's interpreter may not have stallwatch
     except ImportError as error:
@@ -37,6 +44,31 @@ def _start_stallwatch() -> None:
             "Install stallwatch in that environment.",
             file=sys.stderr,
         )
+        return False
+    return True
+
+
+# The `-c` programs of multiprocessing's fresh interpreters that run the command's code (CPython 3.10-3.13).
+_WORKER_PROGRAMS = ("from multiprocessing.spawn import", "from multiprocessing.forkserver import")
+
+
+def _in_fresh_workers() -> None:
+    """Make `multiprocessing.util.spawnv_passfds`, which starts every fresh interpreter of the spawn
+    and forkserver contexts, begin a worker's `-c` program with `import stallwatch.auto`."""
+    import wrapt
+
+    def stallwatch_first(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
+        command = args[1] if len(args) == 3 else None
+        if isinstance(command, list) and "-c" in command[:-1]:
+            program = command.index("-c") + 1
+            if isinstance(command[program], str) and command[program].startswith(_WORKER_PROGRAMS):
+                command = [*command[:program], "import stallwatch.auto; " + command[program], *command[program + 1 :]]
+                args = (args[0], command, args[2])
+        return wrapped(*args, **kwargs)
+
+    wrapt.register_post_import_hook(
+        lambda module: wrapt.wrap_function_wrapper(module, "spawnv_passfds", stallwatch_first), "multiprocessing.util"
+    )
 
 
 def _chain_to_the_next_sitecustomize() -> None:
@@ -49,5 +81,6 @@ def _chain_to_the_next_sitecustomize() -> None:
 
 
 _restore_pythonpath()
-_start_stallwatch()
+if _start_stallwatch():
+    _in_fresh_workers()
 _chain_to_the_next_sitecustomize()
