@@ -624,9 +624,6 @@ def _keep_the_tail_on_sigterm(timeout: float) -> None:
             signal.signal(signal.SIGTERM, lambda signum, frame: _flush_then_die(signum, timeout))
 
 
-_uvicorn_flush_hooked = False  # once per process: a second setup() must not flush twice
-
-
 def _flush_when_uvicorn_stops(timeout: float) -> None:
     """Export what was recorded when a uvicorn server's graceful shutdown ends, before uvicorn
     restores the signal handlers it found and raises the signal that stopped it again.
@@ -642,11 +639,6 @@ def _flush_when_uvicorn_stops(timeout: float) -> None:
     shutdown returns once the flush has finished or its time is up. Nothing is stopped: a process
     that lives on keeps recording.
     """
-    global _uvicorn_flush_hooked
-    if _uvicorn_flush_hooked:
-        return
-    _uvicorn_flush_hooked = True
-    import wrapt
 
     def flush_after(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         async def shutdown_then_flush() -> Any:
@@ -657,12 +649,7 @@ def _flush_when_uvicorn_stops(timeout: float) -> None:
 
         return shutdown_then_flush()
 
-    wrapt.register_post_import_hook(  # runs now if uvicorn is imported already
-        lambda module: wrapt.wrap_function_wrapper(module, "Server.shutdown", flush_after), "uvicorn.server"
-    )
-
-
-_worker_end_hooked = False  # once per process
+    _wrap_once("uvicorn.server", "Server.shutdown", flush_after)
 
 
 def _shut_down_when_multiprocessing_workers_end() -> None:
@@ -674,10 +661,6 @@ def _shut_down_when_multiprocessing_workers_end() -> None:
     recorded since its last export. A spawned worker exits normally afterwards, and `atexit` then
     finds nothing left to do.
     """
-    global _worker_end_hooked
-    if _worker_end_hooked:
-        return
-    _worker_end_hooked = True
 
     def shut_down_after(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         try:
@@ -685,10 +668,18 @@ def _shut_down_when_multiprocessing_workers_end() -> None:
         finally:
             _shutdown_at_exit()
 
-    wrapt.register_post_import_hook(  # runs now if multiprocessing is imported already
-        lambda module: wrapt.wrap_function_wrapper(module, "BaseProcess._bootstrap", shut_down_after),
-        "multiprocessing.process",
-    )
+    _wrap_once("multiprocessing.process", "BaseProcess._bootstrap", shut_down_after)
+
+
+_wrapped_once: set[tuple[str, str]] = set()  # a second setup() must not wrap (and so flush) twice
+
+
+def _wrap_once(module: str, name: str, wrapper: Callable[..., Any]) -> None:
+    """Wrap `module.name` with the wrapt `wrapper` once per process, now or when `module` is imported."""
+    if (module, name) in _wrapped_once:
+        return
+    _wrapped_once.add((module, name))
+    wrapt.register_post_import_hook(lambda imported: wrapt.wrap_function_wrapper(imported, name, wrapper), module)
 
 
 async def _flush_off_the_loop(timeout: float) -> None:
