@@ -345,6 +345,117 @@ def test_a_poll_of_the_watchdog_that_raises_is_logged_once_and_it_reports_the_fr
     assert errors == counted if counted is not None else errors in (0, 1)  # counted once its telemetry is set up
 
 
+# The watchdog's bootstrap that appends a line to the file `calls` at each set-up of its pipeline
+# (`_watchdog._setup`) and cannot import the modules named `blocked...`, as if only the host's import hook found
+# them (the watchdog runs without `site`: `heartbeat.watchdog_command`).
+_COUNTING_SETUPS = """class _Blocked:
+    def find_spec(self, name, path=None, target=None):
+        if {blocked!r} and name.startswith({blocked!r}):
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, _Blocked())
+import stallwatch._watchdog as counted
+original = counted._setup
+def counting(**overrides):
+    with open({calls!r}, "a") as calls:
+        calls.write("setup\\n")
+    return original(**overrides)
+counted._setup = counting
+from stallwatch._watchdog import main
+"""
+
+# A host whose loop stays blocked until its watchdog's journal holds the freeze (60 s at most), then waits for the
+# thaw's record there and prints the records of both.
+_FROZEN_UNTIL_JOURNALED = """
+import asyncio, json, sys, time
+from pathlib import Path
+import stallwatch
+from stallwatch.detect import heartbeat
+from stallwatch.journal import read_segment
+heartbeat._BOOTSTRAP = heartbeat._BOOTSTRAP.replace("from stallwatch._watchdog import main\\n", sys.argv[1])
+session = stallwatch.setup(freeze_threshold=0.5)
+
+def journaled(kind):
+    segments = Path(session.settings.journal_dir).glob("*.watchdog.*.journal")
+    return [r for segment in segments for r in read_segment(segment).records if r["type"] == kind]
+
+async def main():
+    assert await asyncio.to_thread(session.wait_for_watchdog, 30)
+    deadline = time.monotonic() + 60
+    while not journaled("freeze") and time.monotonic() < deadline:  # the loop blocked
+        time.sleep(0.05)
+    while not journaled("freeze_end") and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+asyncio.run(main())
+print(json.dumps({"freeze": journaled("freeze"), "freeze_end": journaled("freeze_end")}))
+stallwatch.shutdown(timeout=5)
+"""
+
+
+def _bound_socket() -> socket.socket:
+    bound = socket.socket()
+    bound.bind(("127.0.0.1", 0))
+    bound.listen()
+    return bound
+
+
+@pytest.mark.parametrize(
+    ("failure", "blocked", "expected"),
+    [
+        (  # at the first late heartbeat: with STALLWATCH_STRICT, setup() raises the ConfigError of its build
+            "grpc_exporter_not_importable",
+            "opentelemetry.exporter.otlp.proto.grpc",
+            "(ConfigError: OTEL_EXPORTER_OTLP_PROTOCOL=grpc needs the grpc extra: pip install 'stallwatch[grpc]')",
+        ),
+        (  # at the watchdog's start, which sets up a Prometheus exporter's pipeline at once
+            "scrape_port_busy",
+            "",
+            "(ConfigError: OTEL_EXPORTER_PROMETHEUS_PORT={port}: cannot listen on 127.0.0.1:{port} (Address already "
+            "in use); choose a free port, or 0)",
+        ),
+    ],
+)
+def test_a_watchdog_whose_pipeline_cannot_be_set_up_says_so_once_never_retries_and_still_reports_the_freeze(
+    tmp_path, failure, blocked, expected
+):
+    """A real host whose loop is blocked until its real watchdog has journaled the freeze, where setting up the
+    watchdog's pipeline fails: the freeze is on the watchdog's stderr lines and in the journal, one line says why
+    the pipeline is missing, and the set-up ran once (it used to run again at every poll, the freeze unreported,
+    or, at the start, to end the watchdog)."""
+    calls = tmp_path / "setup-calls"
+    bootstrap = _COUNTING_SETUPS.format(blocked=blocked, calls=str(calls))
+    with _bound_socket() as busy:
+        port = busy.getsockname()[1]
+        if failure == "scrape_port_busy":
+            env = clean_env(**prometheus_env(free_port(), port, STALLWATCH_WATCHDOG_LAST_SCRAPE_TIMEOUT="0"))
+        else:
+            env = clean_env(OTEL_TRACES_EXPORTER="otlp", OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
+                            OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{port}")  # fmt: skip
+        env |= {"STALLWATCH_STRICT": "true", "OTEL_LOGS_EXPORTER": "none"}
+        env.setdefault("OTEL_METRICS_EXPORTER", "none")
+        proc = subprocess.run(
+            [sys.executable, "-c", _FROZEN_UNTIL_JOURNALED, bootstrap],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )  # returns once the watchdog has left: it holds the stderr pipe
+
+    assert proc.returncode == 0, proc.stderr
+    journaled = json.loads(proc.stdout.splitlines()[-1])
+    assert [(r["kind"], r["cause"]) for r in journaled["freeze"]] == [("loop_blocked", "blocked_syscall")]
+    assert [r["outcome"] for r in journaled["freeze_end"]] == ["thawed"]
+    assert calls.read_text() == "setup\n", proc.stderr  # once, the freeze's polls notwithstanding
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("stallwatch watchdog (host pid ")]
+    failed = [line for line in lines if "cannot set up its telemetry pipeline" in line]
+    assert len(failed) == 1, proc.stderr
+    assert expected.format(port=port) in failed[0], proc.stderr
+    assert failed[0].endswith("only. Set STALLWATCH_WATCHDOG=false to turn this part off."), proc.stderr
+    assert len([line for line in lines if ": freeze detected: " in line and "(loop_blocked)" in line]) == 1, proc.stderr
+    assert not [line for line in lines if "a poll of the freeze watchdog" in line], proc.stderr
+    assert "Traceback" not in proc.stderr  # a refused setting is named, without one
+    assert "Exception in thread" not in proc.stderr
+
+
 _HOST = """
 import json, os, stallwatch, sys
 session = stallwatch.setup(traces_exporter="none", metrics_exporter="none", logs_exporter="none")

@@ -6,6 +6,10 @@ pipeline, and the naming of the lines it writes to the host's stderr.
 
 The watchdog imports this module at the first late heartbeat (`Watchdog`), with a Prometheus
 exporter at its start, or when it has a line to write: never while the host beats on time.
+
+The pipeline is set up once (`Reporting.make`): a set-up that fails is logged once on the watchdog's
+stderr lines (naming `STALLWATCH_WATCHDOG`), counted where a meter provider was installed before it
+failed, never tried again (docs/freezes.md), and the freezes are still reported there and in the journal.
 """
 
 from __future__ import annotations
@@ -507,6 +511,8 @@ def poll_failed(host_pid: int, first: bool, counted: bool) -> None:
 def serve_last_word(session: Any, host_pid: int) -> None:
     """Keep the Prometheus endpoint up until a scrape has carried the host's death (OTLP has it
     already), for `STALLWATCH_WATCHDOG_LAST_SCRAPE_TIMEOUT` seconds at most."""
+    if session is None:  # its pipeline was never set up (`Reporting.make`): there is no endpoint
+        return
     timeout = session.settings.watchdog_last_scrape_timeout if session.settings is not None else 0.0
     if session.prometheus_address is None or timeout <= 0:
         return
@@ -536,30 +542,57 @@ class Reporting:
         self._prepare = prepare
         self.session: Any = None
         self._journal: Any = None
+        self._set_up = False  # the pipeline's set-up ran, whether it failed or not
         self.telemetry: FreezeTelemetry | None = None
 
     def prepare(self) -> None:
-        """The imports `make()` needs, on any thread: most of its time."""
-        self._prepare()
-        if self._args.journal_dir is not None:
-            from .. import journal  # noqa: F401  # footprint: loaded at the first late heartbeat
+        """The imports `make()` needs, on any thread: most of its time. One that fails is left to
+        `make()`, which meets it again and says so on the watchdog's lines (this thread's traceback would
+        go to the host's stderr unnamed)."""
+        with contextlib.suppress(Exception):
+            self._prepare()
+            if self._args.journal_dir is not None:
+                from .. import journal  # noqa: F401  # footprint: loaded at the first late heartbeat
 
     def make(self) -> FreezeTelemetry:
-        """Set up on the main thread (`setup()` installs its SIGTERM flush only there)."""
+        """Set up on the main thread (`setup()` installs its SIGTERM flush only there); the pipeline at
+        most once (module docstring)."""
+        if not self._set_up:
+            self._set_up = True
+            try:
+                self.session = self._set_up_pipeline()
+            except Exception as exc:
+                self._not_set_up(exc)
         if self.telemetry is None:
-            from .. import telemetry  # footprint: loaded at the first late heartbeat
-            from ..config import Settings  # footprint: loaded at the first late heartbeat
-
-            # The host's resource attributes (its service.instance.id among them) and the watchdog's own.
-            inherited = Settings.load().resource_attributes
-            own = {telemetry.RESOURCE_PROCESS_ROLE.name: "watchdog", "stallwatch.watched.pid": str(self._args.pid)}
-            self.session = self._setup(resource_attributes={**inherited, **own})
             if self._args.journal_dir is not None:
                 from ..journal import Journal  # footprint: loaded at the first late heartbeat
 
                 self._journal = Journal(Path(self._args.journal_dir), role="watchdog", host_pid=self._args.pid)
             self.telemetry = FreezeTelemetry(self._args.pid, Path(self._args.heartbeat), self._journal)
         return self.telemetry
+
+    def _set_up_pipeline(self) -> Any:
+        from .. import telemetry  # footprint: loaded at the first late heartbeat
+        from ..config import Settings  # footprint: loaded at the first late heartbeat
+
+        # The host's resource attributes (its service.instance.id among them) and the watchdog's own.
+        inherited = Settings.load().resource_attributes
+        own = {telemetry.RESOURCE_PROCESS_ROLE.name: "watchdog", "stallwatch.watched.pid": str(self._args.pid)}
+        return self._setup(resource_attributes={**inherited, **own})
+
+    def _not_set_up(self, error: Exception) -> None:
+        """Log the pipeline's failure once (with its traceback unless a setting was refused, which the
+        message names) and count it, if a meter provider was installed before it failed."""
+        from ..config import ConfigError  # footprint: loaded at the first late heartbeat
+
+        kept = " and in the host's journal" if self._args.journal_dir is not None else ""
+        log.warning("stallwatch: the freeze watchdog of host %d cannot set up its telemetry pipeline (%s: %s) and "
+                    "will not try again; it reports freezes on these lines%s only. Set %s=false to turn this part "
+                    "off.", self._args.pid, type(error).__name__, error, kept, heartbeat.SETTING,
+                    exc_info=not isinstance(error, ConfigError))  # fmt: skip
+        from ..core.faults import FAULTS  # footprint: as above; after the line, which it may fail to import
+
+        FAULTS.count(heartbeat.COMPONENT)
 
     def close(self) -> None:
         if self._journal is not None:
