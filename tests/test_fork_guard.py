@@ -146,6 +146,117 @@ def test_a_multiprocessing_worker_exports_what_it_recorded_though_its_context_en
     assert '"worker.items"' in (telemetry_dir / "metrics.jsonl").read_text()
 
 
+# A uvloop host with spans and log records queued (their batches due in 10 minutes) spawns with a `preexec_fn`:
+# uvloop's own fork (libuv's fork() from C), whose at-fork handlers `forksafe.guard` skips as exec-bound, so
+# no handler empties the lanes in the child. The `preexec_fn` records spans and log records and flushes them
+# on its own thread (`force_flush`), then the child execs. With `held`, a thread of the parent holds that lock
+# across the fork, as the export thread holds its lane's turn during an export and the heartbeat's thread the
+# lanes' lock at each `watch`. The child writes its task count after its records to a pipe; the parent then
+# shuts down.
+_EXEC_BOUND_CHILD = """
+import asyncio, json, logging, os, threading
+import uvloop
+import stallwatch
+from opentelemetry import _logs, trace
+from stallwatch.export.batching import EXPORTS
+
+stallwatch.setup(file_dir={file_dir!r}, watchdog=False)
+tracer, log = trace.get_tracer("host"), logging.getLogger("host")
+for i in range(3):
+    tracer.start_span(f"parent-{{i}}").end()
+    log.warning("parent record %d", i)
+lanes = {{lane.signal: lane for lane in EXPORTS.lanes() if hasattr(lane, "queue")}}
+queued = {{signal: len(lane.queue) for signal, lane in lanes.items()}}
+lock = {{"lane turn": lanes["traces"].turn, "lanes lock": EXPORTS._lock, None: None}}[{held!r}]
+taken, forked = threading.Event(), threading.Event()
+read, write = os.pipe()
+
+def hold():
+    with lock:
+        taken.set()
+        forked.wait()
+
+def record():  # in the child, before it execs
+    for i in range(2):
+        tracer.start_span(f"child-{{i}}").end()
+        log.warning("child record %d", i)
+    tasks = len(os.listdir("/proc/self/task"))
+    trace.get_tracer_provider().force_flush()
+    _logs.get_logger_provider().force_flush()
+    os.write(write, str(tasks).encode())
+
+async def main():
+    if lock is not None:
+        threading.Thread(target=hold).start()
+        taken.wait()
+    child = await asyncio.create_subprocess_exec("true", preexec_fn=record)
+    forked.set()
+    return await child.wait()  # a deadlocked child never execs: the test kills it
+
+status = uvloop.run(main())
+stallwatch.shutdown(timeout=10)
+tasks = os.read(read, 100).decode() if status == 0 else None
+print(json.dumps({{"queued": queued, "status": status, "tasks": tasks}}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("held", [None, "lane turn", "lanes lock"])
+def test_a_child_whose_fork_handlers_were_skipped_exports_its_own_telemetry_once_and_none_of_its_parents(
+    telemetry_dir, held
+):
+    """`export.batching`'s contract for a fork child (its lanes' queues emptied, their locks new), kept where
+    no at-fork handler of stallwatch's ran: `BatchLane.add` sees the new pid. Without that check the child's
+    flush exported the parent's queued spans and records a second time, or waited forever on a lock the
+    parent's thread held at the fork; a child about to exec starts no thread."""
+    env = clean_env(OTEL_BSP_SCHEDULE_DELAY="600000", OTEL_BLRP_SCHEDULE_DELAY="600000")
+    host = subprocess.Popen(
+        [sys.executable, "-c", _EXEC_BOUND_CHILD.format(file_dir=str(telemetry_dir), held=held)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    stop = threading.Event()
+    reaper = threading.Thread(target=_kill_children_stuck_before_exec, args=(host, stop), daemon=True)
+    reaper.start()
+    try:
+        out, err = host.communicate(timeout=120)
+    finally:
+        stop.set()
+
+    assert host.returncode == 0, err
+    outcome = json.loads(out.splitlines()[-1])
+    assert outcome["queued"] == {"traces": 3, "logs": 3}  # queued in the parent when it forked
+    assert outcome["status"] == 0, f"the child never exec'd (deadlocked, killed after 5 s):\n{err}"
+    assert outcome["tasks"] == "1"  # the child about to exec started no thread at its records
+    names = [name for name in span_names(telemetry_dir / "traces.jsonl") if name.startswith(("parent", "child"))]
+    assert sorted(names) == ["child-0", "child-1", "parent-0", "parent-1", "parent-2"]  # each once
+    bodies = [record["body"]["stringValue"] for record in otlp_items(telemetry_dir / "logs.jsonl", "logs")]
+    assert sorted(b for b in bodies if b.startswith(("parent", "child"))) == [
+        "child record 0", "child record 1", "parent record 0", "parent record 1", "parent record 2"
+    ]  # fmt: skip
+
+
+def test_a_preexec_fn_that_records_telemetry_starts_no_thread_in_its_child_about_to_exec(telemetry_dir):
+    # The guard skips the export threads' at-fork handler in that child, so its first record finds the parent's
+    # lanes by their pid (`BatchLane.add`); it used to start the export and heartbeat threads there.
+    proc = run_python(
+        f"""
+        import logging, os, subprocess, stallwatch
+        stallwatch.setup(file_dir={str(telemetry_dir)!r}, watchdog=False)
+        read, write = os.pipe()
+        def record():
+            before = len(os.listdir("/proc/self/task"))
+            logging.getLogger("host").warning("in preexec_fn")
+            os.write(write, f"{{before}} {{len(os.listdir('/proc/self/task'))}}".encode())
+        subprocess.run(["true"], preexec_fn=record, check=True)
+        print(os.read(read, 100).decode())
+        stallwatch.shutdown()
+        """
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["1", "1"]  # the child's tasks before and after its record: one thread alone
+    assert proc.stderr.splitlines() == ["in preexec_fn"]
+
+
 def test_stock_sdk_starts_threads_in_forked_child(telemetry_dir):
     child = run_scenario("fork_child_probe.py", "stock", str(telemetry_dir))
 

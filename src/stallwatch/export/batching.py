@@ -11,6 +11,8 @@ Contract: exports run with instrumentation suppressed, one thread at a time per 
 `flush()` takes it on the calling thread). Fork-aware: a child inherits the lanes with their queues
 emptied and no thread, which starts on first use (`forksafe.guard.restart_pending`), never in an
 after-fork handler; at interpreter exit, where none may start, the shutdown flushes on its own thread.
+A child of a fork where no handler ran (C code forking without `PyOS_AfterFork_Child`; one the guard marked
+exec-bound) gets the same at its first `BatchLane.add`, which compares pids: the queues emptied, the locks new.
 """
 
 from __future__ import annotations
@@ -170,7 +172,15 @@ class _Exports:
         self._lanes: list[Lane] = []
         self._runners: list[_Runner] = []
         self._thread_pid = 0  # the process the first export thread runs in
+        self._pid = os.getpid()  # the process these locks are of (`_renew`)
         os.register_at_fork(after_in_child=self._after_fork_in_child)
+
+    def _renew(self) -> None:
+        """New locks and no runner in a fork child: the parent's threads, not forked, may have held them."""
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._runners = []
+        self._pid = os.getpid()
 
     def add(self, lane: Lane) -> None:
         """Give `lane` its turns on the export threads, started now if this process has none."""
@@ -232,10 +242,14 @@ class _Exports:
     def first_use_in_child(self) -> None:
         """Telemetry made in a fork child: the lanes become the child's and every deferred worker
         restarts (ours among them, unless the interpreter is exiting: the shutdown then flushes)."""
+        if self._pid != os.getpid():  # our handler did not run (C code's fork, or skipped as exec-bound)
+            self._renew()
         for lane in self.lanes():
             lane.adopt()
         guard.restart_pending()
-        if not guard.STATE.exiting:  # also where no handler ran (a C-level fork), so nothing was deferred
+        # Also where no handler ran, so nothing was deferred; never in a child about to exec (a `preexec_fn`
+        # that logs), which does no work at all: what it queued and did not flush goes with the exec.
+        if not guard.STATE.exiting and not guard.STATE.child_exec_bound:
             self.ensure()
 
     def _restart(self) -> None:
@@ -252,9 +266,7 @@ class _Exports:
         """The parent's threads may have held the locks: new ones; the thread starts on first use."""
         if guard.STATE.child_exec_bound:
             return  # a child about to exec does no work at all
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._runners = []
+        self._renew()
         for lane in self._lanes:
             if isinstance(lane, BatchLane):
                 lane.queue.clear()
