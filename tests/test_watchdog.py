@@ -957,6 +957,52 @@ def test_stacks_from_faulthandler_are_attached_to_the_freeze_report(telemetry_di
     assert "freeze_probe.py" in stacks and "in main" in stacks  # the frozen coroutine, by name
 
 
+# The watchdog's bootstrap whose pipeline imports (`_watchdog._prepare`) end only once its host has exited and
+# removed its heartbeat file and stacks (60 s at most), as a loaded machine's imports can outlast a short freeze.
+_PREPARED_AFTER_THE_HOST = """import os, time
+import stallwatch._watchdog as slowed
+original, heartbeat_file = slowed._prepare, sys.argv[sys.argv.index("--heartbeat") + 1]
+def prepare_after_the_host():
+    deadline = time.monotonic() + 60
+    while os.path.exists(heartbeat_file) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    original()
+slowed._prepare = prepare_after_the_host
+from stallwatch._watchdog import main
+"""
+
+
+def test_the_stacks_of_a_freeze_are_reported_when_the_host_exits_before_the_watchdogs_pipeline_is_set_up(
+    telemetry_dir, tmp_path
+):
+    # They were read once the pipeline was set up, from a file the host's exit had removed meanwhile.
+    proc = run_python(
+        f"""
+        import asyncio, time
+        import stallwatch
+        from stallwatch.detect import heartbeat
+        heartbeat._BOOTSTRAP = heartbeat._BOOTSTRAP.replace(
+            "from stallwatch._watchdog import main\\n", {_PREPARED_AFTER_THE_HOST!r}
+        )
+        session = stallwatch.setup(file_dir={str(telemetry_dir)!r}, faulthandler=True, freeze_threshold=0.5)
+        async def blocked_here():
+            assert await asyncio.to_thread(session.wait_for_watchdog, 30)
+            time.sleep(3)  # the freeze: the loop blocked six thresholds long
+        asyncio.run(blocked_here())
+        stallwatch.shutdown()
+        """,
+        env=clean_env(XDG_RUNTIME_DIR=str(tmp_path)),
+    )  # returns once the watchdog has left: it holds the stderr pipe
+
+    assert proc.returncode == 0, proc.stderr
+    detected = [r for r in log_records(telemetry_dir / "logs.jsonl") if "freeze detected" in r["body"]["stringValue"]]
+    (record,) = detected
+    assert attrs(record)["stallwatch.freeze.kind"] == "loop_blocked"
+    stacks = attrs(record)["stallwatch.freeze.stacks"]
+    assert stacks.startswith("Timeout (") and "in blocked_here" in stacks
+    assert list(tmp_path.glob("stallwatch-*")) == []  # the host's exit removed its heartbeat file and stacks
+
+
 def test_faulthandlers_timer_does_not_fire_into_the_hosts_code_after_its_event_loop_has_stopped(tmp_path):
     # The dump walks the frames of threads that run Python meanwhile: after the loop, that is the
     # host's own clean-up, with no loop left to freeze.

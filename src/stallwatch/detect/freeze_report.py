@@ -194,12 +194,31 @@ class Freeze:
     diagnosed_at: float = 0.0
     host_exit: dict[str, Any] = field(default_factory=dict)
     dumped: frozenset[int] = frozenset()  # children seen dumping core during this freeze
+    stacks: str | None = None  # the host's stacks dumped during this freeze, once read (`read_stacks`)
+    stacks_awaited: bool = False  # their dump was waited for
 
     def rediagnose(self, pid: int) -> None:
         """Read `/proc` again; a child once seen dumping core stays the cause while it is there."""
         self.diagnosis = diagnose(pid, self.dumped)
         self.dumped |= {child["pid"] for child in self.diagnosis.children if child["core_dumping"]}
         self.diagnosed_at = time.monotonic()
+
+
+def read_stacks(freeze: Freeze, heartbeat_path: str) -> None:
+    """Keep the host's stacks dumped since `freeze` began in `freeze.stacks`, read at its detection (before the
+    pipeline is set up, which may outlast the host, whose exit removes the file) and again at each record.
+    faulthandler's timer and the detection both fire one threshold after the last heartbeat: the first read
+    without them gives the timer's thread STACKS_GRACE to write."""
+    path = heartbeat.stacks_path(Path(heartbeat_path))
+    stacks = heartbeat.last_stacks(path, since_wall_ns=freeze.started_wall_ns)
+    if stacks is None and not freeze.stacks_awaited and path.exists():
+        freeze.stacks_awaited = True
+        deadline = time.monotonic() + STACKS_GRACE
+        while stacks is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+            stacks = heartbeat.last_stacks(path, since_wall_ns=freeze.started_wall_ns)
+    if stacks:
+        freeze.stacks = stacks
 
 
 def host_exit_status(pid: int) -> dict[str, Any]:
@@ -247,8 +266,7 @@ class FreezeTelemetry:
         self._pid = pid
         self._journal = journal  # the host's journal, watchdog side: freeze records survive the host
         self._sentry_handover = heartbeat.sentry_path(heartbeat_path)
-        self._stacks = heartbeat.stacks_path(heartbeat_path)
-        self._stacks_awaited: set[int] = set()  # freezes (by start) whose stacks were waited for
+        self._heartbeat = str(heartbeat_path)
         # Every kind and cause at 0 from the start: "not frozen" is a value, and a first freeze an increase.
         kinds = [(kind, cause) for kind in telemetry.FREEZE_KIND.values for cause in telemetry.FREEZE_CAUSE.values]
         self._active: dict[tuple[str, str], int] = dict.fromkeys(kinds, 0)
@@ -308,17 +326,9 @@ class FreezeTelemetry:
 
     def _record_attributes(self, freeze: Freeze) -> dict[str, Any]:
         attributes = freeze.diagnosis.attributes() | {"stallwatch.freeze.kind": freeze.kind} | _spawn(freeze)
-        stacks = heartbeat.last_stacks(self._stacks, since_wall_ns=freeze.started_wall_ns)
-        if stacks is None and self._stacks.exists() and freeze.started_wall_ns not in self._stacks_awaited:
-            # faulthandler's timer and this detection both fire one threshold after the last heartbeat:
-            # give the timer's thread STACKS_GRACE to write, once per freeze
-            self._stacks_awaited.add(freeze.started_wall_ns)
-            deadline = time.monotonic() + STACKS_GRACE
-            while stacks is None and time.monotonic() < deadline:
-                time.sleep(0.02)
-                stacks = heartbeat.last_stacks(self._stacks, since_wall_ns=freeze.started_wall_ns)
-        if stacks:
-            attributes["stallwatch.freeze.stacks"] = stacks
+        read_stacks(freeze, self._heartbeat)
+        if freeze.stacks:
+            attributes["stallwatch.freeze.stacks"] = freeze.stacks
         return attributes
 
     def frozen(self, freeze: Freeze, now_ns: int) -> None:

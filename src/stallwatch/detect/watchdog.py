@@ -243,6 +243,7 @@ class Watchdog:
             report = _report()
             freeze = report.Freeze(kind, last, wall, report.Diagnosis(), snapshot)
             freeze.rediagnose(self.pid)  # before it is taken as reported: one that raises is detected next poll
+            report.read_stacks(freeze, self.heartbeat_path)  # before the set-up, which the host's exit may outlast
             self.freeze = freeze
             self.telemetry.frozen(freeze, now)
         elif time.monotonic() - self.freeze.diagnosed_at >= REDIAGNOSE_SECONDS or (
