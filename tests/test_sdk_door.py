@@ -27,6 +27,7 @@ NOT_THE_SDKS = {
     "executor._shutdown": "concurrent.futures' ThreadPoolExecutor",
     "cf_thread._shutdown": "concurrent.futures.thread's interpreter-shutdown flag",
     "process._transport": "asyncio's subprocess.Process",
+    "request._method": "the nebius SDK's request (opentelemetry-instrumentation-grpc, when installed, has one too)",
 }
 
 
