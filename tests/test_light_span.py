@@ -243,6 +243,23 @@ def test_a_processor_with_its_own_on_start_gets_the_sdks_span():
     assert starting.started == ["request", "item"]
 
 
+def test_end_own_sets_stallwatchs_attributes_and_ends_once():
+    tracer_provider, exporter = provider()
+    tracer = tracer_provider.get_tracer("test")
+    with tracer.start_as_current_span("request") as parent:
+        span = light_span.start(tracer, "item", trace.set_span_in_context(parent), dict(ATTRIBUTES))
+        span.end_own({"queue": 0.5})
+        span.end_own({"late": 1.0})
+        span.end()
+        ended_first = light_span.start(tracer, "ended", trace.set_span_in_context(parent), dict(ATTRIBUTES))
+        ended_first.end()
+        ended_first.end_own({"late": 1.0})
+    item, ended = [s for s in exporter.get_finished_spans() if s.name in ("item", "ended")]
+    assert dict(item.attributes) == {**ATTRIBUTES, "queue": 0.5}
+    assert dict(ended.attributes) == ATTRIBUTES
+    assert not span.is_recording() and not ended_first.is_recording()
+
+
 def test_an_ended_light_span_ignores_changes_and_a_second_end():
     tracer_provider, exporter = provider()
     tracer = tracer_provider.get_tracer("test")

@@ -354,6 +354,17 @@ class LightSpan(trace.Span, ReadableSpan):
         self._end_time = end_time if end_time is not None else time_ns()
         self._hand_off()
 
+    def end_own(self, attributes: dict[str, Any]) -> None:
+        """`set_own_attributes(attributes)` then `end()` as one step under the span's lock: nothing once the
+        span has ended, whoever ended it (the attributes of a span handed to the processors never change)."""
+        with _LOCK:
+            if self._ended:
+                return
+            self._ended = True
+            self._attributes.update(attributes)  # type: ignore[attr-defined]  # the dict given at start
+        self._end_time = time_ns()
+        self._hand_off()
+
     def end_as_built(self, end_time: int, status: Status | None) -> None:
         """End a span nothing else has seen yet (just built, never handed out) with `status` (None: unset):
         what `set_status(status)` then `end(end_time)` do, without the lock."""

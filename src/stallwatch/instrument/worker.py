@@ -22,6 +22,7 @@ from opentelemetry.trace import Span
 from .. import interrupt, sdk_compat, telemetry
 from .. import timeout as execution_timeouts
 from ..core.faults import FAULTS
+from ..sdk_compat import LightSpan
 from .work_item import DURATIONS, DURATIONS_LIMIT, SETTING, ExecutorState, ItemRecord, _OriginalWorkItem
 
 _current_item = interrupt.RUNNING  # worker thread ident -> the item it runs (kept by `interrupt`)
@@ -236,10 +237,10 @@ def _attach(item: ItemRecord) -> object:
 
 
 def _end_span(span: Span, queue_seconds: float, run_seconds: float) -> None:
-    attributes = sdk_compat.own_attributes(span)
-    if attributes is not None:  # the dict given at its start: the durations are valid values
-        attributes[_QUEUE_SECONDS] = queue_seconds
-        attributes[_RUN_SECONDS] = run_seconds
+    """The durations set and the span ended; nothing if code the item ran has ended it already."""
+    attributes = {_QUEUE_SECONDS: queue_seconds, _RUN_SECONDS: run_seconds}
+    if type(span) is LightSpan:  # the dict given at its start takes them: valid values
+        span.end_own(attributes)
     else:
-        span.set_attributes({_QUEUE_SECONDS: queue_seconds, _RUN_SECONDS: run_seconds})
-    span.end()
+        span.set_attributes(attributes)
+        span.end()
