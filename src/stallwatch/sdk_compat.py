@@ -585,6 +585,26 @@ def span_in(context: otel_context.Context) -> Any:
     return current
 
 
+def sampled_parent(context: otel_context.Context) -> SpanContext | None:
+    """The span context of the span `context` holds when it is valid and sampled, else None: what
+    `trace.get_current_span(context).get_span_context()`, its `is_valid` and `trace_flags.sampled` tell.
+    With the fast paths on, read from the span's field and the `SpanContext` tuple (for the SDK's and
+    stallwatch's span types, whose `get_span_context` returns that field), without their calls."""
+    if not _FAST[0]:
+        parent = trace.get_current_span(context).get_span_context()
+        return parent if parent.is_valid and parent.trace_flags.sampled else None
+    current: Any = context.get(SPAN_KEY)
+    if current is None:
+        return None
+    if type(current) in SPAN_TYPES:
+        parent = current._context
+    elif isinstance(current, trace.Span):
+        parent = current.get_span_context()
+    else:
+        return None
+    return parent if parent[5] and parent[3] & TraceFlags.SAMPLED else None
+
+
 def with_span(context: otel_context.Context, span: Any) -> otel_context.Context:
     """`trace.set_span_in_context(span, context)`; with the fast paths on, with one copy of the context,
     not two (`set_value` copies it, then `Context()` copies that): the key is set in the copy, which
