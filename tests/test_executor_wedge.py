@@ -387,6 +387,38 @@ def test_submission_span_only_inside_a_trace_and_context_reaches_the_worker(tele
         assert all(len(repr(value)) < 17 for value in durations), durations
 
 
+def test_an_item_span_ended_by_the_items_own_code_is_not_changed_after_it_was_handed_over(telemetry_dir):
+    """Code run by the item may end the current span itself: the span reaches the processors then, and
+    its attributes must not change afterwards (an export thread may be reading them)."""
+    proc = run_python(
+        f"""
+        import json
+        from concurrent.futures import ThreadPoolExecutor
+        import stallwatch
+        stallwatch.setup(file_dir={str(telemetry_dir)!r})
+        from opentelemetry import trace
+        from opentelemetry.sdk.trace import SpanProcessor
+
+        class Snapshots(SpanProcessor):  # what each span's attributes were when it was handed over
+            ended = []
+            def on_end(self, span):
+                self.ended.append((span, dict(span.attributes)))
+
+        trace.get_tracer_provider().add_span_processor(Snapshots())
+        with trace.get_tracer("app").start_as_current_span("request"):
+            with ThreadPoolExecutor(1) as pool:
+                pool.submit(lambda: trace.get_current_span().end()).result()
+        ((span, handed),) = [(s, a) for s, a in Snapshots.ended if s.name.endswith("work item")]
+        print(json.dumps({{"handed": sorted(handed), "now": sorted(span.attributes)}}))
+        stallwatch.shutdown(timeout=5)
+        """
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["now"] == result["handed"] == ["stallwatch.executor.name"]
+
+
 def test_a_pool_with_no_live_worker_is_reported_stalled_and_sent_to_sentry(telemetry_dir):
     proc = run_python(
         f"""

@@ -243,6 +243,70 @@ def test_a_processor_with_its_own_on_start_gets_the_sdks_span():
     assert starting.started == ["request", "item"]
 
 
+@pytest.mark.parametrize("remote", [False, True], ids=["local_parent", "remote_parent"])
+@pytest.mark.parametrize(
+    "sampler",
+    [None, sdk_sampling.ParentBased(sdk_sampling.ALWAYS_ON, local_parent_sampled=sdk_sampling.ALWAYS_OFF)],
+    ids=["default_sampler", "local_children_dropped"],
+)
+def test_a_child_of_a_sampled_parent_is_the_span_start_gives(remote, sampler):
+    """`start_child`, the executor's path, decides as `start` does, whatever the parent and sampler."""
+    tracer_provider, exporter = provider(sampler)
+    tracer = tracer_provider.get_tracer("test")
+    parent = SpanContext(0xABC, 0xDEF, remote, TraceFlags(TraceFlags.SAMPLED), TraceState([("vendor", "value")]))
+    context = trace.set_span_in_context(trace.NonRecordingSpan(parent))
+    assert sdk_compat.sampled_parent(context) == parent
+    child = light_span.start_child(tracer, "pool work item", context, dict(ATTRIBUTES), parent)
+    general = light_span.start(tracer, "pool work item", context, dict(ATTRIBUTES), parent=parent, shed=True)
+    assert type(child) is type(general)
+    recorded = sampler is None or remote  # the sampler given drops local children only
+    assert child.is_recording() == general.is_recording() == recorded
+    assert child.get_span_context().trace_flags == general.get_span_context().trace_flags
+    child.end()
+    general.end()
+    assert len(exporter.get_finished_spans()) == 2 * recorded
+    if recorded:
+        light, other = exporter.get_finished_spans()
+        same(light, other)
+        assert light.parent == parent
+
+
+@pytest.mark.parametrize(
+    "current",
+    [
+        trace.NonRecordingSpan(SpanContext(1, 2, False, TraceFlags(TraceFlags.DEFAULT))),
+        trace.INVALID_SPAN,
+        "not a span",
+    ],
+    ids=["unsampled", "invalid", "not_a_span"],
+)
+@pytest.mark.parametrize("fast", [True, False], ids=["fast_paths", "public_api"])
+def test_no_sampled_parent_is_found_where_the_api_sees_none(current, fast):
+    sdk_compat.use_fast_paths(fast)  # the fixture puts it back
+    context = otel_context.set_value(sdk_compat.SPAN_KEY, current)
+    assert sdk_compat.sampled_parent(context) is None
+    assert sdk_compat.sampled_parent(otel_context.Context()) is None
+    sampled = SpanContext(1, 2, False, TraceFlags(TraceFlags.SAMPLED))
+    assert sdk_compat.sampled_parent(trace.set_span_in_context(trace.NonRecordingSpan(sampled))) == sampled
+
+
+def test_end_own_sets_stallwatchs_attributes_and_ends_once():
+    tracer_provider, exporter = provider()
+    tracer = tracer_provider.get_tracer("test")
+    with tracer.start_as_current_span("request") as parent:
+        span = light_span.start(tracer, "item", trace.set_span_in_context(parent), dict(ATTRIBUTES))
+        span.end_own({"queue": 0.5})
+        span.end_own({"late": 1.0})
+        span.end()
+        ended_first = light_span.start(tracer, "ended", trace.set_span_in_context(parent), dict(ATTRIBUTES))
+        ended_first.end()
+        ended_first.end_own({"late": 1.0})
+    item, ended = [s for s in exporter.get_finished_spans() if s.name in ("item", "ended")]
+    assert dict(item.attributes) == {**ATTRIBUTES, "queue": 0.5}
+    assert dict(ended.attributes) == ATTRIBUTES
+    assert not span.is_recording() and not ended_first.is_recording()
+
+
 def test_an_ended_light_span_ignores_changes_and_a_second_end():
     tracer_provider, exporter = provider()
     tracer = tracer_provider.get_tracer("test")

@@ -354,6 +354,17 @@ class LightSpan(trace.Span, ReadableSpan):
         self._end_time = end_time if end_time is not None else time_ns()
         self._hand_off()
 
+    def end_own(self, attributes: dict[str, Any]) -> None:
+        """`set_own_attributes(attributes)` then `end()` as one step under the span's lock: nothing once the
+        span has ended, whoever ended it (the attributes of a span handed to the processors never change)."""
+        with _LOCK:
+            if self._ended:
+                return
+            self._ended = True
+            self._attributes.update(attributes)  # type: ignore[attr-defined]  # the dict given at start
+        self._end_time = time_ns()
+        self._hand_off()
+
     def end_as_built(self, end_time: int, status: Status | None) -> None:
         """End a span nothing else has seen yet (just built, never handed out) with `status` (None: unset):
         what `set_status(status)` then `end(end_time)` do, without the lock."""
@@ -572,6 +583,26 @@ def span_in(context: otel_context.Context) -> Any:
     if current is None or not (type(current) in SPAN_TYPES or isinstance(current, trace.Span)):
         return None
     return current
+
+
+def sampled_parent(context: otel_context.Context) -> SpanContext | None:
+    """The span context of the span `context` holds when it is valid and sampled, else None: what
+    `trace.get_current_span(context).get_span_context()`, its `is_valid` and `trace_flags.sampled` tell.
+    With the fast paths on, read from the span's field and the `SpanContext` tuple (for the SDK's and
+    stallwatch's span types, whose `get_span_context` returns that field), without their calls."""
+    if not _FAST[0]:
+        parent = trace.get_current_span(context).get_span_context()
+        return parent if parent.is_valid and parent.trace_flags.sampled else None
+    current: Any = context.get(SPAN_KEY)
+    if current is None:
+        return None
+    if type(current) in SPAN_TYPES:
+        parent = current._context
+    elif isinstance(current, trace.Span):
+        parent = current.get_span_context()
+    else:
+        return None
+    return parent if parent[5] and parent[3] & TraceFlags.SAMPLED else None
 
 
 def with_span(context: otel_context.Context, span: Any) -> otel_context.Context:

@@ -32,7 +32,7 @@ from .. import sdk_compat
 from ..sdk_compat import LightSpan
 from .faults import first_record
 
-__all__ = ["LightSpan", "ShedSpan", "decide", "finish", "non_recording", "start"]
+__all__ = ["LightSpan", "ShedSpan", "decide", "finish", "non_recording", "start", "start_child"]
 
 _RANDOM = getattr(TraceFlags, "RANDOM_TRACE_ID", 0)  # W3C trace-context level 2 flag, SDK 1.45+
 _SAMPLED = TraceFlags.SAMPLED
@@ -150,6 +150,27 @@ def start(
         return non_recording(sdk, (trace_id, flags, parent, trace_state, span_attributes, True), shed=True)
     span_context = sdk_compat.new_span_context(trace_id, sdk.id_generator.generate_span_id(), flags, trace_state)
     return LightSpan(sdk, name, kind, span_context, parent, span_attributes, start_time or time_ns())
+
+
+def start_child(
+    tracer: trace.Tracer,
+    name: str,
+    context: otel_context.Context,
+    attributes: dict[str, Any],
+    parent: SpanContext,
+) -> trace.Span:
+    """`start(tracer, name, context, attributes, parent=parent, shed=True)` for a `parent` known valid and
+    sampled (`sdk_compat.sampled_parent(context)`), built without `start`'s general decisions when the
+    parent is local and the sampler the default one, as is usual; any other case goes through `start`."""
+    sdk = sdk_compat.light_tracer(tracer)
+    trace_id, _, remote, flags, trace_state, _ = sdk_compat.span_context_fields(parent)
+    if sdk is None or remote or not sdk_compat.samples_sampled_local_children(sdk.sampler):
+        return start(tracer, name, context, attributes, parent=parent, shed=True)
+    flags = flags & _RANDOM | _SAMPLED
+    if _shed(sdk_compat.span_processors(sdk.span_processor) or ()):
+        return non_recording(sdk, (trace_id, flags, parent, trace_state, {}, True), shed=True)
+    span_context = sdk_compat.new_span_context(trace_id, sdk.id_generator.generate_span_id(), flags, trace_state)
+    return LightSpan(sdk, name, SpanKind.INTERNAL, span_context, parent, dict(attributes), time_ns())
 
 
 def finish(

@@ -431,7 +431,14 @@ def count_shed(processors: Sequence[CountingSpanProcessor], reasons: Sequence[st
 
 
 def shed(processors: Sequence[Any]) -> bool:
-    """True, and counted, when every span processor in `processors` would drop a sampled span now."""
+    """True, and counted, when every span processor in `processors` would drop a sampled span now.
+
+    The usual answer, a processor with room while the backend is up, is told here without `shedding`'s call."""
+    for processor in processors:
+        if type(processor) is CountingSpanProcessor and not (
+            processor.guard.breaker.down_until or len(processor._bounded) >= processor._limit
+        ):
+            return False
     reasons = shedding(processors)
     if reasons is None:
         return False

@@ -17,11 +17,11 @@ from functools import partial
 from typing import Any
 
 from opentelemetry import context as otel_context
-from opentelemetry.trace import Span
 
 from .. import interrupt, sdk_compat, telemetry
 from .. import timeout as execution_timeouts
 from ..core.faults import FAULTS
+from ..sdk_compat import LightSpan
 from .work_item import DURATIONS, DURATIONS_LIMIT, SETTING, ExecutorState, ItemRecord, _OriginalWorkItem
 
 _current_item = interrupt.RUNNING  # worker thread ident -> the item it runs (kept by `interrupt`)
@@ -182,8 +182,14 @@ class WorkItem(ItemRecord):
                 else:
                     DURATIONS[0].dropped += 1
                     DURATIONS[1].dropped += 1
-            if self.span is not None:
-                _end_span(self.span, waited, ran)
+            span = self.span
+            if span is not None:
+                attributes = {_QUEUE_SECONDS: waited, _RUN_SECONDS: ran}
+                if type(span) is LightSpan:  # the dict given at its start takes them: valid values
+                    span.end_own(attributes)
+                else:
+                    span.set_attributes(attributes)
+                    span.end()
         except Exception:
             FAULTS.record("executor", SETTING)
 
@@ -233,13 +239,3 @@ def _attach(item: ItemRecord) -> object:
     except Exception:
         FAULTS.record("executor", SETTING)
         return None
-
-
-def _end_span(span: Span, queue_seconds: float, run_seconds: float) -> None:
-    attributes = sdk_compat.own_attributes(span)
-    if attributes is not None:  # the dict given at its start: the durations are valid values
-        attributes[_QUEUE_SECONDS] = queue_seconds
-        attributes[_RUN_SECONDS] = run_seconds
-    else:
-        span.set_attributes({_QUEUE_SECONDS: queue_seconds, _RUN_SECONDS: run_seconds})
-    span.end()
