@@ -20,7 +20,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from _machine import clean_env
@@ -58,6 +58,44 @@ async def run_blocks(
                 samples.append((time.perf_counter() - start) * 1e6)
             timed[on] = samples
         result.append((timed[True], timed[False]))
+    return result
+
+
+async def run_arms(
+    call: Callable[[], Awaitable[object]],
+    switches: Mapping[str, Callable[[bool], None]],
+    pairs: int,
+    block: int,
+    seed: int,
+    settle: int = 3,
+) -> dict[str, list[tuple[list[float], list[float]]]]:
+    """`run_blocks` for several arms at once: `pairs` groups of blocks, one with every arm off and one
+    per arm with it alone on, in a seeded random order within each group; each arm's pairs are (its
+    block, the group's off block), in µs. Arms measured in separate passes are minutes apart, and an
+    added cost that grows with the machine's load then differs between them for that alone; here each
+    group compares them at the same moment, against the same off block."""
+    rng = random.Random(seed)
+    result: dict[str, list[tuple[list[float], list[float]]]] = {name: [] for name in switches}
+    for _ in range(pairs):
+        order: list[str | None] = [None, *switches]
+        rng.shuffle(order)
+        timed: dict[str | None, list[float]] = {}
+        for arm in order:
+            for name, switch in switches.items():  # all off first: never two arms on at once
+                if name != arm:
+                    switch(False)
+            if arm is not None:
+                switches[arm](True)
+            for _ in range(settle):
+                await call()
+            samples = []
+            for _ in range(block):
+                start = time.perf_counter()
+                await call()
+                samples.append((time.perf_counter() - start) * 1e6)
+            timed[arm] = samples
+        for name in switches:
+            result[name].append((timed[name], timed[None]))
     return result
 
 
