@@ -5,11 +5,15 @@ difference between two processes (memory layout, which CPU each thread lands on,
 the shared machine): on this VM a loopback Nebius call's p50 moves by ±10 % from one interpreter to
 the next, more than the 2-5 % targets. Here one interpreter alternates short blocks with the
 instrumentor on and off (`instrument()` / `uninstrument()`), in a seeded random order within each
-pair, so both halves of a pair share the process and the moment. Each pair gives one ratio (median
-latency on / median off); the figure is the median of those ratios, with a 95 % bootstrap
+pair, so both halves of a pair share the process and the moment. Several arms (an instrumentor and
+what a user would pick instead, `run_arms`) run in groups of blocks instead, one with every arm off
+and one per arm alone on, shuffled per group: each arm is paired with its group's off block, so the
+arms are compared at the same moments, not in passes minutes apart. Each pair gives one ratio
+(median latency on / median off); the figure is the median of those ratios, with a 95 % bootstrap
 interval (resampled pairs). The telemetry an "on" block queues is exported by background threads
-that may run during either block of the next pair, which makes the figure a little lower; they
-export a few µs of CPU per call, against calls of hundreds of µs to milliseconds.
+that may run during any later block: an off block (its own figure a little lower) or another arm's
+(that arm's a little higher); they export a few µs of CPU per call, against calls of hundreds of µs
+to milliseconds.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from _machine import clean_env
@@ -36,19 +40,44 @@ async def run_blocks(
     seed: int,
     settle: int = 3,
 ) -> list[tuple[list[float], list[float]]]:
-    """`pairs` pairs of (on, off) blocks of `block` timed awaits of `call()`, in µs.
+    """`pairs` pairs of (on, off) blocks of `block` timed awaits of `call()`, in µs: `run_arms` with one arm.
 
     `switch(True)` turns the instrumentation on, `switch(False)` off; `settle` untimed calls follow
     each switch.
     """
+    return (await run_arms(call, {"": switch}, pairs, block, seed, settle))[""]
+
+
+async def run_arms(
+    call: Callable[[], Awaitable[object]],
+    switches: Mapping[str, Callable[[bool], None]],
+    pairs: int,
+    block: int,
+    seed: int,
+    settle: int = 3,
+) -> dict[str, list[tuple[list[float], list[float]]]]:
+    """`pairs` groups of blocks of `block` timed awaits of `call()`, one block with every arm off and
+    one per arm with it alone on, in a seeded random order within each group; each arm's pairs are
+    (its block, the group's off block), in µs. Arms measured in separate passes are minutes apart,
+    and an added cost that grows with the machine's load then differs between them for that alone;
+    here each group compares them at the same moment, against the same off block.
+
+    Before each block every other arm is switched off (`switch(False)`), then its own on, so no two
+    arms are ever on together and whatever switching does (a transaction opened or closed) happens
+    outside the timed calls; `settle` untimed calls follow.
+    """
     rng = random.Random(seed)
-    result = []
+    result: dict[str, list[tuple[list[float], list[float]]]] = {name: [] for name in switches}
     for _ in range(pairs):
-        order = [True, False]
+        order: list[str | None] = [*switches, None]  # one arm: the order `run_blocks` always had, per seed
         rng.shuffle(order)
-        timed: dict[bool, list[float]] = {}
-        for on in order:
-            switch(on)
+        timed: dict[str | None, list[float]] = {}
+        for arm in order:
+            for name, switch in switches.items():
+                if name != arm:
+                    switch(False)
+            if arm is not None:
+                switches[arm](True)
             for _ in range(settle):
                 await call()
             samples = []
@@ -56,13 +85,14 @@ async def run_blocks(
                 start = time.perf_counter()
                 await call()
                 samples.append((time.perf_counter() - start) * 1e6)
-            timed[on] = samples
-        result.append((timed[True], timed[False]))
+            timed[arm] = samples
+        for name in switches:
+            result[name].append((timed[name], timed[None]))
     return result
 
 
 def switch_for(instrumentor: Any) -> Callable[[bool], None]:
-    """`switch` for `run_blocks`: turns an OpenTelemetry `BaseInstrumentor` on or off."""
+    """`switch` for `run_blocks` and `run_arms`: turns an OpenTelemetry `BaseInstrumentor` on or off."""
 
     def switch(on: bool) -> None:
         if on != instrumentor.is_instrumented_by_opentelemetry:

@@ -31,13 +31,14 @@ which also writes the ledger's intent and outcome records). Runs are interleaved
 per round, and samples pooled per configuration. Target: at most 5 % added latency per call.
 
 The headline figure is the **paired** part (see ``_paired.py``): K fresh interpreters set up as
-``instrumented`` and each alternates P pairs of blocks of 25 calls with the Nebius instrumentor on
-and off (``NebiusInstrumentor().instrument()`` / ``.uninstrument()``), so the two sides of each
-ratio share a process; it reports the median per-pair ratio with a 95 % bootstrap interval. The same
-interpreters then switch, with the instrumentor off, what a user would write instead
+``instrumented`` and each runs P groups of three blocks of 25 calls in a shuffled order (``run_arms``):
+everything off, the Nebius instrumentor on (``NebiusInstrumentor().instrument()`` /
+``.uninstrument()``), and, with the instrumentor off, what a user would write instead
 (``handmade_sdk_span``: an OpenTelemetry SDK span per call, started in the caller's context and
 ended when the call returns, through the same provider; series ``get_sdk_span`` and
-``create_sdk_span``), so the two can be read side by side. The peers a user would pick instead run
+``create_sdk_span``). Each ratio's two sides share a process and each arm's on block shares its
+group's off block, so the two arms are read side by side at the same moments; it reports the median
+per-pair ratio with a 95 % bootstrap interval. The peers a user would pick instead run
 likewise, K fresh interpreters each without stallwatch set up (``peer_worker``): sentry-sdk (series
 ``get_sentry``), ddtrace (``get_ddtrace``) and opentelemetry-instrumentation-grpc's `grpc.aio` client
 interceptors on a stock SDK set-up (``get_otel_grpc``: a `TracerProvider` with a `BatchSpanProcessor`
@@ -65,7 +66,7 @@ from pathlib import Path
 from typing import Any
 
 from _machine import clean_env, machine_info, p99, raw_path, rotated, worker_result
-from _paired import run_blocks, run_processes, switch_for, verdict
+from _paired import run_arms, run_blocks, run_processes, switch_for, verdict
 
 CONFIGS = ("uninstrumented", "instrumented", "no_journal", "no_export")
 ENV = {
@@ -136,7 +137,7 @@ def worker(config: str, address: str, calls: int) -> dict[str, Any]:
 
 
 def handmade_sdk_span() -> Callable[[bool], None]:
-    """`switch` for `run_blocks`: a span per call as a user would write it, on the method stallwatch
+    """`switch` for `run_arms`: a span per call as a user would write it, on the method stallwatch
     wraps (the first await's coroutine): the SDK's `start_span` in the caller's context, `end()`
     with the status when the call returns."""
     import wrapt
@@ -182,22 +183,22 @@ def handmade_sdk_span() -> Callable[[bool], None]:
 
 
 def paired_worker(address: str, pairs: int, block: int, seed: int) -> dict[str, Any]:
-    """The `instrumented` setup, with the Nebius instrumentor switched on and off in blocks (µs per call),
-    then the instrumentor off and a hand-made SDK span per call switched on and off likewise."""
+    """The `instrumented` setup, in groups of blocks (µs per call): everything off, the Nebius instrumentor
+    on, a hand-made SDK span per call on (`run_arms`)."""
     import stallwatch
 
     file_dir = tempfile.mkdtemp(prefix="bench_nebius_")
     stallwatch.setup(file_dir=file_dir, watchdog=False, metric_export_interval_ms=3_600_000)
+    import nebius.aio.request  # noqa: F401 - the instrumentor wraps it now, and the hand-made span needs it
+
     from stallwatch.instrument.nebius import NebiusInstrumentor
 
-    switch = switch_for(NebiusInstrumentor())
+    switches = {"": switch_for(NebiusInstrumentor()), "_sdk_span": handmade_sdk_span()}
     try:
-        result = asyncio.run(drive(address, lambda call: run_blocks(call, switch, pairs, block, seed)))
-        switch(False)
-        handmade = handmade_sdk_span()
-        found = asyncio.run(drive(address, lambda call: run_blocks(call, handmade, pairs, block, seed)))
-        handmade(False)
-        return result | {f"{series}_sdk_span": blocks for series, blocks in found.items()}
+        found = asyncio.run(drive(address, lambda call: run_arms(call, switches, pairs, block, seed)))
+        for switch in switches.values():
+            switch(False)
+        return {f"{series}{arm}": found[series][arm] for arm in switches for series in found}
     finally:
         stallwatch.shutdown(10)
         shutil.rmtree(file_dir, ignore_errors=True)
@@ -392,10 +393,11 @@ def render_markdown(
         f"Machine: {info['nproc']} CPUs, Linux {info['kernel']}, Python {info['python']}; {versions}; "
         f"commit {info['git_commit']}; {info['date']}.",
         "",
-        f"**Paired** ({settings['processes']} interpreters x {settings['pairs']} pairs of blocks of {BLOCK} calls, "
+        f"**Paired** ({settings['processes']} interpreters x {settings['pairs']} groups of blocks of {BLOCK} calls, "
         "the Nebius instrumentor switched on and off inside each; see `_paired.py`): median per-pair ratio "
         "on / off, its 95 % bootstrap interval, and the median added per call. `*_sdk_span`: a hand-made "
-        "OpenTelemetry SDK span per call instead, same interpreters. `get_sentry`, `get_ddtrace`, "
+        "OpenTelemetry SDK span per call instead, in the same groups of blocks (off, stallwatch, hand-made "
+        "span, shuffled), against the same off blocks. `get_sentry`, `get_ddtrace`, "
         f"`get_otel_grpc` (opentelemetry-instrumentation-grpc on a stock SDK set-up): {settings['processes']} "
         "more interpreters each, no stallwatch, blocks alternating between an SDK client with a plain channel "
         "and one with the peer's gRPC aio client interceptors (one span per call, counted and dropped).",

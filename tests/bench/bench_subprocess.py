@@ -54,21 +54,29 @@ the subprocess instrumentation on unless the configuration says otherwise.
    "of which export"), so the CPU figure includes exporting the series' own spans.
 
 3. Paired overhead, the headline of part 2 (see ``_paired.py``): K fresh interpreters set up as
-   ``instrumented`` alternate P pairs of blocks of 25 round trips (each series of part 2) with the
-   subprocess instrumentor switched on and off (``SubprocessInstrumentor().instrument()`` /
-   ``.uninstrument()``), so both sides of each ratio share a process and a moment; reported: the
+   ``instrumented``, so both sides of each ratio share a process and a moment; reported: the
    median per-pair ratio with its 95 % bootstrap interval. ``--pairs P`` (default 30; 4 with
-   ``--quick``) and ``--processes K`` (default 4; 1 with ``--quick``).
-   The same interpreters then run ``subprocess.run`` pairs with two floors switched on and off
-   in place of the instrumentor (``PopenFloor``): a wrapper that only times the spawn, and one
-   that also keeps what a span per child needs and builds nothing; then with what a user would
-   pick instead (``Alternative``), each switched on and off the same way: a hand-made SDK span
-   per child (a wrapt wrapper of ``Popen`` that starts an OpenTelemetry SDK span at the spawn
-   and ends it at the exit, through the same provider), sentry-sdk's ``StdlibIntegration``
-   (its spawn and wait spans, inside a transaction per block, sent to a transport that drops
-   them) and ddtrace's ``subprocess`` integration (with ``DD_APPSEC_ENABLED=true``, without which
-   it makes no span; its agent on an unreachable loopback port). A package not installed is
-   left out (``pip install sentry-sdk ddtrace``).
+   ``--quick``) and ``--processes K`` (default 4; 1 with ``--quick``). Each interpreter first
+   alternates P pairs of blocks of 25 round trips (``async_roundtrip``) with the subprocess
+   instrumentor switched on and off (``SubprocessInstrumentor().instrument()`` /
+   ``.uninstrument()``). Then ``subprocess.run`` (called from a coroutine) runs in P groups of
+   blocks of 25 calls in a shuffled order (``run_arms``): one with everything off and one per arm
+   alone on, each arm's ratio taken against its group's off block, so stallwatch and the others
+   are compared at the same moments (the cost a wrapper adds grows with the machine's load, and
+   arms measured minutes apart would differ for that alone). The arms: the instrumentor; two
+   floors (``PopenFloor``), a wrapper that only times the spawn, and one that also keeps what a
+   span per child needs and builds nothing; and what a user would pick instead (``Alternative``):
+   a hand-made SDK span per child (a wrapt wrapper of ``Popen`` that starts an OpenTelemetry SDK
+   span at the spawn and ends it at the exit, through the same provider), sentry-sdk's
+   ``StdlibIntegration`` (its spawn and wait spans, inside a transaction per block, opened when it
+   is switched on and closed when it is switched off, outside the timed calls, and sent to a
+   transport that drops them) and ddtrace's ``subprocess`` integration (with
+   ``DD_APPSEC_ENABLED=true``, without which it makes no span; its agent on an unreachable
+   loopback port). The packages are imported and installed after the round trips, each while
+   every other arm is off, and are switched by swapping what they patched; their imports stay
+   (ddtrace's import hook, sentry's client), so every arm's blocks, the off ones too, run with
+   them loaded. Each arm first makes 10 untimed calls on. A package not installed is left out
+   (``pip install sentry-sdk ddtrace``).
 
 The runs are interleaved: every round runs all (configuration, rss) pairs of both parts, in an
 order rotated by one each round, and samples are pooled per configuration across rounds, so
@@ -88,13 +96,13 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from _machine import clean_env, command_line, machine_info, p99, raw_path, read_spans, rotated, worker_result
-from _paired import run_blocks, run_processes, switch_for, table, verdict
+from _paired import run_arms, run_blocks, run_processes, switch_for, table, verdict
 from bench_spawn import Ticker, touch_memory, vm_rss_mb
 
 BLOCKED_CONFIGS = ("uvloop_native", "uvloop_vfork", "asyncio")
@@ -279,9 +287,8 @@ def worker(config: str, rss: str, count: int) -> dict[str, Any]:
     return result
 
 
-PAIRED_SERIES = ("async_roundtrip", "sync_run")
-# Floors for `subprocess.run`, switched on and off like the instrumentor (stallwatch's own
-# instrumentor off meanwhile): what any wrapper of Popen costs right after a spawn.
+# Floors for `subprocess.run`, arms of the same groups as the instrumentor (which is off during
+# their blocks): what any wrapper of Popen costs right after a spawn.
 FLOOR_SERIES = ("sync_run_floor_clock", "sync_run_floor_capture")
 BLOCK = 25
 
@@ -468,8 +475,26 @@ def ddtrace() -> Alternative | None:
 ALTERNATIVES = {"sync_run_sdk_span": handmade_sdk_span, "sync_run_sentry": sentry, "sync_run_ddtrace": ddtrace}
 
 
+def sync_run_arms(stallwatch_switch: Callable[[bool], None]) -> dict[str, Callable[[bool], None]]:
+    """The arms of the `subprocess.run` groups, all off: stallwatch's instrumentor, the floors, and
+    each alternative whose package is installed. Each alternative installs while all the others are
+    off, so the changes it swaps are its own alone (and ddtrace does not patch a `Popen.__init__`
+    that is already wrapped)."""
+    stallwatch_switch(False)
+    arms = {"sync_run": stallwatch_switch}
+    for series, floor in zip(FLOOR_SERIES, (PopenFloor(capture=False), PopenFloor(capture=True)), strict=True):
+        arms[series] = floor.switch
+    for series, make in ALTERNATIVES.items():
+        alternative = make()
+        if alternative is not None:
+            arms[series] = alternative.switch
+    return arms
+
+
 def paired_worker(pairs: int, seed: int) -> dict[str, Any]:
-    """The `instrumented` setup, with the subprocess instrumentor switched on and off in blocks (µs)."""
+    """The `instrumented` setup: round trips with the subprocess instrumentor switched on and off in
+    pairs of blocks, then `subprocess.run` in groups of blocks, one with everything off and one per arm
+    on (`run_arms`: the instrumentor, the floors, the alternatives); µs per call."""
     import stallwatch
 
     file_dir = tempfile.mkdtemp(prefix="bench_subprocess_")
@@ -484,21 +509,24 @@ def paired_worker(pairs: int, seed: int) -> dict[str, Any]:
     async def run() -> None:  # subprocess.run from a coroutine, as a server's blocking helper would
         run_once()
 
-    async def main() -> dict[str, Any]:
-        result: dict[str, Any] = {}
-        for series, call in zip(PAIRED_SERIES, (roundtrip, run), strict=True):
+    async def warm_up(call: Callable[[], Coroutine[Any, Any, None]], arms: list[Callable[[bool], None]]) -> None:
+        """`WARMUPS` untimed calls with each arm on in turn, so that what an arm does only once (a lazy
+        import, a first transaction) lands in no block."""
+        for arm in arms:
+            arm(True)
             for _ in range(WARMUPS):
                 await call()
-            result[series] = await run_blocks(call, switch, pairs, BLOCK, seed)
-        switch(False)
-        for series, floor in zip(FLOOR_SERIES, (PopenFloor(capture=False), PopenFloor(capture=True)), strict=True):
-            result[series] = await run_blocks(run, floor.switch, pairs, BLOCK, seed)
-            floor.switch(False)
-        for series, make in ALTERNATIVES.items():  # each installed only now: nothing of it ran before
-            alternative = make()
-            if alternative is not None:
-                result[series] = await run_blocks(run, alternative.switch, pairs, BLOCK, seed)
-                alternative.switch(False)
+            arm(False)
+
+    async def main() -> dict[str, Any]:
+        await warm_up(roundtrip, [switch])
+        result = {"async_roundtrip": await run_blocks(roundtrip, switch, pairs, BLOCK, seed)}
+        # Installed only now, so nothing of theirs ran during the round trips.
+        arms = sync_run_arms(switch)
+        await warm_up(run, list(arms.values()))
+        result |= await run_arms(run, arms, pairs, BLOCK, seed)
+        for arm in arms.values():
+            arm(False)
         return result
 
     try:
@@ -728,7 +756,10 @@ def render_markdown(
         f"**Paired** ({settings['processes']} interpreters x {settings['pairs']} pairs of blocks of "
         f"{BLOCK} round trips, the subprocess instrumentor switched on and off inside each; see "
         "`_paired.py`): median per-pair ratio on / off, its 95 % bootstrap interval, and the median "
-        "added per round trip.",
+        f"added per round trip. The `subprocess.run` rows run in {settings['pairs']} groups of blocks "
+        "in the same interpreters, one block with everything off and one per row with it alone on, "
+        "shuffled per group, each row's ratio against its group's off block: the rows are measured "
+        "at the same moments.",
         "",
     ]
     lines += table(
@@ -736,14 +767,14 @@ def render_markdown(
     )
     lines += [
         "",
-        "The two floor rows switch a bare-minimum wrapper of `Popen` on and off instead of the "
-        "instrumentor (which stays off for them): `clock` only times the spawn, `capture` also keeps "
+        "The two floor rows switch a bare-minimum wrapper of `Popen` on instead of the "
+        "instrumentor (which is off in their blocks): `clock` only times the spawn, `capture` also keeps "
         "what stallwatch's calling thread must keep for a span per child (the caller's context, loop, "
         "arguments, start time, pid, return code) and builds nothing (`PopenFloor`). A floor at or "
         "above the target means no wrapper of this kind can meet it on this machine. The `instead` "
-        "rows switch what a user would pick instead of stallwatch on and off the same way "
-        "(`Alternative`): a hand-made SDK span per child, sentry-sdk and ddtrace (see the module "
-        "docstring); stallwatch's `subprocess.run` row above is to be read against them.",
+        "rows switch on what a user would pick instead of stallwatch (`Alternative`): a hand-made "
+        "SDK span per child, sentry-sdk and ddtrace (see the module docstring); stallwatch's "
+        "`subprocess.run` row above is to be read against them.",
     ]
     lines += [
         "",
