@@ -213,13 +213,7 @@ def test_a_child_whose_fork_handlers_were_skipped_exports_its_own_telemetry_once
         [sys.executable, "-c", _EXEC_BOUND_CHILD.format(file_dir=str(telemetry_dir), held=held)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    stop = threading.Event()
-    reaper = threading.Thread(target=_kill_children_stuck_before_exec, args=(host, stop), daemon=True)
-    reaper.start()
-    try:
-        out, err = host.communicate(timeout=120)
-    finally:
-        stop.set()
+    out, err = _communicate_killing_stuck_children(host, timeout=120)
 
     assert host.returncode == 0, err
     outcome = json.loads(out.splitlines()[-1])
@@ -277,6 +271,17 @@ def test_grpc_threads_never_start_in_uvloop_children():
     assert kinds == {("exec_bound", True, "uvloop"): 10}
 
 
+def _communicate_killing_stuck_children(process: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """`process.communicate(timeout)` while `_kill_children_stuck_before_exec` watches its children."""
+    stop = threading.Event()
+    reaper = threading.Thread(target=_kill_children_stuck_before_exec, args=(process, stop), daemon=True)
+    reaper.start()
+    try:
+        return process.communicate(timeout=timeout)
+    finally:
+        stop.set()
+
+
 def _kill_children_stuck_before_exec(parent: subprocess.Popen, stop: threading.Event) -> None:
     """The incident's hazard, kept from hanging the test: a uvloop child that deadlocks in gRPC's
     fork handler never execs, and the parent waits on it holding the GIL. Kill any child of the
@@ -310,13 +315,7 @@ def test_grpc_fork_support_chosen_by_user_is_kept_and_reported():
         [sys.executable, str(SCENARIOS / "grpc_spawn_probe.py"), "stallwatch", "20"],
         env=proc_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    stop = threading.Event()
-    reaper = threading.Thread(target=_kill_children_stuck_before_exec, args=(scenario, stop), daemon=True)
-    reaper.start()
-    try:
-        out, err = scenario.communicate(timeout=180)
-    finally:
-        stop.set()
+    out, err = _communicate_killing_stuck_children(scenario, timeout=180)
     assert scenario.returncode == 0, err
     seen = json.loads(out.strip().splitlines()[-1])
 
