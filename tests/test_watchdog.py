@@ -391,6 +391,33 @@ stallwatch.shutdown(timeout=5)
 """
 
 
+# The watchdog's bootstrap whose pipeline set-up (`_watchdog._setup`) takes 3 s, as on a loaded machine.
+_SLOW_SETUP = """import time
+import stallwatch._watchdog as slowed
+original = slowed._setup
+def slow(**overrides):
+    time.sleep(3)
+    return original(**overrides)
+slowed._setup = slow
+from stallwatch._watchdog import main
+"""
+
+
+def test_a_slow_pipeline_set_up_never_holds_the_polls_that_detect_a_freeze():
+    # The host's loop blocks (0.5 s threshold) while the watchdog's imports are ready: the set-up used to run
+    # in the next poll and hold the polls 3 s, so the freeze was detected, and its length reported, 3 s late.
+    env = clean_env(OTEL_LOGS_EXPORTER="none", OTEL_METRICS_EXPORTER="none", OTEL_TRACES_EXPORTER="none")
+    proc = subprocess.run(
+        [sys.executable, "-c", _FROZEN_UNTIL_JOURNALED, _SLOW_SETUP], env=env, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+
+    assert proc.returncode == 0, proc.stderr
+    detected = re.search(r"freeze detected: host \d+ frozen \(loop_blocked\) for ([0-9.]+)s", proc.stderr)
+    assert detected is not None, proc.stderr
+    assert float(detected[1]) < 0.5 + 2.0  # detected at a poll past the threshold, not after the 3 s set-up
+
+
 def _bound_socket() -> socket.socket:
     bound = socket.socket()
     bound.bind(("127.0.0.1", 0))

@@ -3,9 +3,12 @@
 Started by `setup()` through vfork/posix_spawn as `python -S -c BOOTSTRAP` (`heartbeat.watchdog_command`), which
 runs `stallwatch._watchdog` without `site` and the package's `__init__`. While the host beats on time it runs on
 one thread and loads only `os`, `select`, `fcntl`, `struct`, `warnings` and `heartbeat_file` beside what the
-interpreter loads at start (`time`, `_signal`); a heartbeat late by `PREPARE_NS` loads `freeze_report` and
-the telemetry pipeline (`freeze_report.Reporting`) from the host's `sys.path`, ready before the lateness
-becomes a freeze (at once with a Prometheus exporter, to serve scrapes). Every `POLL_SECONDS` it reads the
+interpreter loads at start (`time`, `_signal`); a heartbeat late by `PREPARE_NS` imports `freeze_report` and
+the telemetry pipeline (`freeze_report.Reporting`) from the host's `sys.path` on a thread, ready before the
+lateness becomes a freeze. The pipeline is set up in a poll while the host beats on time, or when a freeze
+is detected (at once with a Prometheus exporter, to serve scrapes), never in a poll while a heartbeat is
+late: a set-up slowed by a loaded machine would hold the polls, and the freeze would be detected (and
+its length reported) late. Every `POLL_SECONDS` it reads the
 heartbeats: an interpreter heartbeat older than the threshold is `gil_held`, a loop heartbeat alone
 `loop_blocked`. A freeze is reported while it lasts and at the thaw (`freeze_report`). A poll that raises
 an `Exception` is logged (the first) and counted (`freeze_report.poll_failed`), and the next poll runs. It
@@ -215,8 +218,8 @@ class Watchdog:
         loop_age = now - snapshot["loop_ns"] if snapshot["loop_tracked"] else 0
         if max(interpreter_age, loop_age) > min(PREPARE_NS, self.threshold_ns):
             self._prepare()  # a freeze may be coming: be ready to report it at the threshold
-        if self._telemetry is None and self._preparing is not None and not self._preparing.is_alive():
-            self._set_up()  # the imports are done: set up between two polls
+        elif self._telemetry is None and self._preparing is not None and not self._preparing.is_alive():
+            self._set_up()  # the imports are done and the host beats on time: set up between two polls
         kind = None
         if interpreter_age > self.threshold_ns:
             kind = "gil_held"
