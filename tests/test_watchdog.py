@@ -363,10 +363,10 @@ counted._setup = counting
 from stallwatch._watchdog import main
 """
 
-# A host whose loop stays blocked until its watchdog's journal holds the freeze (60 s at most), then waits for the
-# thaw's record there and prints the records of both.
+# A host whose loop stays blocked in a read() until its watchdog's journal holds the freeze (60 s at most; a
+# thread of its own looks), then waits for the thaw's record there and prints the records of both.
 _FROZEN_UNTIL_JOURNALED = """
-import asyncio, json, sys, time
+import asyncio, json, os, sys, threading, time
 from pathlib import Path
 import stallwatch
 from stallwatch.detect import heartbeat
@@ -378,11 +378,17 @@ def journaled(kind):
     segments = Path(session.settings.journal_dir).glob("*.watchdog.*.journal")
     return [r for segment in segments for r in read_segment(segment).records if r["type"] == kind]
 
+def look(deadline, done):
+    while not journaled("freeze") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.write(done, b"x")
+
 async def main():
     assert await asyncio.to_thread(session.wait_for_watchdog, 30)
     deadline = time.monotonic() + 60
-    while not journaled("freeze") and time.monotonic() < deadline:  # the loop blocked
-        time.sleep(0.05)
+    wait, done = os.pipe()
+    threading.Thread(target=look, args=(deadline, done), daemon=True).start()
+    os.read(wait, 1)  # the loop blocked in a syscall, as the freeze's cause says, until the freeze is journaled
     while not journaled("freeze_end") and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
 asyncio.run(main())

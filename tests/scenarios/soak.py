@@ -4,7 +4,7 @@ Usage: python soak.py DIR SPAWNS ITEMS TUNNELS
 uvloop spawns of /bin/true (SPAWNS) while a grpc.aio client hammers a local gRPC server, executor
 items (ITEMS, through asyncio.to_thread and a ThreadPoolExecutor), and TUNNELS open/close pairs of a
 tunnel-like class (instrumented with stallwatch.instrument_tunnel) whose open and close each spawn
-a child. Prints one JSON line: host errors, RSS after warm-up and at the end, threads, file
+a child. Prints one JSON line: host errors, RSS after warm-up and at the end, thread names, file
 descriptors, stallwatch's shared-memory files before and after shutdown, and any freeze the
 watchdog reported meanwhile (a loaded machine can block the loop past the threshold: reported, not
 an error).
@@ -78,6 +78,10 @@ def rss_mb() -> float:
     return 0.0
 
 
+def thread_names() -> list[str]:
+    return sorted(thread.name for thread in threading.enumerate())
+
+
 def shm_files() -> list[str]:
     return sorted(glob.glob(f"/dev/shm/stallwatch-{os.getpid()}-*"))
 
@@ -117,7 +121,7 @@ async def main() -> dict:
     await spawn_batch(warm)
     await items_batch(max(items // 20, 10), pool)
     await asyncio.to_thread(tunnel_batch, max(tunnels // 20, 2))
-    baseline = {"rss_mb": rss_mb(), "threads": threading.active_count(), "fds": len(os.listdir("/proc/self/fd"))}
+    baseline = {"rss_mb": rss_mb(), "threads": thread_names(), "fds": len(os.listdir("/proc/self/fd"))}
     await spawn_batch(spawns - warm)
     await items_batch(items, pool)
     await asyncio.to_thread(tunnel_batch, tunnels)
@@ -125,7 +129,7 @@ async def main() -> dict:
     await asyncio.sleep(0.6)  # the wedge check takes its turn
     return {
         "baseline": baseline,
-        "end": {"rss_mb": rss_mb(), "threads": threading.active_count(), "fds": len(os.listdir("/proc/self/fd"))},
+        "end": {"rss_mb": rss_mb(), "threads": thread_names(), "fds": len(os.listdir("/proc/self/fd"))},
     }
 
 

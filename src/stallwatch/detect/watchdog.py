@@ -4,16 +4,15 @@ Started by `setup()` through vfork/posix_spawn as `python -S -c BOOTSTRAP` (`hea
 runs `stallwatch._watchdog` without `site` and the package's `__init__`. While the host beats on time it runs on
 one thread and loads only `os`, `select`, `fcntl`, `struct`, `warnings` and `heartbeat_file` beside what the
 interpreter loads at start (`time`, `_signal`); a heartbeat late by `PREPARE_NS` imports `freeze_report` and
-the telemetry pipeline (`freeze_report.Reporting`) from the host's `sys.path` on a thread, ready before the
-lateness becomes a freeze. The pipeline is set up in a poll while the host beats on time, or when a freeze
-is detected (at once with a Prometheus exporter, to serve scrapes), never in a poll while a heartbeat is
-late: a set-up slowed by a loaded machine would hold the polls, and the freeze would be detected (and
-its length reported) late. Every `POLL_SECONDS` it reads the
-heartbeats: an interpreter heartbeat older than the threshold is `gil_held`, a loop heartbeat alone
-`loop_blocked`. A freeze is reported while it lasts and at the thaw (`freeze_report`). A poll that raises
-an `Exception` is logged (the first) and counted (`freeze_report.poll_failed`), and the next poll runs. It
-leaves when the host exits or execs another program, and at SIGTERM once the host's shutdown has removed the
-heartbeat file; it runs in a session of its own, and its stderr lines start `stallwatch watchdog (host pid N):`.
+the telemetry pipeline (`freeze_report.Reporting`) on a thread. The pipeline is set up in a poll while the
+host beats on time, or when a freeze is detected (at once with a Prometheus exporter, to serve scrapes),
+never in a poll while a heartbeat is late: a slow set-up would hold the polls and delay the detection.
+Every `POLL_SECONDS` it reads the heartbeats: an interpreter heartbeat older than the threshold is
+`gil_held`, a loop heartbeat alone `loop_blocked`. A freeze is reported while it lasts and at the thaw
+(`freeze_report`). A poll that raises an `Exception` is logged (the first) and counted
+(`freeze_report.poll_failed`), and the next poll runs. It leaves when the host exits or execs another
+program, and at SIGTERM once the host's shutdown has removed the heartbeat file; it runs in a session of
+its own, and its stderr lines start `stallwatch watchdog (host pid N):`.
 """
 
 from __future__ import annotations
