@@ -647,3 +647,19 @@ def test_the_metrics_a_flush_at_uvicorns_stop_exports_once_count_what_that_flush
     ]
     dropped = {(key["stallwatch.telemetry.signal"], key["stallwatch.telemetry.drop_reason"]): n for key, n in points}
     assert dropped["logs", "export_failed"] == 1
+
+
+def test_a_module_without_the_function_a_flush_hook_wraps_still_imports_with_one_warning():
+    # A version of uvicorn or multiprocessing that renamed what stallwatch wraps: the host's import goes on.
+    code = """
+        import stallwatch, stallwatch.session
+        stallwatch.setup(watchdog=False)
+        stallwatch.session._wrap_once("colorsys", "Renamed.shutdown", lambda wrapped, instance, args, kwargs: None)
+        import colorsys
+        print(colorsys.rgb_to_hsv(0, 0, 0))
+        """
+    result = run_python(code, env=clean_env(STALLWATCH_FILE_DIR="/nonexistent-not-written"))
+
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "(0.0, 0.0, 0)\n"
+    assert result.stderr.count("stallwatch: cannot wrap colorsys.Renamed.shutdown") == 1, result.stderr

@@ -675,11 +675,21 @@ _wrapped_once: set[tuple[str, str]] = set()  # a second setup() must not wrap (a
 
 
 def _wrap_once(module: str, name: str, wrapper: Callable[..., Any]) -> None:
-    """Wrap `module.name` with the wrapt `wrapper` once per process, now or when `module` is imported."""
+    """Wrap `module.name` with the wrapt `wrapper` once per process, now or when `module` is imported. A
+    module without it (a version that renamed it) is left as it is, with one WARNING: the host's import of
+    that module must not fail for it."""
     if (module, name) in _wrapped_once:
         return
     _wrapped_once.add((module, name))
-    wrapt.register_post_import_hook(lambda imported: wrapt.wrap_function_wrapper(imported, name, wrapper), module)
+
+    def wrap(imported: Any) -> None:
+        try:
+            wrapt.wrap_function_wrapper(imported, name, wrapper)
+        except Exception as exc:
+            _log.warning("stallwatch: cannot wrap %s.%s (%s: %s); what it would flush is exported at exit only.",
+                         module, name, type(exc).__name__, exc)  # fmt: skip
+
+    wrapt.register_post_import_hook(wrap, module)
 
 
 async def _flush_off_the_loop(timeout: float) -> None:

@@ -66,9 +66,13 @@ def _in_fresh_workers() -> None:
                 args = (args[0], command, args[2])
         return wrapped(*args, **kwargs)
 
-    wrapt.register_post_import_hook(
-        lambda module: wrapt.wrap_function_wrapper(module, "spawnv_passfds", stallwatch_first), "multiprocessing.util"
-    )
+    def wrap(module: Any) -> None:
+        try:
+            wrapt.wrap_function_wrapper(module, "spawnv_passfds", stallwatch_first)
+        except Exception as error:  # a Python that renamed it: the command's import of multiprocessing goes on
+            print(f"stallwatch run: fresh multiprocessing workers run without stallwatch ({error})", file=sys.stderr)
+
+    wrapt.register_post_import_hook(wrap, "multiprocessing.util")
 
 
 def _chain_to_the_next_sitecustomize() -> None:
