@@ -51,6 +51,8 @@ def test_a_freeze_is_on_the_timeline_with_its_cause_and_the_frozen_spawn(tmp_pat
 
     text = postmortem("--dir", str(tmp_path)).stdout
     assert "!! " in text and "cause child_before_exec" in text
+    assert postmortem(str(tmp_path)).stdout == text  # a directory given as it is reads as --dir
+    assert postmortem(str(tmp_path / "traces.jsonl"), str(tmp_path / "logs.jsonl")).stdout.count("child_before_exec")
     html = postmortem("--dir", str(tmp_path), "--format", "html", "--out", str(tmp_path / "report.html"))
     assert html.returncode == 0 and "report written to" in html.stdout
     page = (tmp_path / "report.html").read_text()
@@ -106,6 +108,8 @@ def test_user_mistakes_get_one_line_and_status_2_never_a_traceback(tmp_path):
         (["--dir", str(tmp_path)], "no traces.jsonl, logs.jsonl or metrics.jsonl"),
         (["--file", str(tmp_path / "nope.json")], "does not exist"),
         (["--dir", str(tmp_path), "--since", "last tuesday"], "cannot read the time"),
+        ([str(tmp_path / "nope.json")], "does not exist"),
+        ([str(tmp_path), "--dir", str(tmp_path.parent)], "one telemetry directory at a time"),
     ):
         proc = postmortem(*args)
         assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, (args, proc.stderr)

@@ -100,6 +100,7 @@ otherwise."""
 POSTMORTEM_EXAMPLES = """\
 examples:
   stallwatch postmortem                                       the default telemetry directory
+  stallwatch postmortem ./telemetry                           a directory the file exporter wrote
   stallwatch postmortem --dir /var/lib/app/telemetry --since 2h
   stallwatch postmortem --file tempo-trace.json --format html --out incident.html
   stallwatch postmortem --journal ~/.local/state/stallwatch/journal   what dead processes left open
@@ -186,6 +187,20 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if demo.healthy(result, args.probes) else 1
 
 
+def _postmortem_paths(args: argparse.Namespace) -> tuple[Path | None, list[Path]]:
+    """The telemetry directory and the files to read: `--dir` and `--file`, and each PATH given as it
+    is, a directory as `--dir` and anything else as `--file`. One directory at most."""
+    from .postmortem import InputError
+
+    directories = [Path(args.dir)] if args.dir else []
+    files = [Path(f) for f in args.files]
+    for path in map(Path, args.paths):
+        (directories if path.is_dir() else files).append(path)
+    if len(directories) > 1:
+        raise InputError(f"one telemetry directory at a time, not {' and '.join(map(str, directories))}")
+    return (directories[0] if directories else None), files
+
+
 def _postmortem(args: argparse.Namespace) -> int:
     # footprint: loaded only by the command that runs it
     from . import postmortem
@@ -194,10 +209,11 @@ def _postmortem(args: argparse.Namespace) -> int:
         now = time.time_ns()
         since = postmortem.parse_time(args.since, now) if args.since else None
         until = postmortem.parse_time(args.until, now) if args.until else None
-        directory = Path(args.dir) if args.dir else (None if args.files or args.journal else Path(args.default_dir))
+        named_dir, files = _postmortem_paths(args)
+        directory = named_dir or (None if files or args.journal else Path(args.default_dir))
         journal = Path(args.journal) if args.journal else None
         result = postmortem.timeline(
-            directory, [Path(f) for f in args.files], since, until, journal, args.service, args.pid, args.all_processes
+            directory, files, since, until, journal, args.service, args.pid, args.all_processes
         )
     except postmortem.InputError as error:
         print(f"stallwatch postmortem: {error}", file=sys.stderr)
@@ -321,6 +337,12 @@ def build_parser() -> argparse.ArgumentParser:
         description=POSTMORTEM_DESCRIPTION,
         epilog=POSTMORTEM_EXAMPLES,
         formatter_class=raw,
+    )
+    post.add_argument(
+        "paths",
+        nargs="*",
+        metavar="PATH",
+        help="a telemetry directory (as --dir) or an OTLP/JSON file (as --file)",
     )
     post.add_argument(
         "--dir",
