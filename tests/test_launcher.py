@@ -203,6 +203,12 @@ def test_a_missing_command_exits_127_with_one_line_and_no_command_is_a_usage_err
         env=launcher_env(tmp_path), capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert (missing.returncode, missing.stderr) == (127, "stallwatch run: no-such-command-zz: command not found\n")
+    # Not on PATH but a console script of stallwatch's own environment: `venv/bin/stallwatch run -- uvicorn`.
+    beside = subprocess.run(
+        [STALLWATCH, "run", "--", "uvicorn", "--version"],
+        env=launcher_env(tmp_path) | {"PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert beside.returncode == 0 and beside.stdout.startswith("Running uvicorn"), (beside.stdout, beside.stderr)
     for arguments in ([], ["--"], ["-m"]):
         usage = subprocess.run(
             [STALLWATCH, "run", *arguments], env=launcher_env(tmp_path), capture_output=True, text=True, timeout=60

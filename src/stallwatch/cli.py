@@ -6,6 +6,7 @@ import argparse
 import importlib
 import json
 import os
+import shutil
 import sys
 import time
 import traceback
@@ -45,11 +46,12 @@ examples:
   OTEL_EXPORTER_OTLP_ENDPOINT=http://collector:4318 stallwatch run -- python worker.py
   STALLWATCH_PROVIDERS=host DSTACK_OTEL_TRACES_ENABLED=1 stallwatch run -- dstack server
 
-The command runs as itself (exec): same argv, exit status and signals. Python processes the
-command starts in turn do not load stallwatch; forked workers keep its session (a server that
-starts fresh interpreters for its workers, such as `uvicorn --workers`, needs
-`import stallwatch.auto` in its app module instead). A command that cannot be found exits with
-status 127, one that cannot be executed with 126."""
+The command runs as itself (exec): same argv, exit status and signals. COMMAND is looked up on
+PATH, then beside this Python (the environment stallwatch is installed in, as `venv/bin/stallwatch
+run -- dstack server` expects). Other Python programs the command starts do not load stallwatch;
+its workers do: forked ones keep its session, and the fresh interpreters multiprocessing starts
+(`uvicorn --workers`, spawn and forkserver pools) import stallwatch.auto first. A command that
+cannot be found exits with status 127, one that cannot be executed with 126."""
 
 DOCTOR_DESCRIPTION = """\
 Check this machine, and your server when you name its module, for the fork hazards behind the
@@ -139,8 +141,13 @@ def _run(arguments: list[str]) -> int:
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [str(Path(__file__).with_name("_bootstrap")), *([saved] if saved else [])]
     )
+    program = arguments[0]
+    if os.sep not in program and shutil.which(program) is None:
+        beside = Path(sys.executable).with_name(program)  # the console scripts of stallwatch's own environment
+        if os.access(beside, os.X_OK) and beside.is_file():
+            program = str(beside)
     try:
-        os.execvp(arguments[0], arguments)
+        os.execvp(program, arguments)
     except OSError as error:
         if isinstance(error, FileNotFoundError):
             print(f"stallwatch run: {arguments[0]}: command not found", file=sys.stderr)
