@@ -205,6 +205,20 @@ def test_the_watchdogs_freeze_lines_on_the_hosts_stderr_say_they_are_the_watchdo
     lines = stderr.splitlines()
     assert any(line.startswith(f"{prefix}freeze detected: host {host.pid} frozen (loop_blocked)") for line in lines)
     assert all(line.startswith(prefix) for line in lines), stderr
+    assert "main thread S in clock_nanosleep (wchan " in stderr, stderr  # where the sleeping loop thread waits
+
+
+def test_a_loop_blocked_by_running_code_reads_as_running(telemetry_dir, tmp_path):
+    host = subprocess.Popen(
+        [sys.executable, str(SCENARIOS / "freeze_probe.py"), str(telemetry_dir), "2", "--spin-loop"],
+        env=clean_env(XDG_RUNTIME_DIR=str(tmp_path)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    _, stderr = host.communicate(timeout=120)
+
+    assert host.returncode == 0, stderr
+    (detected,) = [line for line in stderr.splitlines() if "freeze detected" in line]
+    assert "frozen (loop_blocked)" in detected and "; main thread running (state R)" in detected, detected
+    assert "?" not in detected, detected  # nothing the watchdog could not name
 
 
 def test_the_watchdogs_shutdown_timeout_line_says_it_is_the_watchdogs(tmp_path):

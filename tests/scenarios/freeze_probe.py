@@ -1,11 +1,13 @@
 """Scenario: a GIL-held freeze as in incident 000, made on purpose.
 
-Usage: python freeze_probe.py DIR [SECONDS] [--block-loop | --read-child] [--sentry=DSN] [--args | --shell]
+Usage: python freeze_probe.py DIR [SECONDS] [--block-loop | --spin-loop | --read-child] [--sentry=DSN]
+       [--args | --shell]
 A library registered an after-fork handler before stallwatch was imported (so the exec-bound guard
 cannot skip it); in the child of one uvloop spawn it sleeps SECONDS (default 3) before exec, so the
 host's main thread waits in read() on libuv's pipe holding the GIL. Prints one JSON line: the
 spawn's wall-clock start and end, the child's pid and the probe span's ids. With --block-loop
-the loop thread sleeps SECONDS in plain sync code instead (other threads keep running); with
+the loop thread sleeps SECONDS in plain sync code instead (other threads keep running), with
+--spin-loop it runs Python for SECONDS; with
 --read-child it reads, in plain sync code, the output of a child running this same interpreter,
 which sleeps SECONDS before it writes nothing and exits. The first line printed is the watchdog's
 pid, once the watchdog watches (the freeze starts 0.5 s later), so a test can watch it. With
@@ -85,6 +87,11 @@ async def main() -> dict:
             started = time.time_ns()
             time.sleep(seconds)  # sync code on the loop thread: the loop stalls, the GIL does not
             ended = time.time_ns()
+        elif "--spin-loop" in sys.argv:
+            started = time.time_ns()
+            while time.time_ns() - started < seconds * 1e9:  # Python on the loop thread, never yielding to the loop
+                pass
+            ended = time.time_ns()
         elif "--read-child" in sys.argv:
             started = time.time_ns()
             command = [sys.executable, "-c", f"import time; time.sleep({seconds})"]
@@ -112,7 +119,7 @@ async def main() -> dict:
     return {
         "spawn_started_ns": started,
         "spawn_ended_ns": ended,
-        "child_pid": None if "--block-loop" in sys.argv else child.pid,
+        "child_pid": None if {"--block-loop", "--spin-loop"} & set(sys.argv) else child.pid,
         "trace_id": format(context.trace_id, "032x"),
         "span_id": format(context.span_id, "016x"),
         "watchdog_pid": session.watchdog_pid,

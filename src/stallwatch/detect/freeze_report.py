@@ -29,8 +29,19 @@ from .._private import never_execed
 from . import heartbeat
 
 STACKS_GRACE = 1.0  # the longest a freeze report waits for the stacks faulthandler writes at the same moment
-SYSCALLS_X86_64 = {0: "read", 7: "poll", 56: "clone", 58: "vfork", 61: "wait4", 202: "futex", 232: "epoll_wait",
-                   281: "epoll_pwait", 435: "clone3", 441: "epoll_pwait2"}  # fmt: skip
+# The calls a frozen main thread is usually found in, by number (`/proc/PID/syscall`), per architecture
+# (asm/unistd_64.h, asm-generic/unistd.h); another architecture's numbers are reported as numbers.
+_SYSCALL_NUMBERS = {
+    "x86_64": {0: "read", 1: "write", 7: "poll", 23: "select", 35: "nanosleep", 42: "connect", 43: "accept",
+               44: "sendto", 45: "recvfrom", 56: "clone", 58: "vfork", 61: "wait4", 73: "flock", 74: "fsync",
+               202: "futex", 230: "clock_nanosleep", 232: "epoll_wait", 247: "waitid", 270: "pselect6",
+               271: "ppoll", 281: "epoll_pwait", 288: "accept4", 435: "clone3", 441: "epoll_pwait2"},
+    "aarch64": {22: "epoll_pwait", 32: "flock", 63: "read", 64: "write", 72: "pselect6", 73: "ppoll", 82: "fsync",
+                95: "waitid", 98: "futex", 101: "nanosleep", 115: "clock_nanosleep", 202: "accept", 203: "connect",
+                206: "sendto", 207: "recvfrom", 220: "clone", 242: "accept4", 260: "wait4", 435: "clone3",
+                441: "epoll_pwait2"},
+}  # fmt: skip
+SYSCALLS = _SYSCALL_NUMBERS.get(os.uname().machine, {})
 log = logging.getLogger("stallwatch.watchdog")
 
 
@@ -132,8 +143,8 @@ def diagnose(pid: int, dumped: frozenset[int] = frozenset()) -> Diagnosis:
     fields = (syscall or "").split()
     if fields and fields[0].lstrip("-").isdigit():
         number = int(fields[0])
-        found.syscall = SYSCALLS_X86_64.get(number, f"syscall {number}")
-        if number == 0 and len(fields) > 1:
+        found.syscall = SYSCALLS.get(number, f"syscall {number}")
+        if found.syscall == "read" and len(fields) > 1:
             found.waits_on = _link(f"/proc/{pid}/fd/{int(fields[1], 16)}")
     elif fields:
         found.syscall = fields[0]  # "running"
@@ -182,6 +193,15 @@ def _cause(found: Diagnosis, dumped: frozenset[int]) -> str:
     if found.syscall not in (None, "running"):
         return "blocked_syscall"
     return "unknown"
+
+
+def _main_thread(d: Diagnosis) -> str:
+    """The main thread's part of a freeze's one-line description: running, or in which call and where
+    the kernel holds it (`wchan`, where readable)."""
+    if d.syscall == "running":
+        return f"main thread running (state {d.state or '?'})"
+    where = f" (wchan {d.wchan})" if d.wchan else ""
+    return f"main thread {d.state or '?'} in {d.syscall or 'an unknown call'}{where}"
 
 
 @dataclass
@@ -309,7 +329,7 @@ class FreezeTelemetry:
         parts = [
             f"host {self._pid} frozen ({freeze.kind}) for {(now_ns - freeze.started_mono_ns) / 1e9:.1f}s",
             f"cause {d.cause}",
-            f"main thread {d.state or '?'} in {d.syscall or '?'} (wchan {d.wchan or '?'})",
+            _main_thread(d),
         ]
         if d.waits_on:
             parts.append(f"waiting on {d.waits_on}")
