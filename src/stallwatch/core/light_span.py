@@ -90,18 +90,27 @@ def decide(
     return trace_id, flags, parent, result.trace_state, dict(result.attributes or {}), recording
 
 
-def _never_shed(processors: Sequence[Any]) -> bool:
-    return False
+def _never_shedding(processors: Sequence[Any] | None) -> list[str] | None:
+    return None
 
 
-_shed: Callable[[Sequence[Any]], bool] = _never_shed
+def _never_counted(processors: Sequence[Any], reasons: Sequence[str]) -> None:
+    return None
 
 
-def shed_with(check: Callable[[Sequence[Any]], bool]) -> None:
-    """Make `start(..., shed=True)` ask `check(span_processors)` whether every span processor would
-    drop a sampled span now (and count it when so). Set by the export layer, which owns those processors."""
-    global _shed
-    _shed = check
+_shedding: Callable[[Sequence[Any] | None], list[str] | None] = _never_shedding
+_count_shed: Callable[[Sequence[Any], Sequence[str]], None] = _never_counted
+
+
+def shed_with(
+    shedding: Callable[[Sequence[Any] | None], list[str] | None],
+    count_shed: Callable[[Sequence[Any], Sequence[str]], None],
+) -> None:
+    """Make `start(..., shed=True)` ask `shedding(span_processors)` why every span processor would drop
+    a sampled span now (None: one would keep it), and `count_shed(span_processors, reasons)` when so.
+    Set by the export layer, which owns those processors; its tracers ask the same."""
+    global _shedding, _count_shed
+    _shedding, _count_shed = shedding, count_shed
 
 
 def start(
@@ -136,8 +145,12 @@ def start(
         trace_id, flags, parent, trace_state, span_attributes, recording = decision
         if not recording:
             return non_recording(sdk, decision)
-    if shed and flags & _SAMPLED and _shed(sdk_compat.span_processors(sdk.span_processor) or ()):
-        return non_recording(sdk, (trace_id, flags, parent, trace_state, span_attributes, True), shed=True)
+    if shed and flags & _SAMPLED:
+        processors = sdk_compat.span_processors(sdk.span_processor) or ()
+        reasons = _shedding(processors)
+        if reasons is not None:
+            _count_shed(processors, reasons)
+            return non_recording(sdk, (trace_id, flags, parent, trace_state, span_attributes, True), shed=True)
     span_context = sdk_compat.new_span_context(trace_id, sdk.id_generator.generate_span_id(), flags, trace_state)
     return LightSpan(sdk, name, kind, span_context, parent, span_attributes, start_time or time_ns())
 
