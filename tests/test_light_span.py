@@ -249,26 +249,28 @@ def test_a_processor_with_its_own_on_start_gets_the_sdks_span():
     [None, sdk_sampling.ParentBased(sdk_sampling.ALWAYS_ON, local_parent_sampled=sdk_sampling.ALWAYS_OFF)],
     ids=["default_sampler", "local_children_dropped"],
 )
-def test_a_child_of_a_sampled_parent_is_the_span_start_gives(remote, sampler):
-    """`start_child`, the executor's path, decides as `start` does, whatever the parent and sampler."""
+def test_a_child_of_a_parent_looked_up_already_is_the_span_the_sdk_starts(remote, sampler):
+    """`start` given the sampled parent (the executor's path) decides as the SDK does, whatever the parent
+    and sampler: the usual case, a local parent under the default sampler, without asking the sampler."""
     tracer_provider, exporter = provider(sampler)
     tracer = tracer_provider.get_tracer("test")
     parent = SpanContext(0xABC, 0xDEF, remote, TraceFlags(TraceFlags.SAMPLED), TraceState([("vendor", "value")]))
     context = trace.set_span_in_context(trace.NonRecordingSpan(parent))
-    assert sdk_compat.sampled_parent(context) == parent
-    child = light_span.start_child(tracer, "pool work item", context, dict(ATTRIBUTES), parent)
-    general = light_span.start(tracer, "pool work item", context, dict(ATTRIBUTES), parent=parent, shed=True)
-    assert type(child) is type(general)
+    found = sdk_compat.sampled_parent(context)
+    assert found == parent
+    light = light_span.start(tracer, "pool work item", context, dict(ATTRIBUTES), parent=found, shed=True)
+    stock = tracer.start_span("pool work item", context=context, attributes=dict(ATTRIBUTES))
     recorded = sampler is None or remote  # the sampler given drops local children only
-    assert child.is_recording() == general.is_recording() == recorded
-    assert child.get_span_context().trace_flags == general.get_span_context().trace_flags
-    child.end()
-    general.end()
+    assert type(light) is (light_span.LightSpan if recorded else trace.NonRecordingSpan)
+    assert light.is_recording() == stock.is_recording() == recorded
+    assert light.get_span_context().trace_flags == stock.get_span_context().trace_flags
+    light.end()
+    stock.end()
     assert len(exporter.get_finished_spans()) == 2 * recorded
     if recorded:
-        light, other = exporter.get_finished_spans()
-        same(light, other)
-        assert light.parent == parent
+        exported_light, exported_stock = exporter.get_finished_spans()
+        same(exported_light, exported_stock)
+        assert exported_light.parent == parent
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Shedding (`export.shedding`, `export.guarded.shed`): while every span processor would drop a
+"""Shedding (`export.shedding`, `export.guarded.shedding`): while every span processor would drop a
 span, a sampled span that starts is not recorded, keeps its ids and sampled flag, and is counted.
 
 Real SDK providers and processors, stallwatch's processors and exporter guard around the SDK's real

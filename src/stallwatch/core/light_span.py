@@ -32,7 +32,7 @@ from .. import sdk_compat
 from ..sdk_compat import LightSpan
 from .faults import first_record
 
-__all__ = ["LightSpan", "ShedSpan", "decide", "finish", "non_recording", "start", "start_child"]
+__all__ = ["LightSpan", "ShedSpan", "decide", "finish", "non_recording", "start"]
 
 _RANDOM = getattr(TraceFlags, "RANDOM_TRACE_ID", 0)  # W3C trace-context level 2 flag, SDK 1.45+
 _SAMPLED = TraceFlags.SAMPLED
@@ -90,18 +90,27 @@ def decide(
     return trace_id, flags, parent, result.trace_state, dict(result.attributes or {}), recording
 
 
-def _never_shed(processors: Sequence[Any]) -> bool:
-    return False
+def _never_shedding(processors: Sequence[Any] | None) -> list[str] | None:
+    return None
 
 
-_shed: Callable[[Sequence[Any]], bool] = _never_shed
+def _never_counted(processors: Sequence[Any], reasons: Sequence[str]) -> None:
+    return None
 
 
-def shed_with(check: Callable[[Sequence[Any]], bool]) -> None:
-    """Make `start(..., shed=True)` ask `check(span_processors)` whether every span processor would
-    drop a sampled span now (and count it when so). Set by the export layer, which owns those processors."""
-    global _shed
-    _shed = check
+_shedding: Callable[[Sequence[Any] | None], list[str] | None] = _never_shedding
+_count_shed: Callable[[Sequence[Any], Sequence[str]], None] = _never_counted
+
+
+def shed_with(
+    shedding: Callable[[Sequence[Any] | None], list[str] | None],
+    count_shed: Callable[[Sequence[Any], Sequence[str]], None],
+) -> None:
+    """Make `start(..., shed=True)` ask `shedding(span_processors)` why every span processor would drop
+    a sampled span now (None: one would keep it), and `count_shed(span_processors, reasons)` when so.
+    Set by the export layer, which owns those processors; its tracers ask the same."""
+    global _shedding, _count_shed
+    _shedding, _count_shed = shedding, count_shed
 
 
 def start(
@@ -115,62 +124,35 @@ def start(
     shed: bool = False,
 ) -> trace.Span:
     """Start a span as `tracer.start_span(name, context, kind, attributes, start_time=...)` would;
-    `parent`: the span context current in `context`, when the caller has looked it up already.
-    `attributes` is copied, never kept nor changed: a caller may pass the same dict every time.
-    `shed`: a sampled span that every span processor would drop now is not recorded
-    (`shed_with`); not for spans the journal must see in flight."""
+    `parent`: the span context current in `context`, when the caller has looked it up already (as the
+    executor does, `sdk_compat.sampled_parent`). `attributes` is copied, never kept nor changed: a
+    caller may pass the same dict every time. `shed`: a sampled span that every span processor would
+    drop now is not recorded (`shed_with`); not for spans the journal must see in flight."""
     sdk = sdk_compat.light_tracer(tracer)
     if sdk is None:
         first_record()
         return tracer.start_span(name, context=context, kind=kind, attributes=attributes, start_time=start_time)
-    sampler = sdk.sampler
-    trace_state: trace.TraceState | None
     if parent is None:  # the context's span, read as `trace.get_current_span(context)` does, without its calls
         holder = sdk_compat.span_in(context) if context is not None else trace.get_current_span()
         parent = holder.get_span_context() if holder is not None else trace.INVALID_SPAN_CONTEXT
-    if parent is not None:
-        parent_trace_id, _, parent_remote, parent_flags, parent_state, parent_valid = sdk_compat.span_context_fields(
-            parent
-        )
-    if (
-        parent is not None
-        and parent_valid
-        and parent_flags & _SAMPLED
-        and not parent_remote
-        and sdk_compat.samples_sampled_local_children(sampler)
-    ):  # a sampled local parent and the default sampler: `decide`'s known answer, without the call
-        trace_id, flags, trace_state = parent_trace_id, parent_flags & _RANDOM | _SAMPLED, parent_state
+    trace_id, _, remote, flags, trace_state, valid = sdk_compat.span_context_fields(parent)
+    if valid and flags & _SAMPLED and not remote and sdk_compat.samples_sampled_local_children(sdk.sampler):
+        # The usual case, a sampled local parent and the default sampler: `decide`'s known answer, without the call
+        flags = flags & _RANDOM | _SAMPLED
         span_attributes = dict(attributes)
     else:
         decision = decide(sdk, name, context, attributes, kind, (), parent)
         trace_id, flags, parent, trace_state, span_attributes, recording = decision
         if not recording:
             return non_recording(sdk, decision)
-    if shed and flags & _SAMPLED and _shed(sdk_compat.span_processors(sdk.span_processor) or ()):
-        return non_recording(sdk, (trace_id, flags, parent, trace_state, span_attributes, True), shed=True)
+    if shed and flags & _SAMPLED:
+        processors = sdk_compat.span_processors(sdk.span_processor) or ()
+        reasons = _shedding(processors)
+        if reasons is not None:
+            _count_shed(processors, reasons)
+            return non_recording(sdk, (trace_id, flags, parent, trace_state, span_attributes, True), shed=True)
     span_context = sdk_compat.new_span_context(trace_id, sdk.id_generator.generate_span_id(), flags, trace_state)
     return LightSpan(sdk, name, kind, span_context, parent, span_attributes, start_time or time_ns())
-
-
-def start_child(
-    tracer: trace.Tracer,
-    name: str,
-    context: otel_context.Context,
-    attributes: dict[str, Any],
-    parent: SpanContext,
-) -> trace.Span:
-    """`start(tracer, name, context, attributes, parent=parent, shed=True)` for a `parent` known valid and
-    sampled (`sdk_compat.sampled_parent(context)`), built without `start`'s general decisions when the
-    parent is local and the sampler the default one, as is usual; any other case goes through `start`."""
-    sdk = sdk_compat.light_tracer(tracer)
-    trace_id, _, remote, flags, trace_state, _ = sdk_compat.span_context_fields(parent)
-    if sdk is None or remote or not sdk_compat.samples_sampled_local_children(sdk.sampler):
-        return start(tracer, name, context, attributes, parent=parent, shed=True)
-    flags = flags & _RANDOM | _SAMPLED
-    if _shed(sdk_compat.span_processors(sdk.span_processor) or ()):
-        return non_recording(sdk, (trace_id, flags, parent, trace_state, {}, True), shed=True)
-    span_context = sdk_compat.new_span_context(trace_id, sdk.id_generator.generate_span_id(), flags, trace_state)
-    return LightSpan(sdk, name, SpanKind.INTERNAL, span_context, parent, dict(attributes), time_ns())
 
 
 def finish(

@@ -317,7 +317,7 @@ class CountingSpanProcessor(SpanProcessor):
     def __init__(self, exporter: GuardedExporter, shed: bool = True) -> None:
         self.lane = BatchLane("traces", exporter, config.sdk_batching("OTEL_BSP"))
         self.guard = exporter
-        self.sheds = shed  # STALLWATCH_SHED_SPANS: whether `shed()` may count on this processor dropping
+        self.sheds = shed  # STALLWATCH_SHED_SPANS: whether `shedding()` may count on this processor dropping
         if shed:
             _light_spans_ask_shed()
         # One deque for the processor's life (a fork child clears it): the usual case, backend up and
@@ -407,17 +407,18 @@ def _counting_emit(name: str) -> Callable[..., None]:
 
 
 def shedding(processors: Sequence[Any] | None) -> list[str] | None:
-    """Why every span processor in `processors` would drop a sampled span now, or None.
+    """Why every span processor in `processors` would drop a sampled span now, or None: what the
+    provider's tracers (`export.shedding`) and stallwatch's light spans (`light_span.shed_with`) ask.
 
     None when there is no processor, or one that is not stallwatch's (it may keep the span). Costs
-    two reads per processor while the backend is up and the queues have room."""
+    two reads per processor, and no call, while the backend is up and the queues have room."""
     if not processors:
         return None
     for processor in processors:
         if (
             type(processor) is not CountingSpanProcessor
-            or not processor.sheds
             or not (processor.guard.breaker.down_until or len(processor._bounded) >= processor._limit)
+            or not processor.sheds
         ):
             return None
     reasons = [_early_drop(processor, take=False) for processor in processors]
@@ -430,25 +431,10 @@ def count_shed(processors: Sequence[CountingSpanProcessor], reasons: Sequence[st
         processor.guard.gate.drop("traces", reason, 1)
 
 
-def shed(processors: Sequence[Any]) -> bool:
-    """True, and counted, when every span processor in `processors` would drop a sampled span now.
-
-    The usual answer, a processor with room while the backend is up, is told here without `shedding`'s call."""
-    for processor in processors:
-        if type(processor) is CountingSpanProcessor and not (
-            processor.guard.breaker.down_until or len(processor._bounded) >= processor._limit
-        ):
-            return False
-    reasons = shedding(processors)
-    if reasons is None:
-        return False
-    count_shed(processors, reasons)
-    return True
-
-
 def _light_spans_ask_shed() -> None:
-    """Light spans started with `shed=True` ask `shed()` before they are built (`light_span.shed_with`)."""
-    light_span.shed_with(shed)
+    """Light spans started with `shed=True` ask `shedding()` before they are built, and are counted
+    by `count_shed()` when shed (`light_span.shed_with`)."""
+    light_span.shed_with(shedding, count_shed)
 
 
 def drop_early(processors: Sequence[CountingLogProcessor]) -> bool:

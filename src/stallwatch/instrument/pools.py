@@ -31,7 +31,7 @@ from typing import Any
 import wrapt
 from opentelemetry import trace
 from opentelemetry.metrics import CallbackOptions, Observation
-from opentelemetry.trace import Status, StatusCode
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from .. import interrupt, sdk_compat, telemetry
 from .. import timeout as execution_timeouts
@@ -74,7 +74,10 @@ class _AccountingQueue(queue.SimpleQueue):
                 item.context = context
                 # The item's span, when the submitter is inside a sampled trace
                 if _tracer is not None and (parent := sdk_compat.sampled_parent(context)) is not None:
-                    item.span = light_span.start_child(_tracer, state.span_name, context, state.attributes, parent)
+                    # (kind, start time, parent, shed) given by position: keywords cost ~40 ns per item
+                    item.span = light_span.start(
+                        _tracer, state.span_name, context, state.attributes, _INTERNAL, None, parent, True
+                    )
             scope = _timeout_scope.get()
             if scope is not None:  # an execution_timeout guards this work
                 scope.items.append(item)
@@ -130,6 +133,7 @@ _instruments: dict[str, Any] = {}
 _zeroed: set[str] = set()  # executor names whose series this instrumentation has made at zero
 _monotonic_ns = time.monotonic_ns
 _simple_put = queue.SimpleQueue.put
+_INTERNAL = SpanKind.INTERNAL
 _timeout_scope = execution_timeouts.SCOPE
 _tracer: trace.Tracer | None = None
 WorkerDeath = Callable[[ExecutorState, threading.Thread, "BaseException | None", "ItemRecord | None"], None]
