@@ -170,13 +170,18 @@ class Pipeline:
             _log.warning("stallwatch: exporting a fork child's telemetry at exit failed", exc_info=True)
         for exporter in self._metric_exporters:
             exporter.final = True  # the readers' last collection: not sent if it repeats the last export
-        for provider in (self.tracer_provider, self.meter_provider, self.logger_provider):
+        # The meter's shutdown makes the last collection, which must count what the span and log exports
+        # dropped; the log records are flushed before it, and stopped after it, so that a record made during
+        # it (a failed metric export logged through a host's OpenTelemetry logging handler) is still sent.
+        tracer, meter, logger = self.tracer_provider, self.meter_provider, self.logger_provider
+        steps = [(tracer, "shutdown"), (logger, "force_flush"), (meter, "shutdown"), (logger, "shutdown")]
+        for provider, step in steps:
             if provider is None:
                 continue
             try:
-                provider.shutdown()
+                getattr(provider, step)()
             except Exception:  # one failing provider must not keep the others from stopping
-                _log.warning("stallwatch: %s.shutdown() failed", type(provider).__name__, exc_info=True)
+                _log.warning("stallwatch: %s.%s() failed", type(provider).__name__, step, exc_info=True)
         for close in self._closers:
             close()
 
