@@ -32,6 +32,7 @@ from opentelemetry.sdk.trace import SpanProcessor
 from .. import config, sdk_compat, telemetry
 from ..core import histograms, light_span
 from ..core.faults import dropped_values
+from ..forksafe import guard
 from . import exit_check
 from .batching import EXPORTS, BatchLane
 from .budget import Budget
@@ -54,7 +55,8 @@ class ExportGate:
     touching the network: a shutdown thread left behind must not keep a socket busy for the
     exporter's timeout per batch. The first export in a new process (a fork child that lives on)
     calls `on_new_process`, from the exporter's worker thread and never from a fork handler, so the
-    child gets its own shutdown thread."""
+    child gets its own shutdown thread; never in a child about to exec (a `preexec_fn` that flushes),
+    which has no shutdown and starts no thread."""
 
     def __init__(self, on_new_process: Callable[[], object]) -> None:
         self.cut_off = False
@@ -83,7 +85,7 @@ class ExportGate:
 
     def entering_export(self) -> None:
         pid = os.getpid()
-        if pid != self._pid:  # racing workers may both call back: the callback tolerates that
+        if pid != self._pid and not guard.STATE.child_exec_bound:  # racing workers may both call back: it copes
             self._pid = pid
             self._on_new_process()
 
