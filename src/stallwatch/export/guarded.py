@@ -138,7 +138,11 @@ class Breaker:
 
 class GuardedExporter:
     """Wraps a span or log exporter: counts failed batches, backs off from a failing backend and
-    from one whose exports succeed only after `slow_seconds` (0: never), fails fast once cut off."""
+    from one whose exports succeed only after `slow_seconds` (0: never), fails fast once cut off.
+
+    `final` (set by the pipeline's shutdown: no later export would carry what it holds) makes every
+    later export, and `attempt_next` (set by a flush) the next one, go to the backend during a back-off
+    too, whole, not cut to a probe; the shutdown's budget and `cut_off` bound them."""
 
     def __init__(self, inner: Any, signal: str, gate: ExportGate, failure: Any, slow_seconds: float = 0.0) -> None:
         self.inner = inner
@@ -147,16 +151,19 @@ class GuardedExporter:
         self.gate = gate
         self.in_flight = 0
         self.breaker = Breaker()
+        self.final = False
+        self.attempt_next = False
         self._failure = failure
 
     def export(self, batch: Sequence[Any]) -> Any:
         if self.gate.cut_off:
             return self._failure  # already counted as shutdown_timeout leftovers
-        if self.breaker.down():
+        attempt, self.attempt_next = self.final or self.attempt_next, False
+        if self.breaker.down() and not attempt:
             self.gate.drop(self.signal, self.breaker.reason, len(batch))
             return self._failure
         self.gate.entering_export()
-        if self.breaker.backoff and len(batch) > PROBE_ITEMS:
+        if self.breaker.backoff and len(batch) > PROBE_ITEMS and not attempt:
             self.gate.drop(self.signal, self.breaker.reason, len(batch) - PROBE_ITEMS)
             batch = batch[:PROBE_ITEMS]
         batch = exit_check.checked(self.signal, batch)  # what stallwatch recorded from the host, checked once more
@@ -198,7 +205,8 @@ class GuardedMetricExporter(MetricExporter):
     that would only repeat the last one delivered (every point the same but for its timestamp, or a
     zero delta) is not sent: a flush at a server's stop followed by the process's shutdown exports
     each worker's metrics once, and more than once only when something changed in between. Any
-    other is sent, during a back-off too: no later export would carry what it holds.
+    other is sent, during a back-off too: no later export would carry what it holds. So is the next
+    export once `attempt_next` is set (a flush's collection).
     """
 
     def __init__(self, inner: MetricExporter, gate: ExportGate) -> None:
@@ -210,13 +218,15 @@ class GuardedMetricExporter(MetricExporter):
         self.breaker = Breaker()
         self.closed = False
         self.final = False
+        self.attempt_next = False
         self._delivered: Any = None  # the last metrics data the backend took
 
     def export(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> MetricExportResult:
         if self.gate.cut_off:
             return MetricExportResult.FAILURE
         # Cumulative sums: the next export after the back-off carries it all; the last collection has none.
-        if self.breaker.down() and not self.final:
+        attempt, self.attempt_next = self.final or self.attempt_next, False
+        if self.breaker.down() and not attempt:
             self.gate.drop("metrics", BACKEND_DOWN, 1)
             return MetricExportResult.FAILURE
         self.gate.entering_export()
