@@ -17,8 +17,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 class Receiver(ThreadingHTTPServer):
     """An OTLP/HTTP endpoint on 127.0.0.1 that records every request it answers, on receipt. It answers
-    200, but 400 (an error the exporters do not retry) to the first `refused[path]` requests on a path,
-    and only after `slow[path]` seconds on a path."""
+    400 (an error the exporters do not retry) at once to the first `refused[path]` requests on a path,
+    and 200 to the others, after `slow[path]` seconds."""
 
     def __init__(self, refused: Mapping[str, int] = {}, slow: Mapping[str, float] = {}) -> None:
         super().__init__(("127.0.0.1", 0), ReceiverHandler)
@@ -44,7 +44,8 @@ class ReceiverHandler(BaseHTTPRequestHandler):
         with self.server.lock:
             refused = self.server.refused.get(self.path, 0)
             self.server.refused[self.path] = refused - 1
-        time.sleep(self.server.slow.get(self.path, 0.0))
+        if refused <= 0:
+            time.sleep(self.server.slow.get(self.path, 0.0))
         self.send_response(400 if refused > 0 else 200)
         self.send_header("Content-Type", "application/x-protobuf")
         self.send_header("Content-Length", "0")
@@ -97,6 +98,16 @@ def otlp_received_from(receiver: Receiver, path: str) -> list[tuple[dict[str, st
             for scope in getattr(resource, scopes):
                 received.extend((attributes, scope.scope.name, item) for item in getattr(scope, items))
     return received
+
+
+def otlp_batches(receiver: Receiver, path: str) -> list[list]:
+    """The items of each request the receiver got on `path`, one list per request, in the order received."""
+    request, resources, scopes, items = _SIGNALS[path]
+    return [
+        [item for resource in getattr(request.FromString(body), resources)
+         for scope in getattr(resource, scopes) for item in getattr(scope, items)]
+        for body in receiver.bodies(path)
+    ]  # fmt: skip
 
 
 def otlp_spans(receiver: Receiver) -> list:

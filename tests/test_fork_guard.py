@@ -148,16 +148,16 @@ def test_a_multiprocessing_worker_exports_what_it_recorded_though_its_context_en
 
 # A uvloop host with spans and log records queued (their batches due in 10 minutes) spawns with a `preexec_fn`:
 # uvloop's own fork (libuv's fork() from C), whose at-fork handlers `forksafe.guard` skips as exec-bound, so
-# no handler empties the lanes in the child. The `preexec_fn` records spans and log records and flushes them
-# on its own thread (`force_flush`), then the child execs. With `held`, a thread of the parent holds that lock
-# across the fork, as the export thread holds its lane's turn during an export and the heartbeat's thread the
-# lanes' lock at each `watch`. The child writes its task count after its records to a pipe; the parent then
-# shuts down.
+# no handler empties the lanes in the child. The `preexec_fn` records spans and log records and flushes every
+# provider (`force_flush`, the metrics' too) on its own thread, then the child execs. With `held`, a thread of
+# the parent holds that lock across the fork, as the export thread holds its lane's turn during an export and
+# the heartbeat's thread the lanes' lock at each `watch`. The child writes its task count after its flushes to
+# a pipe; the parent then shuts down.
 _EXEC_BOUND_CHILD = """
 import asyncio, json, logging, os, threading
 import uvloop
 import stallwatch
-from opentelemetry import _logs, trace
+from opentelemetry import _logs, metrics, trace
 from stallwatch.export.batching import EXPORTS
 
 stallwatch.setup(file_dir={file_dir!r}, watchdog=False)
@@ -180,10 +180,9 @@ def record():  # in the child, before it execs
     for i in range(2):
         tracer.start_span(f"child-{{i}}").end()
         log.warning("child record %d", i)
-    tasks = len(os.listdir("/proc/self/task"))
-    trace.get_tracer_provider().force_flush()
-    _logs.get_logger_provider().force_flush()
-    os.write(write, str(tasks).encode())
+    for provider in (trace.get_tracer_provider(), _logs.get_logger_provider(), metrics.get_meter_provider()):
+        provider.force_flush()
+    os.write(write, str(len(os.listdir("/proc/self/task"))).encode())
 
 async def main():
     if lock is not None:
@@ -207,7 +206,7 @@ def test_a_child_whose_fork_handlers_were_skipped_exports_its_own_telemetry_once
     """`export.batching`'s contract for a fork child (its lanes' queues emptied, their locks new), kept where
     no at-fork handler of stallwatch's ran: `BatchLane.add` sees the new pid. Without that check the child's
     flush exported the parent's queued spans and records a second time, or waited forever on a lock the
-    parent's thread held at the fork; a child about to exec starts no thread."""
+    parent's thread held at the fork; a child about to exec starts no thread, even when it exports."""
     env = clean_env(OTEL_BSP_SCHEDULE_DELAY="600000", OTEL_BLRP_SCHEDULE_DELAY="600000")
     host = subprocess.Popen(
         [sys.executable, "-c", _EXEC_BOUND_CHILD.format(file_dir=str(telemetry_dir), held=held)],
@@ -219,7 +218,7 @@ def test_a_child_whose_fork_handlers_were_skipped_exports_its_own_telemetry_once
     outcome = json.loads(out.splitlines()[-1])
     assert outcome["queued"] == {"traces": 3, "logs": 3}  # queued in the parent when it forked
     assert outcome["status"] == 0, f"the child never exec'd (deadlocked, killed after 5 s):\n{err}"
-    assert outcome["tasks"] == "1"  # the child about to exec started no thread at its records
+    assert outcome["tasks"] == "1"  # the child about to exec started no thread at its records nor its flushes
     names = [name for name in span_names(telemetry_dir / "traces.jsonl") if name.startswith(("parent", "child"))]
     assert sorted(names) == ["child-0", "child-1", "parent-0", "parent-1", "parent-2"]  # each once
     bodies = [record["body"]["stringValue"] for record in otlp_items(telemetry_dir / "logs.jsonl", "logs")]

@@ -18,12 +18,13 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from signal import SIGTERM
 from typing import Any
 
 import pytest
 
 from conftest import SCENARIOS, clean_env, latest_total, run_python
-from otlp_receiver import otlp_logs
+from otlp_receiver import otlp_batches, otlp_logs, serving
 from stallwatch.export import log_protobuf
 from support.sample_spans import sdk_spans
 
@@ -515,6 +516,74 @@ def test_the_host_exits_within_the_shutdown_timeout_when_the_collector_never_ans
     assert len(warnings) == 1, proc.stderr
     assert "STALLWATCH_SHUTDOWN_TIMEOUT" in warnings[0]
     assert "Traceback" not in proc.stderr  # e.g. logging.shutdown() refused a thread at exit (3.12+)
+
+
+# A collector that has been down for a while: the host's exporters back off for BACKOFF_MAX after a failure.
+# It refuses the first span batch and the first log batch (two items each, exported at once), and the metric
+# collection the host flushes first; the third span and record, queued meanwhile, and the metrics wait for the
+# end: the exit's export, or the flush at uvicorn's stop in a worker that uvicorn's re-raised SIGTERM then ends
+# at the default action. Both come within the back-off.
+_BACKED_OFF_HOST = """
+import json, logging, signal, threading, time
+import stallwatch
+from opentelemetry import metrics, trace
+from stallwatch.export import guarded
+from support.uvicorn_stop import serve_then_stop
+
+guarded.BACKOFF_FIRST = guarded.BACKOFF_MAX
+refused = {{"trace_exporter": threading.Event(), "_log_exporter": threading.Event()}}
+
+class Refusals(logging.Handler):  # each exporter logs the batch the collector refused
+    def emit(self, record):
+        refused.get(record.name.rpartition(".")[2], threading.Event()).set()
+
+exporters = logging.getLogger("opentelemetry.exporter.otlp.proto.http")
+exporters.addHandler(Refusals())
+exporters.propagate = False  # their lines are not log records of the host's to export
+stallwatch.setup()
+metrics.get_meter_provider().force_flush()
+tracer, log = trace.get_tracer("host"), logging.getLogger("host")
+for name in ("first", "second", "third"):
+    tracer.start_span(name).end()
+    log.warning(name)
+assert all(event.wait(30) for event in refused.values())
+print(json.dumps({{"backed_off": time.time()}}), flush=True)
+if {end!r} == "flush_then_sigterm":
+    serve_then_stop()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.raise_signal(signal.SIGTERM)
+"""
+_BATCHES_OF_TWO = {"OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "2", "OTEL_BLRP_MAX_EXPORT_BATCH_SIZE": "2",
+                   "OTEL_BSP_SCHEDULE_DELAY": "600000", "OTEL_BLRP_SCHEDULE_DELAY": "600000"}  # fmt: skip
+_ENDS = {"exit": 0, "flush_then_sigterm": -SIGTERM}
+
+
+@pytest.mark.parametrize("end", list(_ENDS))
+def test_what_waits_for_the_end_is_sent_to_a_collector_that_is_back_during_the_back_off(end: str):
+    with serving(refused={"/v1/traces": 1, "/v1/logs": 1, "/v1/metrics": 1}) as collector:
+        proc = run_python(_BACKED_OFF_HOST.format(end=end), env=env(collector.url, **_BATCHES_OF_TWO), timeout=60)
+
+    assert proc.returncode == _ENDS[end], proc.stderr
+    assert len(collector.bodies("/v1/metrics")) == 2  # refused, then sent at the end
+    spans = [[span.name for span in batch] for batch in otlp_batches(collector, "/v1/traces")]
+    assert spans == [["first", "second"], ["third"]]  # refused; then sent at the end, within the back-off
+    bodies = [[record.body.string_value for record in batch] for batch in otlp_batches(collector, "/v1/logs")]
+    assert bodies == [["first", "second"], ["third"]]
+
+
+@pytest.mark.serial  # a time bound: not beside the other tests' load
+@pytest.mark.parametrize("end", list(_ENDS))
+def test_the_end_of_a_host_backed_off_from_a_collector_that_never_answers_takes_the_shutdown_timeout(end: str):
+    # Refused at once, then never answered: the end's exports hang, and the time bound is all that ends them.
+    never = {"/v1/traces": 3600.0, "/v1/logs": 3600.0}
+    with serving(refused={"/v1/traces": 1, "/v1/logs": 1}, slow=never) as collector:
+        proc = run_python(_BACKED_OFF_HOST.format(end=end), env=env(collector.url, **_BATCHES_OF_TWO), timeout=60)
+        exited = time.time()
+
+    assert proc.returncode == _ENDS[end], proc.stderr
+    backed_off = json.loads(proc.stdout.splitlines()[0])["backed_off"]
+    assert exited - backed_off < SHUTDOWN_TIMEOUT + 0.5 + EXIT_SLACK, (exited - backed_off, proc.stderr)
+    assert len(collector.bodies("/v1/traces")) == 2  # the end's export was attempted
 
 
 _AFTER_SHUTDOWN = """

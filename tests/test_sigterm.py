@@ -504,6 +504,17 @@ serve_then_stop(before_stop=before_stop)
     assert len(receiver.bodies("/v1/metrics")) == 1
 
 
+def _dropped(collector: Receiver) -> dict[tuple[str, str], int]:
+    """The stallwatch.telemetry.dropped counts of the last metric export `collector` got, by signal and reason."""
+    last = ExportMetricsServiceRequest.FromString(collector.bodies("/v1/metrics")[-1])
+    counts = {}
+    for metric in (metric for scope in last.resource_metrics[0].scope_metrics for metric in scope.metrics):
+        for point in metric.sum.data_points if metric.name == "stallwatch.telemetry.dropped" else ():
+            key = otlp_attributes(point)
+            counts[key["stallwatch.telemetry.signal"], key["stallwatch.telemetry.drop_reason"]] = point.as_int
+    return counts
+
+
 @pytest.mark.parametrize("collector", ["slow", "refusing_once"])
 def test_a_processs_last_metric_collection_is_sent_unless_the_flush_at_uvicorns_stop_delivered_the_same(collector):
     # slow: the flush's metric export outlasts the loop's wait for it (1 s + 0.5 s), so the exit's shutdown
@@ -528,17 +539,7 @@ def test_a_processs_last_metric_collection_is_sent_unless_the_flush_at_uvicorns_
         assert _host_stops(receiver) == [1]
         return
     assert _host_stops(receiver) == [1, 1]  # the refused export, then the exit's
-    last = ExportMetricsServiceRequest.FromString(receiver.bodies("/v1/metrics")[-1])
-    failed = [
-        point.as_int
-        for scope in last.resource_metrics[0].scope_metrics
-        for metric in scope.metrics
-        if metric.name == "stallwatch.telemetry.dropped"
-        for point in metric.sum.data_points
-        if otlp_attributes(point)["stallwatch.telemetry.signal"] == "metrics"
-        and otlp_attributes(point)["stallwatch.telemetry.drop_reason"] == "export_failed"
-    ]
-    assert failed == [1]
+    assert _dropped(receiver)["metrics", "export_failed"] == 1
 
 
 @pytest.mark.parametrize("after_stop", [0, 2])
@@ -647,6 +648,52 @@ def test_the_metrics_a_flush_at_uvicorns_stop_exports_once_count_what_that_flush
     ]
     dropped = {(key["stallwatch.telemetry.signal"], key["stallwatch.telemetry.drop_reason"]): n for key, n in points}
     assert dropped["logs", "export_failed"] == 1
+
+
+@pytest.mark.parametrize("end", ["exit", "sigterm"])
+def test_the_last_metrics_a_process_exports_count_what_its_exits_span_and_log_exports_failed_to_export(end):
+    # The collector refuses every span and log export; the span and the record wait for the exit's export. The
+    # exit's last metric collection must come after both exports, or their failures are counted and never sent.
+    code = f"""
+        import logging, signal
+        import stallwatch
+        from opentelemetry import trace
+
+        stallwatch.setup(watchdog=False, metric_export_interval_ms=3600000)
+        trace.get_tracer("host").start_span("stopping").end()
+        logging.getLogger("host").warning("stopping")
+        if {end!r} == "sigterm":
+            signal.raise_signal(signal.SIGTERM)
+        """
+    with serving(refused={"/v1/traces": sys.maxsize, "/v1/logs": sys.maxsize}) as collector:
+        env = clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=collector.url, NO_PROXY="127.0.0.1")
+        result = run_python(code, env=env)
+
+    assert result.returncode == (0 if end == "exit" else -signal.SIGTERM), result.stderr
+    assert len(collector.bodies("/v1/traces")) == len(collector.bodies("/v1/logs")) == 1  # refused
+    assert len(collector.bodies("/v1/metrics")) == 1
+    dropped = _dropped(collector)
+    assert (dropped["traces", "export_failed"], dropped["logs", "export_failed"]) == (1, 1)
+
+
+def test_a_record_a_hosts_opentelemetry_handler_makes_during_the_last_metric_export_is_sent_too():
+    # The OTLP exporter logs the refused metric export; the host's own OpenTelemetry logging handler (bound to
+    # stallwatch's provider) takes that line while the meter shuts down, after the exit's first log export.
+    code = """
+        import logging
+        import stallwatch
+        from opentelemetry.sdk._logs import LoggingHandler
+
+        stallwatch.setup(watchdog=False, metric_export_interval_ms=3600000)
+        logging.getLogger().addHandler(LoggingHandler())
+        logging.getLogger("host").warning("stopping")
+        """
+    with serving(refused={"/v1/metrics": sys.maxsize}) as collector:
+        result = run_python(code, env=clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=collector.url, NO_PROXY="127.0.0.1"))
+
+    assert result.returncode == 0, result.stderr
+    bodies = [record.body.string_value for record in otlp_received(collector, "/v1/logs")]
+    assert bodies[0] == "stopping" and bodies[1].startswith("Failed to export metrics"), bodies
 
 
 def test_a_module_without_the_function_a_flush_hook_wraps_still_imports_with_one_warning():

@@ -164,19 +164,26 @@ class Pipeline:
         self._gate = ExportGate(self._closer.start)
 
     def _stop(self) -> None:
+        for processor in self._processors:
+            processor.guard.final = True  # the last exports: made during a back-off too, within the budget
+        for exporter in self._metric_exporters:
+            exporter.final = True  # the readers' last collection: not sent if it repeats the last export
         try:
             guard.drain_pending()  # a fork child's telemetry made at exit, where no worker could start
         except Exception:
             _log.warning("stallwatch: exporting a fork child's telemetry at exit failed", exc_info=True)
-        for exporter in self._metric_exporters:
-            exporter.final = True  # the readers' last collection: not sent if it repeats the last export
-        for provider in (self.tracer_provider, self.meter_provider, self.logger_provider):
+        # The meter's shutdown makes the last collection, which must count what the span and log exports
+        # dropped; the log records are flushed before it, and stopped after it, so that a record made during
+        # it (a failed metric export logged through a host's OpenTelemetry logging handler) is still sent.
+        tracer, meter, logger = self.tracer_provider, self.meter_provider, self.logger_provider
+        steps = [(tracer, "shutdown"), (logger, "force_flush"), (meter, "shutdown"), (logger, "shutdown")]
+        for provider, step in steps:
             if provider is None:
                 continue
             try:
-                provider.shutdown()
+                getattr(provider, step)()
             except Exception:  # one failing provider must not keep the others from stopping
-                _log.warning("stallwatch: %s.shutdown() failed", type(provider).__name__, exc_info=True)
+                _log.warning("stallwatch: %s.%s() failed", type(provider).__name__, step, exc_info=True)
         for close in self._closers:
             close()
 
@@ -185,19 +192,30 @@ class Pipeline:
         nothing. The collections come last so that they count what the spans' and log records'
         exports dropped: the process's last collection then repeats them, and is not sent
         (`GuardedMetricExporter.final`). A pull reader (Prometheus) is left to its scrapes: a
-        collection there would be served beside the next scrape's own, every series twice."""
+        collection there would be served beside the next scrape's own, every series twice.
+
+        Each exporter's first export is made during a back-off too (`attempt_next`), whole: a worker
+        that uvicorn's re-raised SIGTERM ends at the default action exports nothing after this flush.
+        The rest keep to the back-off, which the process still needs if it lives on."""
+        exporters = [processor.guard for processor in self._processors] + self._metric_exporters
+        for exporter in exporters:
+            exporter.attempt_next = True
         flushes: list[Callable[..., Any]] = [self.tracer_provider.force_flush] if self.tracer_provider else []
         if self.logger_provider is not None:
             flushes.append(self.logger_provider.force_flush)
         flushes += [reader.force_flush for reader in self._push_readers]
-        for flush in flushes:
-            left = budget.left()
-            if left <= 0:
-                return
-            try:
-                flush(timeout_millis=left * 1000)
-            except Exception as exc:  # one failing flush must not keep the others from running
-                _log.warning("stallwatch: flushing telemetry failed (%s: %s)", type(exc).__name__, exc)
+        try:
+            for flush in flushes:
+                left = budget.left()
+                if left <= 0:
+                    return
+                try:
+                    flush(timeout_millis=left * 1000)
+                except Exception as exc:  # one failing flush must not keep the others from running
+                    _log.warning("stallwatch: flushing telemetry failed (%s: %s)", type(exc).__name__, exc)
+        finally:
+            for exporter in exporters:
+                exporter.attempt_next = False  # a queue that was empty: the next export is the workers'
 
     def shutdown(self, timeout: float) -> bool:
         """Flush and stop everything within `timeout` seconds; True if it finished in time.

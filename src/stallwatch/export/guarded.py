@@ -32,6 +32,7 @@ from opentelemetry.sdk.trace import SpanProcessor
 from .. import config, sdk_compat, telemetry
 from ..core import histograms, light_span
 from ..core.faults import dropped_values
+from ..forksafe import guard
 from . import exit_check
 from .batching import EXPORTS, BatchLane
 from .budget import Budget
@@ -54,7 +55,8 @@ class ExportGate:
     touching the network: a shutdown thread left behind must not keep a socket busy for the
     exporter's timeout per batch. The first export in a new process (a fork child that lives on)
     calls `on_new_process`, from the exporter's worker thread and never from a fork handler, so the
-    child gets its own shutdown thread."""
+    child gets its own shutdown thread; never in a child about to exec (a `preexec_fn` that flushes),
+    which has no shutdown and starts no thread."""
 
     def __init__(self, on_new_process: Callable[[], object]) -> None:
         self.cut_off = False
@@ -83,7 +85,7 @@ class ExportGate:
 
     def entering_export(self) -> None:
         pid = os.getpid()
-        if pid != self._pid:  # racing workers may both call back: the callback tolerates that
+        if pid != self._pid and not guard.STATE.child_exec_bound:  # racing workers may both call back: it copes
             self._pid = pid
             self._on_new_process()
 
@@ -136,7 +138,11 @@ class Breaker:
 
 class GuardedExporter:
     """Wraps a span or log exporter: counts failed batches, backs off from a failing backend and
-    from one whose exports succeed only after `slow_seconds` (0: never), fails fast once cut off."""
+    from one whose exports succeed only after `slow_seconds` (0: never), fails fast once cut off.
+
+    `final` (set by the pipeline's shutdown: no later export would carry what it holds) makes every
+    later export, and `attempt_next` (set by a flush) the next one, go to the backend during a back-off
+    too, whole, not cut to a probe; the shutdown's budget and `cut_off` bound them."""
 
     def __init__(self, inner: Any, signal: str, gate: ExportGate, failure: Any, slow_seconds: float = 0.0) -> None:
         self.inner = inner
@@ -145,16 +151,19 @@ class GuardedExporter:
         self.gate = gate
         self.in_flight = 0
         self.breaker = Breaker()
+        self.final = False
+        self.attempt_next = False
         self._failure = failure
 
     def export(self, batch: Sequence[Any]) -> Any:
         if self.gate.cut_off:
             return self._failure  # already counted as shutdown_timeout leftovers
-        if self.breaker.down():
+        attempt, self.attempt_next = self.final or self.attempt_next, False
+        if self.breaker.down() and not attempt:
             self.gate.drop(self.signal, self.breaker.reason, len(batch))
             return self._failure
         self.gate.entering_export()
-        if self.breaker.backoff and len(batch) > PROBE_ITEMS:
+        if self.breaker.backoff and len(batch) > PROBE_ITEMS and not attempt:
             self.gate.drop(self.signal, self.breaker.reason, len(batch) - PROBE_ITEMS)
             batch = batch[:PROBE_ITEMS]
         batch = exit_check.checked(self.signal, batch)  # what stallwatch recorded from the host, checked once more
@@ -196,7 +205,8 @@ class GuardedMetricExporter(MetricExporter):
     that would only repeat the last one delivered (every point the same but for its timestamp, or a
     zero delta) is not sent: a flush at a server's stop followed by the process's shutdown exports
     each worker's metrics once, and more than once only when something changed in between. Any
-    other is sent, during a back-off too: no later export would carry what it holds.
+    other is sent, during a back-off too: no later export would carry what it holds. So is the next
+    export once `attempt_next` is set (a flush's collection).
     """
 
     def __init__(self, inner: MetricExporter, gate: ExportGate) -> None:
@@ -208,13 +218,15 @@ class GuardedMetricExporter(MetricExporter):
         self.breaker = Breaker()
         self.closed = False
         self.final = False
+        self.attempt_next = False
         self._delivered: Any = None  # the last metrics data the backend took
 
     def export(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> MetricExportResult:
         if self.gate.cut_off:
             return MetricExportResult.FAILURE
         # Cumulative sums: the next export after the back-off carries it all; the last collection has none.
-        if self.breaker.down() and not self.final:
+        attempt, self.attempt_next = self.final or self.attempt_next, False
+        if self.breaker.down() and not attempt:
             self.gate.drop("metrics", BACKEND_DOWN, 1)
             return MetricExportResult.FAILURE
         self.gate.entering_export()
