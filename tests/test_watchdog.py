@@ -431,10 +431,11 @@ def _bound_socket() -> socket.socket:
     return bound
 
 
+@pytest.mark.parametrize("strict", ["true", "false"])
 @pytest.mark.parametrize(
     ("failure", "blocked", "expected"),
     [
-        (  # at the first late heartbeat: with STALLWATCH_STRICT, setup() raises the ConfigError of its build
+        (  # at the first late heartbeat
             "grpc_exporter_not_importable",
             "opentelemetry.exporter.otlp.proto.grpc",
             "(ConfigError: OTEL_EXPORTER_OTLP_PROTOCOL=grpc needs the grpc extra: pip install 'stallwatch[grpc]')",
@@ -448,12 +449,13 @@ def _bound_socket() -> socket.socket:
     ],
 )
 def test_a_watchdog_whose_pipeline_cannot_be_set_up_says_so_once_never_retries_and_still_reports_the_freeze(
-    tmp_path, failure, blocked, expected
+    tmp_path, failure, blocked, expected, strict
 ):
     """A real host whose loop is blocked until its real watchdog has journaled the freeze, where setting up the
     watchdog's pipeline fails: the freeze is on the watchdog's stderr lines and in the journal, one line says why
     the pipeline is missing, and the set-up ran once (it used to run again at every poll, the freeze unreported,
-    or, at the start, to end the watchdog)."""
+    or, at the start, to end the watchdog). Without STALLWATCH_STRICT that line was setup()'s own, which named
+    neither the watchdog nor its setting."""
     calls = tmp_path / "setup-calls"
     bootstrap = _COUNTING_SETUPS.format(blocked=blocked, calls=str(calls))
     with _bound_socket() as busy:
@@ -463,7 +465,7 @@ def test_a_watchdog_whose_pipeline_cannot_be_set_up_says_so_once_never_retries_a
         else:
             env = clean_env(OTEL_TRACES_EXPORTER="otlp", OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
                             OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{port}")  # fmt: skip
-        env |= {"STALLWATCH_STRICT": "true", "OTEL_LOGS_EXPORTER": "none"}
+        env |= {"STALLWATCH_STRICT": strict, "OTEL_LOGS_EXPORTER": "none"}
         env.setdefault("OTEL_METRICS_EXPORTER", "none")
         proc = subprocess.run(
             [sys.executable, "-c", _FROZEN_UNTIL_JOURNALED, bootstrap],
@@ -487,6 +489,7 @@ def test_a_watchdog_whose_pipeline_cannot_be_set_up_says_so_once_never_retries_a
     assert not [line for line in lines if "a poll of the freeze watchdog" in line], proc.stderr
     assert "Traceback" not in proc.stderr  # a refused setting is named, without one
     assert "Exception in thread" not in proc.stderr
+    assert "Telemetry is off" not in proc.stderr  # setup()'s own line, said for the host
 
 
 _HOST = """
