@@ -206,10 +206,10 @@ class Freeze:
 
 
 def read_stacks(freeze: Freeze, heartbeat_path: str) -> None:
-    """Keep the host's stacks dumped since `freeze` began in `freeze.stacks`, read at its detection (before the
-    pipeline is set up, which may outlast the host, whose exit removes the file) and again at each record.
-    faulthandler's timer and the detection both fire one threshold after the last heartbeat: the first read
-    without them gives the timer's thread STACKS_GRACE to write."""
+    """Keep the host's stacks dumped since `freeze` began in `freeze.stacks`, for its records: read at its
+    detection (before the pipeline is set up, which may outlast the host, whose exit removes the file) and at
+    each later diagnosis. faulthandler's timer and the detection both fire one threshold after the last
+    heartbeat: the first read without them gives the timer's thread STACKS_GRACE to write."""
     path = heartbeat.stacks_path(Path(heartbeat_path))
     stacks = heartbeat.last_stacks(path, since_wall_ns=freeze.started_wall_ns)
     if stacks is None and not freeze.stacks_awaited and path.exists():
@@ -264,7 +264,6 @@ class FreezeTelemetry:
         self._pid = pid
         self.journal: Any = None  # the host's journal, watchdog side: freeze records survive the host
         self._sentry_handover = heartbeat.sentry_path(heartbeat_path)
-        self._heartbeat = str(heartbeat_path)
         self._active: dict[tuple[str, str], int] = {}
         self._killed: dict[tuple[str, str], float] = {}  # seconds frozen at the death
         self.exported = False  # `export()` has returned: its metrics and span go to the global providers
@@ -337,7 +336,6 @@ class FreezeTelemetry:
 
     def _record_attributes(self, freeze: Freeze) -> dict[str, Any]:
         attributes = freeze.diagnosis.attributes() | {"stallwatch.freeze.kind": freeze.kind} | _spawn(freeze)
-        read_stacks(freeze, self._heartbeat)
         if freeze.stacks:
             attributes["stallwatch.freeze.stacks"] = freeze.stacks
         return attributes

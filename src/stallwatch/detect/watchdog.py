@@ -272,6 +272,7 @@ class Watchdog:
             self.freeze.diagnosis.cause != "child_core_dump" and _report().core_dumping_child(self.pid)
         ):  # a core dump that began after the last look is reported now: it may be over before the next
             self.freeze.rediagnose(self.pid)
+            _report().read_stacks(self.freeze, self.heartbeat_path)  # a held GIL after a blocked loop dumps anew
             self._reporter.now().still_frozen(self.freeze, now)
 
     def thaw(self, outcome: str) -> None:
