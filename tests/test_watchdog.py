@@ -1307,7 +1307,8 @@ def test_each_worker_gunicorn_forks_after_preload_has_a_watchdog_carrying_its_ow
                 assert client.get(f"/spawn/{number}").status_code == 200
 
             def block(blocked: set[int]) -> None:
-                blocked.add(int(client.get("/block/1.5").text))
+                # A connection of its own: two kept alive to one worker would take every later block there.
+                blocked.add(int(client.get("/block/1.5", headers={"Connection": "close"}).text))
 
             # An idle watchdog exports nothing: a freeze in each worker makes it report (its span, at the thaw).
             # Blocked is not yet reported: a block a loaded machine's watchdog missed is made again.
