@@ -377,9 +377,10 @@ counted._setup = counting
 from stallwatch._watchdog import main
 """
 
-# A host whose loop stays blocked in a read() until its watchdog's journal holds the freeze (60 s at most; a
-# thread of its own looks), then waits for the thaw's record there and prints the records of both.
-_FROZEN_UNTIL_JOURNALED = """
+# A host whose loop stays blocked in a read() until its watchdog has reported the freeze in the journal or through
+# the file exporter (60 s at most; a thread of its own looks), then waits for the thaw's report there and prints the
+# journal's records of both.
+_FROZEN_UNTIL_REPORTED = """
 import asyncio, json, os, sys, threading, time
 from pathlib import Path
 import stallwatch
@@ -392,8 +393,12 @@ def journaled(kind):
     segments = Path(session.settings.journal_dir).glob("*.watchdog.*.journal")
     return [r for segment in segments for r in read_segment(segment).records if r["type"] == kind]
 
+def exported(signal, text):
+    path = session.files.get(signal)
+    return path is not None and path.exists() and text in path.read_text()
+
 def look(deadline, done):
-    while not journaled("freeze") and time.monotonic() < deadline:
+    while not (journaled("freeze") or exported("logs", "freeze detected")) and time.monotonic() < deadline:
         time.sleep(0.05)
     os.write(done, b"x")
 
@@ -402,8 +407,8 @@ async def main():
     deadline = time.monotonic() + 60
     wait, done = os.pipe()
     threading.Thread(target=look, args=(deadline, done), daemon=True).start()
-    os.read(wait, 1)  # the loop blocked in a syscall, as the freeze's cause says, until the freeze is journaled
-    while not journaled("freeze_end") and time.monotonic() < deadline:
+    os.read(wait, 1)  # the loop blocked in a syscall, as the freeze's cause says, until the freeze is reported
+    while not (journaled("freeze_end") or exported("traces", '"stallwatch.freeze"')) and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
 asyncio.run(main())
 print(json.dumps({"freeze": journaled("freeze"), "freeze_end": journaled("freeze_end")}))
@@ -428,7 +433,7 @@ def test_a_slow_pipeline_set_up_never_holds_the_polls_that_detect_a_freeze():
     # in the next poll and hold the polls 3 s, so the freeze was detected, and its length reported, 3 s late.
     env = clean_env(OTEL_LOGS_EXPORTER="none", OTEL_METRICS_EXPORTER="none", OTEL_TRACES_EXPORTER="none")
     proc = subprocess.run(
-        [sys.executable, "-c", _FROZEN_UNTIL_JOURNALED, _SLOW_SETUP], env=env, capture_output=True, text=True,
+        [sys.executable, "-c", _FROZEN_UNTIL_REPORTED, _SLOW_SETUP], env=env, capture_output=True, text=True,
         timeout=120,
     )  # fmt: skip
 
@@ -445,10 +450,11 @@ def _bound_socket() -> socket.socket:
     return bound
 
 
+@pytest.mark.parametrize("strict", ["true", "false"])
 @pytest.mark.parametrize(
     ("failure", "blocked", "expected"),
     [
-        (  # at the first late heartbeat: with STALLWATCH_STRICT, setup() raises the ConfigError of its build
+        (  # at the first late heartbeat
             "grpc_exporter_not_importable",
             "opentelemetry.exporter.otlp.proto.grpc",
             "(ConfigError: OTEL_EXPORTER_OTLP_PROTOCOL=grpc needs the grpc extra: pip install 'stallwatch[grpc]')",
@@ -462,12 +468,13 @@ def _bound_socket() -> socket.socket:
     ],
 )
 def test_a_watchdog_whose_pipeline_cannot_be_set_up_says_so_once_never_retries_and_still_reports_the_freeze(
-    tmp_path, failure, blocked, expected
+    tmp_path, failure, blocked, expected, strict
 ):
     """A real host whose loop is blocked until its real watchdog has journaled the freeze, where setting up the
     watchdog's pipeline fails: the freeze is on the watchdog's stderr lines and in the journal, one line says why
     the pipeline is missing, and the set-up ran once (it used to run again at every poll, the freeze unreported,
-    or, at the start, to end the watchdog)."""
+    or, at the start, to end the watchdog). Without STALLWATCH_STRICT that line was setup()'s own, which named
+    neither the watchdog nor its setting."""
     calls = tmp_path / "setup-calls"
     bootstrap = _COUNTING_SETUPS.format(blocked=blocked, calls=str(calls))
     with _bound_socket() as busy:
@@ -477,10 +484,10 @@ def test_a_watchdog_whose_pipeline_cannot_be_set_up_says_so_once_never_retries_a
         else:
             env = clean_env(OTEL_TRACES_EXPORTER="otlp", OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
                             OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{port}")  # fmt: skip
-        env |= {"STALLWATCH_STRICT": "true", "OTEL_LOGS_EXPORTER": "none"}
+        env |= {"STALLWATCH_STRICT": strict, "OTEL_LOGS_EXPORTER": "none"}
         env.setdefault("OTEL_METRICS_EXPORTER", "none")
         proc = subprocess.run(
-            [sys.executable, "-c", _FROZEN_UNTIL_JOURNALED, bootstrap],
+            [sys.executable, "-c", _FROZEN_UNTIL_REPORTED, bootstrap],
             env=env,
             capture_output=True,
             text=True,
@@ -501,6 +508,72 @@ def test_a_watchdog_whose_pipeline_cannot_be_set_up_says_so_once_never_retries_a
     assert not [line for line in lines if "a poll of the freeze watchdog" in line], proc.stderr
     assert "Traceback" not in proc.stderr  # a refused setting is named, without one
     assert "Exception in thread" not in proc.stderr
+    assert "Telemetry is off" not in proc.stderr  # setup()'s own line, said for the host
+
+
+# The watchdog's bootstrap in which `module.name` raises at each call for which `when` holds (`args`, `kwargs`),
+# appending a line to the file `calls` each time.
+_FAILING = """import importlib
+patched = importlib.import_module({module!r})
+original = getattr(patched, {name!r})
+def failing(*args, **kwargs):
+    if {when}:
+        with open({calls!r}, "a") as calls:
+            calls.write("raised\\n")
+        raise OSError(28, "No space left on device (injected)")
+    return original(*args, **kwargs)
+setattr(patched, {name!r}, failing)
+from stallwatch._watchdog import main
+"""
+
+
+@pytest.mark.parametrize(
+    ("part", "module", "name", "when", "reported"),
+    [
+        ("side of the host's journal", "stallwatch.journal", "Journal", "kwargs.get('role') == 'watchdog'",
+         "on these lines and through its telemetry pipeline"),
+        ("freeze metrics and span", "stallwatch.core.faults", "instrument",
+         "args[1:] and args[1].name == 'stallwatch.freeze.active'",
+         "on these lines, in the host's journal and through its telemetry pipeline"),
+    ],
+)  # fmt: skip
+def test_a_watchdog_whose_journal_or_freeze_metrics_cannot_be_set_up_says_so_once_and_reports_the_freeze_elsewhere(
+    tmp_path, part, module, name, when, reported
+):
+    """A real host whose loop is blocked until its real watchdog has reported the freeze, where the watchdog's side
+    of the journal, or its freeze metrics and span, cannot be made (a full disk; a bug). Either used to be
+    made again at every poll of the freeze through the poll's failure path, the freeze reported nowhere."""
+    calls = tmp_path / "calls"
+    bootstrap = _FAILING.format(module=module, name=name, when=when, calls=str(calls))
+    env = clean_env(STALLWATCH_FILE_DIR=str(tmp_path / "telemetry"), OTEL_METRICS_EXPORTER="none")
+    proc = subprocess.run(
+        [sys.executable, "-c", _FROZEN_UNTIL_REPORTED, bootstrap], env=env, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+
+    assert proc.returncode == 0, proc.stderr
+    assert calls.read_text() == "raised\n", proc.stderr  # once, the freeze's polls notwithstanding
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("stallwatch watchdog (host pid ")]
+    failed = [line for line in lines if f"cannot set up its {part} (OSError: " in line]
+    assert len(failed) == 1, proc.stderr
+    assert failed[0].endswith(
+        f"will not try again; it reports freezes {reported} only. Set STALLWATCH_WATCHDOG=false to turn this part off."
+    ), proc.stderr
+    assert len([line for line in lines if ": freeze detected: " in line and "(loop_blocked)" in line]) == 1, proc.stderr
+    assert not [line for line in lines if "a poll of the freeze watchdog" in line], proc.stderr
+    journaled = json.loads(proc.stdout.splitlines()[-1])
+    exported = [r for r in log_records(tmp_path / "telemetry" / "logs.jsonl") if "freeze" in r["body"]["stringValue"]]
+    if part == "freeze metrics and span":
+        assert [(r["kind"], r["cause"]) for r in journaled["freeze"]] == [("loop_blocked", "blocked_syscall")]
+        assert [r["outcome"] for r in journaled["freeze_end"]] == ["thawed"]
+        assert not freeze_spans(tmp_path / "telemetry" / "traces.jsonl")
+    else:
+        assert journaled == {"freeze": [], "freeze_end": []}
+        assert [
+            attrs(r)["stallwatch.freeze.kind"] for r in exported if "freeze detected" in r["body"]["stringValue"]
+        ] == ["loop_blocked"]
+        (span,) = freeze_spans(tmp_path / "telemetry" / "traces.jsonl")
+        assert attrs(span)["stallwatch.freeze.outcome"] == "thawed"
 
 
 _HOST = """
@@ -1248,7 +1321,8 @@ def test_each_worker_gunicorn_forks_after_preload_has_a_watchdog_carrying_its_ow
                 assert client.get(f"/spawn/{number}").status_code == 200
 
             def block(blocked: set[int]) -> None:
-                blocked.add(int(client.get("/block/1.5").text))
+                # A connection of its own: two kept alive to one worker would take every later block there.
+                blocked.add(int(client.get("/block/1.5", headers={"Connection": "close"}).text))
 
             # An idle watchdog exports nothing: a freeze in each worker makes it report (its span, at the thaw).
             # Blocked is not yet reported: a block a loaded machine's watchdog missed is made again.

@@ -1,4 +1,4 @@
-"""The freeze watchdog's process (`detect.watchdog`), whose own telemetry pipeline is a `session.setup()`.
+"""The freeze watchdog's process (`detect.watchdog`), whose own telemetry pipeline is a `session.setup_or_raise()`.
 
 `setup()` starts it as `python -S -c BOOTSTRAP HANDED... --pid HOST --heartbeat FILE`
 (`detect.heartbeat.watchdog_command`), which imports this module without `site` and without running the
@@ -26,7 +26,7 @@ def _prepare() -> None:
 def _setup(**overrides: Any) -> Any:
     from stallwatch import forksafe, session  # footprint: as in _prepare
 
-    return session.setup(forksafe.install(), **overrides)
+    return session.setup_or_raise(forksafe.install(), **overrides)
 
 
 def _shutdown() -> None:

@@ -162,6 +162,16 @@ def current() -> Session | None:
 
 
 def setup(fork_safety: ForkSafety, **overrides: Any) -> Session:
+    return _setup(fork_safety, overrides, raises=False)
+
+
+def setup_or_raise(fork_safety: ForkSafety, **overrides: Any) -> Session:
+    """`setup()`, but a telemetry pipeline that cannot be built raises, `STALLWATCH_STRICT` or not: for a caller
+    that says it on a line of its own (the freeze watchdog, `detect.freeze_report.Reporting`)."""
+    return _setup(fork_safety, overrides, raises=True)
+
+
+def _setup(fork_safety: ForkSafety, overrides: dict[str, Any], raises: bool) -> Session:
     global _session
     with _lock:
         if _session is not None:
@@ -173,13 +183,14 @@ def setup(fork_safety: ForkSafety, **overrides: Any) -> Session:
             message = "setup() after shutdown() cannot restart telemetry in this process; telemetry is off"
             _log.error("stallwatch: %s.", message)
             return Session(None, fork_safety, error=message)
-        _session = _start(fork_safety, overrides)
+        _session = _start(fork_safety, overrides, raises)
         return _session
 
 
-def _start(fork_safety: ForkSafety, overrides: dict[str, Any]) -> Session:
+def _start(fork_safety: ForkSafety, overrides: dict[str, Any], raises: bool) -> Session:
     """A bad setting costs only itself (`config`); its line is logged once the pipeline is built, so
-    that it is exported as a log record too. `strict` raises `ConfigError` before anything starts."""
+    that it is exported as a log record too. `strict` raises `ConfigError` before anything starts;
+    `raises`, the pipeline's failure once the settings are reported."""
     settings = Settings.load(**overrides)
     sdk_compat.use_fast_paths(settings.fast_paths)
     # Fork safety, like the guard: applies with telemetry off too. Installed at import, under the guard's
@@ -207,6 +218,8 @@ def _start(fork_safety: ForkSafety, overrides: dict[str, Any]) -> Session:
             if settings.strict:
                 raise
             config.report(settings.problems)
+            if raises:
+                raise
             if isinstance(exc, ConfigError):
                 _log.error("stallwatch: %s. Telemetry is off; the fork guard stays on.", exc)
             else:

@@ -7,9 +7,10 @@ pipeline, and the naming of the lines it writes to the host's stderr.
 The watchdog imports this module at the first late heartbeat (`Watchdog`), with a Prometheus
 exporter at its start, or when it has a line to write: never while the host beats on time.
 
-The pipeline is set up once (`Reporting.make`): a set-up that fails is logged once on the watchdog's
-stderr lines (naming `STALLWATCH_WATCHDOG`), counted where a meter provider was installed before it
-failed, never tried again (docs/freezes.md), and the freezes are still reported there and in the journal.
+`Reporting.set_up` builds the pipeline, the watchdog's side of the journal and the freeze metrics and span
+(when, and that once only, is `watchdog._Reporter`'s to say): a part that fails is said on one line of
+the watchdog's stderr (why, and `STALLWATCH_WATCHDOG`), counted where a meter provider was installed
+before it failed, and the freezes are reported by the parts that work (docs/freezes.md).
 """
 
 from __future__ import annotations
@@ -225,10 +226,10 @@ class Freeze:
 
 
 def read_stacks(freeze: Freeze, heartbeat_path: str) -> None:
-    """Keep the host's stacks dumped since `freeze` began in `freeze.stacks`, read at its detection (before the
-    pipeline is set up, which may outlast the host, whose exit removes the file) and again at each record.
-    faulthandler's timer and the detection both fire one threshold after the last heartbeat: the first read
-    without them gives the timer's thread STACKS_GRACE to write."""
+    """Keep the host's stacks dumped since `freeze` began in `freeze.stacks`, for its records: read at its
+    detection (before the pipeline is set up, which may outlast the host, whose exit removes the file) and at
+    each later diagnosis. faulthandler's timer and the detection both fire one threshold after the last
+    heartbeat: the first read without them gives the timer's thread STACKS_GRACE to write."""
     path = heartbeat.stacks_path(Path(heartbeat_path))
     stacks = heartbeat.last_stacks(path, since_wall_ns=freeze.started_wall_ns)
     if stacks is None and not freeze.stacks_awaited and path.exists():
@@ -274,23 +275,34 @@ def _spawn(freeze: Freeze) -> dict[str, Any]:
 
 
 class FreezeTelemetry:
-    """What the watchdog exports, immediately: each record is flushed as it is made, on a thread of its
-    own (`flush`), so a slow or silent collector never delays the next look at the heartbeats."""
+    """What reports the freezes: the journal's records and the watchdog's stderr lines from the start, its
+    metrics and span once `export()` has returned. Through a pipeline each record is exported immediately:
+    flushed as it is made, on a thread of its own (`flush`), so a slow or silent collector never delays the next
+    look at the heartbeats."""
 
-    def __init__(self, pid: int, heartbeat_path: Path, journal: Any = None) -> None:
+    def __init__(self, pid: int, heartbeat_path: Path) -> None:
+        self._pid = pid
+        self.journal: Any = None  # the host's journal, watchdog side: freeze records survive the host
+        self._sentry_handover = heartbeat.sentry_path(heartbeat_path)
+        self._active: dict[tuple[str, str], int] = {}
+        self._killed: dict[tuple[str, str], float] = {}  # seconds frozen at the death
+        self.exported = False  # `export()` has returned: its metrics and span go to the global providers
+        self.pipeline = False  # a pipeline is set up: what is recorded is flushed through it at once
+        self._flush_lock = threading.Lock()
+        self._flushing = False  # a flush thread runs
+        self._flush_again = False  # a record was made while it ran: it flushes once more
+
+    def export(self) -> None:
+        """Make its instruments and tracer, from OpenTelemetry's global providers (the pipeline's, once set up)."""
         from opentelemetry import metrics, trace
 
         from .. import telemetry  # footprint: not in the idle watchdog
         from ..core.faults import Deferred, instrument  # footprint: not in the idle watchdog
 
-        self._pid = pid
-        self._journal = journal  # the host's journal, watchdog side: freeze records survive the host
-        self._sentry_handover = heartbeat.sentry_path(heartbeat_path)
-        self._heartbeat = str(heartbeat_path)
         # Every kind and cause at 0 from the start: "not frozen" is a value, and a first freeze an increase.
         kinds = [(kind, cause) for kind in telemetry.FREEZE_KIND.values for cause in telemetry.FREEZE_CAUSE.values]
-        self._active: dict[tuple[str, str], int] = dict.fromkeys(kinds, 0)
-        self._killed: dict[tuple[str, str], float] = dict.fromkeys(kinds, 0.0)  # seconds frozen at the death
+        self._active = dict.fromkeys(kinds, 0)
+        self._killed = dict.fromkeys(kinds, 0.0)
         meter = metrics.get_meter(telemetry.INSTRUMENTATION_SCOPE)
         self._duration = Deferred(meter, telemetry.FREEZE_DURATION, owner=("watchdog", "STALLWATCH_WATCHDOG"))
         for kind, cause in kinds:
@@ -298,9 +310,7 @@ class FreezeTelemetry:
         instrument(meter, telemetry.FREEZE_ACTIVE, self._observe)
         instrument(meter, telemetry.FREEZE_HOST_KILLED, self._observe_killed)
         self._tracer = trace.get_tracer(telemetry.INSTRUMENTATION_SCOPE)
-        self._flush_lock = threading.Lock()
-        self._flushing = False  # a flush thread runs
-        self._flush_again = False  # a record was made while it ran: it flushes once more
+        self.exported = True
 
     def _observe(self, options: Any) -> list[Any]:
         from opentelemetry.metrics import Observation
@@ -346,18 +356,17 @@ class FreezeTelemetry:
 
     def _record_attributes(self, freeze: Freeze) -> dict[str, Any]:
         attributes = freeze.diagnosis.attributes() | {"stallwatch.freeze.kind": freeze.kind} | _spawn(freeze)
-        read_stacks(freeze, self._heartbeat)
         if freeze.stacks:
             attributes["stallwatch.freeze.stacks"] = freeze.stacks
         return attributes
 
     def frozen(self, freeze: Freeze, now_ns: int) -> None:
         self._active[(freeze.kind, freeze.diagnosis.cause)] = 1
-        if self._journal is not None:  # durable before anything else: the host may be killed any moment
-            self._journal.freeze_started(
+        if self.journal is not None:  # durable before anything else: the host may be killed any moment
+            self.journal.freeze_started(
                 freeze.kind, freeze.diagnosis.cause, freeze.started_wall_ns, self._record_attributes(freeze)
             )
-        with _in_host_span(freeze):
+        with self._in_host_span(freeze):
             log.warning("stallwatch: freeze detected: %s", self._describe(freeze, now_ns),
                          extra=self._record_attributes(freeze))  # fmt: skip
         self.flush()
@@ -365,17 +374,15 @@ class FreezeTelemetry:
 
     def still_frozen(self, freeze: Freeze, now_ns: int) -> None:
         self._active = dict.fromkeys(self._active, 0) | {(freeze.kind, freeze.diagnosis.cause): 1}
-        with _in_host_span(freeze):
+        with self._in_host_span(freeze):
             log.warning("stallwatch: still frozen: %s", self._describe(freeze, now_ns),
                          extra=self._record_attributes(freeze))  # fmt: skip
         self.flush()
 
     def thawed(self, freeze: Freeze, outcome: str) -> None:
-        from opentelemetry.trace import Link, SpanContext, TraceFlags
-
         self._active = dict.fromkeys(self._active, 0)
-        if self._journal is not None:
-            self._journal.freeze_ended(outcome)
+        if self.journal is not None:
+            self.journal.freeze_ended(outcome)
         seconds = (time.time_ns() - freeze.started_wall_ns) / 1e9
         attributes = (
             freeze.diagnosis.attributes()
@@ -387,11 +394,21 @@ class FreezeTelemetry:
                 "stallwatch.freeze.host.pid": self._pid,
             }
         )
-        with _in_host_span(freeze):  # an exemplar of the duration leads to the frozen span
-            self._duration.record_now(seconds, {"stallwatch.freeze.kind": freeze.kind,
-                                                "stallwatch.freeze.cause": freeze.diagnosis.cause})  # fmt: skip
         if outcome == "host_killed":
             self._killed[(freeze.kind, freeze.diagnosis.cause)] = max(seconds, 1e-9)  # never 0: it happened
+        if self.exported:
+            self._span_and_duration(freeze, seconds, attributes)
+        say = log.warning if outcome == "host_killed" else log.info
+        with self._in_host_span(freeze):
+            say("stallwatch: freeze over after %.1fs (%s, outcome %s)", seconds, freeze.kind, outcome, extra=attributes)
+        self.flush()
+
+    def _span_and_duration(self, freeze: Freeze, seconds: float, attributes: dict[str, Any]) -> None:
+        from opentelemetry.trace import Link, SpanContext, TraceFlags
+
+        with self._in_host_span(freeze):  # an exemplar of the duration leads to the frozen span
+            self._duration.record_now(seconds, {"stallwatch.freeze.kind": freeze.kind,
+                                                "stallwatch.freeze.cause": freeze.diagnosis.cause})  # fmt: skip
         links = []
         trace_id, span_id = heartbeat.frozen_span(freeze.snapshot)
         if trace_id:
@@ -399,10 +416,10 @@ class FreezeTelemetry:
         span = self._tracer.start_span("stallwatch.freeze", start_time=freeze.started_wall_ns, links=links,
                                        attributes=attributes)  # fmt: skip
         span.end()
-        say = log.warning if outcome == "host_killed" else log.info
-        with _in_host_span(freeze):
-            say("stallwatch: freeze over after %.1fs (%s, outcome %s)", seconds, freeze.kind, outcome, extra=attributes)
-        self.flush()
+
+    def _in_host_span(self, freeze: Freeze) -> contextlib.AbstractContextManager[Any]:
+        """The host's span that froze, made current (`_in_host_span`) when a pipeline exports what is recorded."""
+        return _in_host_span(freeze) if self.pipeline else contextlib.nullcontext()
 
     def _to_sentry(self, freeze: Freeze, now_ns: int) -> None:
         """Send the freeze to Sentry when the host handed its Sentry options over: once per freeze,
@@ -447,6 +464,8 @@ class FreezeTelemetry:
     def flush(self) -> None:
         """Export what was recorded, now, on the flush thread: one at a time, and once more after it
         for what was recorded meanwhile. The watchdog's own shutdown flushes what is left."""
+        if not self.pipeline:
+            return
         with self._flush_lock:
             if self._flushing:
                 self._flush_again = True
@@ -541,7 +560,7 @@ def poll_failed(host_pid: int, first: bool, counted: bool) -> None:
 def serve_last_word(session: Any, host_pid: int) -> None:
     """Keep the Prometheus endpoint up until a scrape has carried the host's death (OTLP has it
     already), for `STALLWATCH_WATCHDOG_LAST_SCRAPE_TIMEOUT` seconds at most."""
-    if session is None:  # its pipeline was never set up (`Reporting.make`): there is no endpoint
+    if session is None:  # its pipeline was never set up (`Reporting.set_up`): there is no endpoint
         return
     timeout = session.settings.watchdog_last_scrape_timeout if session.settings is not None else 0.0
     if session.prometheus_address is None or timeout <= 0:
@@ -552,12 +571,10 @@ def serve_last_word(session: Any, host_pid: int) -> None:
 
 
 class Reporting:
-    """The watchdog's telemetry pipeline, its side of the host's journal and the freeze telemetry,
-    set up on first need: when a heartbeat is late (`watchdog.Watchdog`), or at once when a scraper pulls
-    the metrics (the watchdog then serves its scrape endpoint from the start). The package's
-    `__init__` never runs here (`heartbeat.watchdog_command`): it would load every instrumentation, and the watchdog
-    instruments nothing. `setup`, `shutdown` and `prepare` come from the caller (`stallwatch._watchdog`):
-    they build, stop and load the pipeline of a layer above this one."""
+    """The watchdog's telemetry pipeline, its side of the host's journal and the freeze telemetry (`set_up`).
+    The package's `__init__` never runs here (`heartbeat.watchdog_command`): it would load every
+    instrumentation, and the watchdog instruments nothing. `setup`, `shutdown` and `prepare` come from the
+    caller (`stallwatch._watchdog`): they build, stop and load the pipeline of a layer above this one."""
 
     def __init__(
         self,
@@ -571,35 +588,42 @@ class Reporting:
         self._shutdown = shutdown
         self._prepare = prepare
         self.session: Any = None
-        self._journal: Any = None
-        self._set_up = False  # the pipeline's set-up ran, whether it failed or not
-        self.telemetry: FreezeTelemetry | None = None
+        self.telemetry = FreezeTelemetry(args.pid, Path(args.heartbeat))  # on its lines until `set_up` adds more
 
     def prepare(self) -> None:
-        """The imports `make()` needs, on any thread: most of its time. One that fails is left to
-        `make()`, which meets it again and says so on the watchdog's lines (this thread's traceback would
+        """The imports `set_up()` needs, on any thread: most of its time. One that fails is left to
+        `set_up()`, which meets it again and says so on the watchdog's lines (this thread's traceback would
         go to the host's stderr unnamed)."""
         with contextlib.suppress(Exception):
             self._prepare()
             if self._args.journal_dir is not None:
                 from .. import journal  # noqa: F401  # footprint: loaded at the first late heartbeat
 
-    def make(self) -> FreezeTelemetry:
-        """Set up on the main thread (`setup()` installs its SIGTERM flush only there); the pipeline at
-        most once (module docstring)."""
-        if not self._set_up:
-            self._set_up = True
+    def set_up(self) -> None:
+        """Set up the pipeline, the journal's watchdog side and the freeze metrics and span, on the main thread
+        (`setup()` installs its SIGTERM flush only there). A part that fails is said once, and the freezes are
+        reported by the others (module docstring)."""
+        failed: list[tuple[str, Exception]] = []
+        try:
+            self.session = self._set_up_pipeline()
+            self.telemetry.pipeline = True
+        except Exception as exc:
+            failed.append(("telemetry pipeline", exc))
+        if self._args.journal_dir is not None:
             try:
-                self.session = self._set_up_pipeline()
-            except Exception as exc:
-                self._not_set_up(exc)
-        if self.telemetry is None:
-            if self._args.journal_dir is not None:
                 from ..journal import Journal  # footprint: loaded at the first late heartbeat
 
-                self._journal = Journal(Path(self._args.journal_dir), role="watchdog", host_pid=self._args.pid)
-            self.telemetry = FreezeTelemetry(self._args.pid, Path(self._args.heartbeat), self._journal)
-        return self.telemetry
+                self.telemetry.journal = Journal(Path(self._args.journal_dir), role="watchdog", host_pid=self._args.pid)
+            except Exception as exc:
+                failed.append(("side of the host's journal", exc))
+        try:
+            self.telemetry.export()
+        except Exception as exc:
+            failed.append(("freeze metrics and span", exc))
+        for part, error in failed:
+            self._not_set_up(part, error)
+        if failed:
+            self._count(len(failed))
 
     def _set_up_pipeline(self) -> Any:
         from .. import telemetry  # footprint: loaded at the first late heartbeat
@@ -610,22 +634,35 @@ class Reporting:
         own = {telemetry.RESOURCE_PROCESS_ROLE.name: "watchdog", "stallwatch.watched.pid": str(self._args.pid)}
         return self._setup(resource_attributes={**inherited, **own})
 
-    def _not_set_up(self, error: Exception) -> None:
-        """Log the pipeline's failure once (with its traceback unless a setting was refused, which the
-        message names) and count it, if a meter provider was installed before it failed."""
+    def _not_set_up(self, part: str, error: Exception) -> None:
+        """One line for a part that failed, naming where the freezes are reported instead; with the traceback
+        unless it is a setting refused, which the message names."""
         from ..config import ConfigError  # footprint: loaded at the first late heartbeat
 
-        kept = " and in the host's journal" if self._args.journal_dir is not None else ""
-        log.warning("stallwatch: the freeze watchdog of host %d cannot set up its telemetry pipeline (%s: %s) and "
-                    "will not try again; it reports freezes on these lines%s only. Set %s=false to turn this part "
-                    "off.", self._args.pid, type(error).__name__, error, kept, heartbeat.SETTING,
-                    exc_info=not isinstance(error, ConfigError))  # fmt: skip
-        from ..core.faults import FAULTS  # footprint: as above; after the line, which it may fail to import
+        outlets = ["on these lines"]
+        if self.telemetry.journal is not None:
+            outlets.append("in the host's journal")
+        if self.telemetry.pipeline:
+            outlets.append("through its telemetry pipeline")
+        where = f"{', '.join(outlets[:-1])} and {outlets[-1]}" if len(outlets) > 1 else outlets[0]
+        log.warning("stallwatch: the freeze watchdog of host %d cannot set up its %s (%s: %s) and will not try "
+                    "again; it reports freezes %s only. Set %s=false to turn this part off.", self._args.pid, part,
+                    type(error).__name__, error, where, heartbeat.SETTING,
+                    exc_info=(type(error), error, error.__traceback__) if not isinstance(error, ConfigError) else None,
+                    )  # fmt: skip
 
-        FAULTS.count(heartbeat.COMPONENT)
+    @staticmethod
+    def _count(faults: int) -> None:
+        """Count the failed parts as faults of the watchdog's, where a meter provider was installed before a
+        failure; the count needs the SDK, whose import may be what failed (the line has said so)."""
+        with contextlib.suppress(Exception):
+            from ..core.faults import FAULTS  # footprint: loaded at the first late heartbeat
+
+            for _ in range(faults):
+                FAULTS.count(heartbeat.COMPONENT)
 
     def close(self) -> None:
-        if self._journal is not None:
-            self._journal.close()
+        if self.telemetry.journal is not None:
+            self.telemetry.journal.close()
         if self.session is not None:
             self._shutdown()

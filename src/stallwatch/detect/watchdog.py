@@ -4,9 +4,8 @@ Started by `setup()` through vfork/posix_spawn as `python -S -c BOOTSTRAP` (`hea
 runs `stallwatch._watchdog` without `site` and the package's `__init__`. While the host beats on time it runs on
 one thread and loads only `os`, `select`, `fcntl`, `struct`, `warnings` and `heartbeat_file` beside what the
 interpreter loads at start (`time`, `_signal`); a heartbeat late by `PREPARE_NS` imports `freeze_report` and
-the telemetry pipeline (`freeze_report.Reporting`) on a thread. The pipeline is set up in a poll while the
-host beats on time, or when a freeze is detected (at once with a Prometheus exporter, to serve scrapes),
-never in a poll while a heartbeat is late: a slow set-up would hold the polls and delay the detection.
+the telemetry pipeline on a thread. When its reporting is set up, once and never again, is `_Reporter`'s
+policy: never in a poll while a heartbeat is late, which a slow set-up would hold, delaying the detection.
 Every `POLL_SECONDS` it reads the heartbeats: an interpreter heartbeat older than the threshold is
 `gil_held`, a loop heartbeat alone `loop_blocked`. A freeze is reported while it lasts and at the thaw
 (`freeze_report`). A poll that raises an `Exception` is logged (the first) and counted
@@ -33,7 +32,7 @@ if TYPE_CHECKING:
     from types import ModuleType
     from typing import Any
 
-    from .freeze_report import Freeze, Reporting
+    from .freeze_report import Freeze, FreezeTelemetry, Reporting
 else:
     import _signal  # what `signal` wraps in enums: `enum` would be most of the idle watchdog's modules
 
@@ -112,28 +111,58 @@ def _parse(argv: list[str]) -> Arguments:
     return Arguments(args.pid, args.heartbeat, args.threshold, args.journal_dir)
 
 
-class _Pipeline:
-    """What reports the freezes (`freeze_report.Reporting`), made with its module on first need:
-    `prepare()` on the prepare thread, or `make()` on the main thread, never both at once (`Watchdog`
-    calls `make()` once `prepare()` has returned)."""
+class _Reporter:
+    """What reports the freezes (`freeze_report.Reporting`), under the watchdog's one set-up policy. Its imports
+    run on a thread of their own from the first late heartbeat (`late`); its set-up on the main thread (where
+    `setup()` installs its SIGTERM flush), between two polls while the host beats on time (`on_time`), at a
+    freeze's detection (`now`), or at the start with a Prometheus exporter, to serve scrapes; never in a poll
+    while a heartbeat is late, which a slow set-up would hold. It runs once, and is never retried: what fails
+    there (settings, installation) does not change while the watchdog lives, and `Reporting.set_up` contains
+    each part's failure and reports the freezes with the parts that work."""
 
     def __init__(
         self, args: Arguments, setup: Callable[..., Any], shutdown: Callable[[], object], prepare: Callable[[], None]
     ) -> None:
         self._args = args
         self._parts = (setup, shutdown, prepare)
-        self.reporting: Reporting | None = None
+        self.reporting: Reporting | None = None  # made with its module, on the thread that first needs it
+        self._preparing: threading.Thread | None = None
+        self.telemetry: FreezeTelemetry | None = None  # set up: once, whatever of it failed
 
     def _reporting(self) -> Reporting:
         if self.reporting is None:
             self.reporting = _report().Reporting(self._args, *self._parts)
         return self.reporting
 
-    def prepare(self) -> None:
+    def _prepare(self) -> None:
         self._reporting().prepare()
 
-    def make(self) -> Any:
-        return self._reporting().make()
+    def late(self) -> None:
+        """A heartbeat is late: a freeze may be coming, so load what the set-up needs, on a thread."""
+        if self._preparing is None:
+            import threading  # footprint: the idle watchdog runs on its main thread alone
+
+            self._preparing = threading.Thread(target=self._prepare, name="stallwatch-prepare", daemon=True)
+            self._preparing.start()
+
+    def on_time(self) -> None:
+        """The host beats on time: set up now if the imports a late heartbeat began are done."""
+        if self.telemetry is None and self._preparing is not None and not self._preparing.is_alive():
+            self._set_up()
+
+    def now(self) -> FreezeTelemetry:
+        """The freeze telemetry, set up now (once the imports begun are done) if it is not yet."""
+        if self.telemetry is None:
+            if self._preparing is not None:
+                self._preparing.join()  # `Reporting` is made by one thread at a time
+            self._set_up()
+        assert self.telemetry is not None
+        return self.telemetry
+
+    def _set_up(self) -> None:
+        reporting = self._reporting()
+        self.telemetry = reporting.telemetry  # before the set-up: one that raised all the same is not run again
+        reporting.set_up()
 
 
 class Watchdog:
@@ -144,23 +173,14 @@ class Watchdog:
         pid: int,
         heartbeat_path: str,
         threshold: float,
-        telemetry: Callable[[], Any],
-        prepare: Callable[[], None],
-        telemetry_ready: Any = None,
+        reporter: _Reporter,
     ) -> None:
-        """`telemetry()` makes what reports the freezes (a `FreezeTelemetry`), on this thread.
-        `prepare()` does the slow part of that (imports) and runs on a thread of its own as soon as
-        a heartbeat is late by `PREPARE_NS` (or the threshold, if shorter); `telemetry()` is called
-        at the first poll after it has finished, freeze or not, or at a freeze that came first. Neither
-        runs while the host beats on time. `telemetry_ready`: what `telemetry()` made before (with a
-        Prometheus exporter, at start)."""
+        """`reporter` is told at each poll whether a heartbeat is late by `PREPARE_NS` (or the threshold, if
+        shorter), and asked for the freeze telemetry at a freeze."""
         self.pid = pid
         self.heartbeat_path = heartbeat_path
         self.threshold_ns = int(threshold * 1e9)
-        self._make_telemetry = telemetry
-        self._prepare_telemetry = prepare
-        self._preparing: threading.Thread | None = None
-        self._telemetry: Any = telemetry_ready
+        self._reporter = reporter
         self.freeze: Freeze | None = None
         self._first_beat_ns: int | None = None  # the interpreter heartbeat first read, until the host beats
         self._beating = False  # the host has begun to beat: its set-up is over
@@ -188,7 +208,7 @@ class Watchdog:
                     self.check()
                 except Exception:  # a bug, or a race with the host no check rules out: the next poll runs
                     self.failed_polls += 1
-                    _report().poll_failed(self.pid, self.failed_polls == 1, self._telemetry is not None)
+                    _report().poll_failed(self.pid, self.failed_polls == 1, self._reporter.telemetry is not None)
         finally:
             os.close(pidfd)
         if self._stopping:  # the freeze is reported: now leave as the SIGTERM asked
@@ -216,9 +236,9 @@ class Watchdog:
         interpreter_age = now - snapshot["interpreter_ns"]
         loop_age = now - snapshot["loop_ns"] if snapshot["loop_tracked"] else 0
         if max(interpreter_age, loop_age) > min(PREPARE_NS, self.threshold_ns):
-            self._prepare()  # a freeze may be coming: be ready to report it at the threshold
-        elif self._telemetry is None and self._preparing is not None and not self._preparing.is_alive():
-            self._set_up()  # the imports are done and the host beats on time: set up between two polls
+            self._reporter.late()  # a freeze may be coming: be ready to report it at the threshold
+        else:
+            self._reporter.on_time()
         kind = None
         if interpreter_age > self.threshold_ns:
             kind = "gil_held"
@@ -247,37 +267,18 @@ class Watchdog:
             freeze.rediagnose(self.pid)  # before it is taken as reported: one that raises is detected next poll
             report.read_stacks(freeze, self.heartbeat_path)  # before the set-up, which the host's exit may outlast
             self.freeze = freeze
-            self.telemetry.frozen(freeze, now)
+            self._reporter.now().frozen(freeze, now)
         elif time.monotonic() - self.freeze.diagnosed_at >= REDIAGNOSE_SECONDS or (
             self.freeze.diagnosis.cause != "child_core_dump" and _report().core_dumping_child(self.pid)
         ):  # a core dump that began after the last look is reported now: it may be over before the next
             self.freeze.rediagnose(self.pid)
-            self.telemetry.still_frozen(self.freeze, now)
-
-    def _prepare(self) -> None:
-        if self._preparing is None:
-            import threading  # footprint: the idle watchdog runs on its main thread alone
-
-            self._preparing = threading.Thread(target=self._prepare_telemetry, name="stallwatch-prepare", daemon=True)
-            self._preparing.start()
-
-    @property
-    def telemetry(self) -> Any:
-        """The freeze telemetry, made now (after the imports) if it is not ready yet."""
-        if self._telemetry is None:
-            self._prepare()
-            assert self._preparing is not None
-            self._preparing.join()
-            self._set_up()
-        return self._telemetry
-
-    def _set_up(self) -> None:
-        self._telemetry = self._make_telemetry()
+            _report().read_stacks(self.freeze, self.heartbeat_path)  # a held GIL after a blocked loop dumps anew
+            self._reporter.now().still_frozen(self.freeze, now)
 
     def thaw(self, outcome: str) -> None:
         freeze, self.freeze = self.freeze, None
         if freeze is not None:
-            self.telemetry.thawed(freeze, outcome)
+            self._reporter.now().thawed(freeze, outcome)
 
 
 def main(
@@ -288,7 +289,7 @@ def main(
 ) -> int:
     """Run the watchdog process (`stallwatch._watchdog`, started by `heartbeat.watchdog_command`). `setup` and
     `shutdown` build and stop its own telemetry pipeline, `prepare` imports what `setup` needs; all three
-    are handed down by the caller and run only when the pipeline is needed (`freeze_report.Reporting`)."""
+    are handed down by the caller and run only when the pipeline is needed (`_Reporter`)."""
     global _host_pid
     args = _parse(sys.argv[1:] if argv is None else argv)
     _host_pid = args.pid
@@ -297,17 +298,17 @@ def main(
     os.environ["STALLWATCH_WATCHDOG"] = "false"  # the watchdog never watches itself
     for part in ("EXECUTOR", "SUBPROCESS", "SSH", "NEBIUS"):  # it runs none of these
         os.environ[f"STALLWATCH_INSTRUMENT_{part}"] = "false"
-    pipeline = _Pipeline(args, setup, shutdown, prepare)
+    reporter = _Reporter(args, setup, shutdown, prepare)
     try:
-        ready = pipeline.make() if "prometheus" in os.environ.get("OTEL_METRICS_EXPORTER", "").split(",") else None
-        Watchdog(args.pid, args.heartbeat, args.threshold, pipeline.make, pipeline.prepare, ready).run()
-        reporting = pipeline.reporting
-        if reporting is not None and reporting.telemetry is not None and reporting.telemetry.host_died_frozen:
-            _report().serve_last_word(reporting.session, args.pid)
+        if "prometheus" in os.environ.get("OTEL_METRICS_EXPORTER", "").split(","):
+            reporter.now()
+        Watchdog(args.pid, args.heartbeat, args.threshold, reporter).run()
+        if reporter.reporting is not None and reporter.telemetry is not None and reporter.telemetry.host_died_frozen:
+            _report().serve_last_word(reporter.reporting.session, args.pid)
     except ProcessLookupError:
         pass
     finally:
-        if pipeline.reporting is not None:
-            pipeline.reporting.close()
+        if reporter.reporting is not None:
+            reporter.reporting.close()
     heartbeat_file.remove_files(args.heartbeat)  # the host is gone: a killed host could not remove them
     return 0
