@@ -523,10 +523,14 @@ def _prometheus_reader(settings: Settings, pipeline: Pipeline) -> MetricReader:
             "OTEL_METRICS_EXPORTER=prometheus needs the prometheus extra: pip install 'stallwatch[prometheus]'"
         ) from exc
     try:
-        _serve(pipeline, start_http_server(settings.prometheus_port, addr=settings.prometheus_host)[0])
+        _serve(settings, pipeline, start_http_server(settings.prometheus_port, addr=settings.prometheus_host)[0])
     except OSError as exc:
-        role = settings.resource_attributes.get(telemetry.RESOURCE_PROCESS_ROLE.name)
-        if exc.errno == errno.EADDRINUSE and role == "watchdog" and settings.watchdog_last_scrape_timeout > 0:
+        watchdog = settings.resource_attributes.get(telemetry.RESOURCE_PROCESS_ROLE.name) == "watchdog"
+        if exc.errno == errno.EADDRINUSE and _taken_by_this_server(settings, watchdog):
+            _log.info("stallwatch: port %d is taken by another process of this server; serving Prometheus on a "
+                      "free port (STALLWATCH_PROMETHEUS_TARGETS_DIR)", settings.prometheus_port)  # fmt: skip
+            _serve(settings, pipeline, start_http_server(0, addr=settings.prometheus_host)[0])
+        elif exc.errno == errno.EADDRINUSE and watchdog and settings.watchdog_last_scrape_timeout > 0:
             _serve_when_free(settings, pipeline, start_http_server)
         else:
             raise ConfigError(
@@ -546,14 +550,43 @@ def _prometheus_reader(settings: Settings, pipeline: Pipeline) -> MetricReader:
     return reader
 
 
-def _serve(pipeline: Pipeline, server: Any) -> None:
-    """Count the scrapes `server` (prometheus_client's, serving already) answers, and stop it at shutdown."""
+def _taken_by_this_server(settings: Settings, watchdog: bool) -> bool:
+    """Whether the busy Prometheus port is held by another process of the server this process belongs
+    to (`targets.shared_with_this_server`): its host's process group, for a watchdog the group of its
+    parent, the host (a watchdog whose host has died waits for the port instead: `_serve_when_free`)."""
+    # footprint: with the prometheus exporter only
+    from .export import targets
+
+    try:
+        group = os.getpgid(os.getppid()) if watchdog else os.getpgrp()
+    except OSError:  # the watchdog's host is gone
+        return False
+    return targets.shared_with_this_server(settings.prometheus_port, group)
+
+
+def _serve(settings: Settings, pipeline: Pipeline, server: Any) -> None:
+    """Count the scrapes `server` (prometheus_client's, serving already) answers, register it for
+    Prometheus's file-based discovery (`export.targets`), and withdraw and stop it at shutdown."""
     pipeline.prometheus_address = server.server_address[:2]
     # footprint: with the prometheus exporter only
+    from .export import targets
     from .export.scrapes import ScrapeCounter
 
     pipeline.scrapes = ScrapeCounter(server.get_app())
     server.set_app(pipeline.scrapes)
+    role = settings.resource_attributes.get(telemetry.RESOURCE_PROCESS_ROLE.name)
+    kind = "watchdog" if role == "watchdog" else "host"
+    port = server.server_address[1]
+    try:
+        target = targets.register(
+            settings.prometheus_targets_dir, kind, targets.target_address(settings.prometheus_host, port), port
+        )
+    except OSError as exc:
+        _log.warning("stallwatch: cannot register the Prometheus endpoint on port %d for discovery in %s (%s); "
+                     "Prometheus finds it only if listed by hand (STALLWATCH_PROMETHEUS_TARGETS_DIR)",
+                     port, settings.prometheus_targets_dir, exc.strerror or exc)  # fmt: skip
+    else:
+        pipeline._closers.append(target.remove)  # first: Prometheus stops scraping before the port closes
     pipeline._closers += [server.shutdown, server.server_close]
 
 
@@ -589,7 +622,7 @@ def _serve_when_free(settings: Settings, pipeline: Pipeline, start_http_server: 
                     server.shutdown()
                     server.server_close()
                 else:
-                    _serve(pipeline, server)
+                    _serve(settings, pipeline, server)
             return
 
     pipeline._closers.append(stop)

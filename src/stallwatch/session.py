@@ -384,6 +384,7 @@ def _watchdog_environment(settings: Settings, forked: bool) -> dict[str, str]:
     if "prometheus" in settings.metrics_exporter:
         # Its own scrape endpoint: the host's hangs while the host is frozen.
         env["OTEL_EXPORTER_PROMETHEUS_PORT"] = "0" if forked else str(settings.watchdog_prometheus_port)
+        env["STALLWATCH_PROMETHEUS_TARGETS_DIR"] = str(settings.prometheus_targets_dir)
     if settings.otlp_endpoint:
         env["OTEL_EXPORTER_OTLP_ENDPOINT"] = settings.otlp_endpoint
     env["OTEL_EXPORTER_OTLP_PROTOCOL"] = settings.otlp_protocol
