@@ -11,14 +11,15 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from conftest import clean_env
+from conftest import SCENARIOS, clean_env
 from stallwatch.export import targets
-from support.loopback import HeldPort, free_port, prometheus_env
+from support.loopback import HeldPort, free_port, prometheus_env, scrape
 from support.served import Served
 from support.waiting import wait_until
 
@@ -74,13 +75,18 @@ def test_the_target_files_of_killed_processes_are_swept_and_nothing_else(tmp_pat
     killed.wait(30)
     unfinished = directory / f".writing-host-{killed.pid}-9467.json"  # killed between its write and its rename
     unfinished.write_text("[")
+    old = time.time() - targets.UNFINISHED_SECONDS - 1
+    os.utime(unfinished, (old, old))
+    writing = directory / ".writing-host-1-9469.json"  # as young as a file a process is writing: kept
+    writing.write_text("")
     others = [directory / "notes.json", directory / "host-listed.json"]  # a user's, e.g. static targets
     for path in others:
         path.write_text("[]")
     try:
         assert (directory / killed_name).exists()
         mine = targets.register(directory, "host", "localhost:9468", 9468)  # sweeps first
-        assert {p.name for p in directory.iterdir()} == {live_name, mine.path.name, *(p.name for p in others)}
+        kept = {live_name, mine.path.name, writing.name, *(p.name for p in others)}
+        assert {p.name for p in directory.iterdir()} == kept
         assert _swept_elsewhere(directory) == 0
         mine.remove()
     finally:
@@ -243,3 +249,48 @@ def test_every_uvicorn_worker_under_stallwatch_run_is_scraped_through_the_shippe
 
 def _value(result: list[dict]) -> float:
     return float(result[0]["value"][1]) if result else 0.0
+
+
+def test_each_worker_gunicorn_forks_after_preload_serves_its_own_series_and_withdraws_them_at_its_stop(tmp_path):
+    # The master set up and serves 9464; its forked workers inherit the reader but not its server thread.
+    pytest.importorskip("gunicorn")
+    pytest.importorskip("uvicorn")
+    directory = tmp_path / "targets"
+    env = clean_env(
+        **prometheus_env(free_port(), free_port()),
+        OTEL_TRACES_EXPORTER="none",
+        OTEL_LOGS_EXPORTER="none",
+        STALLWATCH_PROMETHEUS_TARGETS_DIR=str(directory),
+    )
+    command = [sys.executable, "-m", "gunicorn", "served_app:app", "-k", "uvicorn.workers.UvicornWorker",
+               "-w", "2", "-b", "127.0.0.1:0", "--preload"]  # fmt: skip
+    host = Served(command, env, cwd=SCENARIOS, own_group=True)
+    try:
+        port = int(host.wait_for(r"Listening at: http://127\.0\.0\.1:(\d+)").group(1))
+        host.wait_for(r"Application startup complete", count=2)
+        # The master's and each worker's endpoint, and a watchdog for each.
+        wait_until(lambda: [len(v) for v in _target_files(directory).values()] == [3, 3], "every endpoint registered")
+        requests = 12
+        for _ in range(requests):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=30) as response:
+                assert response.read() == b"0"
+        endpoints = _target_files(directory)["host"]
+        spawns = {target: _spawns(scrape(int(target.rpartition(":")[2]))) for target in endpoints}
+        host.process.send_signal(signal.SIGTERM)
+        assert host.finish() == 0, host.stderr()
+        wait_until(lambda: not list(directory.iterdir()), "every endpoint withdrew its target at its stop")
+    finally:
+        host.kill()
+
+    assert sum(spawns.values()) == requests, spawns  # served by the workers' own endpoints
+    assert spawns[f"127.0.0.1:{env['OTEL_EXPORTER_PROMETHEUS_PORT']}"] == 0  # the master's serves the master's only
+
+
+def _spawns(scraped: str) -> float:
+    """The spawns of `true` one endpoint's scrape counts."""
+    return sum(
+        float(line.rpartition(" ")[2])
+        for line in scraped.splitlines()
+        if line.startswith("stallwatch_subprocess_spawn_duration_seconds_count{")
+        and 'process_executable_name="true"' in line
+    )

@@ -410,7 +410,9 @@ OPTIONS: tuple[Option, ...] = (
         "`true`",
         "Also watch each fork child that lives on and starts an event loop (workers forked after "
         "`setup()`, as gunicorn's with a preloaded app): it gets a watchdog of its own when its first "
-        "loop starts. Its Prometheus endpoint, if any, takes a free port (`STALLWATCH_PROMETHEUS_TARGETS_DIR`).",
+        "loop starts. With the `prometheus` exporter the child then serves its own series, and its watchdog "
+        "its own, each on a free port (`STALLWATCH_PROMETHEUS_TARGETS_DIR`); with this off, such a child's "
+        "series are served nowhere (the parent's endpoint serves the parent's).",
     ),
     Option(
         "STALLWATCH_FREEZE_THRESHOLD",

@@ -1,20 +1,15 @@
 """How Prometheus finds every scrape endpoint stallwatch serves: file-based service discovery.
 
-Each endpoint (a host's, a freeze watchdog's) writes one target file into
-`STALLWATCH_PROMETHEUS_TARGETS_DIR` once it serves, `host-<pid>-<port>.json` or
-`watchdog-<pid>-<port>.json`, in the shape `file_sd_configs` reads: `[{"targets": ["host:port"],
-"labels": {}}]`. The two patterns keep the shipped jobs (`stallwatch`, `stallwatch-watchdog`) apart.
-No target labels: the series already carry `service_name` and `service_instance_id`, and a target
-label of the same name would rename the series' own to `exported_*`.
-
-A file is written under a temporary name, locked (`flock`, held open close-on-exec) and renamed into
-place, so Prometheus never reads half a file and a file under its final name is always locked while
-its process lives, or a child it forked that has not exec'd (as with the heartbeat files).
-`Target.remove()` deletes it when the endpoint stops; `sweep()`, run before each registration,
-deletes the files nobody locks: their process died.
-
-`shared_with_this_server(port, group)` decides whether a busy port is taken by another process of the
-same server, which then justifies a free port instead of an error (`pipeline`).
+Each endpoint (a host's, a freeze watchdog's) writes `host-<pid>-<port>.json` or
+`watchdog-<pid>-<port>.json` into `STALLWATCH_PROMETHEUS_TARGETS_DIR` once it serves, in the shape
+`file_sd_configs` reads; the two patterns keep the shipped jobs apart. No target labels: a
+`service_instance_id` target label would rename the series' own to `exported_service_instance_id`.
+A file is written under a temporary name, locked (`flock`, close-on-exec) and renamed into place:
+Prometheus never reads half a file, and a file under its final name is locked while its process
+lives (or a fork child of it that has not exec'd, as with the heartbeat files). `Target.remove()`
+deletes it when the endpoint stops; `sweep()`, run before each registration, deletes the files
+nobody locks. `shared_with_this_server(port, group)` decides whether a busy port is another process
+of the same server's, which then justifies a free port instead of an error (`pipeline`).
 """
 
 from __future__ import annotations
@@ -23,11 +18,13 @@ import contextlib
 import fcntl
 import json
 import os
+import time
 from pathlib import Path
 
 KINDS = ("host", "watchdog")
 _WILDCARDS = ("", "0.0.0.0", "::")  # addresses Prometheus cannot dial: the target names localhost
 _TEMPORARY = ".writing-"  # matches no pattern Prometheus reads
+UNFINISHED_SECONDS = 10.0  # a temporary file younger than this may be one a process is writing now
 
 
 class Target:
@@ -76,19 +73,28 @@ def register(directory: Path, kind: str, address: str, port: int) -> Target:
 
 
 def sweep(directory: Path) -> int:
-    """Delete the target files (and unfinished temporary files) in `directory` that no process locks;
-    return how many. Never raises."""
+    """Delete the target files in `directory` that no process locks, and the temporary ones left
+    unlocked for `UNFINISHED_SECONDS`; return how many. Never raises."""
     removed = 0
     try:
         candidates = [path for path in directory.iterdir() if _is_target(path.name)]
     except OSError:
         return 0
     for path in candidates:
+        if path.name.startswith(_TEMPORARY) and _younger_than(path, UNFINISHED_SECONDS):
+            continue  # maybe being written: opened, not locked yet
         if not _locked(path):
             with contextlib.suppress(OSError):
                 path.unlink()
                 removed += 1
     return removed
+
+
+def _younger_than(path: Path, seconds: float) -> bool:
+    try:
+        return time.time() - path.stat().st_mtime < seconds
+    except OSError:  # gone meanwhile
+        return True
 
 
 def _is_target(name: str) -> bool:
