@@ -1,8 +1,9 @@
 """A real Prometheus scraping real dash_<name>.py scenario processes, for tests of the dashboards and alerts.
 
 `Prometheus.shipped()` runs the configuration a user deploys: dashboards/provisioning/prometheus/prometheus.yml
-(its scrape and evaluation intervals, per-job timeouts) and dashboards/alerts.yaml (its `for` values) unchanged
-but for the scrape targets, which point at the scenarios' ports. Tests shorten their scenarios, never the config.
+(its scrape and evaluation intervals, per-job timeouts, file-based discovery) and dashboards/alerts.yaml (its `for`
+values) unchanged but for the directory discovery reads, which lists the scenarios' ports or is the one the hosts
+register in. Tests shorten their scenarios, never the config.
 """
 
 from __future__ import annotations
