@@ -4,6 +4,7 @@ telemetry off. Real processes, a real uvicorn under `stallwatch run` and a real 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -183,6 +184,13 @@ async def app(scope, receive, send):
 """
 
 
+def _kill_group(served: Served) -> None:
+    """Kill the server and whatever is left of its process group: a failed test leaves its workers behind."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(served.process.pid, signal.SIGKILL)
+    served.kill()
+
+
 def _target_files(directory: Path) -> dict[str, list[str]]:
     """Kind -> the targets its files list, as Prometheus reads them (the shipped patterns)."""
     listed = {kind: [json.loads(p.read_text()) for p in directory.glob(f"{kind}-*.json")] for kind in targets.KINDS}
@@ -235,7 +243,7 @@ def test_every_uvicorn_worker_under_stallwatch_run_is_scraped_through_the_shippe
         assert served.finish() == 0, served.stderr()
         wait_until(lambda: not list(directory.iterdir()), "every endpoint withdrew its target at its stop")
     finally:
-        served.kill()
+        _kill_group(served)
         prometheus.stop()
 
     assert "cannot listen" not in served.stderr() and "Telemetry is off" not in served.stderr(), served.stderr()
@@ -280,7 +288,7 @@ def test_each_worker_gunicorn_forks_after_preload_serves_its_own_series_and_with
         assert host.finish() == 0, host.stderr()
         wait_until(lambda: not list(directory.iterdir()), "every endpoint withdrew its target at its stop")
     finally:
-        host.kill()
+        _kill_group(host)
 
     assert sum(spawns.values()) == requests, spawns  # served by the workers' own endpoints
     assert spawns[f"127.0.0.1:{env['OTEL_EXPORTER_PROMETHEUS_PORT']}"] == 0  # the master's serves the master's only
