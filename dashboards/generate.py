@@ -880,15 +880,18 @@ ALERTS = (
         "critical",
         "{{ $labels.job }} target {{ $labels.instance }} is down",
         "Prometheus has not been able to scrape the host's own endpoint for a minute: the process is gone "
-        "(killed, crashed, stopped and not restarted; FrozenHostKilled fires if it died frozen), frozen with "
-        "its GIL held (FreezeActive fires, from the watchdog's endpoint), or unreachable. Only where Prometheus "
-        f"scrapes the host itself (job {HOST_JOB}); through the OpenTelemetry Collector there is no `up` for it.",
+        "without withdrawing its discovered target (killed or crashed, and not restarted; FrozenHostKilled "
+        "fires if it died frozen; a host that stops cleanly removes its target and leaves no alert), frozen "
+        "with its GIL held (FreezeActive fires, from the watchdog's endpoint), or unreachable. Only where "
+        f"Prometheus scrapes the host itself (job {HOST_JOB}); through the OpenTelemetry Collector there is "
+        "no `up` for it.",
         FREEZES,
         "Scrapes answered (up)",
         duration="1m",
         action="The alert names the scrape target, not the host process: see whether it runs there and was "
-        "restarted (a killed host's supervisor restarts it); FrozenHostKilled or FreezeActive for the same "
-        "host says why it stopped answering.",
+        "restarted (a killed host's supervisor restarts it, and the restarted process removes the dead one's "
+        "target, which ends the alert); FrozenHostKilled or FreezeActive for the same host says why it "
+        "stopped answering.",
         target=UP_TARGET,
         cases=(
             Case(

@@ -61,6 +61,7 @@ BAD_VALUES: dict[str, tuple[str, ...]] = {
     "STALLWATCH_INSTRUMENT_NEBIUS": ("cloud",),
     "STALLWATCH_JOURNAL": ("durable",),
     "STALLWATCH_JOURNAL_DIR": ("   ",),
+    "STALLWATCH_PROMETHEUS_TARGETS_DIR": ("   ",),
     "STALLWATCH_FREEZE_THRESHOLD": ("0", "-1", "soon"),
     "STALLWATCH_FAULTHANDLER": ("stacks",),
     "STALLWATCH_WATCHDOG_PROMETHEUS_PORT": ("99999", "http"),

@@ -8,7 +8,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,7 +19,7 @@ import pytest
 
 from conftest import SCENARIOS, attrs, clean_env, otlp_items
 from otlp_receiver import otlp_attributes, otlp_gauge_points, otlp_logs, otlp_spans
-from support.loopback import free_port, prometheus_env, scrape
+from support.loopback import HeldPort, free_port, prometheus_env, scrape
 from support.processes import is_gone
 from support.waiting import wait_until
 
@@ -184,10 +183,8 @@ def test_a_restarted_hosts_watchdog_serves_the_port_once_the_watchdog_of_the_hos
 
 
 def test_a_watchdog_whose_port_stays_busy_says_so_once_and_serves_it_when_it_frees(tmp_path):
-    holder = socket.socket()
-    holder.bind(("127.0.0.1", 0))
-    holder.listen()
-    port = holder.getsockname()[1]
+    holder = HeldPort()
+    port = holder.port
     stderr = tmp_path / "stderr"
     host = subprocess.Popen(
         [sys.executable, "-c", RESTARTED_HOST],
@@ -198,10 +195,10 @@ def test_a_watchdog_whose_port_stays_busy_says_so_once_and_serves_it_when_it_fre
         assert host.stdout is not None
         assert json.loads(host.stdout.readline())["watchdog_pid"]  # it watches its host with its port busy
         wait_until(lambda: f"port {port} is busy" in stderr.read_text(), "the watchdog said its port is busy")
-        holder.close()
+        holder.free()
         wait_until(lambda: f'stallwatch_watched_pid="{host.pid}"' in scrape(port), "it served the port")
     finally:
-        holder.close()
+        holder.free()
         host.kill()
         host.wait(10)
 

@@ -20,6 +20,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from conftest import SCENARIOS, clean_env, read_jsonl, run_python, span_names
 from otlp_receiver import Receiver, serving
 from support.fast_paths import FAST_PATHS
+from support.loopback import HeldPort
 
 sys.path.insert(0, str(SCENARIOS))
 from reliability_collectors import serve
@@ -347,11 +348,8 @@ def test_prometheus_endpoint_on_a_free_port_shows_forks_and_closes_at_shutdown()
     assert report["after_shutdown"] == "ConnectionRefusedError"
 
 
-def test_prometheus_port_in_use_turns_telemetry_off_naming_the_port_variable():
-    with socket.socket() as occupant:
-        occupant.bind(("127.0.0.1", 0))
-        occupant.listen()
-        port = occupant.getsockname()[1]
+def test_prometheus_port_in_use_by_another_program_turns_telemetry_off_naming_the_port_variable():
+    with HeldPort() as port:
         report = run_host(
             """
             import json

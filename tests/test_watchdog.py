@@ -29,7 +29,7 @@ from conftest import (
     run_python,
     run_scenario,
 )
-from support.loopback import free_port, prometheus_env, scrape
+from support.loopback import HeldPort, free_port, prometheus_env, scrape
 from support.processes import is_gone
 from support.served import Served
 from support.waiting import wait_until
@@ -443,13 +443,6 @@ def test_a_slow_pipeline_set_up_never_holds_the_polls_that_detect_a_freeze():
     assert float(detected[1]) < 0.5 + 2.0  # detected at a poll past the threshold, not after the 3 s set-up
 
 
-def _bound_socket() -> socket.socket:
-    bound = socket.socket()
-    bound.bind(("127.0.0.1", 0))
-    bound.listen()
-    return bound
-
-
 @pytest.mark.parametrize("strict", ["true", "false"])
 @pytest.mark.parametrize(
     ("failure", "blocked", "expected"),
@@ -477,8 +470,7 @@ def test_a_watchdog_whose_pipeline_cannot_be_set_up_says_so_once_never_retries_a
     neither the watchdog nor its setting."""
     calls = tmp_path / "setup-calls"
     bootstrap = _COUNTING_SETUPS.format(blocked=blocked, calls=str(calls))
-    with _bound_socket() as busy:
-        port = busy.getsockname()[1]
+    with HeldPort() as port:
         if failure == "scrape_port_busy":
             env = clean_env(**prometheus_env(free_port(), port, STALLWATCH_WATCHDOG_LAST_SCRAPE_TIMEOUT="0"))
         else:

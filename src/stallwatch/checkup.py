@@ -324,7 +324,7 @@ class Sandbox:
 
     The `setup()` of `stallwatch doctor --setup`, and one that an `--import`ed module runs, keep
     their journal, telemetry files and heartbeat file in the directory and serve Prometheus on free
-    ports, even where the code passes those settings to `setup()` as keywords. So the journals of
+    ports registered there, even where the code passes those settings to `setup()` as keywords. So the journals of
     the hosts on the machine are neither replayed nor archived, the shared heartbeat directory is
     not swept, no file outside the directory is made or changed, and no host's port is taken.
     On leaving, the session is shut down, its watchdog waited for, the directory removed and the
@@ -347,6 +347,7 @@ class Sandbox:
             ("file_dir", "STALLWATCH_FILE_DIR"): self.directory / "telemetry",
             ("prometheus_port", "OTEL_EXPORTER_PROMETHEUS_PORT"): 0,
             ("watchdog_prometheus_port", "STALLWATCH_WATCHDOG_PROMETHEUS_PORT"): 0,
+            ("prometheus_targets_dir", "STALLWATCH_PROMETHEUS_TARGETS_DIR"): self.directory / "prometheus",
         }
         keywords = {keyword: value for (keyword, _), value in replaced.items()}
         for (_, variable), value in replaced.items():

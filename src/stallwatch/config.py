@@ -222,7 +222,17 @@ OPTIONS: tuple[Option, ...] = (
         "OTEL_EXPORTER_PROMETHEUS_PORT",
         "prometheus_port",
         "`9464`",
-        "Port of the Prometheus scrape endpoint (0 picks a free port).",
+        "Port of the Prometheus scrape endpoint (0 picks a free port). A worker that finds it taken by another "
+        "process of its server (its supervisor, a fellow worker) serves on a free port instead; anything else on "
+        "it is an error that turns telemetry off.",
+    ),
+    Option(
+        "STALLWATCH_PROMETHEUS_TARGETS_DIR",
+        "prometheus_targets_dir",
+        "`$XDG_STATE_HOME/stallwatch/prometheus` (`~/.local/state/stallwatch/prometheus`)",
+        "Where each Prometheus endpoint (`prometheus` metrics exporter), the host's and the watchdog's, writes "
+        "its target file for Prometheus's `file_sd_configs` while it serves: `host-*.json`, `watchdog-*.json`. "
+        "Prometheus must be able to read it.",
     ),
     Option(
         "STALLWATCH_SHED_SPANS",
@@ -400,7 +410,9 @@ OPTIONS: tuple[Option, ...] = (
         "`true`",
         "Also watch each fork child that lives on and starts an event loop (workers forked after "
         "`setup()`, as gunicorn's with a preloaded app): it gets a watchdog of its own when its first "
-        "loop starts. Its Prometheus endpoint, if any, takes a free port.",
+        "loop starts. With the `prometheus` exporter the child then serves its own series, and its watchdog "
+        "its own, each on a free port (`STALLWATCH_PROMETHEUS_TARGETS_DIR`); with this off, such a child's "
+        "series are served nowhere (the parent's endpoint serves the parent's).",
     ),
     Option(
         "STALLWATCH_FREEZE_THRESHOLD",
@@ -413,7 +425,8 @@ OPTIONS: tuple[Option, ...] = (
         "watchdog_prometheus_port",
         "`9465`",
         "Port of the watchdog's own Prometheus scrape endpoint (with the `prometheus` metrics exporter): "
-        "it answers while the host, frozen, cannot.",
+        "it answers while the host, frozen, cannot. A worker's watchdog that finds it taken by the watchdog of "
+        "another process of its server serves on a free port instead.",
     ),
     Option(
         "STALLWATCH_WATCHDOG_LAST_SCRAPE_TIMEOUT",
@@ -462,6 +475,10 @@ def _default_journal_dir() -> Path:
     return _state_dir("journal")
 
 
+def _default_prometheus_targets_dir() -> Path:
+    return _state_dir("prometheus")
+
+
 @dataclass(frozen=True, init=False, repr=False, eq=False)
 class Settings:
     """Validated settings of one stallwatch session. Build with `Settings.load()`.
@@ -487,6 +504,7 @@ class Settings:
     metric_export_interval_ms: int = 60000
     prometheus_host: str = "localhost"
     prometheus_port: int = 9464
+    prometheus_targets_dir: Path = field(default_factory=_default_prometheus_targets_dir)
     shed_spans: bool = True
     fast_paths: bool = True
     providers: str = "stallwatch"
@@ -614,6 +632,7 @@ class Settings:
         take("metric_export_interval_ms", "OTEL_METRIC_EXPORT_INTERVAL", _positive_int)
         take("prometheus_host", "OTEL_EXPORTER_PROMETHEUS_HOST", _nonempty)
         take("prometheus_port", "OTEL_EXPORTER_PROMETHEUS_PORT", _port)
+        take("prometheus_targets_dir", "STALLWATCH_PROMETHEUS_TARGETS_DIR", _path)
         take("shed_spans", "STALLWATCH_SHED_SPANS", _bool)
         take("fast_paths", "STALLWATCH_FAST_PATHS", _bool)
         take("slow_export_seconds", "STALLWATCH_SLOW_EXPORT_SECONDS", _seconds_or_zero)

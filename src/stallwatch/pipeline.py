@@ -68,6 +68,7 @@ from .journal.names import LOGGER_NAME as LEDGER_LOGGER
 
 if TYPE_CHECKING:
     from .export.scrapes import ScrapeCounter
+    from .export.targets import Target
 
 _log = logging.getLogger("stallwatch")
 _HTTP_PATHS = {"traces": "v1/traces", "metrics": "v1/metrics", "logs": "v1/logs"}
@@ -156,6 +157,9 @@ class Pipeline:
         self.files: dict[str, Path] = {}
         self.prometheus_address: tuple[str, int] | None = None
         self.scrapes: ScrapeCounter | None = None  # answered by the Prometheus endpoint
+        self._serve_free_port: Callable[[], Target | None] | None = None  # another endpoint, for a fork child
+        self._served_by = 0  # the pid whose endpoint `prometheus_address` is
+        self._fork_child_target: Target | None = None  # registered by `serve_fork_child`
         self._closers: list[Callable[[], Any]] = []
         self._processors: list[CountingSpanProcessor | CountingLogProcessor] = []
         self._metric_exporters: list[GuardedMetricExporter] = []
@@ -216,6 +220,30 @@ class Pipeline:
         finally:
             for exporter in exporters:
                 exporter.attempt_next = False  # a queue that was empty: the next export is the workers'
+
+    def serve_fork_child(self) -> None:
+        """Serve this fork child's own series on a free port, registered for discovery like any endpoint.
+
+        A worker forked after `setup()` (gunicorn --preload) inherits the Prometheus reader, which
+        collects this process's metrics, but not the parent's server thread: the parent's endpoint
+        serves the parent's series only. Called on the child's own thread (a loop starting), never
+        in a fork handler; once per process, and only with the `prometheus` exporter. Never raises."""
+        if self._serve_free_port is None or self._served_by == os.getpid():
+            return
+        self._served_by = os.getpid()
+        try:
+            self._fork_child_target = self._serve_free_port()
+        except OSError as exc:
+            _log.warning("stallwatch: this forked worker cannot serve its Prometheus endpoint (%s); its series "
+                         "are not scraped", exc.strerror or exc)  # fmt: skip
+
+    def withdraw_fork_child(self) -> None:
+        """Withdraw the endpoint `serve_fork_child` registered, for the worker's server has stopped
+        (uvicorn's shutdown), its scrape server left running. Such a worker (gunicorn's UvicornWorker
+        after `--preload`) then dies by the SIGTERM uvicorn raises again, skipping `atexit` and the
+        shutdown that withdraws it: its target would stay behind, down, and fire HostDown."""
+        if self._fork_child_target is not None:
+            self._fork_child_target.remove()
 
     def shutdown(self, timeout: float) -> bool:
         """Flush and stop everything within `timeout` seconds; True if it finished in time.
@@ -540,11 +568,20 @@ def _prometheus_reader(settings: Settings, pipeline: Pipeline) -> MetricReader:
         raise ConfigError(
             "OTEL_METRICS_EXPORTER=prometheus needs the prometheus extra: pip install 'stallwatch[prometheus]'"
         ) from exc
+
+    def serve_free_port() -> Target | None:
+        return _serve(settings, pipeline, start_http_server(0, addr=settings.prometheus_host)[0])
+
+    pipeline._serve_free_port = serve_free_port
     try:
-        _serve(pipeline, start_http_server(settings.prometheus_port, addr=settings.prometheus_host)[0])
+        _serve(settings, pipeline, start_http_server(settings.prometheus_port, addr=settings.prometheus_host)[0])
     except OSError as exc:
-        role = settings.resource_attributes.get(telemetry.RESOURCE_PROCESS_ROLE.name)
-        if exc.errno == errno.EADDRINUSE and role == "watchdog" and settings.watchdog_last_scrape_timeout > 0:
+        watchdog = settings.resource_attributes.get(telemetry.RESOURCE_PROCESS_ROLE.name) == "watchdog"
+        if exc.errno == errno.EADDRINUSE and _taken_by_this_server(settings, watchdog):
+            _log.info("stallwatch: port %d is taken by another process of this server; serving Prometheus on a "
+                      "free port (STALLWATCH_PROMETHEUS_TARGETS_DIR)", settings.prometheus_port)  # fmt: skip
+            serve_free_port()
+        elif exc.errno == errno.EADDRINUSE and watchdog and settings.watchdog_last_scrape_timeout > 0:
             _serve_when_free(settings, pipeline, start_http_server)
         else:
             raise ConfigError(
@@ -564,15 +601,55 @@ def _prometheus_reader(settings: Settings, pipeline: Pipeline) -> MetricReader:
     return reader
 
 
-def _serve(pipeline: Pipeline, server: Any) -> None:
-    """Count the scrapes `server` (prometheus_client's, serving already) answers, and stop it at shutdown."""
-    pipeline.prometheus_address = server.server_address[:2]
+def _taken_by_this_server(settings: Settings, watchdog: bool) -> bool:
+    """Whether the busy Prometheus port is held by another process of the server this process belongs
+    to (`targets.shared_with_this_server`): its host's process group, for a watchdog the group of its
+    parent, the host (a watchdog whose host has died waits for the port instead: `_serve_when_free`)."""
     # footprint: with the prometheus exporter only
+    from .export import targets
+
+    try:
+        group = os.getpgid(os.getppid()) if watchdog else os.getpgrp()
+    except OSError:  # the watchdog's host is gone
+        return False
+    return targets.shared_with_this_server(settings.prometheus_port, group)
+
+
+def _serve(settings: Settings, pipeline: Pipeline, server: Any) -> Target | None:
+    """Count the scrapes `server` (prometheus_client's, serving already) answers, register it for
+    Prometheus's file-based discovery (`export.targets`), and withdraw and stop it at shutdown.
+    Returns its registration, None when it could not be written (a WARNING says so)."""
+    pipeline.prometheus_address = server.server_address[:2]
+    pipeline._served_by = owner = os.getpid()
+    # footprint: with the prometheus exporter only
+    from .export import targets
     from .export.scrapes import ScrapeCounter
 
     pipeline.scrapes = ScrapeCounter(server.get_app())
     server.set_app(pipeline.scrapes)
-    pipeline._closers += [server.shutdown, server.server_close]
+    role = settings.resource_attributes.get(telemetry.RESOURCE_PROCESS_ROLE.name)
+    kind = "watchdog" if role == "watchdog" else "host"
+    port = server.server_address[1]
+    target: Target | None = None
+    try:
+        target = targets.register(
+            settings.prometheus_targets_dir, kind, targets.target_address(settings.prometheus_host, port), port
+        )
+    except OSError as exc:
+        _log.warning("stallwatch: cannot register the Prometheus endpoint on port %d for discovery in %s (%s); "
+                     "Prometheus finds it only if listed by hand (STALLWATCH_PROMETHEUS_TARGETS_DIR)",
+                     port, settings.prometheus_targets_dir, exc.strerror or exc)  # fmt: skip
+
+    def stop() -> None:
+        if os.getpid() != owner:  # a fork child's copy: no thread of this process serves it
+            return
+        if target is not None:
+            target.remove()  # first: Prometheus stops scraping before the port closes
+        server.shutdown()
+        server.server_close()
+
+    pipeline._closers.append(stop)
+    return target
 
 
 def _serve_when_free(settings: Settings, pipeline: Pipeline, start_http_server: Callable[..., Any]) -> None:
@@ -607,7 +684,7 @@ def _serve_when_free(settings: Settings, pipeline: Pipeline, start_http_server: 
                     server.shutdown()
                     server.server_close()
                 else:
-                    _serve(pipeline, server)
+                    _serve(settings, pipeline, server)
             return
 
     pipeline._closers.append(stop)

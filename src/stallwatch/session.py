@@ -397,6 +397,7 @@ def _watchdog_environment(settings: Settings, forked: bool) -> dict[str, str]:
     if "prometheus" in settings.metrics_exporter:
         # Its own scrape endpoint: the host's hangs while the host is frozen.
         env["OTEL_EXPORTER_PROMETHEUS_PORT"] = "0" if forked else str(settings.watchdog_prometheus_port)
+        env["STALLWATCH_PROMETHEUS_TARGETS_DIR"] = str(settings.prometheus_targets_dir)
     if settings.otlp_endpoint:
         env["OTEL_EXPORTER_OTLP_ENDPOINT"] = settings.otlp_endpoint
     env["OTEL_EXPORTER_OTLP_PROTOCOL"] = settings.otlp_protocol
@@ -438,13 +439,16 @@ def _start_watchdog(settings: Settings, forked: bool = False) -> tuple[Any, subp
 
 def _watch_fork_child(settings: Settings) -> tuple[Any, subprocess.Popen[bytes]] | None:
     """A heartbeat file and watchdog of its own for a fork child that lives on and runs an event
-    loop (`detect.heartbeat` calls this there); the session's shutdown in the child then stops them."""
+    loop (`detect.heartbeat` calls this there), and its own Prometheus endpoint; the session's
+    shutdown in the child then stops them."""
     spawns = sys.modules.get("stallwatch.instrument.subprocess")  # installed: the host's spawns are recorded
     with spawns.unrecorded() if spawns is not None else contextlib.nullcontext():
         started = _start_watchdog(_as_fork_child(settings), forked=True)
     session = _session
     if started is not None and session is not None:
         session._watchdog = started
+    if session is not None and session._pipeline is not None:
+        session._pipeline.serve_fork_child()
     return started
 
 
@@ -650,7 +654,8 @@ def _flush_when_uvicorn_stops(timeout: float) -> None:
     (STALLWATCH_SHUTDOWN_TIMEOUT). The flush runs on a thread of its own: the event loop goes on
     running whatever else it has (and beating for the watchdog) while a collector is slow, and the
     shutdown returns once the flush has finished or its time is up. Nothing is stopped: a process
-    that lives on keeps recording.
+    that lives on keeps recording. A forked worker's own Prometheus endpoint is withdrawn from
+    discovery first (`Pipeline.withdraw_fork_child`), since that worker ends by the signal.
     """
 
     def flush_after(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
@@ -723,6 +728,7 @@ async def _flush_off_the_loop(timeout: float) -> None:
         try:
             pipeline = _session._pipeline if _session is not None else None
             if pipeline is not None:
+                pipeline.withdraw_fork_child()
                 pipeline.flush(budget)
             _flush_host_providers(_providers_of(pipeline), budget)
         except Exception as exc:  # uvicorn's shutdown keeps its own outcome

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import urllib.request
 
 
@@ -33,3 +35,34 @@ def scrape(port: int, timeout: float = 5.0) -> str:
             return response.read().decode()
     except OSError as exc:  # URLError and socket timeouts
         return f"no answer: {exc}"
+
+
+_HOLDER = """
+import socket, sys
+held = socket.create_server(("127.0.0.1", 0))
+print(held.getsockname()[1], flush=True)
+sys.stdin.read()
+"""
+
+
+class HeldPort:
+    """A loopback port another program listens on: a process in a session (and process group) of its own,
+    not of the server under test, as a port taken by a misconfiguration is. `free()` (or leaving) ends it."""
+
+    def __init__(self) -> None:
+        self._holder = subprocess.Popen(
+            [sys.executable, "-c", _HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            start_new_session=True,
+        )  # fmt: skip
+        assert self._holder.stdout is not None
+        self.port = int(self._holder.stdout.readline())
+
+    def free(self) -> None:
+        self._holder.kill()
+        self._holder.wait(30)
+
+    def __enter__(self) -> int:
+        return self.port
+
+    def __exit__(self, *exc: object) -> None:
+        self.free()

@@ -1,8 +1,9 @@
 """A real Prometheus scraping real dash_<name>.py scenario processes, for tests of the dashboards and alerts.
 
 `Prometheus.shipped()` runs the configuration a user deploys: dashboards/provisioning/prometheus/prometheus.yml
-(its scrape and evaluation intervals, per-job timeouts) and dashboards/alerts.yaml (its `for` values) unchanged
-but for the scrape targets, which point at the scenarios' ports. Tests shorten their scenarios, never the config.
+(its scrape and evaluation intervals, per-job timeouts, file-based discovery) and dashboards/alerts.yaml (its `for`
+values) unchanged but for the directory discovery reads, which lists the scenarios' ports or is the one the hosts
+register in. Tests shorten their scenarios, never the config.
 """
 
 from __future__ import annotations
@@ -225,16 +226,28 @@ class Prometheus:
         return cls(workdir, config, features=features)
 
     @classmethod
-    def shipped(cls, workdir: Path, targets: Mapping[str, Sequence[str]]) -> Prometheus:
-        """The shipped prometheus.yml and alerts.yaml, unchanged but for each job's targets (job name -> targets).
+    def shipped(
+        cls, workdir: Path, targets: Mapping[str, Sequence[str]] | None = None, discovered: Path | None = None
+    ) -> Prometheus:
+        """The shipped prometheus.yml and alerts.yaml, unchanged but for the directory its file-based discovery
+        reads: `discovered` (the STALLWATCH_PROMETHEUS_TARGETS_DIR the hosts register in), else one of its own
+        in `workdir` holding each job's `targets` (job name -> targets) in a file of the job's pattern.
 
         A job with no targets scrapes nothing; a job name the shipped config lacks is an error.
         """
         config = yaml.safe_load(SHIPPED_CONFIG.read_text())
         jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+        targets = targets or {}
         assert set(targets) <= set(jobs), (set(targets) - set(jobs), "not in the shipped config")
+        directory = discovered or workdir / "targets"
+        directory.mkdir(exist_ok=True)
         for name, job in jobs.items():
-            job["static_configs"] = [{"targets": list(targets.get(name, ()))}]
+            (discovery,) = job["file_sd_configs"]
+            (pattern,) = discovery["files"]
+            discovery["files"] = [str(directory / Path(pattern).name)]
+            if name in targets:
+                listed = [{"targets": list(targets[name]), "labels": {}}]
+                (directory / Path(pattern).name.replace("*", "listed")).write_text(json.dumps(listed))
         return cls(workdir, config, SHIPPED_RULES.read_text())
 
     @property
