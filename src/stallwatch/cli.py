@@ -197,6 +197,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _postmortem_paths(args: argparse.Namespace) -> tuple[Path | None, list[Path]]:
     """The telemetry directory and the files to read: `--dir` and `--file`, and each PATH given as it
     is, a directory as `--dir` and anything else as `--file`. One directory at most."""
+    # footprint: loaded only by the command that runs it
     from .postmortem import InputError
 
     directories = [Path(args.dir)] if args.dir else []
