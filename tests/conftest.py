@@ -30,21 +30,23 @@ def clean_env(**extra: str) -> dict[str, str]:
     STALLWATCH_FAST_PATHS, the mode the tests run in), plus `extra`.
 
     Each call gets its own empty journal directory: a host killed in one test must not be replayed
-    by the next test's `setup()` (tests that replay on purpose pass `journal_dir` themselves); and its
-    own Prometheus targets directory.
+    by the next test's `setup()` (tests that replay on purpose pass `journal_dir` themselves); its
+    own Prometheus targets directory; and its own telemetry directory, so that what a test reads there
+    is its host's alone (the user's default one collects every other run's files).
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "STALLWATCH_", "GRPC_"))}
     if "STALLWATCH_FAST_PATHS" in os.environ:
         env["STALLWATCH_FAST_PATHS"] = os.environ["STALLWATCH_FAST_PATHS"]
     env["STALLWATCH_JOURNAL_DIR"] = _JOURNALS.mkdtemp()
     env["STALLWATCH_PROMETHEUS_TARGETS_DIR"] = _JOURNALS.mkdtemp()  # never the user's own, which Prometheus may read
+    env["STALLWATCH_FILE_DIR"] = _JOURNALS.mkdtemp()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))  # `support.*`
     env.update(extra)
     return env
 
 
 class _Journals:
-    """Temporary journal (and Prometheus targets) directories, removed when the test session ends (a
+    """Temporary journal (and Prometheus targets and telemetry) directories, removed when the test session ends (a
     journal holds 1 MiB files)."""
 
     def __init__(self) -> None:
