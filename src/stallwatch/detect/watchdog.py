@@ -7,12 +7,12 @@ interpreter loads at start (`time`, `_signal`); a heartbeat late by `PREPARE_NS`
 the telemetry pipeline (`freeze_report.Reporting`) on a thread. The pipeline is set up in a poll while the
 host beats on time, or when a freeze is detected (at once with a Prometheus exporter, to serve scrapes),
 never in a poll while a heartbeat is late: a slow set-up would hold the polls and delay the detection.
-Every `POLL_SECONDS` it reads the heartbeats: an interpreter heartbeat older than the threshold is
-`gil_held`, a loop heartbeat alone `loop_blocked`. A freeze is reported while it lasts and at the thaw
-(`freeze_report`). A poll that raises an `Exception` is logged (the first) and counted
-(`freeze_report.poll_failed`), and the next poll runs. It leaves when the host exits or execs another
-program, and at SIGTERM once the host's shutdown has removed the heartbeat file; it runs in a session of
-its own, and its stderr lines start `stallwatch watchdog (host pid N):`.
+Every `POLL_SECONDS` it reads the heartbeats: an interpreter heartbeat older than the threshold is `gil_held`, a
+loop heartbeat alone `loop_blocked`, unless the thread that writes it waits for a CPU (a starved host is not frozen:
+`Writer`). A freeze is reported while it lasts and at the thaw (`freeze_report`). A poll that raises an `Exception`
+is logged (the first) and counted (`freeze_report.poll_failed`), and the next poll runs. It leaves when the host
+exits or execs another program, and at SIGTERM once the host's shutdown has removed the heartbeat file; it runs in
+a session of its own, and its stderr lines start `stallwatch watchdog (host pid N):`.
 """
 
 from __future__ import annotations
@@ -38,8 +38,11 @@ else:
     import _signal  # what `signal` wraps in enums: `enum` would be most of the idle watchdog's modules
 
 POLL_SECONDS = 0.1
+STARVED_TURNS = 1  # turns on a CPU a writer waiting for one may have had since its beat was due...
+STARVED_CPU_NS = 1_000_000  # ...and CPU time: a turn cut short, where a beat takes microseconds
 FRESH_NS = int(3 * heartbeat_file.BEAT_SECONDS * 1e9)  # younger than this: the beating thread runs now
 PREPARE_NS = int(1.5 * heartbeat_file.BEAT_SECONDS * 1e9)  # a heartbeat older than this: load the pipeline
+OVERDUE_NS = PREPARE_NS  # a heartbeat older than this is overdue: its writer is looked at in /proc (`Writer`)
 REDIAGNOSE_SECONDS = 2.0
 OPTIONS = ("--pid", "--heartbeat", "--threshold", "--journal-dir")
 _host_pid = 0  # the host watched, which the watchdog's stderr lines name (`freeze_report.name_the_source`)
@@ -136,6 +139,53 @@ class _Pipeline:
         return self._reporting().make()
 
 
+class Writer:
+    """The thread that writes one heartbeat, as /proc shows it to the watchdog.
+
+    A late heartbeat is a freeze only if its writer is *held*: a GIL-blocked thread sleeps on a futex
+    (and wakes every switch interval to ask for the GIL, so it keeps getting turns on a CPU), a thread
+    blocked in a syscall sleeps, one running code gets CPU time. A writer that is runnable and has had
+    at most `STARVED_TURNS` turns on a CPU and `STARVED_CPU_NS` of it since the first poll that found
+    its beat overdue waits for a CPU: the host is starved, not frozen (CPU hogs at a higher weight,
+    reproduced with `nice`), and it is judged at a later poll, once it has run or beaten.
+    """
+
+    def __init__(self) -> None:
+        self._beat = (0, 0)  # the beat found overdue and its writer, and the writer's turns and CPU time then
+        self._turns = 0
+        self._cpu_ns = 0
+
+    def held(self, pid: int, tid: int, beat: int) -> bool:
+        """Whether the writer `tid` of `pid`, whose last beat `beat` is overdue, is held; True when
+        /proc cannot tell (an unknown or gone thread), as before the writers were named."""
+        sample = _thread_sample(pid, tid) if tid else None
+        if sample is None:
+            return True
+        state, cpu_ns, turns = sample
+        if (beat, tid) != self._beat:
+            self._beat, self._turns, self._cpu_ns = (beat, tid), turns, cpu_ns
+        return state != "R" or turns - self._turns > STARVED_TURNS or cpu_ns - self._cpu_ns >= STARVED_CPU_NS
+
+
+def _thread_sample(pid: int, tid: int) -> tuple[str, int, int] | None:
+    """A thread's state (`/proc/PID/task/TID/stat`), CPU time in ns and turns on a CPU (`schedstat`'s
+    first and third fields; its second, the run-queue wait, counts a wait only once it is over)."""
+    try:
+        stat, schedstat = (_read_proc(f"/proc/{pid}/task/{tid}/{name}") for name in ("stat", "schedstat"))
+        cpu_ns, _, turns = schedstat.split()
+        return stat.rsplit(b")", 1)[1].split()[0].decode(), int(cpu_ns), int(turns)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _read_proc(path: str) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.read(fd, 4096)
+    finally:
+        os.close(fd)
+
+
 class Watchdog:
     """Watches one host process; `run()` returns when the host is gone."""
 
@@ -162,6 +212,8 @@ class Watchdog:
         self._preparing: threading.Thread | None = None
         self._telemetry: Any = telemetry_ready
         self.freeze: Freeze | None = None
+        self._interpreter = Writer()  # the threads that write the heartbeats
+        self._loop = Writer()
         self._first_beat_ns: int | None = None  # the interpreter heartbeat first read, until the host beats
         self._beating = False  # the host has begun to beat: its set-up is over
         self.host_left = False  # the host exec'd another program: nothing of stallwatch's is left to watch
@@ -200,6 +252,7 @@ class Watchdog:
             self.thaw(outcome="host_killed")
 
     def check(self) -> None:
+        now = time.monotonic_ns()  # before the read: a watchdog that waits for a CPU after it never ages a beat
         snapshot = heartbeat_file.read(self.heartbeat_path)
         if snapshot is None:
             return
@@ -212,20 +265,24 @@ class Watchdog:
             self._beating = True
         if snapshot["watchdog_pid"] != os.getpid():  # it judges the heartbeats from now on, or the file is new
             heartbeat_file.mark_watched(self.heartbeat_path)
-        now = time.monotonic_ns()
         interpreter_age = now - snapshot["interpreter_ns"]
         loop_age = now - snapshot["loop_ns"] if snapshot["loop_tracked"] else 0
         if max(interpreter_age, loop_age) > min(PREPARE_NS, self.threshold_ns):
             self._prepare()  # a freeze may be coming: be ready to report it at the threshold
         elif self._telemetry is None and self._preparing is not None and not self._preparing.is_alive():
             self._set_up()  # the imports are done and the host beats on time: set up between two polls
+        # Each writer is looked at from its beat's first overdue poll on, so that a freeze is judged at the threshold.
+        interpreter_held = interpreter_age <= OVERDUE_NS or self._held(snapshot, "interpreter", self._interpreter)
+        loop_held = loop_age <= OVERDUE_NS or self._held(snapshot, "loop", self._loop)
         kind = None
         if interpreter_age > self.threshold_ns:
+            if not interpreter_held:
+                return  # its writer waits for a CPU: judged once it has run (a freeze stays as it is until then)
             kind = "gil_held"
-        elif snapshot["loop_tracked"] and now - snapshot["loop_ns"] > self.threshold_ns:
+        elif loop_age > self.threshold_ns:
             # Only a *fresh* interpreter heartbeat proves other Python threads still run; one that
             # is merely under the threshold may be going stale too (GIL held): decide next poll.
-            if interpreter_age > FRESH_NS:
+            if interpreter_age > FRESH_NS or not loop_held:
                 return
             kind = "loop_blocked"
         if kind is None:
@@ -253,6 +310,16 @@ class Watchdog:
         ):  # a core dump that began after the last look is reported now: it may be over before the next
             self.freeze.rediagnose(self.pid)
             self.telemetry.still_frozen(self.freeze, now)
+
+    def _held(self, snapshot: dict[str, Any], which: str, writer: Writer) -> bool:
+        """Whether the writer of the `which` heartbeat in `snapshot`, overdue, is held (`Writer`) and
+        has not beaten since: /proc is read after the snapshot, so a writer that beat in between
+        (its state then is the next beat's wait) is not taken for a held one."""
+        beat = snapshot[f"{which}_ns"]
+        if not writer.held(self.pid, snapshot[f"{which}_tid"], beat):
+            return False
+        again = heartbeat_file.read(self.heartbeat_path)
+        return again is None or again[f"{which}_ns"] == beat
 
     def _prepare(self) -> None:
         if self._preparing is None:
