@@ -42,10 +42,8 @@ from .heartbeat_file import (
     OFFSET_COMMAND,
     OFFSET_CURRENT,
     OFFSET_INTERP,
-    OFFSET_INTERP_TID,
     OFFSET_LOOP,
     OFFSET_LOOP_KIND,
-    OFFSET_LOOP_TID,
     OFFSET_SPAN,
     OFFSET_SPAWN,
     OFFSET_TRACE,
@@ -160,7 +158,7 @@ class HeartbeatArea:
         self._fd, self._map, self.inode = self._create()
         now = time.monotonic_ns()
         self.owner = os.getpid()  # a forked child shares the mapping: it must never write to it
-        self._map[:] = LAYOUT.pack(MAGIC, self.owner, 0, now, now, 0, 0, 0, b"", b"", b"", b"", b"", 0, 0)
+        self._map[:] = LAYOUT.pack(MAGIC, self.owner, 0, now, now, 0, 0, 0, b"", b"", b"", b"", b"")
 
     def _create(self) -> tuple[int, mmap.mmap, int]:
         """Create the file, locked (held open for the lock: see `sweep`) and mapped."""
@@ -209,18 +207,15 @@ class HeartbeatArea:
         self._write(offset, value.to_bytes(8, "little", signed=True))
 
     def beat_interpreter(self) -> None:
-        """Beat, and name the beating thread: the watchdog asks /proc whether it waits for a CPU."""
-        self._write(OFFSET_INTERP_TID, threading.get_native_id().to_bytes(4, "little"))
         self._store(OFFSET_INTERP, time.monotonic_ns())
 
     def beat_loop(self) -> None:
         self._store(OFFSET_LOOP, time.monotonic_ns())
 
     def track_loop(self, kind: str | None) -> None:
-        """Say whether a loop heartbeat is expected (`kind`), from the loop's thread, or not (None)."""
+        """Say whether a loop heartbeat is expected (`kind`) or not (None)."""
         flags = FLAG_LOOP_TRACKED if kind else 0
         self._write(OFFSET_LOOP_KIND, LOOP_KINDS.get(kind or "none", 0).to_bytes(4, "little"))
-        self._write(OFFSET_LOOP_TID, (threading.get_native_id() if kind else 0).to_bytes(4, "little"))
         self.beat_loop()
         self._write(12, flags.to_bytes(4, "little"))
 

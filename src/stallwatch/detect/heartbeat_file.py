@@ -15,17 +15,15 @@ TYPE_CHECKING = False  # `typing` stays out of the idle watchdog
 if TYPE_CHECKING:
     from typing import Any
 
-MAGIC = b"SWHB0003"
+MAGIC = b"SWHB0002"
 # magic, host pid, flags, interpreter ns, loop ns, spawn-start ns, loop kind, watchdog pid, spawn
-# command, the spawn's trace id and span id, the main thread's current trace id and span id, and the
-# native thread ids of the interpreter heartbeat's and the loop heartbeat's writers (0: not known).
+# command, the spawn's trace id and span id, the main thread's current trace id and span id.
 # Offsets are fixed so the watchdog can read fields one by one. The watchdog pid is the only field
 # the watchdog writes, and the host never does after creating the file.
-LAYOUT = struct.Struct("<8sIIqqqiI256s16s8s16s8sII")
+LAYOUT = struct.Struct("<8sIIqqqiI256s16s8s16s8s")
 OFFSET_INTERP, OFFSET_LOOP, OFFSET_SPAWN = 16, 24, 32
 OFFSET_LOOP_KIND, OFFSET_WATCHDOG = 40, 44
 OFFSET_COMMAND, OFFSET_TRACE, OFFSET_SPAN, OFFSET_CURRENT = 48, 304, 320, 328
-OFFSET_INTERP_TID, OFFSET_LOOP_TID = 352, 356
 FLAG_LOOP_TRACKED = 1
 LOOP_KINDS = {"none": 0, "asyncio": 1, "uvloop": 2}
 BEAT_SECONDS = 0.1
@@ -95,7 +93,7 @@ def read(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     fields = LAYOUT.unpack(data)
     if fields[0] != MAGIC:
         return None
-    _, pid, flags, interp, loop, spawn, loop_kind, watchdog_pid, command, trace_id, span_id, *current = fields[:13]
+    _, pid, flags, interp, loop, spawn, loop_kind, watchdog_pid, command, trace_id, span_id, *current = fields
     kinds = {v: k for k, v in LOOP_KINDS.items()}
     return {
         "pid": pid,
@@ -110,6 +108,4 @@ def read(path: str | os.PathLike[str]) -> dict[str, Any] | None:
         "span_id": span_id.hex(),
         "current_trace_id": current[0].hex(),
         "current_span_id": current[1].hex(),
-        "interpreter_tid": fields[13],
-        "loop_tid": fields[14],
     }

@@ -8,11 +8,11 @@ the telemetry pipeline (`freeze_report.Reporting`) on a thread. The pipeline is 
 host beats on time, or when a freeze is detected (at once with a Prometheus exporter, to serve scrapes),
 never in a poll while a heartbeat is late: a slow set-up would hold the polls and delay the detection.
 Every `POLL_SECONDS` it reads the heartbeats: an interpreter heartbeat older than the threshold is `gil_held`, a
-loop heartbeat alone `loop_blocked`, unless the thread that writes it waits for a CPU (a starved host is not frozen:
-`Writer`). A freeze is reported while it lasts and at the thaw (`freeze_report`). A poll that raises an `Exception`
-is logged (the first) and counted (`freeze_report.poll_failed`), and the next poll runs. It leaves when the host
-exits or execs another program, and at SIGTERM once the host's shutdown has removed the heartbeat file; it runs in
-a session of its own, and its stderr lines start `stallwatch watchdog (host pid N):`.
+loop heartbeat alone `loop_blocked`, unless a thread of the host waits for a CPU (`waiting_for_cpu`: a starved
+host is not frozen). A freeze is reported while it lasts and at the thaw (`freeze_report`). A poll that raises an
+`Exception` is logged (the first) and counted (`freeze_report.poll_failed`), and the next poll runs. It leaves when
+the host exits or execs another program, and at SIGTERM once the host's shutdown has removed the heartbeat file; it
+runs in a session of its own, and its stderr lines start `stallwatch watchdog (host pid N):`.
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ else:
     import _signal  # what `signal` wraps in enums: `enum` would be most of the idle watchdog's modules
 
 POLL_SECONDS = 0.1
-STARVED_TURNS = 1  # turns on a CPU a writer waiting for one may have had since its beat was due...
-STARVED_CPU_NS = 1_000_000  # ...and CPU time: a turn cut short, where a beat takes microseconds
+STARVED_TURNS_PER_SECOND = 10  # a thread waiting for a CPU gets fewer turns; one waiting for the GIL far more
+STARVED_CPU_SHARE = 100  # ...and under 1/100 of the CPU
 FRESH_NS = int(3 * heartbeat_file.BEAT_SECONDS * 1e9)  # younger than this: the beating thread runs now
 PREPARE_NS = int(1.5 * heartbeat_file.BEAT_SECONDS * 1e9)  # a heartbeat older than this: load the pipeline
-OVERDUE_NS = PREPARE_NS  # a heartbeat older than this is overdue: its writer is looked at in /proc (`Writer`)
+OVERDUE_NS = PREPARE_NS  # a heartbeat older than this is overdue: the host's threads are read in /proc
 REDIAGNOSE_SECONDS = 2.0
 OPTIONS = ("--pid", "--heartbeat", "--threshold", "--journal-dir")
 _host_pid = 0  # the host watched, which the watchdog's stderr lines name (`freeze_report.name_the_source`)
@@ -139,43 +139,46 @@ class _Pipeline:
         return self._reporting().make()
 
 
-class Writer:
-    """The thread that writes one heartbeat, as /proc shows it to the watchdog.
+def waiting_for_cpu(before: dict[str, tuple[bytes, int, int]], now: dict[str, tuple[bytes, int, int]],
+                    interval_ns: int) -> bool:  # fmt: skip
+    """Whether a thread of the host waits for a CPU: `now` runnable, and since `before` (`host_threads` of the
+    previous poll, `interval_ns` ago) it has had turns on a CPU at under `STARVED_TURNS_PER_SECOND` and CPU
+    time under 1/`STARVED_CPU_SHARE` of the interval (or was not there).
 
-    A late heartbeat is a freeze only if its writer is *held*: a GIL-blocked thread sleeps on a futex
-    (and wakes every switch interval to ask for the GIL, so it keeps getting turns on a CPU), a thread
-    blocked in a syscall sleeps, one running code gets CPU time. A writer that is runnable and has had
-    at most `STARVED_TURNS` turns on a CPU and `STARVED_CPU_NS` of it since the first poll that found
-    its beat overdue waits for a CPU: the host is starved, not frozen (CPU hogs at a higher weight,
-    reproduced with `nice`), and it is judged at a later poll, once it has run or beaten.
+    A late heartbeat is a freeze only if no thread of the host waits for a CPU. A GIL-blocked thread sleeps
+    on a futex and wakes every switch interval (`sys.getswitchinterval()`) to ask for the GIL again, so it
+    keeps getting turns; a thread blocked in a syscall sleeps; one running code gets CPU time. One waiting
+    for a CPU is the heartbeat's own thread, or one the GIL was handed to, or that holds it, preempted (a
+    thread that drops the GIL on request waits, asleep, until another has taken it): the host is starved
+    of CPU (hogs at a higher weight, a CPU quota), not frozen.
     """
-
-    def __init__(self) -> None:
-        self._beat = (0, 0)  # the beat found overdue and its writer, and the writer's turns and CPU time then
-        self._turns = 0
-        self._cpu_ns = 0
-
-    def held(self, pid: int, tid: int, beat: int) -> bool:
-        """Whether the writer `tid` of `pid`, whose last beat `beat` is overdue, is held; True when
-        /proc cannot tell (an unknown or gone thread), as before the writers were named."""
-        sample = _thread_sample(pid, tid) if tid else None
-        if sample is None:
+    turns = max(1, interval_ns * STARVED_TURNS_PER_SECOND // 1_000_000_000)
+    for tid, (state, cpu_ns, turns_now) in now.items():
+        then = before.get(tid)
+        if state == b"R" and (
+            then is None or (turns_now - then[2] <= turns and (cpu_ns - then[1]) * STARVED_CPU_SHARE < interval_ns)
+        ):
             return True
-        state, cpu_ns, turns = sample
-        if (beat, tid) != self._beat:
-            self._beat, self._turns, self._cpu_ns = (beat, tid), turns, cpu_ns
-        return state != "R" or turns - self._turns > STARVED_TURNS or cpu_ns - self._cpu_ns >= STARVED_CPU_NS
+    return False
 
 
-def _thread_sample(pid: int, tid: int) -> tuple[str, int, int] | None:
-    """A thread's state (`/proc/PID/task/TID/stat`), CPU time in ns and turns on a CPU (`schedstat`'s
-    first and third fields; its second, the run-queue wait, counts a wait only once it is over)."""
+def host_threads(pid: int) -> dict[str, tuple[bytes, int, int]]:
+    """Each thread of `pid` by id: its state (`/proc/PID/task/TID/stat`), CPU time in ns and turns on a CPU
+    (`schedstat`'s first and third fields; its second, the run-queue wait, counts a wait only once it is over).
+    A thread gone meanwhile, or unreadable, is left out."""
+    threads = {}
     try:
-        stat, schedstat = (_read_proc(f"/proc/{pid}/task/{tid}/{name}") for name in ("stat", "schedstat"))
-        cpu_ns, _, turns = schedstat.split()
-        return stat.rsplit(b")", 1)[1].split()[0].decode(), int(cpu_ns), int(turns)
-    except (OSError, ValueError, IndexError):
-        return None
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return {}
+    for tid in tids:
+        try:
+            stat, schedstat = (_read_proc(f"/proc/{pid}/task/{tid}/{name}") for name in ("stat", "schedstat"))
+            cpu_ns, _, turns = schedstat.split()
+            threads[tid] = (stat.rsplit(b")", 1)[1].split()[0], int(cpu_ns), int(turns))
+        except (OSError, ValueError, IndexError):
+            continue
+    return threads
 
 
 def _read_proc(path: str) -> bytes:
@@ -212,8 +215,7 @@ class Watchdog:
         self._preparing: threading.Thread | None = None
         self._telemetry: Any = telemetry_ready
         self.freeze: Freeze | None = None
-        self._interpreter = Writer()  # the threads that write the heartbeats
-        self._loop = Writer()
+        self._threads: tuple[int, dict[str, tuple[bytes, int, int]]] = (0, {})  # at the last overdue poll
         self._first_beat_ns: int | None = None  # the interpreter heartbeat first read, until the host beats
         self._beating = False  # the host has begun to beat: its set-up is over
         self.host_left = False  # the host exec'd another program: nothing of stallwatch's is left to watch
@@ -271,18 +273,22 @@ class Watchdog:
             self._prepare()  # a freeze may be coming: be ready to report it at the threshold
         elif self._telemetry is None and self._preparing is not None and not self._preparing.is_alive():
             self._set_up()  # the imports are done and the host beats on time: set up between two polls
-        # Each writer is looked at from its beat's first overdue poll on, so that a freeze is judged at the threshold.
-        interpreter_held = interpreter_age <= OVERDUE_NS or self._held(snapshot, "interpreter", self._interpreter)
-        loop_held = loop_age <= OVERDUE_NS or self._held(snapshot, "loop", self._loop)
+        starved = False  # a thread of the host waits for a CPU: looked at from a heartbeat's first overdue poll on
+        if max(interpreter_age, loop_age) > OVERDUE_NS:
+            (then, before), threads = self._threads, host_threads(self.pid)
+            starved = waiting_for_cpu(before, threads, now - then)
+            self._threads = (now, threads)
+        else:
+            self._threads = (0, {})
         kind = None
         if interpreter_age > self.threshold_ns:
-            if not interpreter_held:
-                return  # its writer waits for a CPU: judged once it has run (a freeze stays as it is until then)
+            if starved or self._beat_since(snapshot, "interpreter_ns"):
+                return  # judged once the host has had the CPU (a freeze stays as it is until then)
             kind = "gil_held"
         elif loop_age > self.threshold_ns:
             # Only a *fresh* interpreter heartbeat proves other Python threads still run; one that
             # is merely under the threshold may be going stale too (GIL held): decide next poll.
-            if interpreter_age > FRESH_NS or not loop_held:
+            if interpreter_age > FRESH_NS or starved or self._beat_since(snapshot, "loop_ns"):
                 return
             kind = "loop_blocked"
         if kind is None:
@@ -311,15 +317,11 @@ class Watchdog:
             self.freeze.rediagnose(self.pid)
             self.telemetry.still_frozen(self.freeze, now)
 
-    def _held(self, snapshot: dict[str, Any], which: str, writer: Writer) -> bool:
-        """Whether the writer of the `which` heartbeat in `snapshot`, overdue, is held (`Writer`) and
-        has not beaten since: /proc is read after the snapshot, so a writer that beat in between
-        (its state then is the next beat's wait) is not taken for a held one."""
-        beat = snapshot[f"{which}_ns"]
-        if not writer.held(self.pid, snapshot[f"{which}_tid"], beat):
-            return False
+    def _beat_since(self, snapshot: dict[str, Any], field: str) -> bool:
+        """Whether the heartbeat `field` has beaten since `snapshot`: /proc is read after it, and the
+        threads of a host that beat in between are not those of a late one."""
         again = heartbeat_file.read(self.heartbeat_path)
-        return again is None or again[f"{which}_ns"] == beat
+        return again is not None and again[field] != snapshot[field]
 
     def _prepare(self) -> None:
         if self._preparing is None:
