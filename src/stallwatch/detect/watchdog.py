@@ -6,12 +6,12 @@ one thread and loads only `os`, `select`, `fcntl`, `struct`, `warnings` and `hea
 interpreter loads at start (`time`, `_signal`); a heartbeat late by `PREPARE_NS` imports `freeze_report` and
 the telemetry pipeline on a thread. When its reporting is set up, once and never again, is `_Reporter`'s
 policy: never in a poll while a heartbeat is late, which a slow set-up would hold, delaying the detection.
-Every `POLL_SECONDS` it reads the heartbeats: an interpreter heartbeat older than the threshold is
-`gil_held`, a loop heartbeat alone `loop_blocked`. A freeze is reported while it lasts and at the thaw
-(`freeze_report`). A poll that raises an `Exception` is logged (the first) and counted
-(`freeze_report.poll_failed`), and the next poll runs. It leaves when the host exits or execs another
-program, and at SIGTERM once the host's shutdown has removed the heartbeat file; it runs in a session of
-its own, and its stderr lines start `stallwatch watchdog (host pid N):`.
+Every `POLL_SECONDS` it reads the heartbeats: an interpreter heartbeat older than the threshold is `gil_held`, a
+loop heartbeat alone `loop_blocked`, unless a thread of the host waits for a CPU (`waiting_for_cpu`: a starved
+host is not frozen). A freeze is reported while it lasts and at the thaw (`freeze_report`). A poll that raises an
+`Exception` is logged (the first) and counted (`freeze_report.poll_failed`), and the next poll runs. It leaves when
+the host exits or execs another program, and at SIGTERM once the host's shutdown has removed the heartbeat file; it
+runs in a session of its own, and its stderr lines start `stallwatch watchdog (host pid N):`.
 """
 
 from __future__ import annotations
@@ -37,8 +37,11 @@ else:
     import _signal  # what `signal` wraps in enums: `enum` would be most of the idle watchdog's modules
 
 POLL_SECONDS = 0.1
+STARVED_TURNS_PER_SECOND = 10  # a thread waiting for a CPU gets fewer turns; one waiting for the GIL far more
+STARVED_CPU_SHARE = 100  # ...and under 1/100 of the CPU
 FRESH_NS = int(3 * heartbeat_file.BEAT_SECONDS * 1e9)  # younger than this: the beating thread runs now
 PREPARE_NS = int(1.5 * heartbeat_file.BEAT_SECONDS * 1e9)  # a heartbeat older than this: load the pipeline
+OVERDUE_NS = PREPARE_NS  # a heartbeat older than this is overdue: the host's threads are read in /proc
 REDIAGNOSE_SECONDS = 2.0
 OPTIONS = ("--pid", "--heartbeat", "--threshold", "--journal-dir")
 _host_pid = 0  # the host watched, which the watchdog's stderr lines name (`freeze_report.name_the_source`)
@@ -165,6 +168,56 @@ class _Reporter:
         reporting.set_up()
 
 
+def waiting_for_cpu(before: dict[str, tuple[bytes, int, int]], now: dict[str, tuple[bytes, int, int]],
+                    interval_ns: int) -> bool:  # fmt: skip
+    """Whether a thread of the host waits for a CPU: `now` runnable, and since `before` (`host_threads` of the
+    previous poll, `interval_ns` ago) it has had turns on a CPU at under `STARVED_TURNS_PER_SECOND` and CPU
+    time under 1/`STARVED_CPU_SHARE` of the interval (or was not there).
+
+    A late heartbeat is a freeze only if no thread of the host waits for a CPU. A GIL-blocked thread sleeps
+    on a futex and wakes every switch interval (`sys.getswitchinterval()`) to ask for the GIL again, so it
+    keeps getting turns; a thread blocked in a syscall sleeps; one running code gets CPU time. One waiting
+    for a CPU is the heartbeat's own thread, or one the GIL was handed to, or that holds it, preempted (a
+    thread that drops the GIL on request waits, asleep, until another has taken it): the host is starved
+    of CPU (hogs at a higher weight, a CPU quota), not frozen.
+    """
+    turns = max(1, interval_ns * STARVED_TURNS_PER_SECOND // 1_000_000_000)
+    for tid, (state, cpu_ns, turns_now) in now.items():
+        then = before.get(tid)
+        if state == b"R" and (
+            then is None or (turns_now - then[2] <= turns and (cpu_ns - then[1]) * STARVED_CPU_SHARE < interval_ns)
+        ):
+            return True
+    return False
+
+
+def host_threads(pid: int) -> dict[str, tuple[bytes, int, int]]:
+    """Each thread of `pid` by id: its state (`/proc/PID/task/TID/stat`), CPU time in ns and turns on a CPU
+    (`schedstat`'s first and third fields; its second, the run-queue wait, counts a wait only once it is over).
+    A thread gone meanwhile, or unreadable, is left out."""
+    threads = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return {}
+    for tid in tids:
+        try:
+            stat, schedstat = (_read_proc(f"/proc/{pid}/task/{tid}/{name}") for name in ("stat", "schedstat"))
+            cpu_ns, _, turns = schedstat.split()
+            threads[tid] = (stat.rsplit(b")", 1)[1].split()[0], int(cpu_ns), int(turns))
+        except (OSError, ValueError, IndexError):
+            continue
+    return threads
+
+
+def _read_proc(path: str) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.read(fd, 4096)
+    finally:
+        os.close(fd)
+
+
 class Watchdog:
     """Watches one host process; `run()` returns when the host is gone."""
 
@@ -182,6 +235,7 @@ class Watchdog:
         self.threshold_ns = int(threshold * 1e9)
         self._reporter = reporter
         self.freeze: Freeze | None = None
+        self._threads: tuple[int, dict[str, tuple[bytes, int, int]]] = (0, {})  # at the last overdue poll
         self._first_beat_ns: int | None = None  # the interpreter heartbeat first read, until the host beats
         self._beating = False  # the host has begun to beat: its set-up is over
         self.host_left = False  # the host exec'd another program: nothing of stallwatch's is left to watch
@@ -220,6 +274,7 @@ class Watchdog:
             self.thaw(outcome="host_killed")
 
     def check(self) -> None:
+        now = time.monotonic_ns()  # before the read: a watchdog that waits for a CPU after it never ages a beat
         snapshot = heartbeat_file.read(self.heartbeat_path)
         if snapshot is None:
             return
@@ -232,20 +287,28 @@ class Watchdog:
             self._beating = True
         if snapshot["watchdog_pid"] != os.getpid():  # it judges the heartbeats from now on, or the file is new
             heartbeat_file.mark_watched(self.heartbeat_path)
-        now = time.monotonic_ns()
         interpreter_age = now - snapshot["interpreter_ns"]
         loop_age = now - snapshot["loop_ns"] if snapshot["loop_tracked"] else 0
         if max(interpreter_age, loop_age) > min(PREPARE_NS, self.threshold_ns):
             self._reporter.late()  # a freeze may be coming: be ready to report it at the threshold
         else:
             self._reporter.on_time()
+        starved = False  # a thread of the host waits for a CPU: looked at from a heartbeat's first overdue poll on
+        if max(interpreter_age, loop_age) > OVERDUE_NS:
+            (then, before), threads = self._threads, host_threads(self.pid)
+            starved = waiting_for_cpu(before, threads, now - then)
+            self._threads = (now, threads)
+        else:
+            self._threads = (0, {})
         kind = None
         if interpreter_age > self.threshold_ns:
+            if starved or self._beat_since(snapshot, "interpreter_ns"):
+                return  # judged once the host has had the CPU (a freeze stays as it is until then)
             kind = "gil_held"
-        elif snapshot["loop_tracked"] and now - snapshot["loop_ns"] > self.threshold_ns:
+        elif loop_age > self.threshold_ns:
             # Only a *fresh* interpreter heartbeat proves other Python threads still run; one that
             # is merely under the threshold may be going stale too (GIL held): decide next poll.
-            if interpreter_age > FRESH_NS:
+            if interpreter_age > FRESH_NS or starved or self._beat_since(snapshot, "loop_ns"):
                 return
             kind = "loop_blocked"
         if kind is None:
@@ -274,6 +337,12 @@ class Watchdog:
             self.freeze.rediagnose(self.pid)
             _report().read_stacks(self.freeze, self.heartbeat_path)  # a held GIL after a blocked loop dumps anew
             self._reporter.now().still_frozen(self.freeze, now)
+
+    def _beat_since(self, snapshot: dict[str, Any], field: str) -> bool:
+        """Whether the heartbeat `field` has beaten since `snapshot`: /proc is read after it, and the
+        threads of a host that beat in between are not those of a late one."""
+        again = heartbeat_file.read(self.heartbeat_path)
+        return again is not None and again[field] != snapshot[field]
 
     def thaw(self, outcome: str) -> None:
         freeze, self.freeze = self.freeze, None
