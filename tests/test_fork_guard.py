@@ -150,9 +150,9 @@ def test_a_multiprocessing_worker_exports_what_it_recorded_though_its_context_en
 # uvloop's own fork (libuv's fork() from C), whose at-fork handlers `forksafe.guard` skips as exec-bound, so
 # no handler empties the lanes in the child. The `preexec_fn` records spans and log records and flushes every
 # provider (`force_flush`, the metrics' too) on its own thread, then the child execs. With `held`, a thread of
-# the parent holds that lock across the fork, as the export thread holds its lane's turn during an export and
-# the heartbeat's thread the lanes' lock at each `watch`. The child writes its task count after its flushes to
-# a pipe; the parent then shuts down.
+# the parent holds that lock across the fork, as the export thread holds its lane's turn during an export (and
+# the SDK reader's export lock during a metric export) and the heartbeat's thread the lanes' lock at each
+# `watch`. The child writes its task count after its flushes to a pipe; the parent then shuts down.
 _EXEC_BOUND_CHILD = """
 import asyncio, json, logging, os, threading
 import uvloop
@@ -167,7 +167,9 @@ for i in range(3):
     log.warning("parent record %d", i)
 lanes = {{lane.signal: lane for lane in EXPORTS.lanes() if hasattr(lane, "queue")}}
 queued = {{signal: len(lane.queue) for signal, lane in lanes.items()}}
-lock = {{"lane turn": lanes["traces"].turn, "lanes lock": EXPORTS._lock, None: None}}[{held!r}]
+reader = next(lane.reader for lane in EXPORTS.lanes() if hasattr(lane, "reader"))
+lock = {{"lane turn": lanes["traces"].turn, "lanes lock": EXPORTS._lock, "metric export": reader._export_lock,
+         None: None}}[{held!r}]
 taken, forked = threading.Event(), threading.Event()
 read, write = os.pipe()
 
@@ -199,7 +201,7 @@ print(json.dumps({{"queued": queued, "status": status, "tasks": tasks}}), flush=
 """
 
 
-@pytest.mark.parametrize("held", [None, "lane turn", "lanes lock"])
+@pytest.mark.parametrize("held", [None, "lane turn", "lanes lock", "metric export"])
 def test_a_child_whose_fork_handlers_were_skipped_exports_its_own_telemetry_once_and_none_of_its_parents(
     telemetry_dir, held
 ):
@@ -225,6 +227,55 @@ def test_a_child_whose_fork_handlers_were_skipped_exports_its_own_telemetry_once
     assert sorted(b for b in bodies if b.startswith(("parent", "child"))) == [
         "child record 0", "child record 1", "parent record 0", "parent record 1", "parent record 2"
     ]  # fmt: skip
+
+
+# A host whose export thread is in a metric export (it holds the SDK reader's export lock) when it forks a
+# child that lives on, as a gunicorn master forks its workers at any moment of its periodic export. The
+# child counts, flushes its meter provider, and exits; a deadlocked child is killed after 30 s.
+_FORK_DURING_A_METRIC_EXPORT = """
+import json, os, threading
+import stallwatch
+from opentelemetry import metrics
+from stallwatch.export.batching import EXPORTS
+
+stallwatch.setup(file_dir={file_dir!r}, watchdog=False)
+reader = next(lane.reader for lane in EXPORTS.lanes() if hasattr(lane, "reader"))
+taken, forked = threading.Event(), threading.Event()
+
+def export():  # what the export thread holds while the reader's exporter writes
+    with reader._export_lock:
+        taken.set()
+        forked.wait()
+
+threading.Thread(target=export).start()
+taken.wait()
+pid = os.fork()
+if pid == 0:
+    metrics.get_meter("child").create_counter("child.items").add(1)
+    metrics.get_meter_provider().force_flush(timeout_millis=10_000)
+    os._exit(0)
+forked.set()
+waited = 0
+while waited < 300 and os.waitpid(pid, os.WNOHANG) == (0, 0):
+    threading.Event().wait(0.1)
+    waited += 1
+if waited >= 300:
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+stallwatch.shutdown(timeout=10)
+print(json.dumps({{"child_finished": waited < 300}}), flush=True)
+"""
+
+
+def test_a_child_forked_during_a_metric_export_flushes_its_metrics(telemetry_dir):
+    """The reader's export lock is the SDK's, renewed by the SDK's at-fork handler only for a reader with its own
+    thread; stallwatch's reader has none (its lane renews it). The child of a fork made while the export thread
+    held it waited forever at its first metric export, its export thread too (1 run of the suite at load)."""
+    proc = run_python(_FORK_DURING_A_METRIC_EXPORT.format(file_dir=str(telemetry_dir)))
+
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1]) == {"child_finished": True}, proc.stderr
+    assert '"child.items"' in (telemetry_dir / "metrics.jsonl").read_text()
 
 
 def test_a_preexec_fn_that_records_telemetry_starts_no_thread_in_its_child_about_to_exec(telemetry_dir):

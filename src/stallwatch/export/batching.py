@@ -29,7 +29,7 @@ from opentelemetry.sdk.metrics.export import MetricExporter, PeriodicExportingMe
 
 from ..config import Batching
 from ..core import background
-from ..forksafe import guard
+from ..forksafe import guard, otel_compat
 
 _log = logging.getLogger("stallwatch")
 _SDK_METRIC_EXPORT_TIMEOUT_MS = 30_000  # the stock reader's default (`OTEL_METRIC_EXPORT_TIMEOUT`)
@@ -137,6 +137,11 @@ class MetricLane(Lane):
     def drain(self, everything: bool) -> None:
         self.reader.collect(timeout_millis=self.timeout_millis)  # exports, under the reader's own lock
 
+    def adopt(self) -> None:
+        if self.pid != os.getpid():
+            otel_compat.renew_metric_reader(self.reader)  # held by the parent's export thread, if it exported
+            super().adopt()
+
 
 class SharedThreadMetricReader(PeriodicExportingMetricReader):
     """The stock periodic reader without its thread: an export thread collects every
@@ -146,6 +151,11 @@ class SharedThreadMetricReader(PeriodicExportingMetricReader):
         super().__init__(exporter, export_interval_millis=math.inf)  # math.inf: the stock reader starts no thread
         self.lane = MetricLane(self, export_interval_millis / 1000)
         EXPORTS.add(self.lane)
+
+    def force_flush(self, timeout_millis: float = 10_000) -> bool:
+        if self.lane.pid != os.getpid():  # a fork child whose handlers did not run: its first flush adopts the lanes
+            EXPORTS.first_use_in_child()
+        return super().force_flush(timeout_millis=timeout_millis)
 
     def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
         if EXPORTS.remove(self.lane):
@@ -268,8 +278,7 @@ class _Exports:
             return  # a child about to exec does no work at all
         self._renew()
         for lane in self._lanes:
-            if isinstance(lane, BatchLane):
-                lane.queue.clear()
+            lane.adopt()  # its queue emptied and its locks new, held as they may have been by the parent's threads
         if self._lanes:
             guard.defer(self, _Exports._restart, _Exports._drain)
 

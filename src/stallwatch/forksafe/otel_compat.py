@@ -118,9 +118,12 @@ def _drain_legacy_log_processor(self: Any) -> None:
         self.force_flush()
 
 
-def _reset_metric_reader(self: Any) -> None:
-    if hasattr(self, "_export_lock"):
-        self._export_lock = threading.Lock()
+def renew_metric_reader(reader: Any) -> None:
+    """A new export lock for a `PeriodicExportingMetricReader` in a fork child: the parent's thread may have
+    held it at the fork. The SDK renews it only for a reader with its own thread (`_at_fork_reinit`); a
+    reader without one (`export.batching.SharedThreadMetricReader`) is renewed by its lane."""
+    if hasattr(reader, "_export_lock"):
+        reader._export_lock = threading.Lock()
 
 
 def _handle_fork_patch(original: Method) -> Method:
@@ -229,7 +232,7 @@ def _targets() -> list[tuple[str, str, str, Callable[[Method], Method]]]:
             "opentelemetry.sdk.metrics._internal.export",
             "PeriodicExportingMetricReader",
             "_at_fork_reinit",
-            _reinit_patch(_reset_metric_reader, lambda reader: reader.collect()),
+            _reinit_patch(renew_metric_reader, lambda reader: reader.collect()),
         )
     )
     targets.append(
