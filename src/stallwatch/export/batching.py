@@ -278,7 +278,10 @@ class _Exports:
             return  # a child about to exec does no work at all
         self._renew()
         for lane in self._lanes:
-            lane.adopt()  # its queue emptied and its locks new, held as they may have been by the parent's threads
+            if isinstance(lane, BatchLane):
+                lane.queue.clear()
+            elif isinstance(lane, MetricLane):  # a metric export of the parent's thread may have held its lock
+                otel_compat.renew_metric_reader(lane.reader)
         if self._lanes:
             guard.defer(self, _Exports._restart, _Exports._drain)
 
