@@ -23,7 +23,7 @@ import pytest
 from conftest import attrs, clean_env, latest_total, otlp_items, read_jsonl
 from otlp_receiver import Receiver, otlp_received_from
 from stallwatch.session import HOST_PROVIDERS_GRACE
-from support.served import Served
+from support.served import SPAWNING_APP, Served
 from support.waiting import wait_until
 
 BIN = Path(sys.executable).parent
@@ -96,23 +96,10 @@ def _instances_of_spans(telemetry: Path, name: str) -> Counter[str]:
     )
 
 
-_SPAWNING_APP = """\
-import asyncio
-
-async def app(scope, receive, send):
-    if scope["type"] != "http":
-        return
-    child = await asyncio.create_subprocess_exec("true")
-    await child.wait()
-    await send({"type": "http.response.start", "status": 200, "headers": []})
-    await send({"type": "http.response.body", "body": str(__import__("os").getpid()).encode()})
-"""
-
-
 def test_uvicorn_workers_started_as_fresh_interpreters_start_stallwatch_too(tmp_path):
     # `uvicorn --workers` spawns each worker (multiprocessing's spawn context): a fresh interpreter
     # that runs the app, not a fork of the stallwatch-set-up parent. The app itself never imports stallwatch.
-    (tmp_path / "spawning_app.py").write_text(_SPAWNING_APP)
+    (tmp_path / "spawning_app.py").write_text(SPAWNING_APP)
     port = _free_port()
     command = [STALLWATCH, "run", "--", "uvicorn", "spawning_app:app", "--workers", "2", "--port", str(port)]
     served = Served(command, env=launcher_env(tmp_path), cwd=tmp_path)

@@ -21,7 +21,7 @@ import pytest
 from conftest import SCENARIOS, clean_env
 from stallwatch.export import targets
 from support.loopback import HeldPort, free_port, prometheus_env, scrape
-from support.served import Served
+from support.served import SPAWNING_APP, Served
 from support.waiting import wait_until
 
 BIN = Path(sys.executable).parent
@@ -171,19 +171,6 @@ def test_a_host_whose_port_its_parent_holds_serves_on_a_free_port_registered_and
     assert "cannot listen" not in run.stderr
 
 
-_SPAWNING_APP = """\
-import asyncio, os
-
-async def app(scope, receive, send):
-    if scope["type"] != "http":
-        return
-    child = await asyncio.create_subprocess_exec("true")
-    await child.wait()
-    await send({"type": "http.response.start", "status": 200, "headers": []})
-    await send({"type": "http.response.body", "body": str(os.getpid()).encode()})
-"""
-
-
 def _kill_group(served: Served) -> None:
     """Kill the server and whatever is left of its process group: a failed test leaves its workers behind."""
     with contextlib.suppress(ProcessLookupError):
@@ -206,7 +193,7 @@ def test_every_uvicorn_worker_under_stallwatch_run_is_scraped_through_the_shippe
     if not HAVE_PROMETHEUS:
         pytest.skip("needs prometheus: apt-get install prometheus")
     directory = tmp_path / "targets"
-    (tmp_path / "spawning_app.py").write_text(_SPAWNING_APP)
+    (tmp_path / "spawning_app.py").write_text(SPAWNING_APP)
     port, host_port, watchdog_port = free_port(), free_port(), free_port()
     env = clean_env(
         PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",

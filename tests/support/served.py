@@ -11,6 +11,19 @@ from pathlib import Path
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "scenarios"
 
+# An ASGI app whose every request spawns `true` through the loop and answers with the worker's pid.
+SPAWNING_APP = """\
+import asyncio, os
+
+async def app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    child = await asyncio.create_subprocess_exec("true")
+    await child.wait()
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": str(os.getpid()).encode()})
+"""
+
 
 class Served:
     """A process whose stderr is collected line by line while it runs, for `wait_for` to match."""
