@@ -52,7 +52,7 @@ def run_everywhere(sshd: Any, http_server: Any, receiver: Any, work: Path, extra
         STALLWATCH_FREEZE_THRESHOLD="0.3",
         STALLWATCH_FAULTHANDLER="true",
     )
-    del env["STALLWATCH_JOURNAL_DIR"]  # the default, under XDG_STATE_HOME
+    del env["STALLWATCH_JOURNAL_DIR"], env["STALLWATCH_FILE_DIR"]  # the defaults, under XDG_STATE_HOME
     if extra is not None:
         cases = work / "cases.json"
         cases.write_text(json.dumps(extra))
