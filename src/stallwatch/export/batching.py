@@ -281,7 +281,7 @@ class _Exports:
             if isinstance(lane, BatchLane):
                 lane.queue.clear()
             elif isinstance(lane, MetricLane):  # a metric export of the parent's thread may have held its lock
-                otel_compat.renew_metric_reader(lane.reader)
+                lane.adopt()  # now, once: its pid, unlike a span lane's, tells no first use apart
         if self._lanes:
             guard.defer(self, _Exports._restart, _Exports._drain)
 
